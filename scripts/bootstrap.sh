@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Set up everything hvd_quant needs on a fresh Debian machine (Python 3.11, CPU):
+#   OpenMPI (Debian), a virtual environment at .venv, torch 2.13.0 (CPU), tensorflow-cpu 2.15.1,
+#   numba, mpi4py, pytest, and Horovod 0.28.1 built from its sdist with PyTorch + TensorFlow and the
+#   MPI + Gloo controllers, then hvd_quant in editable mode.
+# Idempotent: on a ready machine it checks a stamp and returns in seconds.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+HOROVOD_VERSION=0.28.1
+# Versions are pinned: Horovod 0.28.1 builds against these (DESIGN.md). TF >= 2.16 brings Keras 3,
+# which breaks horovod.tensorflow.keras; TF 2.15 needs numpy < 2.
+REQS=(torch==2.13.0 tensorflow-cpu==2.15.1 "numpy==1.26.4" numba==0.61.2 mpi4py==4.1.2
+      pytest==8.4.2 pytest-timeout==2.4.0 cloudpickle psutil pyyaml packaging cffi
+      scikit-learn==1.6.1 tqdm)
+STAMP_KEY="$(cat "$0" setup.cfg pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)"
+STAMP="$VENV/.hvd_quant_bootstrap_$STAMP_KEY"
+log() { printf '[bootstrap %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import horovod.torch, horovod.tensorflow, hvd_quant, numba_kernels" 2>/dev/null; then
+  log "environment ready ($VENV); nothing to do"
+  exit 0
+fi
+
+# 1. OpenMPI from Debian packages (the MPI controller and mpirun).
+if ! command -v mpirun >/dev/null || ! command -v mpicxx >/dev/null; then
+  log "installing OpenMPI from Debian packages"
+  SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev >/dev/null
+fi
+
+# 2. The virtual environment and the Python packages.
+if [[ ! -x "$VENV/bin/python" ]]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade "pip>=24" "setuptools>=69,<81" wheel "cmake>=3.20,<4"
+log "installing ${REQS[*]}"
+"${PIP[@]}" install -q "${REQS[@]}"
+
+# 3. Horovod from its sdist, with PyTorch, TensorFlow, MPI and Gloo.
+if ! "$VENV/bin/python" -c "import horovod, sys; sys.exit(horovod.__version__ != '$HOROVOD_VERSION')" 2>/dev/null \
+   || ! "$VENV/bin/python" -c "import horovod.torch, horovod.tensorflow" 2>/dev/null; then
+  BUILD="$ROOT/.build"
+  rm -rf "$BUILD/horovod-$HOROVOD_VERSION"
+  mkdir -p "$BUILD"
+  log "downloading the horovod==$HOROVOD_VERSION sdist"
+  "${PIP[@]}" download -q --no-deps --no-binary :all: -d "$BUILD" "horovod==$HOROVOD_VERSION"
+  tar -xzf "$BUILD/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD"
+  # The one build fix: PyTorch >= 2.1 headers need C++17, and Horovod 0.28.1 asks CMake for C++14
+  # (fixed upstream on master only). Raise the standard in the two CMakeLists.txt that set it.
+  for f in CMakeLists.txt horovod/torch/CMakeLists.txt; do
+    grep -q 'CMAKE_CXX_STANDARD 14' "$BUILD/horovod-$HOROVOD_VERSION/$f"
+    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$BUILD/horovod-$HOROVOD_VERSION/$f"
+    log "patched $f: CMAKE_CXX_STANDARD 14 -> 17"
+  done
+  log "building Horovod (PyTorch, TensorFlow, MPI, Gloo); this takes several minutes on 2 cores"
+  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+  HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+  MAKEFLAGS="-j$(nproc)" \
+    "${PIP[@]}" install --no-build-isolation --no-deps --no-cache-dir \
+      "$BUILD/horovod-$HOROVOD_VERSION" > "$BUILD/horovod-build.log" 2>&1 \
+    || { tail -n 60 "$BUILD/horovod-build.log"; log "Horovod build failed; full log: $BUILD/horovod-build.log"; exit 1; }
+fi
+
+# 4. hvd_quant itself, editable.
+log "installing hvd_quant (editable)"
+"${PIP[@]}" install -q --no-build-isolation --no-deps -e "$ROOT"
+
+"$VENV/bin/horovodrun" --check-build
+rm -f "$VENV"/.hvd_quant_bootstrap_*
+touch "$STAMP"
+log "environment ready ($VENV)"

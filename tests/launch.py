@@ -1,0 +1,86 @@
+"""Start real Horovod jobs from tests.
+
+``run_horovod(script, np=2, controller="gloo")`` launches ``script`` (a path under tests/workers or any
+Python file) as ``np`` real Horovod processes, with ``horovodrun --gloo`` or with OpenMPI's ``mpirun``,
+waits at most ``timeout`` seconds (killing the whole process group on expiry, so a hang fails the test
+instead of stalling CI), and returns the completed process with stdout and stderr captured.
+
+Every worker is expected to exit 0 on success; ``check=True`` asserts that and shows the output of all
+ranks when it does not.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+BIN = Path(sys.executable).parent
+
+CONTROLLERS = ("gloo", "mpi")
+
+
+def _tool(name):
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name} not found next to {sys.executable} nor on PATH; run scripts/bootstrap.sh")
+    return found
+
+
+def horovod_env(extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    # Fail fast instead of hanging when ranks disagree on what to exchange.
+    env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "5")
+    env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
+    # Keep each rank on one thread: 2 cores are shared by all ranks.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        env.setdefault(var, "1")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+    env.setdefault("TF_NUM_INTEROP_THREADS", "1")
+    # OpenMPI as root, more ranks than cores.
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def horovod_command(script, np=2, controller="gloo", args=()):
+    script = str(script)
+    if not os.path.isabs(script) and not os.path.exists(script):
+        script = str(WORKERS / script)
+    py = [sys.executable, script, *map(str, args)]
+    if controller == "gloo":
+        return [_tool("horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *py]
+    if controller == "mpi":
+        return [_tool("mpirun"), "-np", str(np), "--oversubscribe", "--bind-to", "none",
+                "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo",
+                "--mca", "oob_tcp_if_include", "lo", *py]
+    raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
+
+
+def run_horovod(script, np=2, controller="gloo", args=(), env=None, timeout=240, check=True):
+    cmd = horovod_command(script, np=np, controller=controller, args=args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=horovod_env(env), cwd=str(ROOT), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout}s\n--- stdout\n{out[-6000:]}"
+                             f"\n--- stderr\n{err[-6000:]}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{out[-8000:]}"
+                             f"\n--- stderr\n{err[-8000:]}")
+    return result
