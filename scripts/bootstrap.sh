@@ -15,8 +15,10 @@ HOROVOD_VERSION=0.28.1
 REQS=(torch==2.13.0 tensorflow-cpu==2.15.1 "numpy==1.26.4" numba==0.61.2 mpi4py==4.1.2
       pytest==8.4.2 pytest-timeout==2.4.0 cloudpickle psutil pyyaml packaging cffi
       scikit-learn==1.6.1 tqdm)
-STAMP_KEY="$(cat "$0" setup.cfg pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)"
+STAMP_KEY="$(cat scripts/bootstrap.sh setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 STAMP="$VENV/.hvd_quant_bootstrap_$STAMP_KEY"
+# Some machines list local package folders in their pip configuration; pip warns once per missing one.
+quiet_pip() { "$@" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2); }
 log() { printf '[bootstrap %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import horovod.torch, horovod.tensorflow, hvd_quant, numba_kernels" 2>/dev/null; then
@@ -39,9 +41,9 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q --upgrade "pip>=24" "setuptools>=69,<81" wheel "cmake>=3.20,<4"
+quiet_pip "${PIP[@]}" install -q --upgrade "pip>=24" "setuptools>=69,<81" wheel "cmake>=3.20,<4"
 log "installing ${REQS[*]}"
-"${PIP[@]}" install -q "${REQS[@]}"
+quiet_pip "${PIP[@]}" install -q "${REQS[@]}"
 
 # 3. Horovod from its sdist, with PyTorch, TensorFlow, MPI and Gloo.
 if ! "$VENV/bin/python" -c "import horovod, sys; sys.exit(horovod.__version__ != '$HOROVOD_VERSION')" 2>/dev/null \
@@ -50,7 +52,7 @@ if ! "$VENV/bin/python" -c "import horovod, sys; sys.exit(horovod.__version__ !=
   rm -rf "$BUILD/horovod-$HOROVOD_VERSION"
   mkdir -p "$BUILD"
   log "downloading the horovod==$HOROVOD_VERSION sdist"
-  "${PIP[@]}" download -q --no-deps --no-binary :all: -d "$BUILD" "horovod==$HOROVOD_VERSION"
+  quiet_pip "${PIP[@]}" download -q --no-deps --no-binary :all: -d "$BUILD" "horovod==$HOROVOD_VERSION"
   tar -xzf "$BUILD/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD"
   # The one build fix: PyTorch >= 2.1 headers need C++17, and Horovod 0.28.1 asks CMake for C++14
   # (fixed upstream on master only). Raise the standard in the two CMakeLists.txt that set it.
@@ -70,9 +72,9 @@ fi
 
 # 4. hvd_quant itself, editable.
 log "installing hvd_quant (editable)"
-"${PIP[@]}" install -q --no-build-isolation --no-deps -e "$ROOT"
+quiet_pip "${PIP[@]}" install -q --no-build-isolation --no-deps -e "$ROOT"
 
-"$VENV/bin/horovodrun" --check-build
+TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2> >(grep -v "oneDNN\|cpu_feature_guard\|rebuild TensorFlow\|To enable the following" >&2)
 rm -f "$VENV"/.hvd_quant_bootstrap_*
 touch "$STAMP"
 log "environment ready ($VENV)"
