@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Run a Horovod job whose ranks talk over a slow link, on one machine.
+
+Each rank runs in its own Linux network namespace; the namespaces are joined by veth pairs to a
+bridge namespace whose ports are rate-limited by a ``tc`` token bucket (default 1 Gbit/s each way),
+and Gloo carries the traffic between them. That is the bandwidth-bound regime of multi-node training,
+reproduced on a single host, so that compressed and uncompressed exchanges can be timed side by side.
+Needs root (``ip netns``). Addresses come from the benchmarking range 198.18.0.0/15 and exist only
+inside the namespaces, which are deleted on exit.
+
+    sudo python scripts/slownet.py --np 2 --rate 1gbit -- python -m hvd_quant.bench exchange --numel 25600000
+"""
+import argparse
+import atexit
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+PREFIX = "hq"
+SUBNET = "198.18.0"
+
+
+def sh(cmd, check=True):
+    return subprocess.run(cmd, shell=True, check=check, capture_output=True, text=True)
+
+
+def teardown(np_):
+    for r in range(np_):
+        sh(f"ip netns del {PREFIX}{r}", check=False)
+        shutil.rmtree(f"/etc/netns/{PREFIX}{r}", ignore_errors=True)
+    sh(f"ip netns del {PREFIX}br", check=False)
+
+
+def setup(np_, rate, delay):
+    teardown(np_)
+    sh(f"ip netns add {PREFIX}br")
+    sh(f"ip netns exec {PREFIX}br ip link add br0 type bridge")
+    sh(f"ip netns exec {PREFIX}br ip link set br0 up")
+    for r in range(np_):
+        ns = f"{PREFIX}{r}"
+        sh(f"ip netns add {ns}")
+        sh(f"ip link add {ns}a netns {ns} type veth peer name {ns}b netns {PREFIX}br")
+        sh(f"ip netns exec {ns} ip addr add {SUBNET}.{r + 1}/24 dev {ns}a")
+        sh(f"ip netns exec {ns} ip link set {ns}a up")
+        sh(f"ip netns exec {ns} ip link set lo up")
+        # Horovod 0.28.1 opens its process-set Gloo contexts on the address the host name resolves to,
+        # whatever HOROVOD_GLOO_IFACE says; `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts,
+        # so inside each namespace the host name resolves to that rank's own address.
+        os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+        with open(f"/etc/netns/{ns}/hosts", "w") as f:
+            f.write(f"127.0.0.1 localhost\n{SUBNET}.{r + 1} {socket.gethostname()}\n")
+        sh(f"ip netns exec {PREFIX}br ip link set {ns}b master br0")
+        sh(f"ip netns exec {PREFIX}br ip link set {ns}b up")
+        netem = f" delay {delay}" if delay else ""
+        # Egress limit on both ends of each veth: rank -> bridge and bridge -> rank.
+        for side, dev in ((ns, f"{ns}a"), (f"{PREFIX}br", f"{ns}b")):
+            sh(f"ip netns exec {side} tc qdisc add dev {dev} root handle 1: tbf rate {rate} burst 256kb latency 100ms")
+            if netem:
+                sh(f"ip netns exec {side} tc qdisc add dev {dev} parent 1:1 handle 10: netem{netem}")
+
+
+RENDEZVOUS = """
+import sys, time
+from horovod.runner.http.http_server import RendezvousServer
+from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+np_ = int(sys.argv[1])
+server = RendezvousServer(verbose=0)
+port = server.start()
+server.init(get_host_assignments(parse_hosts(",".join(f"h{r}:1" for r in range(np_))), np_))
+print(port, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--rate", default="1gbit", help="tc rate of every link, each direction (default 1gbit)")
+    ap.add_argument("--delay", default="", help="optional netem delay per hop, e.g. 0.1ms")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    args = ap.parse_args()
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        ap.error("give the command to run after --")
+    if os.geteuid() != 0:
+        sys.exit("slownet.py needs root for ip netns")
+    atexit.register(teardown, args.np)
+    setup(args.np, args.rate, args.delay)
+    print(f"[slownet] {args.np} namespaces at {SUBNET}.1-{args.np}, links limited to {args.rate}"
+          f"{' + ' + args.delay + ' delay' if args.delay else ''}", flush=True)
+    server = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}0", sys.executable, "-c", RENDEZVOUS, str(args.np)],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    port = server.stdout.readline().strip()
+    procs = []
+    try:
+        for r in range(args.np):
+            env = dict(os.environ,
+                       HOROVOD_GLOO_RENDEZVOUS_ADDR=f"{SUBNET}.1", HOROVOD_GLOO_RENDEZVOUS_PORT=port,
+                       HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
+                       HOROVOD_GLOO_IFACE=f"{PREFIX}{r}a", HOROVOD_HOSTNAME=f"h{r}",
+                       HOROVOD_RANK=str(r), HOROVOD_SIZE=str(args.np), HOROVOD_LOCAL_RANK="0",
+                       HOROVOD_LOCAL_SIZE="1", HOROVOD_CROSS_RANK=str(r), HOROVOD_CROSS_SIZE=str(args.np),
+                       PYTHONUNBUFFERED="1")
+            procs.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}{r}", *cmd], env=env,
+                                          start_new_session=True))
+        deadline = time.time() + args.timeout
+        codes = [None] * args.np
+        while any(c is None for c in codes):
+            if time.time() > deadline:
+                raise TimeoutError(f"job did not finish in {args.timeout}s")
+            for i, p in enumerate(procs):
+                codes[i] = p.poll()
+            if any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.2)
+        rc = max((c or 0) for c in codes)
+        if any(c is None for c in codes) or rc:
+            print(f"[slownet] a rank failed: exit codes {codes}", file=sys.stderr)
+            rc = rc or 1
+    finally:
+        for p in procs + [server]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
