@@ -30,7 +30,7 @@ a rank starts them does not matter.
 """
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = [
     "AVERAGE", "SUM", "REDUCTIONS", "Collectives", "ArrayOps", "Exchange", "Pending", "Traffic",
@@ -53,7 +53,7 @@ class ConfigMismatchError(RuntimeError):
     """Ranks were configured differently (codec, reduction, bucketing, grouping, ...)."""
 
 
-class PayloadMismatchError(RuntimeError):
+class PayloadMismatchError(ValueError):
     """A payload does not belong to the exchange that received it (wrong tensor, size or codec)."""
 
 
@@ -201,12 +201,13 @@ def handshake(coll, ops, record, what, name=HANDSHAKE_NAME):
 class Pending:
     """One exchange in flight. ``stage``: "first" (alltoall or allgather submitted), "second" (SRA
     allgather submitted), "done"."""
-    __slots__ = ("name", "step", "numel", "like", "bounds", "handle", "stage", "reduced", "hs", "record",
+    __slots__ = ("name", "header", "step", "numel", "like", "bounds", "handle", "stage", "hs", "record",
                  "result")
 
-    def __init__(self, name, step, numel, like, bounds):
-        self.name, self.step, self.numel, self.like, self.bounds = name, step, numel, like, bounds
-        self.handle = self.hs = self.record = self.reduced = self.result = None
+    def __init__(self, name, header, step, numel, like, bounds):
+        self.name, self.header, self.step, self.numel = name, header, step, numel
+        self.like, self.bounds = like, bounds
+        self.handle = self.hs = self.record = self.result = None
         self.stage = "first"
 
 
@@ -215,7 +216,7 @@ class Exchange:
 
     ``memory`` (a :class:`hvd_quant.memory.Memory`, optional) turns on error feedback: the residual of
     this rank's own quantization is kept under the exchange's name and, for SRA, the residual of the
-    requantization of the chunk this rank owns under ``<name>/server`` (the "server" error feedback of
+    requantization of the chunk this rank owns under ``<name>/server<r>of<N>`` (the "server" error feedback of
     1-bit Adam; without it 1-bit SRA loses the sign of small sums).
     """
 
@@ -249,16 +250,23 @@ class Exchange:
         return f"{name}#{part}@{step}" if step is not None else f"{name}#{part}"
 
     # -- phase 1 ----------------------------------------------------------------------------------
-    def start(self, name, flat, step=None, record=None):
+    def start(self, name, flat, step=None, record=None, header=None):
         """Encode ``flat`` (a float32 1-D buffer this exchange may overwrite) and submit the first
-        collective. With ``record`` (see :func:`handshake_record`), a configuration handshake named
-        after ``name`` travels with it and is checked before anything is decoded."""
+        collective, named after ``name`` (what Horovod matches across ranks). ``header`` (default
+        ``name``) is what goes into the payload headers, with the chunk and the step: a receiver
+        expecting another header raises. With ``record`` (see :func:`handshake_record`), a
+        configuration handshake travels with the exchange and is checked before anything is decoded."""
         ops, coll, codec = self.ops, self.coll, self.codec
         numel = ops.numel(flat)
-        p = Pending(name, step, numel, flat, self.bounds(numel))
+        p = Pending(name, name if header is None else header, step, numel, flat, self.bounds(numel))
         if record is not None:
             p.record = record
             p.hs = handshake_async(coll, ops, record, f"{self.prefix}.hs.{name}")
+        if step is not None and hasattr(codec, "reset_counters"):
+            # Headers name the step and chunk, so every encode has its own name and seeded noise is
+            # keyed by (seed, rank, name) alone: reproducible after a restore, and the codec's per-name
+            # call counters do not grow without bound.
+            codec.reset_counters()
         mem = self.memory
         if mem is not None:
             flat = mem.compensate(name, flat)
@@ -266,7 +274,7 @@ class Exchange:
         for j, (a, b) in enumerate(p.bounds):
             if b > a:
                 part = "all" if self.reduction == "allgather" else f"c{j}"
-                payloads.append(codec.encode(ops.slice(flat, a, b), name=self.tag(name, part, step)))
+                payloads.append(codec.encode(ops.slice(flat, a, b), name=self.tag(p.header, part, step)))
             else:
                 payloads.append(None)
         if mem is not None:
@@ -283,7 +291,8 @@ class Exchange:
             nbytes = self.payload_nbytes(numel)
             t.payload_bytes += nbytes
             t.sent_bytes += (size - 1) * nbytes
-            p.handle = coll.allgather_async(payloads[0], f"{self.prefix}.ag.{name}")
+            payload = payloads[0] if payloads[0] is not None else ops.cat_bytes([], flat)
+            p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{name}")
         else:
             splits = [self.payload_nbytes(b - a) for a, b in p.bounds]
             t.payload_bytes += sum(splits)
@@ -296,6 +305,14 @@ class Exchange:
         if p.hs is not None:
             hs, p.hs = p.hs, None
             check_handshake(self.coll, self.ops, p.record, self.coll.synchronize(hs), f"tensor {p.name!r}")
+
+    def _decode(self, p, src, payload, out, accumulate, tag):
+        try:
+            self.codec.decode_into(payload, out, accumulate=accumulate, name=tag)
+        except ValueError as e:
+            raise PayloadMismatchError(
+                f"hvd_quant: the payload rank {src} sent for {p.name!r} was refused ({e}); ranks "
+                f"disagree on the tensor, its size or the codec ({self.codec.spec()})") from e
 
     def _received(self, p, data, expected, what):
         n = self.ops.numel(data)
@@ -322,13 +339,13 @@ class Exchange:
         if n:
             acc = ops.zeros(n, p.like)
             for j in range(size):
-                codec.decode_into(ops.slice(data, j * each, (j + 1) * each), acc, accumulate=True,
-                                  name=self.tag(p.name, f"c{r}", p.step))
+                self._decode(p, j, ops.slice(data, j * each, (j + 1) * each), acc, True,
+                             self.tag(p.header, f"c{r}", p.step))
             mem = self.memory
-            key = p.name + "/server"
+            key = f"{p.name}/server{r}of{size}"     # the chunk this rank owns, for this world size
             if mem is not None:
                 acc = mem.compensate(key, acc)
-            payload = codec.encode(acc, name=self.tag(p.name, f"r{r}", p.step))
+            payload = codec.encode(acc, name=self.tag(p.header, f"r{r}", p.step))
             if mem is not None:
                 res = mem.buffer(key, n, acc)
                 codec.decode_into(payload, res, accumulate=False)
@@ -344,7 +361,7 @@ class Exchange:
         """Wait and decode; returns the float32 **sum** over ranks (flat, ``numel`` elements)."""
         if p.stage == "done":
             return p.result
-        ops, coll, codec = self.ops, self.coll, self.codec
+        ops, coll = self.ops, self.coll
         if self.reduction == "sra":
             self.advance(p)
             data = coll.synchronize(p.handle)
@@ -354,8 +371,8 @@ class Exchange:
             off = 0
             for j, (a, b) in enumerate(p.bounds):
                 if b > a:
-                    codec.decode_into(ops.slice(data, off, off + sizes[j]), ops.slice(out, a, b),
-                                      accumulate=False, name=self.tag(p.name, f"r{j}", p.step))
+                    self._decode(p, j, ops.slice(data, off, off + sizes[j]), ops.slice(out, a, b), False,
+                                 self.tag(p.header, f"r{j}", p.step))
                 off += sizes[j]
         else:
             self._check_hs(p)
@@ -363,11 +380,10 @@ class Exchange:
             each = self.payload_nbytes(p.numel)
             self._received(p, data, coll.size * each, "the allgather")
             out = ops.zeros(p.numel, p.like)
-            tag = self.tag(p.name, "all", p.step)
+            tag = self.tag(p.header, "all", p.step)
             if p.numel:
                 for j in range(coll.size):
-                    codec.decode_into(ops.slice(data, j * each, (j + 1) * each), out, accumulate=True,
-                                      name=tag)
+                    self._decode(p, j, ops.slice(data, j * each, (j + 1) * each), out, True, tag)
         p.result, p.stage, p.like, p.handle = out, "done", None, None
         return out
 

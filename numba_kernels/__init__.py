@@ -1,1 +1,38 @@
-"""Framework-free Numba kernels (CPU and CUDA) for bucketed quantization, each beside a NumPy reference."""
+"""Framework-free Numba kernels (CPU and CUDA) for bucketed quantization, each beside a NumPy reference.
+
+* :mod:`numba_kernels.wire` -- the payload format (header, layout), pure Python.
+* :mod:`numba_kernels.reference` -- ``*_ref``: the NumPy specification.
+* :mod:`numba_kernels.cpu` -- ``*_cpu``: ``njit(parallel=True, cache=True)`` kernels.
+* :mod:`numba_kernels.cuda` -- ``*_cuda``: ``numba.cuda`` kernels (also run in the CUDA simulator).
+
+Every ``*_cpu`` / ``*_cuda`` launcher has the signature of its ``*_ref`` twin and gives the same bytes
+and the same float32 values, bit for bit (tests/test_kernels.py). ``numba_kernels.cuda`` is imported
+lazily, on first use, so that ``numba.cuda`` is not imported (and ``NUMBA_ENABLE_CUDASIM`` may still be
+set) until someone asks for a CUDA kernel. No torch, TensorFlow or Horovod imports here.
+"""
+import importlib
+
+from . import wire
+from .wire import PayloadError
+from .reference import (qsgd_encode_ref, qsgd_decode_ref, onebit_encode_ref, onebit_decode_ref,
+                        write_header_ref, bucket_scales_ref, lane_sum_ref, header_errors_ref, levels)
+
+__all__ = ["wire", "PayloadError", "levels", "bucket_scales_ref", "lane_sum_ref", "header_errors_ref",
+           "qsgd_encode_ref", "qsgd_decode_ref", "onebit_encode_ref", "onebit_decode_ref",
+           "write_header_ref",
+           "qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
+           "write_header_cpu",
+           "qsgd_encode_cuda", "qsgd_decode_cuda", "onebit_encode_cuda", "onebit_decode_cuda",
+           "write_header_cuda", "check_header_cuda"]
+
+_LAZY = {name: "cpu" for name in __all__ if name.endswith("_cpu")}
+_LAZY.update({name: "cuda" for name in __all__ if name.endswith("_cuda")})
+_LAZY.update({"cpu": "cpu", "cuda": "cuda", "reference": "reference"})
+
+
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'numba_kernels' has no attribute {name!r}")
+    m = importlib.import_module(f"{__name__}.{mod}")
+    return m if name == mod else getattr(m, name)

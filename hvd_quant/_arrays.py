@@ -1,0 +1,197 @@
+"""Zero-copy adapters between the caller's arrays and what the kernels take.
+
+The codecs never import a framework. They ask :func:`adapter_for` for the adapter of whatever they
+were given; the adapter module (``hvd_quant.backends.*``) is imported on first use and only for the
+framework the object comes from (looked up by the top-level module of ``type(obj)``).
+
+Two kinds of adapters:
+
+* host (:class:`HostAdapter`): NumPy arrays, torch CPU tensors, TensorFlow CPU tensors. The codec does
+  all its work on NumPy arrays with the Numba CPU kernels; the adapter converts at the edges
+  (zero-copy where the framework allows: ``Tensor.numpy()`` for torch; TensorFlow copies).
+* device (:class:`DeviceAdapter`): torch CUDA tensors (``__cuda_array_interface__``, on torch's current
+  stream) and TensorFlow GPU tensors (DLPack; untested here). The codec launches the Numba CUDA
+  kernels on Numba device-array views of the framework's own memory; outputs are allocated by the
+  framework.
+
+Input dtypes: float32 is used in place; float16, bfloat16 and float64 are converted to float32 first
+(one extra pass, done by the framework); anything else raises :class:`UnsupportedInputError`.
+"""
+import importlib
+
+import numpy as np
+
+__all__ = ["adapter_for", "register_backend", "BACKENDS", "UnsupportedInputError", "HostAdapter",
+           "DeviceAdapter", "FLOAT_DTYPES", "dtype_name_of_numpy", "numpy_dtype"]
+
+# top-level module of type(obj) -> adapter module (each exposes ``adapter(obj)``)
+BACKENDS = {
+    "numpy": "hvd_quant.backends.numpy_arrays",
+    "torch": "hvd_quant.backends.torch_arrays",
+    "tensorflow": "hvd_quant.backends.tf_arrays",
+}
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+class UnsupportedInputError(TypeError, ValueError):
+    """The input is not an array we can encode (wrong type or a non-floating dtype)."""
+
+
+def register_backend(top_module, adapter_module):
+    """Route objects whose type lives under ``top_module`` to ``adapter_module``."""
+    BACKENDS[top_module] = adapter_module
+
+
+def adapter_for(obj):
+    """The adapter for ``obj`` (NumPy array, torch tensor, TF tensor/Variable)."""
+    top = type(obj).__module__.split(".", 1)[0]
+    if top == "ml_dtypes":            # NumPy scalars of ml_dtypes types -> numpy adapter
+        top = "numpy"
+    path = BACKENDS.get(top)
+    if path is None:
+        raise UnsupportedInputError(
+            f"hvd_quant codecs take NumPy arrays, torch tensors or TensorFlow tensors; got "
+            f"{type(obj).__module__}.{type(obj).__name__} (hvd_quant._arrays.register_backend adds one)")
+    return importlib.import_module(path).adapter(obj)
+
+
+def dtype_name_of_numpy(dt):
+    """'float32' | 'float16' | 'bfloat16' | 'float64' for a NumPy dtype (ml_dtypes' bfloat16 included)."""
+    name = np.dtype(dt).name
+    return name
+
+
+def numpy_dtype(name):
+    """NumPy dtype for a header dtype name (bfloat16 needs ml_dtypes, which TensorFlow and JAX bring)."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as e:       # pragma: no cover - ml_dtypes comes with TF
+            raise UnsupportedInputError("decoding a bfloat16 payload to NumPy needs the ml_dtypes "
+                                        "package (pip install ml_dtypes)") from e
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def check_float(dtype_name, what="input"):
+    if dtype_name not in FLOAT_DTYPES:
+        raise UnsupportedInputError(
+            f"hvd_quant codecs encode floating-point tensors (float32, float16, bfloat16, float64); "
+            f"the {what} has dtype {dtype_name}")
+
+
+class HostAdapter:
+    """Host memory: everything becomes a NumPy array. Subclasses convert to and from their framework."""
+    device = False
+    kind = "numpy"
+
+    # -- inputs ------------------------------------------------------------------------------------
+    def describe(self, x):
+        """(shape tuple, dtype name) of an input tensor."""
+        raise NotImplementedError
+
+    def input_f32(self, x):
+        """``x`` as a flat, C-contiguous float32 NumPy array (no copy when it already is one)."""
+        raise NotImplementedError
+
+    def input_np(self, x):
+        """``x`` as a flat NumPy array of its own dtype (used by the raw fp16/none codecs)."""
+        raise NotImplementedError
+
+    # -- payloads ----------------------------------------------------------------------------------
+    def payload_np(self, payload):
+        """A payload (1-D uint8 of this kind) as a NumPy uint8 array (no copy where possible)."""
+        raise NotImplementedError
+
+    def wrap_payload(self, arr, like):
+        """A NumPy uint8 array we filled, as a payload of this kind."""
+        raise NotImplementedError
+
+    # -- outputs -----------------------------------------------------------------------------------
+    def out_np(self, out):
+        """(writable flat float32 NumPy view of ``out``, commit()) for decode_into; commit() is called
+        after writing (a no-op when the view is ``out``'s own memory)."""
+        raise NotImplementedError
+
+    def wrap_result(self, arr_f32, dtype_name, shape, like):
+        """Decoded float32 values (NumPy, flat) as a tensor of this kind, dtype and shape."""
+        raise NotImplementedError
+
+
+class DeviceAdapter:
+    """Device memory: Numba device-array views of framework tensors, kernels on the framework's stream."""
+    device = True
+    kind = "device"
+
+    def describe(self, x):
+        raise NotImplementedError
+
+    def device_key(self, x):
+        """A hashable id of x's device (for per-device state such as the error-status buffer)."""
+        raise NotImplementedError
+
+    def stream(self, x):
+        """The Numba stream to launch on for tensors like ``x``."""
+        raise NotImplementedError
+
+    def context(self, x):
+        """Context manager making x's device Numba's current device."""
+        raise NotImplementedError
+
+    def input_f32(self, x):
+        """(keepalive, flat float32 device array) of ``x``."""
+        raise NotImplementedError
+
+    def new_bytes(self, nbytes, like):
+        """(framework uint8 tensor, device array) freshly allocated on like's device."""
+        raise NotImplementedError
+
+    def new_f32(self, numel, like):
+        raise NotImplementedError
+
+    def new_status(self, like):
+        """(framework int32[2] zeros, device array) on like's device: the decode error flag."""
+        raise NotImplementedError
+
+    def bytes_dev(self, payload):
+        """Device array view of a framework uint8 payload."""
+        raise NotImplementedError
+
+    def payload_nbytes(self, payload):
+        raise NotImplementedError
+
+    def numel(self, t):
+        """Element count of a framework tensor."""
+        raise NotImplementedError
+
+    def out_dev(self, out):
+        """(device array view of a flat float32 ``out``, commit): commit is None when the view is
+        ``out``'s memory; otherwise the codec decodes without accumulating into the view and calls
+        commit(accumulate) (TensorFlow: tensors are immutable, ``out`` is a tf.Variable)."""
+        raise NotImplementedError
+
+    def read_header(self, payload):
+        """The first 64 bytes of a device payload, on the host (this synchronises)."""
+        raise NotImplementedError
+
+    def read_status(self, status):
+        """int error bits from status[1] (synchronises), and reset status[1] to 0."""
+        raise NotImplementedError
+
+    def result(self, f32, dtype_name, shape):
+        """A framework float32 flat tensor as the decoded tensor of ``dtype_name`` and ``shape``."""
+        raise NotImplementedError
+
+    # raw (fp16 / fp32) payloads, written with framework ops
+    def raw_encode(self, x, value_dtype, nbytes):
+        """(payload, device view) holding x as value_dtype at byte 64, zero padded; header unwritten."""
+        raise NotImplementedError
+
+    def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
+        """out (+)= the payload's raw values; ``bad``: device flag (see status_bad) -> NaN."""
+        raise NotImplementedError
+
+    def status_bad(self, status):
+        """A device boolean 'status[0] != 0' usable by raw_decode_into (no host read)."""
+        raise NotImplementedError

@@ -1,0 +1,193 @@
+"""torch tensors: CPU tensors through ``Tensor.numpy()`` (zero-copy), CUDA tensors through
+``__cuda_array_interface__`` (``numba.cuda.as_cuda_array(t, sync=False)``: zero-copy, no host
+synchronisation), kernels launched on ``torch.cuda.current_stream(device)`` via
+``numba.cuda.external_stream``. Outputs are allocated by torch's caching allocator (no cudaMalloc, no
+synchronisation). float16 / bfloat16 / float64 inputs are converted to float32 by torch first."""
+import numpy as np
+import torch
+
+from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
+
+__all__ = ["adapter", "TorchHostAdapter", "TorchCudaAdapter"]
+
+_TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                 torch.float64: "float64"}
+_FROM_NAME = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+def _describe(x):
+    name = _TORCH_DTYPES.get(x.dtype)
+    if name is None:
+        check_float(str(x.dtype).replace("torch.", ""))
+    return tuple(x.shape), name
+
+
+def _flat(x):
+    return x.detach().reshape(-1)
+
+
+class TorchHostAdapter(HostAdapter):
+    kind = "torch"
+
+    def describe(self, x):
+        return _describe(x)
+
+    def input_np(self, x):
+        x = _flat(x).contiguous()
+        if x.dtype == torch.bfloat16:
+            return x.float().numpy()
+        return x.numpy()
+
+    def input_f32(self, x):
+        return _flat(x).to(torch.float32).contiguous().numpy()
+
+    def payload_np(self, payload):
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise UnsupportedInputError(f"a payload is a 1-D uint8 tensor; got {type(payload).__name__} "
+                                        f"{getattr(payload, 'dtype', '')}")
+        return payload.detach().contiguous().numpy()
+
+    def wrap_payload(self, arr, like):
+        return torch.from_numpy(arr)
+
+    def out_np(self, out):
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
+                or out.device.type != "cpu":
+            raise UnsupportedInputError("decode_into needs a contiguous float32 tensor of the payload's "
+                                        f"kind and device; got {type(out).__name__} {getattr(out, 'dtype', '')}")
+        return out.detach().view(-1).numpy(), None
+
+    def wrap_result(self, arr_f32, dtype_name, shape, like):
+        t = torch.from_numpy(arr_f32)
+        if dtype_name != "float32":
+            t = t.to(_FROM_NAME[dtype_name])
+        return t.reshape(shape)
+
+
+class TorchCudaAdapter(DeviceAdapter):
+    kind = "torch"
+    _streams = {}
+
+    def __init__(self):
+        from numba import cuda
+        self._cuda = cuda
+
+    def describe(self, x):
+        return _describe(x)
+
+    def device_key(self, x):
+        return ("torch", x.device.index)
+
+    def stream(self, x):
+        handle = torch.cuda.current_stream(x.device).cuda_stream
+        st = self._streams.get(handle)
+        if st is None:
+            st = self._streams[handle] = self._cuda.external_stream(handle)
+        return st
+
+    def context(self, x):
+        return self._cuda.gpus[x.device.index]
+
+    def _dev(self, t):
+        return self._cuda.as_cuda_array(t, sync=False)
+
+    def input_f32(self, x):
+        t = _flat(x).to(torch.float32).contiguous()
+        return t, self._dev(t)
+
+    def new_bytes(self, nbytes, like):
+        t = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+        return t, self._dev(t)
+
+    def new_f32(self, numel, like):
+        t = torch.empty(numel, dtype=torch.float32, device=like.device)
+        return t, self._dev(t)
+
+    def new_status(self, like):
+        t = torch.zeros(2, dtype=torch.int32, device=like.device)
+        return t, self._dev(t)
+
+    def _check_payload(self, payload):
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise UnsupportedInputError(f"a payload is a 1-D uint8 tensor; got {type(payload).__name__} "
+                                        f"{getattr(payload, 'dtype', '')}")
+        if not payload.is_contiguous():
+            payload = payload.contiguous()
+        if payload.data_ptr() % 4:
+            from numba_kernels.wire import PayloadError
+            raise PayloadError("a device payload must start on a 4-byte boundary (payload sizes are "
+                               "multiples of 4, so slices of concatenated payloads are)")
+        return payload
+
+    def bytes_dev(self, payload):
+        return self._dev(self._check_payload(payload).detach())
+
+    def payload_nbytes(self, payload):
+        return payload.numel()
+
+    def numel(self, t):
+        return t.numel()
+
+    def out_dev(self, out):
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
+                or out.device.type != "cuda":
+            raise UnsupportedInputError("decode_into needs a contiguous float32 CUDA tensor; got "
+                                        f"{type(out).__name__} {getattr(out, 'dtype', '')} "
+                                        f"{getattr(out, 'device', '')}")
+        return self._dev(out.detach().view(-1)), None
+
+    def read_header(self, payload):
+        return payload[:64].cpu().numpy()
+
+    def read_status(self, status):
+        bits = int(status[1].item())
+        if bits:
+            status[1].zero_()
+        return bits
+
+    def result(self, f32, dtype_name, shape):
+        if dtype_name != "float32":
+            f32 = f32.to(_FROM_NAME[dtype_name])
+        return f32.reshape(shape)
+
+    def raw_encode(self, x, value_dtype, nbytes):
+        """(payload, device view): x as ``value_dtype`` ('float16' | 'float32') at byte 64, zero
+        padding after; the codec writes the header (a kernel, no host->device copy)."""
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+        n = x.numel()
+        w = 2 if value_dtype == "float16" else 4
+        out[64:64 + w * n].view(_FROM_NAME[value_dtype]).copy_(_flat(x))
+        out[64 + w * n:].zero_()
+        return out, self._dev(out)
+
+    def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
+        """out (+)= values; ``bad`` a 0-d bool device tensor (header check failed) -> NaN."""
+        w = 2 if value_dtype == "float16" else 4
+        vals = payload[offset:offset + w * numel].view(_FROM_NAME[value_dtype])
+        out = out.view(-1)
+        if accumulate:
+            out.add_(vals)
+        else:
+            out.copy_(vals)
+        if bad is not None:
+            out.masked_fill_(bad, float("nan"))
+        return None
+
+    def status_bad(self, status):
+        return status[0] != 0
+
+
+_HOST = TorchHostAdapter()
+_CUDA = None
+
+
+def adapter(obj):
+    global _CUDA
+    dev = getattr(obj, "device", None)
+    if dev is not None and dev.type == "cuda":
+        if _CUDA is None:
+            _CUDA = TorchCudaAdapter()
+        return _CUDA
+    if dev is not None and dev.type != "cpu":
+        raise UnsupportedInputError(f"torch tensors on {dev.type} are not supported (CPU and CUDA are)")
+    return _HOST

@@ -1,0 +1,273 @@
+"""Benchmark: codec encode / decode / encode+decode beside the memory-bound limit and plain PyTorch.
+
+    python -m hvd_quant.bench codec                       # GPU if there is one: 100M fp32, bucket 512
+    python -m hvd_quant.bench codec --device cpu --numel 10000000 --threads 1,2
+
+In one run it times, on the same float32 data:
+
+* ``qsgd4``, ``qsgd8``, ``qsgd2``: QSGD stochastic, max norm, ``--bucket-size``; ``onebit``: 1-bit
+  two_mean with the same bucket size. ``encode`` is ``codec.encode(x)``, ``decode`` is
+  ``codec.decode_into(payload, out)`` (what the exchange calls), ``enc+dec`` both.
+* ``copy``: a device copy of x into a preallocated buffer (reads and writes 4 bytes per element):
+  the memory-bound limit (an encode+decode reads x, writes the payload, reads it, writes out).
+* ``torch-ops``: the same bucketed QSGD (and 1-bit) written with plain PyTorch tensor ops
+  (:func:`torch_qsgd_encode` ...), not bit-identical to ours (its own RNG), same work.
+
+GPU: times are CUDA-event times of the GPU work only (a ``torch.cuda._sleep`` before each timed call
+keeps the GPU busy while the host enqueues it; the host time per call is reported separately), median
+of ``--repeat`` after ``--warmup`` calls. The first call of each codec (Numba compilation or cache
+load included) is timed on its own. CPU: wall time, median, and GB/s of float32 input per core.
+Ratios: ``ours/copy`` (lower is better, 1.0 = memory-bound), ``torch/ours`` (higher is better).
+"""
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+CODECS = (("qsgd4", "qsgd:bits=4,bucket_size={bs}"), ("qsgd8", "qsgd:bits=8,bucket_size={bs}"),
+          ("qsgd2", "qsgd:bits=2,bucket_size={bs}"), ("onebit", "onebit:bucket_size={bs}"))
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m hvd_quant.bench codec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--numel", type=float, default=None, help="elements (default 1e8 on cuda, 1e7 on cpu)")
+    p.add_argument("--bucket-size", type=int, default=512)
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
+    p.add_argument("--repeat", type=int, default=None, help="timed calls (default 20 cuda, 5 cpu)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", default=None, help="CPU: comma-separated Numba/torch thread counts")
+    p.add_argument("--codecs", default=",".join(n for n, _ in CODECS), help="subset of " +
+                   ",".join(n for n, _ in CODECS))
+    p.add_argument("--no-torch-ops", action="store_true", help="skip the plain-PyTorch baseline")
+    p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    return p
+
+
+# ---- the same bucketed QSGD and 1-bit, in plain PyTorch -------------------------------------------------
+
+def torch_qsgd_encode(x, bits, bucket_size):
+    """Bucketed stochastic QSGD (max norm) with torch ops; codes packed 8/bits per byte (bits 2, 4, 8)."""
+    import torch
+    n = x.numel()
+    nb = -(-n // bucket_size)
+    xb = torch.nn.functional.pad(x, (0, nb * bucket_size - n)).view(nb, bucket_size)
+    s = (1 << (bits - 1)) - 1
+    scale = xb.abs().amax(dim=1, keepdim=True)
+    unit = scale / s
+    v = torch.where(unit > 0, xb.abs() / unit, torch.zeros_like(xb))
+    q = torch.floor(v + torch.rand_like(v)).clamp_(max=s)
+    code = (torch.where(xb < 0, -q, q) + s).to(torch.uint8).view(-1)
+    per = 8 // bits
+    if per > 1:
+        shifts = torch.arange(per, device=x.device, dtype=torch.uint8) * bits
+        code = (code.view(-1, per) << shifts).sum(dim=1, dtype=torch.uint8)
+    return code, scale.view(-1)
+
+
+def torch_qsgd_decode(code, scale, bits, bucket_size, n, out):
+    import torch
+    s = (1 << (bits - 1)) - 1
+    per = 8 // bits
+    if per > 1:
+        shifts = torch.arange(per, device=code.device, dtype=torch.uint8) * bits
+        code = ((code.view(-1, 1) >> shifts) & ((1 << bits) - 1)).view(-1)
+    nb = scale.numel()
+    vals = (code.view(nb, bucket_size).to(torch.float32) - s) * (scale / s).view(nb, 1)
+    out.copy_(vals.view(-1)[:n])
+
+
+def torch_onebit_encode(x, bucket_size):
+    import torch
+    n = x.numel()
+    nb = -(-n // bucket_size)
+    xb = torch.nn.functional.pad(x, (0, nb * bucket_size - n)).view(nb, bucket_size)
+    pos = xb >= 0
+    npos = pos.sum(1)
+    mpos = torch.where(pos, xb, 0).sum(1) / npos.clamp(min=1)
+    mneg = torch.where(pos, 0, xb).sum(1) / (bucket_size - npos).clamp(min=1)
+    bits = pos.view(-1, 8).to(torch.uint8) << torch.arange(8, device=x.device, dtype=torch.uint8)
+    return bits.sum(1, dtype=torch.uint8), torch.stack([mpos, mneg], 1)
+
+
+def torch_onebit_decode(code, scales, bucket_size, n, out):
+    import torch
+    bits = (code.view(-1, 1) >> torch.arange(8, device=code.device, dtype=torch.uint8)) & 1
+    nb = scales.shape[0]
+    vals = torch.where(bits.view(nb, bucket_size).bool(), scales[:, :1], scales[:, 1:])
+    out.copy_(vals.view(-1)[:n])
+
+
+def _torch_ops(name, bucket_size):
+    """(encode(x) -> state, decode(state, out)) for the plain-PyTorch twin of codec ``name``."""
+    if name == "onebit":
+        return (lambda x: torch_onebit_encode(x, bucket_size),
+                lambda st, out: torch_onebit_decode(st[0], st[1], bucket_size, out.numel(), out))
+    bits = int(name[4:])
+    return (lambda x: torch_qsgd_encode(x, bits, bucket_size),
+            lambda st, out: torch_qsgd_decode(st[0], st[1], bits, bucket_size, out.numel(), out))
+
+
+# ---- timing -----------------------------------------------------------------------------------------------
+
+class GpuTimer:
+    def __init__(self, torch):
+        self.torch = torch
+        self._sleep = int(2e6)          # ~1 ms of GPU cycles: the GPU stays busy while we enqueue
+
+    def __call__(self, fn, repeat, warmup):
+        torch = self.torch
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        pairs, host = [], []
+        for _ in range(repeat):
+            torch.cuda._sleep(self._sleep)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            fn()
+            b.record()
+            host.append(time.perf_counter() - t0)
+            pairs.append((a, b))
+            torch.cuda.synchronize()
+        gpu = [a.elapsed_time(b) for a, b in pairs]
+        return statistics.median(gpu), 1e3 * statistics.median(host)
+
+    def first(self, fn):
+        self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        self.torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+class CpuTimer:
+    def __call__(self, fn, repeat, warmup):
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        m = 1e3 * statistics.median(ts)
+        return m, m
+
+    def first(self, fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def _fmt(v, nd=3):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def run_device(args, device, threads=None):
+    import hvd_quant as hq
+    torch = None
+    try:
+        import torch
+    except ImportError:
+        if device == "cuda":
+            raise
+    n = int(args.numel)
+    bs = args.bucket_size
+    if device == "cuda":
+        timer = GpuTimer(torch)
+        x = torch.randn(n, device="cuda")
+        out = torch.empty_like(x)
+        copy = lambda: out.copy_(x)                    # noqa: E731
+    else:
+        import numba
+        if threads:
+            numba.set_num_threads(threads)
+            if torch is not None:
+                torch.set_num_threads(threads)
+        timer = CpuTimer()
+        x = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+        out = np.empty_like(x)
+        copy = lambda: np.copyto(out, x)               # noqa: E731
+    wanted = args.codecs.split(",")
+    rows = []
+    cp, cp_host = timer(copy, args.repeat, args.warmup)
+    rows.append(dict(codec="copy", spec="memcpy", encode=None, decode=None, encdec=cp, host=cp_host,
+                     bytes_per_elem=4.0))
+    for name, spec in CODECS:
+        if name not in wanted:
+            continue
+        c = hq.from_spec(spec.format(bs=bs))
+        first_enc = timer.first(lambda: c.encode(x))
+        p = c.encode(x)
+        first_dec = timer.first(lambda: c.decode_into(p, out))
+        enc, enc_host = timer(lambda: c.encode(x), args.repeat, args.warmup)
+        dec, dec_host = timer(lambda: c.decode_into(p, out), args.repeat, args.warmup)
+        ed, ed_host = timer(lambda: c.decode_into(c.encode(x), out), args.repeat, args.warmup)
+        row = dict(codec=name, spec=c.spec(), encode=enc, decode=dec, encdec=ed, host=ed_host,
+                   first_encode_s=first_enc, first_decode_s=first_dec,
+                   bytes_per_elem=c.wire_nbytes(n) / n)
+        if torch is not None and not args.no_torch_ops:
+            xt = x if device == "cuda" else torch.from_numpy(x)
+            ot = out if device == "cuda" else torch.from_numpy(out)
+            t_enc, t_dec = _torch_ops(name, bs)
+            st = t_enc(xt)
+            row["torch_encode"] = timer(lambda: t_enc(xt), args.repeat, args.warmup)[0]
+            row["torch_decode"] = timer(lambda: t_dec(st, ot), args.repeat, args.warmup)[0]
+            row["torch_encdec"] = timer(lambda: t_dec(t_enc(xt), ot), args.repeat, args.warmup)[0]
+        rows.append(row)
+    return rows
+
+
+def print_table(rows, device, numel, threads=None):
+    cp = rows[0]["encdec"]
+    head = f"{device}, numel={numel:,}" + (f", threads={threads}" if threads else "")
+    print(f"\n### {head}\n")
+    cols = ["codec", "B/elem", "encode ms", "decode ms", "enc+dec ms", "enc+dec / copy",
+            "torch-ops enc+dec ms", "torch-ops / ours", "host ms/call", "first enc s", "first dec s"]
+    if device == "cpu":
+        cols += ["enc GB/s/core", "dec GB/s/core", "enc+dec GB/s/core"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        ted = r.get("torch_encdec")
+        cells = [r["codec"], _fmt(r["bytes_per_elem"], 3), _fmt(r["encode"]), _fmt(r["decode"]),
+                 _fmt(r["encdec"]), _fmt(r["encdec"] / cp, 2),
+                 _fmt(ted), _fmt(ted / r["encdec"] if ted else None, 1), _fmt(r["host"]),
+                 _fmt(r.get("first_encode_s"), 2), _fmt(r.get("first_decode_s"), 2)]
+        if device == "cpu":
+            gb = lambda ms: None if ms is None else 4 * numel / (ms * 1e-3) / 1e9 / (threads or 1)  # noqa: E731
+            cells += [_fmt(gb(r["encode"]), 2), _fmt(gb(r["decode"]), 2), _fmt(gb(r["encdec"]), 2)]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    device = args.device
+    if device is None:
+        try:
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            device = "cpu"
+    if args.numel is None:
+        args.numel = 1e8 if device == "cuda" else 1e7
+    if args.repeat is None:
+        args.repeat = 20 if device == "cuda" else 5
+    n = int(args.numel)
+    print(f"hvd_quant codec benchmark: device={device} numel={n:,} bucket_size={args.bucket_size} "
+          f"repeat={args.repeat} warmup={args.warmup}")
+    if device == "cuda":
+        import torch
+        print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    out = []
+    for t in ([int(t) for t in args.threads.split(",")] if (args.threads and device == "cpu") else [None]):
+        rows = run_device(args, device, t)
+        print_table(rows, device, n, t)
+        out.append(dict(device=device, numel=n, threads=t, rows=rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0

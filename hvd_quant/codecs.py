@@ -1,0 +1,754 @@
+"""Gradient codecs: bucketed QSGD, 1-bit SGD, fp16 and no compression, on one self-describing wire format.
+
+Every codec turns a float tensor into a 1-D uint8 *payload* of the same kind (NumPy array, torch
+tensor on the same device, TensorFlow tensor) and back::
+
+    c = hvd_quant.QSGD(bits=4, bucket_size=512)
+    payload = c.encode(grad, name="layer1.weight")     # 1-D uint8, c.wire_nbytes(grad.numel()) bytes
+    g = c.decode(payload, name="layer1.weight")        # grad's shape and dtype (quantized values)
+    c.decode_into(payload, acc, accumulate=True)       # acc (flat float32) += decoded values
+
+A payload is a 64-byte header (format version, method, bits, mode, norm, bucket size, numel, dtype,
+shape, name hash, checksums), the bit-packed codes and the float32 per-bucket scales
+(``numba_kernels/wire.py``, ``docs/CODECS.md``). Any instance of an equal configuration decodes it
+(that is what a receiving rank does); a payload of another configuration, a truncated or corrupt one,
+or (when ``decode`` is given a ``name``) another tensor's, raises :class:`PayloadError` saying what is
+wrong.
+
+Codecs are picked from the :class:`Compression` namespace (``Compression.qsgd(bits=4)``) or from a
+string spec through the registry (``from_spec("qsgd:bits=4,bucket_size=512")``);
+``from_spec(c.spec()) == c`` and codecs compare equal by configuration.
+
+Host arrays (NumPy, torch CPU, TensorFlow CPU) run the Numba CPU kernels; CUDA tensors run the Numba
+CUDA kernels on the framework's current stream without synchronising with the host (see
+:meth:`Codec.decode_into` for how errors in device payloads surface).
+"""
+import math
+import os
+
+import numpy as np
+
+from numba_kernels import wire
+from numba_kernels._scalar import mix64_py
+from numba_kernels.wire import PayloadError
+
+from ._arrays import UnsupportedInputError, adapter_for
+
+__all__ = ["Codec", "QSGD", "OneBit", "FP16", "NoCompression", "Compression", "REGISTRY", "register",
+           "from_spec", "PayloadError", "UnsupportedInputError"]
+
+REGISTRY = {}
+
+
+def register(name, *aliases):
+    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``)."""
+    def deco(cls):
+        cls.name = name
+        for key in (name,) + aliases:
+            if key in REGISTRY:
+                raise ValueError(f"codec name {key!r} is already registered to {REGISTRY[key].__name__}")
+            REGISTRY[key] = cls
+        return cls
+    return deco
+
+
+# ---- spec value parsers: each raises ValueError naming the parameter and the value -----------------
+
+def _p_int(key, text):
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not an integer") from None
+
+
+def _p_opt_int(key, text):
+    return None if text.lower() == "none" else _p_int(key, text)
+
+
+def _p_bool(key, text):
+    t = text.lower()
+    if t in ("true", "1", "yes", "on"):
+        return True
+    if t in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{key}={text!r} is not a boolean (true/false)")
+
+
+def _p_str(key, text):
+    return text
+
+
+def _fmt(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def from_spec(spec):
+    """Build a codec from a string spec: ``"name"`` or ``"name:key=value,key=value"``.
+
+    Examples: ``"none"``, ``"fp16"``, ``"qsgd:bits=4,bucket_size=512,mode=deterministic"``,
+    ``"onebit:bucket_size=64,scale=mean_abs"``. A codec instance is returned as it is. Unknown names,
+    unknown keys, malformed items and bad values raise ``ValueError`` naming the bad part."""
+    if isinstance(spec, Codec):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"a codec spec is a string such as 'qsgd:bits=4'; got {type(spec).__name__}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown codec {name!r} in spec {spec!r}; known codecs: {', '.join(sorted(REGISTRY))}")
+    kwargs = {}
+    for item in (rest.split(",") if rest.strip() else []):
+        key, eq, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not eq or not key:
+            raise ValueError(f"bad item {item!r} in codec spec {spec!r}: expected key=value")
+        parser = cls.PARAMS.get(key)
+        if parser is None:
+            known = ", ".join(cls.PARAMS) or "none"
+            raise ValueError(f"unknown parameter {key!r} for codec {name!r} in spec {spec!r}; "
+                             f"known parameters: {known}")
+        if key in kwargs:
+            raise ValueError(f"parameter {key!r} given twice in codec spec {spec!r}")
+        try:
+            kwargs[key] = parser(key, text)
+        except ValueError as e:
+            raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
+
+
+def _env_rank():
+    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        v = os.environ.get(var)
+        if v is not None and v.strip().lstrip("-").isdigit():
+            return int(v)
+    return 0
+
+
+def _check_int(key, v, lo, hi=None):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{key} must be an integer; got {v!r}")
+    v = int(v)
+    if v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ValueError(f"{key} must be {rng}; got {v}")
+    return v
+
+
+def _check_choice(key, v, choices):
+    if v not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(repr(c) for c in choices)}; got {v!r}")
+    return v
+
+
+class Codec:
+    """Base class: the payload plumbing shared by every codec (see the module docstring).
+
+    Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical order), ``_config()`` (the
+    values of those parameters), ``_fields()`` (the header's method/bits/mode/norm/bucket_size),
+    ``_layout(numel)`` and the host/device encode and decode steps."""
+
+    name = None
+    PARAMS = {}
+    _method = None
+
+    def __init__(self):
+        self._status = {}       # device key -> (adapter, framework int32[2], device array): decode errors
+        self._zero = {}         # device key -> device int32[2] zeros (for decodes checked on the host)
+        self._calls = {}        # name hash -> number of encode calls (seeded stochastic rounding)
+        self._rank = None
+
+    # -- configuration -------------------------------------------------------------------------------
+    def _config(self):
+        return {}
+
+    def spec(self):
+        """Canonical string spec; ``from_spec(c.spec()) == c``."""
+        items = [f"{k}={_fmt(v)}" for k, v in self._config().items() if v is not None]
+        return self.name + (":" + ",".join(items) if items else "")
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self._config() == other._config()
+
+    def __hash__(self):
+        return hash((type(self).__name__, tuple(self._config().items())))
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
+        return f"{type(self).__name__}({args})"
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_status"] = {}
+        state["_zero"] = {}
+        return state
+
+    @property
+    def wants_error_feedback(self):
+        """Whether the caller should keep an error-feedback residual for this codec (biased codecs)."""
+        return False
+
+    @property
+    def rank(self):
+        """Rank whose noise this codec draws: set by the exchange; defaults to HOROVOD_RANK,
+        OMPI_COMM_WORLD_RANK, PMI_RANK or 0."""
+        return self._rank if self._rank is not None else _env_rank()
+
+    @rank.setter
+    def rank(self, value):
+        self._rank = None if value is None else _check_int("rank", value, 0)
+
+    def reset_counters(self):
+        """Restart the per-name call counters that key seeded stochastic rounding."""
+        self._calls.clear()
+
+    # -- wire ----------------------------------------------------------------------------------------
+    def _fields(self):
+        """(method, bits, mode, norm, bucket_size) as written in the header."""
+        raise NotImplementedError
+
+    def _layout(self, numel):
+        method, bits, mode, _, bs = self._fields()
+        return wire.layout(method, numel, bits, bs, mode)
+
+    def wire_nbytes(self, numel):
+        """Size in bytes of the payload of a tensor of ``numel`` elements (header included)."""
+        return self._layout(_check_int("numel", numel, 0)).total
+
+    def _header(self, shape, dtype_name, name):
+        method, bits, mode, norm, bs = self._fields()
+        return wire.Header(method, bits, mode, norm, bs, wire.DTYPES[dtype_name], shape,
+                           name_hash=wire.name_hash(name))
+
+    def _check_header(self, h, name):
+        """Raise PayloadError if header ``h`` is not of this configuration (or not ``name``'s)."""
+        method, bits, mode, norm, bs = self._fields()
+        if h.method != method:
+            raise PayloadError(f"payload was made by the {h.method_name!r} codec; this codec is {self.spec()!r}")
+        for field, got, want in (("bits", h.bits, bits), ("mode", h.mode, mode), ("norm", h.norm, norm),
+                                 ("bucket_size", h.bucket_size, bs)):
+            if got != want:
+                raise PayloadError(f"payload configuration differs in {field}: payload has "
+                                   f"{self._field_text(field, got)}, this codec ({self.spec()}) has "
+                                   f"{self._field_text(field, want)}")
+        if name is not None:
+            nh = wire.name_hash(name)
+            if h.name_hash != nh:
+                what = "carries no name" if h.name_hash == 0 else f"has name hash {h.name_hash:#010x}"
+                raise PayloadError(f"name mismatch: payload {what}, expected {name!r} (hash {nh:#010x}): "
+                                   "it belongs to another tensor")
+
+    def _field_text(self, field, code):
+        return f"{field}={code}"
+
+    def _parse(self, pay, name):
+        h = wire.parse_header(pay, pay.size)
+        self._check_header(h, name)
+        return h
+
+    # -- noise ---------------------------------------------------------------------------------------
+    def _key(self, nh):
+        return 0
+
+    # -- public API ----------------------------------------------------------------------------------
+    def encode(self, x, name=None):
+        """Encode ``x`` (NumPy array, torch tensor on CPU/CUDA, TensorFlow tensor; float32, float16,
+        bfloat16 or float64) into a 1-D uint8 payload of the same kind and device. ``name`` is hashed
+        into the header so that ``decode(..., name=...)`` can refuse another tensor's payload."""
+        arrays = adapter_for(x)
+        shape, dtype = arrays.describe(x)
+        header = self._header(shape, dtype, name)
+        header.to_bytes()                     # validates rank and dims before any work
+        lay = self._layout(header.numel)
+        if arrays.device:
+            with arrays.context(x):
+                return self._encode_device(arrays, x, header, lay, arrays.stream(x))
+        return arrays.wrap_payload(self._encode_host(arrays, x, header, lay), x)
+
+    def decode(self, payload, name=None, shape=None, dtype=None):
+        """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
+
+        Host payloads are fully validated (PayloadError). For a device payload, passing ``shape`` and
+        ``dtype`` avoids any host synchronisation: the header is then checked on the device (as in
+        :meth:`decode_into`); without them the 64-byte header is copied to the host (one
+        synchronisation) and validated there."""
+        arrays = adapter_for(payload)
+        if arrays.device:
+            return self._decode_device(arrays, payload, name, shape, dtype)
+        pay = arrays.payload_np(payload)
+        h = self._parse(pay, name)
+        if shape is not None and tuple(int(d) for d in shape) != h.shape:
+            raise PayloadError(f"payload holds shape {h.shape}, caller expected {tuple(shape)}")
+        if dtype is not None and _dtype_text(dtype) != h.dtype_name:
+            raise PayloadError(f"payload holds dtype {h.dtype_name}, caller expected {_dtype_text(dtype)}")
+        out = np.empty(h.numel, np.float32)
+        self._decode_host(pay, out, False)
+        return arrays.wrap_result(out, h.dtype_name, h.shape, payload)
+
+    def decode_into(self, payload, out, accumulate=False, name=None):
+        """Write (``accumulate=False``) or add (``True``) the decoded values into ``out``, a flat
+        float32 array/tensor of the payload's kind with the payload's element count; no temporary of
+        that size is allocated (except for TensorFlow, whose tensors are immutable: ``out`` must be a
+        ``tf.Variable``). Returns ``out``.
+
+        Errors. Host payloads raise :class:`PayloadError` before anything is written. For device
+        payloads only sizes are checked on the host (a wrong size raises at once); the header is
+        checked on the device by a one-thread kernel on the same stream: if it is wrong (magic,
+        version, configuration, numel, checksums, or the name when ``name`` is given) the decode writes
+        NaN into ``out`` (so a bad payload can never pass silently into a sum) and the reason is kept
+        in a device status word; :meth:`check_device_errors` reads it (synchronising) and raises."""
+        arrays = adapter_for(payload)
+        if arrays.device:
+            return self._decode_into_device(arrays, payload, out, accumulate, name)
+        pay = arrays.payload_np(payload)
+        h = self._parse(pay, name)
+        out_np, commit = arrays.out_np(out)
+        if out_np.size != h.numel:
+            raise PayloadError(f"payload holds {h.numel} elements but out has {out_np.size}")
+        self._decode_host(pay, out_np, accumulate)
+        if commit is not None:
+            commit()
+        return out
+
+    def check_device_errors(self):
+        """Raise PayloadError if any device payload decoded by this codec since the last call failed
+        its on-device header check (reads the device status words: synchronises). Resets them."""
+        problems = []
+        for key, (arrays, status_t, _) in list(self._status.items()):
+            bits = arrays.read_status(status_t)
+            if bits:
+                problems.append(f"{key}: {wire.describe_error_bits(bits)}")
+        if problems:
+            raise PayloadError("device payload(s) refused (their decode wrote NaN): " + "; ".join(problems))
+
+    # -- stock Horovod Compressor protocol -----------------------------------------------------------
+    def compress(self, tensor):
+        from hvd_quant import _stock
+        return _stock.compress(self, tensor)
+
+    def decompress(self, tensor, ctx):
+        from hvd_quant import _stock
+        return _stock.decompress(self, tensor, ctx)
+
+    # -- device plumbing -----------------------------------------------------------------------------
+    def _status_for(self, arrays, like):
+        key = arrays.device_key(like)
+        entry = self._status.get(key)
+        if entry is None:
+            t, dev = arrays.new_status(like)
+            entry = self._status[key] = (arrays, t, dev)
+        return entry
+
+    def _zero_status(self, arrays, like):
+        key = arrays.device_key(like)
+        entry = self._zero.get(key)
+        if entry is None:
+            entry = self._zero[key] = arrays.new_status(like)
+        return entry[1]
+
+    def _decode_device(self, arrays, payload, name, shape, dtype):
+        import numba_kernels.cuda as K
+        nbytes = arrays.payload_nbytes(payload)
+        if shape is None or dtype is None:
+            h = wire.parse_header(arrays.read_header(payload), nbytes)     # synchronises (64 bytes)
+            self._check_header(h, name)
+            shape, dtype_name, status_dev, check = h.shape, h.dtype_name, None, False
+        else:
+            shape = tuple(int(d) for d in shape)
+            dtype_name = _dtype_text(dtype)
+            check = True
+        numel = math.prod(shape)
+        if nbytes != self.wire_nbytes(numel):
+            raise PayloadError(f"payload has {nbytes} bytes; {numel} elements take {self.wire_nbytes(numel)}")
+        with arrays.context(payload):
+            stream = arrays.stream(payload)
+            pdev = arrays.bytes_dev(payload)
+            if check:
+                _, status_t, status_dev = self._status_for(arrays, payload)
+                self._launch_check(K, pdev, status_dev, numel, name, stream)
+            else:
+                status_t, status_dev = None, self._zero_status(arrays, payload)
+            out_t, out_dev = arrays.new_f32(numel, payload)
+            res = self._decode_dev(arrays, payload, pdev, out_t, out_dev, False, stream, status_t, status_dev)
+            return arrays.result(out_t if res is None else res, dtype_name, shape)
+
+    def _decode_into_device(self, arrays, payload, out, accumulate, name):
+        import numba_kernels.cuda as K
+        with arrays.context(payload):
+            numel = arrays.numel(out)
+            nbytes = arrays.payload_nbytes(payload)
+            if nbytes != self.wire_nbytes(numel):
+                raise PayloadError(f"payload has {nbytes} bytes; out has {numel} elements, which take "
+                                   f"{self.wire_nbytes(numel)}")
+            stream = arrays.stream(payload)
+            pdev = arrays.bytes_dev(payload)
+            _, status_t, status_dev = self._status_for(arrays, payload)
+            self._launch_check(K, pdev, status_dev, numel, name, stream)
+            self._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev)
+        return out
+
+    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev):
+        """Kernel codecs: decode into a device view of ``out`` (or into the adapter's temporary, then
+        commit, for frameworks whose tensors are immutable)."""
+        out_dev, commit = arrays.out_dev(out)
+        self._decode_dev(arrays, payload, pdev, out, out_dev, accumulate and commit is None, stream,
+                         status_t, status_dev)
+        if commit is not None:
+            commit(accumulate)
+
+    def _launch_check(self, K, pdev, status_dev, numel, name, stream):
+        method, bits, mode, norm, bs = self._fields()
+        K.check_header_cuda(pdev, status_dev, method, bits, mode, norm, bs, numel, wire.name_hash(name),
+                            name is not None, stream)
+
+    # -- subclass steps ------------------------------------------------------------------------------
+    def _encode_host(self, arrays, x, header, lay):
+        raise NotImplementedError
+
+    def _decode_host(self, pay, out, accumulate):
+        raise NotImplementedError
+
+    def _encode_device(self, arrays, x, header, lay, stream):
+        raise NotImplementedError
+
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
+        raise NotImplementedError
+
+
+def _dtype_text(dtype):
+    """Normalise a dtype given as text, NumPy, torch or TF dtype to 'float32' | 'float16' | ..."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        name = getattr(dtype, "name", None) or str(dtype)
+    name = name.replace("torch.", "")
+    name = {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
+    if name not in wire.DTYPES:
+        raise UnsupportedInputError(f"unsupported dtype {dtype!r}")
+    return name
+
+
+def _f32_view(pay, offset, numel):
+    """float32 values stored at ``offset`` (copied if the payload is not 4-byte aligned)."""
+    raw = pay[offset:offset + 4 * numel]
+    if raw.ctypes.data % 4:
+        raw = raw.copy()
+    return raw.view(np.float32)
+
+
+# ---- QSGD ---------------------------------------------------------------------------------------------
+
+_MODE_NAMES = {v: k for k, v in wire.MODES.items()}
+_NORM_NAMES = {v: k for k, v in wire.NORMS.items()}
+
+
+@register("qsgd")
+class QSGD(Codec):
+    """Bucketed QSGD (Alistarh et al., 2017): ``bits``-bit codes with one float32 scale per bucket.
+
+    Per bucket of ``bucket_size`` consecutive elements, ``scale`` = max|x| (``norm="max"``) or
+    ||x||_2 (``norm="l2"``); with s = 2**(bits-1) - 1 levels per sign and unit = scale / s, element x
+    gets the level q = round(|x| / unit) in [0, s] with its sign, stored offset-binary (q + s) in
+    ``bits`` bits; decode gives q * unit.
+
+    * ``mode="stochastic"``: q = floor(v) + (u < v - floor(v)), u uniform: **unbiased**
+      (E[decode] = x, up to 2**-24 of a level from 24-bit uniforms); variance per bucket at most
+      min(d/s^2, sqrt(d)/s) ||x||^2 with the l2 norm (the paper's bound).
+    * ``mode="deterministic"``: round half up: **biased**, error at most unit/2 per element.
+    * ``mode="fake"``: quantize (stochastic rounding) and dequantize locally and put the float32
+      result on the wire: the numerics of "stochastic" with **no savings** (4 bytes per element);
+      for accuracy studies only.
+
+    Noise: ``seed=None`` draws fresh noise on every call. With a fixed ``seed`` the uniforms are a
+    counter-based hash of (seed, k, rank, name hash) and the element index, where k counts this
+    instance's encode calls for that name: the k-th call on the same input gives the same payload in
+    every run, and ranks (``rank``, see :class:`Codec`) draw independent noise.
+
+    Wire: 64-byte header, ceil(numel*bits/8) code bytes (zero padded to 4), 4*ceil(numel/bucket_size)
+    scale bytes. A zero bucket decodes to zeros; a bucket holding NaN or Inf decodes to NaN (only
+    that bucket). bits 2..16, bucket_size >= 1.
+    """
+
+    PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
+    _method = wire.METHODS["qsgd"]
+
+    def __init__(self, bits=4, bucket_size=512, mode="stochastic", norm="max", seed=None):
+        super().__init__()
+        self.bits = _check_int("bits", bits, 2, 16)
+        self.bucket_size = _check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1)
+        self.mode = _check_choice("mode", mode, tuple(wire.MODES))
+        self.norm = _check_choice("norm", norm, tuple(wire.NORMS))
+        self.seed = None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1)
+
+    @property
+    def levels(self):
+        """s = 2**(bits-1) - 1 magnitude levels per sign."""
+        return (1 << (self.bits - 1)) - 1
+
+    def _config(self):
+        return {"bits": self.bits, "bucket_size": self.bucket_size, "mode": self.mode, "norm": self.norm,
+                "seed": self.seed}
+
+    def __repr__(self):
+        r = super().__repr__()
+        if self.mode == "fake":
+            r += "  # fake: quantize+dequantize locally, payload carries fp32 (same numerics, no savings)"
+        return r
+
+    def _fields(self):
+        return (self._method, self.bits, wire.MODES[self.mode], wire.NORMS[self.norm], self.bucket_size)
+
+    def _field_text(self, field, code):
+        if field == "mode":
+            return f"mode={_MODE_NAMES.get(code, code)}"
+        if field == "norm":
+            return f"norm={_NORM_NAMES.get(code, code)}"
+        return super()._field_text(field, code)
+
+    def _key(self, nh):
+        if self.seed is None:
+            return mix64_py(int.from_bytes(os.urandom(8), "little") ^ (self.rank << 32) ^ nh)
+        k = self._calls.get(nh, 0)
+        self._calls[nh] = k + 1
+        h = mix64_py(self.seed ^ 0x6A09E667F3BCC908)
+        h = mix64_py(h ^ k)
+        h = mix64_py(h ^ self.rank)
+        return mix64_py(h ^ nh)
+
+    @property
+    def _stochastic(self):
+        return self.mode != "deterministic"
+
+    def _qlayout(self, numel):
+        return wire.layout(self._method, numel, self.bits, self.bucket_size, wire.MODES["stochastic"])
+
+    def _encode_host(self, arrays, x, header, lay):
+        import numba_kernels.cpu as K
+        xf = arrays.input_f32(x)
+        key = self._key(header.name_hash)
+        words = header.words()
+        payload = np.empty(lay.total, np.uint8)
+        if self.mode == "fake":
+            tmp = np.empty(self._qlayout(xf.size).total, np.uint8)
+            K.qsgd_encode_cpu(xf, tmp, words, self.bits, self.bucket_size, True, self.norm == "l2", key)
+            K.qsgd_decode_cpu(tmp, payload[64:64 + 4 * xf.size].view(np.float32), self.bits,
+                              self.bucket_size, False)
+            K.write_header_cpu(payload, words)
+        else:
+            K.qsgd_encode_cpu(xf, payload, words, self.bits, self.bucket_size, self._stochastic,
+                              self.norm == "l2", key)
+        return payload
+
+    def _decode_host(self, pay, out, accumulate):
+        if self.mode == "fake":
+            vals = _f32_view(pay, 64, out.size)
+            if accumulate:
+                out += vals
+            else:
+                out[...] = vals
+            return
+        import numba_kernels.cpu as K
+        K.qsgd_decode_cpu(pay, out, self.bits, self.bucket_size, accumulate)
+
+    def _encode_device(self, arrays, x, header, lay, stream):
+        import numba_kernels.cuda as K
+        _, xdev = arrays.input_f32(x)
+        key = self._key(header.name_hash)
+        words = header.words()
+        pt, pdev = arrays.new_bytes(lay.total, x)
+        if self.mode == "fake":
+            n = xdev.size
+            tt, tdev = arrays.new_bytes(self._qlayout(n).total, x)
+            K.qsgd_encode_cuda(xdev, tdev, words, self.bits, self.bucket_size, True, self.norm == "l2",
+                               key, stream)
+            K.qsgd_decode_cuda(tdev, pdev[64:64 + 4 * n].view(np.float32), self.bits, self.bucket_size,
+                               False, stream, self._zero_status(arrays, x))
+            K.write_header_cuda(pdev, words, stream)
+        else:
+            K.qsgd_encode_cuda(xdev, pdev, words, self.bits, self.bucket_size, self._stochastic,
+                               self.norm == "l2", key, stream)
+        return pt
+
+    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev):
+        if self.mode == "fake":
+            _raw_decode_dev(arrays, payload, out, "float32", accumulate, status_t)
+        else:
+            super()._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev)
+
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
+        if self.mode == "fake":
+            return _raw_decode_dev(arrays, payload, out_t, "float32", accumulate, status_t)
+        import numba_kernels.cuda as K
+        K.qsgd_decode_cuda(pdev, out_dev, self.bits, self.bucket_size, accumulate, stream, status_dev)
+
+
+def _raw_decode_dev(arrays, payload, out, value_dtype, accumulate, status_t):
+    """Raw float values on a device, with framework ops; NaN where the header check failed."""
+    bad = None if status_t is None else arrays.status_bad(status_t)
+    return arrays.raw_decode_into(payload, 64, arrays.numel(out), value_dtype, out, accumulate, bad)
+
+
+# ---- 1-bit --------------------------------------------------------------------------------------------
+
+_SCALE_NAMES = {v: k for k, v in wire.ONEBIT_SCALES.items()}
+
+
+@register("onebit", "1bit")
+class OneBit(Codec):
+    """1-bit SGD (Seide et al., 2014): one sign bit per element and float32 scales per bucket.
+
+    bit = (x >= 0) (zeros count as positive). ``scale="two_mean"``: per bucket the mean of its
+    non-negative elements and the mean of its negative elements; they decode to those means, so each
+    bucket's **sum is preserved** (up to float32 rounding). ``scale="mean_abs"``: (||x||_1/d)·sign(x)
+    of EF-SignSGD, one scale per bucket. Both are **biased**: use error feedback, which
+    ``wants_error_feedback`` asks of the caller (``error_feedback=True``); the residual lives where
+    tensor names are known (``hvd_quant.memory``). ``bucket_size=None``: one bucket per tensor (on a
+    GPU its reduction runs in one 32-thread group: slow for large tensors, prefer a bucket size).
+
+    Wire: 64-byte header, ceil(numel/8) bit bytes (zero padded to 4), then 8 (two_mean) or 4
+    (mean_abs) bytes of scales per bucket. A bucket holding NaN/Inf decodes to NaN (two_mean) or to a
+    non-finite value (mean_abs), only that bucket.
+    """
+
+    PARAMS = {"bucket_size": _p_opt_int, "scale": _p_str, "error_feedback": _p_bool}
+    _method = wire.METHODS["onebit"]
+
+    def __init__(self, bucket_size=None, scale="two_mean", error_feedback=True):
+        super().__init__()
+        self.bucket_size = None if bucket_size is None else _check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1)
+        self.scale = _check_choice("scale", scale, tuple(wire.ONEBIT_SCALES))
+        if not isinstance(error_feedback, (bool, np.bool_)):
+            raise ValueError(f"error_feedback must be True or False; got {error_feedback!r}")
+        self.error_feedback = bool(error_feedback)
+
+    @property
+    def wants_error_feedback(self):
+        return self.error_feedback
+
+    def _config(self):
+        return {"bucket_size": self.bucket_size, "scale": self.scale, "error_feedback": self.error_feedback}
+
+    def _fields(self):
+        return (self._method, 1, wire.ONEBIT_SCALES[self.scale], 0, self.bucket_size or 0)
+
+    def _field_text(self, field, code):
+        if field == "mode":
+            return f"scale={_SCALE_NAMES.get(code, code)}"
+        if field == "bucket_size":
+            return f"bucket_size={code or None}"
+        return super()._field_text(field, code)
+
+    @property
+    def _two_mean(self):
+        return self.scale == "two_mean"
+
+    def _encode_host(self, arrays, x, header, lay):
+        import numba_kernels.cpu as K
+        xf = arrays.input_f32(x)
+        payload = np.empty(lay.total, np.uint8)
+        K.onebit_encode_cpu(xf, payload, header.words(), self.bucket_size or 0, self._two_mean)
+        return payload
+
+    def _decode_host(self, pay, out, accumulate):
+        import numba_kernels.cpu as K
+        K.onebit_decode_cpu(pay, out, self.bucket_size or 0, self._two_mean, accumulate)
+
+    def _encode_device(self, arrays, x, header, lay, stream):
+        import numba_kernels.cuda as K
+        _, xdev = arrays.input_f32(x)
+        pt, pdev = arrays.new_bytes(lay.total, x)
+        K.onebit_encode_cuda(xdev, pdev, header.words(), self.bucket_size or 0, self._two_mean, stream)
+        return pt
+
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
+        import numba_kernels.cuda as K
+        K.onebit_decode_cuda(pdev, out_dev, self.bucket_size or 0, self._two_mean, accumulate, stream,
+                             status_dev)
+
+
+# ---- raw: fp16 and none ---------------------------------------------------------------------------------
+
+class _Raw(Codec):
+    _value_dtype = None
+
+    def _fields(self):
+        return (self._method, 16 if self._value_dtype == "float16" else 32, 0, 0, 0)
+
+    def _encode_host(self, arrays, x, header, lay):
+        import numba_kernels.cpu as K
+        xs = arrays.input_np(x)
+        payload = np.zeros(lay.total, np.uint8)
+        K.write_header_cpu(payload, header.words())
+        w = 2 if self._value_dtype == "float16" else 4
+        payload[64:64 + w * xs.size].view(self._value_dtype)[...] = xs
+        return payload
+
+    def _decode_host(self, pay, out, accumulate):
+        w = 2 if self._value_dtype == "float16" else 4
+        raw = pay[64:64 + w * out.size]
+        if raw.ctypes.data % w:
+            raw = raw.copy()
+        vals = raw.view(self._value_dtype)
+        if accumulate:
+            np.add(out, vals, out=out, casting="unsafe")
+        else:
+            out[...] = vals
+
+    def _encode_device(self, arrays, x, header, lay, stream):
+        import numba_kernels.cuda as K
+        pt, pdev = arrays.raw_encode(x, self._value_dtype, lay.total)
+        K.write_header_cuda(pdev, header.words(), stream)
+        return pt
+
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
+        return _raw_decode_dev(arrays, payload, out_t, self._value_dtype, accumulate, status_t)
+
+    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev):
+        _raw_decode_dev(arrays, payload, out, self._value_dtype, accumulate, status_t)
+
+
+@register("fp16", "float16")
+class FP16(_Raw):
+    """Half precision on the wire (Horovod's ``Compression.fp16`` as a payload): 2 bytes per element.
+
+    Round to nearest (biased only by rounding; values beyond ±65504 become ±inf). Wire: 64-byte
+    header, numel float16 values, zero padding to a multiple of 4."""
+    _method = wire.METHODS["fp16"]
+    _value_dtype = "float16"
+
+    def __init__(self):
+        super().__init__()
+
+
+@register("none", "nocompression", "fp32")
+class NoCompression(_Raw):
+    """No compression: float32 values on the wire (4 bytes per element), exact for float32 input.
+
+    Wire: 64-byte header, numel float32 values."""
+    _method = wire.METHODS["none"]
+    _value_dtype = "float32"
+
+    def __init__(self):
+        super().__init__()
+
+
+class Compression:
+    """Horovod-style namespace: ``Compression.none``, ``Compression.fp16`` (instances),
+    ``Compression.qsgd(...)``, ``Compression.onebit(...)`` (factories)."""
+    none = NoCompression()
+    fp16 = FP16()
+
+    @staticmethod
+    def qsgd(*args, **kwargs):
+        """A :class:`QSGD` codec (same arguments)."""
+        return QSGD(*args, **kwargs)
+
+    @staticmethod
+    def onebit(*args, **kwargs):
+        """A :class:`OneBit` codec (same arguments)."""
+        return OneBit(*args, **kwargs)

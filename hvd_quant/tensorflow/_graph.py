@@ -1,0 +1,346 @@
+"""The core exchange inside a TensorFlow graph (``tf.function``, Keras ``fit``, Horovod's own
+``tf.function`` around gradient reduction).
+
+Horovod's TensorFlow frontend builds its allreduce while *tracing*: ``compress`` sees symbolic
+tensors and runs once per trace, not once per step. So the exchange is built into the graph as
+three ``tf.numpy_function`` steps that call the core (:class:`hvd_quant.exchange.Exchange`,
+unchanged) with Horovod's own graph collectives between them::
+
+    flat ─► [start: compensate, encode, split] ─► HorovodAlltoall  (sra)   ─► [advance: decode, sum,
+            requantize] ─► HorovodAllgather ─► [finish: decode] ─► float32 sum over ranks
+    flat ─► [start: encode] ─► HorovodAllgather (allgather) ─► [finish: decode, sum] ─► float32 sum
+
+The core talks to a *recording* :class:`~hvd_quant.exchange.Collectives` table: ``alltoall_async``
+/ ``allgather_async`` only record the array to send (the numpy step returns it to the graph), and
+``synchronize`` returns what the graph op delivered to the next numpy step. No Python step ever
+blocks a TensorFlow thread waiting for another rank: the waiting is done by Horovod's asynchronous
+kernels, so graph order may differ between ranks without deadlock. Horovod op names are fixed at
+trace time from the exchange's name (``hvdq.a2a.<name>``, ``hvdq.ag.<name>``) and matched across
+ranks by Horovod as usual.
+
+Payload sizes are known when tracing (``Exchange.bounds`` / ``wire_nbytes``), so every step has a
+static shape. The first execution of each exchange runs a configuration handshake (an allgather
+of a fixed-size record under ``hvdq.hs.<name>``, inside a ``tf.cond`` that later steps skip); the
+exchange's collectives wait for it, so ranks configured differently raise
+:class:`~hvd_quant.exchange.ConfigMismatchError` on every rank instead of stalling.
+
+Names (stock path). Horovod passes ``name=None`` for gradients, so ``compress`` looks for, in order:
+the ``name`` given to ``hvd.allreduce``; the variable of the gradient (Horovod's
+``allreduce_grads(grads, vars)`` frame, ``vars[i].name``); the symbolic tensor's name. All three are
+fixed by the program, hence equal on every rank; duplicates within one traced function get ``#k``.
+"""
+import functools
+import sys
+import threading
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from ..exchange import Collectives, check_handshake, handshake_record
+from . import _backend
+from ._backend import OPS, op_name
+
+__all__ = ["GraphExchange", "graph_collectives", "horovod_context", "stock_compress_graph",
+           "stock_backend", "stock_adapter"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Recording collectives
+
+
+class _Deferred:
+    """What the core asked to send; ``result`` is filled by the numpy step after the graph op."""
+    __slots__ = ("tensor", "splits", "result")
+
+    def __init__(self, tensor, splits=None):
+        self.tensor, self.splits, self.result = tensor, splits, None
+
+
+def _sync(handle):
+    if handle.result is None:
+        raise RuntimeError("hvd_quant: internal error: a graph collective's result was read before "
+                           "the graph delivered it")
+    return handle.result
+
+
+def _no_allreduce(*args, **kwargs):
+    raise RuntimeError("hvd_quant: the in-graph exchange uses Horovod's graph allreduce directly")
+
+
+_GRAPH_COLL = {}
+
+
+def graph_collectives(process_set=None):
+    """The recording Collectives table (rank and size of ``process_set``) used inside graphs."""
+    import horovod.tensorflow as hvd
+    ps = hvd.global_process_set if process_set is None else process_set
+    key = (ps.process_set_id, ps.rank(), ps.size())
+    coll = _GRAPH_COLL.get(key)
+    if coll is None:
+        coll = _GRAPH_COLL[key] = Collectives(
+            rank=ps.rank(), size=ps.size(),
+            allgather_async=lambda t, name: _Deferred(t),
+            alltoall_async=lambda t, splits, name: _Deferred(t, list(splits)),
+            allreduce_async=_no_allreduce, synchronize=_sync, process_set=ps)
+    return coll
+
+
+# --------------------------------------------------------------------------------------------------
+# The exchange as graph ops
+
+
+class _Slot:
+    """One exchange built into one trace; ``pending`` lives from its start step to its finish step."""
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        self.pending = None
+
+
+def _readonly(a, dtype):
+    a = np.asarray(a)
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    v = a.reshape(-1).view()
+    v.flags.writeable = False          # the core must not write into TensorFlow's buffer
+    return v
+
+
+def _numpy_step(fn, inputs, dtype, shape, name):
+    with tf.device("/cpu:0"):
+        out = tf.numpy_function(fn, inputs, dtype, stateful=True, name=name)
+    out.set_shape(shape)
+    return out
+
+
+class GraphExchange:
+    """Builds exchanges of one :class:`~hvd_quant.exchange.Exchange` (whose ``coll`` is a
+    :func:`graph_collectives` table) into the graph being traced."""
+
+    def __init__(self, exchange, process_set):
+        self.exchange = exchange
+        self.process_set = process_set
+        self.lock = threading.RLock()
+        self.steps = {}            # exchange name -> executions started (payload header tags)
+        self.verified = set()      # names whose handshake passed
+        self._keys = weakref.WeakKeyDictionary()   # outermost graph -> names used in it
+
+    # -- names --------------------------------------------------------------------------------------
+    def unique_key(self, base):
+        """``base``, or ``base#k`` if this traced function already holds an exchange of that name."""
+        g = tf.compat.v1.get_default_graph()
+        while getattr(g, "outer_graph", None) is not None:
+            g = g.outer_graph
+        used = self._keys.setdefault(g, {})
+        k = used.get(base, 0)
+        used[base] = k + 1
+        return base if k == 0 else f"{base}#{k}"
+
+    # -- handshake ----------------------------------------------------------------------------------
+    def handshake(self, key, record, what, name=None):
+        """A scalar bool op: on the first execution of ``key`` (on this process) allgathers
+        ``record`` and raises ConfigMismatchError on every rank if any rank's record differs."""
+        import horovod.tensorflow as hvd
+        ex, ps = self.exchange, self.process_set
+        hs_name = op_name(name or f"{ex.prefix}.hs.{key}")
+
+        def need():
+            return np.bool_(key not in self.verified)
+
+        def check(gathered):
+            with self.lock:
+                check_handshake(ex.coll, OPS, record, gathered, what)
+                self.verified.add(key)
+            return np.bool_(True)
+
+        def run():
+            rec = tf.constant(np.frombuffer(record, dtype=np.uint8))
+            gathered = hvd.allgather(rec, name=hs_name, ignore_name_scope=True, process_set=ps)
+            return _numpy_step(check, [gathered], tf.bool, [], "hvdq_handshake_check")
+
+        flag = _numpy_step(need, [], tf.bool, [], "hvdq_handshake_needed")
+        return tf.cond(flag, run, lambda: tf.constant(True))
+
+    # -- the exchange -------------------------------------------------------------------------------
+    def static_sizes(self, numel):
+        """(bytes this rank sends first, bytes it sends second or None) for ``numel`` elements."""
+        ex = self.exchange
+        if ex.reduction == "allgather":
+            return ex.payload_nbytes(numel), None
+        bounds = ex.bounds(numel)
+        a, b = bounds[ex.coll.rank]
+        return sum(ex.payload_nbytes(y - x) for x, y in bounds), ex.payload_nbytes(b - a)
+
+    def build(self, key, flat, header=None, deps=()):
+        """Graph ops computing the float32 **sum over ranks** of the 1-D float32 ``flat`` (static
+        size) with the core's reduction; returns that 1-D float32 tensor."""
+        import horovod.tensorflow as hvd
+        ex, ps = self.exchange, self.process_set
+        numel = int(flat.shape[0])
+        header = key if header is None else header
+        first, second = self.static_sizes(numel)
+        slot = _Slot()
+        nm = op_name(key)
+        with tf.control_dependencies(list(deps)):
+            send = _numpy_step(functools.partial(self._start, slot, key, header, first), [flat],
+                               tf.uint8, [first], "hvdq_start")
+        if ex.reduction == "sra":
+            splits = [ex.payload_nbytes(b - a) for a, b in ex.bounds(numel)]
+            recv, _ = hvd.alltoall(send, splits=tf.constant(splits, tf.int32),
+                                   name=op_name(f"{ex.prefix}.a2a.{nm}"), ignore_name_scope=True,
+                                   process_set=ps)
+            send = _numpy_step(functools.partial(self._advance, slot, second), [recv], tf.uint8,
+                               [second], "hvdq_advance")
+        gathered = hvd.allgather(send, name=op_name(f"{ex.prefix}.ag.{nm}"), ignore_name_scope=True,
+                                 process_set=ps)
+        return _numpy_step(functools.partial(self._finish, slot, numel), [gathered], tf.float32,
+                           [numel], "hvdq_finish")
+
+    # The numpy steps (run at execution time, under one lock per engine: the core and the codec
+    # keep per-name state).
+    def _start(self, slot, key, header, expected, flat):
+        with self.lock:
+            step = self.steps.get(key, 0)
+            self.steps[key] = step + 1
+            slot.pending = self.exchange.start(key, _readonly(flat, np.float32), step=step,
+                                               header=header)
+            return self._out(slot.pending.handle.tensor, expected, key)
+
+    def _advance(self, slot, expected, recv):
+        with self.lock:
+            p = self._pending(slot)
+            p.handle.result = np.asarray(recv).reshape(-1)
+            self.exchange.advance(p)
+            return self._out(p.handle.tensor, expected, p.name)
+
+    def _finish(self, slot, numel, gathered):
+        with self.lock:
+            p = self._pending(slot)
+            slot.pending = None
+            p.handle.result = np.asarray(gathered).reshape(-1)
+            out = self.exchange.finish(p)
+            return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
+
+    @staticmethod
+    def _pending(slot):
+        if slot.pending is None:
+            raise RuntimeError("hvd_quant: internal error: an exchange step ran without its start")
+        return slot.pending
+
+    @staticmethod
+    def _out(arr, expected, key):
+        arr = np.ascontiguousarray(np.asarray(arr, dtype=np.uint8).reshape(-1))
+        if arr.size != expected:
+            raise RuntimeError(f"hvd_quant: internal error: exchange {key!r} produced {arr.size} "
+                               f"bytes, {expected} were planned when tracing")
+        return arr
+
+
+# --------------------------------------------------------------------------------------------------
+# hvd_quant._stock in graph mode
+
+
+def stock_backend(process_set=None):
+    """This module doubles as an hvd_quant._stock backend: (recording Collectives, ArrayOps)."""
+    return graph_collectives(process_set), OPS
+
+
+def stock_adapter():
+    return _backend.stock_adapter()
+
+
+class HorovodContext:
+    __slots__ = ("name", "process_set", "variable")
+
+    def __init__(self, name=None, process_set=None, variable=None):
+        self.name, self.process_set, self.variable = name, process_set, variable
+
+
+def horovod_context(tensor, max_depth=150):
+    """Name, process set and variable name of the gradient Horovod is compressing, read from
+    Horovod's frames: ``allreduce`` / ``grouped_allreduce`` (``name``, ``process_set``), then the
+    comprehension over ``enumerate(grads)`` (``i``) and ``allreduce_grads(grads, vars)`` (``vars[i]``),
+    autograph's converted copies (``tf__*``, ``else_body_*``, lambdas) included."""
+    ctx = HorovodContext()
+    seen = False
+    index = None
+    f = sys._getframe(1)
+    for _ in range(max_depth):
+        if f is None:
+            break
+        if f.f_globals.get("__name__") == "horovod.tensorflow":
+            code = f.f_code.co_name
+            base = code[4:] if code.startswith("tf__") else code
+            loc = f.f_locals
+            if not seen:
+                if base in ("allreduce", "grouped_allreduce"):
+                    seen = True
+                    ctx.process_set = loc.get("process_set")
+                    n = loc.get("name")
+                    if base == "grouped_allreduce":
+                        group = loc.get("tensor_list") or loc.get("tensors") or ()
+                        idx = next((k for k, t in enumerate(group) if t is tensor), None)
+                        n = f"{n}.{idx}" if isinstance(n, str) and idx is not None else None
+                    if isinstance(n, str):
+                        ctx.name = n
+            elif base == "allreduce_grads":
+                variables = loc.get("vars")
+                if index is not None and variables is not None and 0 <= index < len(variables):
+                    ctx.variable = getattr(variables[index], "name", None)
+                break
+            elif index is None and "grad" in loc and isinstance(loc.get("i"), int):
+                index = loc["i"]
+        f = f.f_back
+    return ctx
+
+
+_ENGINES = weakref.WeakKeyDictionary()
+_ENGINES_LOCK = threading.Lock()
+
+
+def _engine(sc, process_set):
+    session = sc._session(sys.modules[__name__], process_set)
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(session)
+        if eng is None:
+            eng = _ENGINES[session] = GraphExchange(session.exchange, session.exchange.coll.process_set)
+    return eng
+
+
+class _GraphCtx:
+    """ctx of a gradient whose exchange was built into the graph; Horovod hands it back to
+    ``decompress`` with the allreduced placeholder."""
+    __slots__ = ("result", "info", "size")
+
+    def __init__(self, result, info, size):
+        self.result, self.info, self.size = result, info, size
+
+    def stock_decompress(self, summed_placeholder):
+        # placeholder sum / N = the factor Horovod would apply to the sum (op, pre/postscale).
+        factor = tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32) / float(self.size)
+        out = tf.reshape(self.result * factor, self.info.shape)
+        return out if self.info.dtype == tf.float32 else tf.cast(out, self.info.dtype)
+
+
+def stock_compress_graph(sc, tensor):
+    """StockCompression.compress for a symbolic tensor: build the exchange, return the placeholder."""
+    import horovod.tensorflow as hvd
+    from .. import _stock
+    info = _backend._Info(tensor)
+    hctx = horovod_context(tensor)
+    ps = hctx.process_set if hasattr(hctx.process_set, "process_set_id") else hvd.global_process_set
+    adapter = _backend.stock_adapter()
+    if not sc._compressible(info):
+        sendable = adapter.sendable(tensor)
+        if sendable is tensor:
+            return tensor, _stock.PASSTHROUGH
+        return sendable, _stock._Cast(adapter, info)   # bfloat16: float32 on the wire
+    eng = _engine(sc, ps)
+    base = hctx.name or hctx.variable or tensor.name
+    key = eng.unique_key(base)
+    header = f"{key}[{'x'.join(map(str, info.shape))}]"
+    ok = eng.handshake(key, handshake_record(sc.summary(), (key, info.shape)), f"tensor {key!r}")
+    flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+    result = eng.build(key, flat, header=header, deps=[ok])
+    return adapter.placeholder(tensor), _GraphCtx(result, info, eng.exchange.coll.size)

@@ -1,0 +1,12 @@
+"""``hvd_quant.tensorflow.keras.DistributedOptimizer``: Horovod's Keras optimizer wrapper with a
+compressed gradient exchange, for ``model.fit`` (TensorFlow 2.15 with its Keras 2, ``tf.keras``).
+
+Horovod's Keras callbacks work unchanged (``hvd.callbacks.BroadcastGlobalVariablesCallback(0)``,
+``MetricAverageCallback()``, ...); they are re-exported here as ``callbacks`` for convenience.
+"""
+from horovod.tensorflow.keras import callbacks  # noqa: F401
+
+from ..wrappers import KerasDistributedOptimizer as DistributedOptimizer
+from ..wrappers import bytes_sent_per_step, reducer_of
+
+__all__ = ["DistributedOptimizer", "bytes_sent_per_step", "reducer_of", "callbacks"]

@@ -1,0 +1,451 @@
+"""``GradientReducer``: the compressed gradient reduction behind every TensorFlow entry point.
+
+Horovod's TensorFlow wrappers (``DistributedGradientTape``, ``DistributedOptimizer`` and the Keras
+``DistributedOptimizer``) all reduce gradients through one function, ``_allreduce_grads(grads, vars)``.
+hvd_quant's wrappers are Horovod's own, with that function replaced by a :class:`GradientReducer`:
+
+1. **Plan** (when tracing): gradients that are dense, floating point, of static shape, not 1-D
+   (unless ``compress_1d``) and with at least ``min_compress_numel`` elements are fused, in reverse
+   variable order (the order backward produces them), into buckets of at most ``bucket_bytes`` of
+   float32 (a larger tensor is a bucket alone), or as ``groups`` says. The others (biases, norms,
+   ``tf.IndexedSlices`` unless ``sparse_as_dense``) go through ``hvd.allreduce``, which Horovod fuses.
+2. **Handshake** (first execution): one allgather of the configuration and the plan; ranks that
+   differ raise :class:`~hvd_quant.exchange.ConfigMismatchError` on every rank before any gradient
+   collective is submitted.
+3. **Exchange**: each bucket's exchange (``reduction="sra"`` or ``"allgather"``, the core's
+   :class:`~hvd_quant.exchange.Exchange`) is built into the graph (``hvd_quant/tensorflow/_graph.py``)
+   and returns the float32 sum over ranks; ``op=hvd.Average`` divides it by N; it is split back into
+   the gradients, reshaped and cast to their dtypes. TensorFlow runs buckets as their gradients
+   become ready, so exchanges overlap with the rest of backward.
+4. **Warm-up**: while ``step < warmup_steps`` (a variable saved with the state) every gradient goes
+   through full-precision ``hvd.allreduce`` instead (a ``tf.cond``, so one trace serves both phases).
+
+Error feedback (on by default for ``OneBit``; ``error_feedback=True`` for QSGD) keeps each rank's
+quantization residual per bucket in the core's :class:`~hvd_quant.memory.Memory`. The reducer is a
+TensorFlow ``Trackable``: ``tf.train.Checkpoint(..., hvd_quant=reducer)`` saves, per rank, the step
+and the residuals keyed by **variable name** (``"dense/kernel:0"``; SRA's per-chunk "server"
+residuals by bucket) as one serialized string, and restores them bit-exactly, before or after the
+first step. The Keras and legacy optimizers track their reducer as the dependency ``hvd_quant``, so
+checkpoints of the optimizer carry it.
+"""
+import io
+import itertools
+import json
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from ..exchange import (AVERAGE, HANDSHAKE_NAME, REDUCTIONS, Exchange, Traffic, handshake_record,
+                        is_passthrough_codec)
+from ..memory import Memory
+from . import _backend
+from ._backend import OPS, op_name
+from ._graph import GraphExchange, graph_collectives
+
+__all__ = ["GradientReducer", "resolve_codec"]
+
+_instances = itertools.count()
+_Trackable = tf.__internal__.tracking.Trackable
+_FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+def resolve_codec(compression):
+    """A codec from what users pass as ``compression=``: an hvd_quant codec, a spec string, a
+    :class:`hvd_quant.StockCompression`, Horovod's ``Compression.none`` / ``Compression.fp16``, or None."""
+    import hvd_quant
+    if compression is None:
+        return hvd_quant.NoCompression()
+    if isinstance(compression, str):
+        return hvd_quant.from_spec(compression)
+    inner = getattr(compression, "codec", None)
+    if inner is not None and hasattr(inner, "encode"):
+        return inner
+    if hasattr(compression, "encode") and hasattr(compression, "wire_nbytes"):
+        return compression
+    from horovod.tensorflow.compression import Compression
+    if compression is Compression.none or isinstance(compression, Compression.none):
+        return hvd_quant.NoCompression()
+    if compression is Compression.fp16 or isinstance(compression, Compression.fp16):
+        return hvd_quant.FP16()
+    raise TypeError(f"hvd_quant: compression must be an hvd_quant codec, a spec string or "
+                    f"hvd.Compression.none/fp16, got {compression!r}")
+
+
+class _Bucket:
+    __slots__ = ("name", "idxs", "names", "shapes", "dtypes", "numels", "offsets", "numel")
+
+    def __init__(self, name, idxs, names, grads):
+        self.name, self.idxs = name, list(idxs)
+        self.names = [names[i] for i in idxs]
+        self.shapes = [tuple(int(d) for d in grads[i].shape) for i in idxs]
+        self.dtypes = [grads[i].dtype for i in idxs]
+        self.numels = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+        self.offsets = [int(x) for x in np.concatenate([[0], np.cumsum(self.numels)])]
+        self.numel = self.offsets[-1]
+
+
+class _Plan:
+    __slots__ = ("key", "buckets", "comp", "plain", "names", "record", "plain_nbytes", "plain_numel")
+
+
+def _fuse(idxs, numels, bucket_bytes):
+    """Greedy, in the given order: groups of at most bucket_bytes of float32 (a bigger tensor alone)."""
+    groups, current, size = [], [], 0
+    limit = max(1, int(bucket_bytes) // 4) if bucket_bytes else None
+    for i in idxs:
+        n = numels[i]
+        if limit is not None and current and size + n > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _unique(names):
+    seen, out = {}, []
+    for n in names:
+        k = seen.get(n, 0)
+        seen[n] = k + 1
+        out.append(n if k == 0 else f"{n}#{k}")
+    return out
+
+
+class GradientReducer(_Trackable):
+    """Reduce a list of gradients across ranks with a compressed exchange (module doc).
+
+    Arguments are Horovod's (``op``, ``gradient_predivide_factor``, ``groups``, ``sparse_as_dense``,
+    ``process_set``, ``device_dense``, ``device_sparse``) plus ``compression`` (a codec, a spec
+    string or ``hvd.Compression.none/fp16``), ``reduction`` (``"sra"`` | ``"allgather"``),
+    ``bucket_bytes`` (default 4 MiB), ``min_compress_numel`` (default 1024), ``compress_1d``,
+    ``warmup_steps`` and ``error_feedback`` (default: what the codec wants).
+
+    Call it as Horovod calls its own: ``reducer(grads, vars)`` -> reduced grads (``None`` stays
+    ``None``), eagerly (it wraps itself in a ``tf.function``) or inside a graph.
+    """
+
+    def __init__(self, compression=None, op=None, reduction="sra", bucket_bytes=4 << 20,
+                 min_compress_numel=1024, warmup_steps=0, error_feedback=None, compress_1d=False,
+                 gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 process_set=None, device_dense="", device_sparse=""):
+        import horovod.tensorflow as hvd
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.op = _backend.core_op(op)
+        if gradient_predivide_factor != 1.0 and self.op != AVERAGE:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if groups is not None and not (isinstance(groups, (list, tuple)) or int(groups) > 0):
+            raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
+        self.codec = resolve_codec(compression)
+        self.reduction = reduction
+        self.bucket_bytes = int(bucket_bytes) if bucket_bytes else 0
+        self.min_compress_numel = int(min_compress_numel)
+        self.warmup_steps = int(warmup_steps)
+        self.compress_1d = bool(compress_1d)
+        self.error_feedback = (bool(getattr(self.codec, "wants_error_feedback", False))
+                               if error_feedback is None else bool(error_feedback))
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.groups = groups
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.process_set = hvd.global_process_set if process_set is None else process_set
+        self.device_dense, self.device_sparse = device_dense, device_sparse
+        self._prefix = f"hvdq.tf{next(_instances)}"
+        self.memory = Memory(OPS) if self.error_feedback else None
+        with tf.init_scope():
+            self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
+        self._plans = {}
+        self._engine = None
+        self._lock = threading.RLock()
+        self._restored = {}            # var name -> residual, until its bucket is planned
+        self._restored_server = {}
+        self._restored_steps = {}      # exchange name -> executions (stochastic rounding's counter)
+        self.last_traffic = Traffic()
+        self._eager_fn = tf.function(self._reduce, autograph=False)
+
+    # -- configuration --------------------------------------------------------------------------------
+    @property
+    def step(self):
+        """Reductions run so far (a tf.Variable; saved and restored with the state)."""
+        return self._step
+
+    def summary(self):
+        return (f"{self.codec.spec()} reduction={self.reduction} bucket_bytes={self.bucket_bytes} "
+                f"min_compress_numel={self.min_compress_numel} compress_1d={self.compress_1d} "
+                f"warmup_steps={self.warmup_steps} error_feedback={self.error_feedback} op={self.op} "
+                f"predivide={self.gradient_predivide_factor}")
+
+    def _connect(self):
+        ps = self.process_set
+        coll = graph_collectives(ps)
+        if self._engine is None or self._engine.exchange.coll is not coll:
+            exchange = Exchange(self.codec, coll, OPS, reduction=self.reduction, memory=self.memory,
+                                prefix=self._prefix)
+            steps = self._engine.steps if self._engine is not None else self._restored_steps
+            self._engine = GraphExchange(exchange, ps)
+            self._engine.steps.update(steps)
+        return self._engine
+
+    # -- plan -----------------------------------------------------------------------------------------
+    def _compressible(self, g):
+        if not isinstance(g, tf.Tensor) or g.dtype not in _FLOATS:
+            return False
+        shape = g.shape
+        if shape.rank is None or not shape.is_fully_defined():
+            return False
+        return ((shape.rank > 1 or self.compress_1d)
+                and int(np.prod(shape.as_list(), dtype=np.int64)) >= self.min_compress_numel
+                and not is_passthrough_codec(self.codec))
+
+    def _plan_for(self, grads, variables):
+        names = _unique([getattr(v, "name", None) or f"grad_{i}" for i, v in enumerate(variables)]
+                        if variables is not None else [f"grad_{i}" for i in range(len(grads))])
+        sig = tuple((n, None if g is None else (type(g).__name__, g.dtype.name, str(g.shape)))
+                    for n, g in zip(names, grads))
+        plan = self._plans.get(sig)
+        if plan is not None:
+            return plan
+        comp = [i for i, g in enumerate(grads) if g is not None and self._compressible(g)]
+        plain = [i for i, g in enumerate(grads) if g is not None and i not in set(comp)]
+        numels = {i: int(np.prod(grads[i].shape.as_list(), dtype=np.int64)) for i in comp}
+        groups = self.groups
+        if isinstance(groups, (list, tuple)) and variables is not None:
+            index = {variables[i].ref(): i for i in comp}
+            seen, members = set(), []
+            for grp in groups:
+                m = [index[v.ref()] for v in grp if v.ref() in index]
+                seen.update(m)
+                if m:
+                    members.append(m)
+            members += _fuse([i for i in reversed(comp) if i not in seen], numels, self.bucket_bytes)
+        elif groups and not isinstance(groups, (list, tuple)):
+            from horovod.common.util import split_list
+            members = [g for g in split_list(comp, int(groups)) if g]
+        else:
+            members = _fuse(list(reversed(comp)), numels, self.bucket_bytes)
+        tag = "" if not self._plans else f"p{len(self._plans)}."
+        plan = _Plan()
+        plan.names = names
+        plan.buckets = [_Bucket(f"{self._prefix}.{tag}b{k}", m, names, grads) for k, m in enumerate(members)]
+        plan.comp = [i for b in plan.buckets for i in b.idxs]
+        plan.plain = plain
+        dense_plain = [i for i in plain if isinstance(grads[i], tf.Tensor) and grads[i].shape.is_fully_defined()]
+        plan.plain_numel = sum(int(np.prod(grads[i].shape.as_list(), dtype=np.int64)) for i in dense_plain)
+        plan.plain_nbytes = sum(int(np.prod(grads[i].shape.as_list(), dtype=np.int64)) *
+                                _backend.sendable_dtype(grads[i].dtype).size for i in dense_plain)
+        layout = (tuple((b.name, tuple(b.names), tuple(b.shapes)) for b in plan.buckets),
+                  tuple((names[i], str(grads[i].shape)) for i in plain))
+        plan.key = f"{self._prefix}.{tag}plan"
+        plan.record = handshake_record(
+            f"{self.summary()} buckets={len(plan.buckets)} "
+            f"compressed_numel={sum(b.numel for b in plan.buckets)} grads={len(comp) + len(plain)}",
+            layout)
+        self._plans[sig] = plan
+        self._apply_restored([plan])
+        return plan
+
+    # -- reduction ------------------------------------------------------------------------------------
+    def __call__(self, grads, vars=None, use_generic_names=False):  # noqa: A002 - Horovod's signature
+        grads = list(grads)
+        variables = list(vars) if vars is not None else None
+        if tf.executing_eagerly():
+            return self._eager_fn(grads, variables)
+        return self._reduce(grads, variables)
+
+    def _allreduce(self, g, name):
+        import horovod.tensorflow as hvd
+        pre, post = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
+                     if self.op == AVERAGE else (1.0, 1.0))
+        hop = _backend.hvd_op(self.op)
+        nm = op_name(f"{self._prefix}.p.{name}")
+        if isinstance(g, tf.Tensor) and _backend.sendable_dtype(g.dtype) != g.dtype:
+            out = hvd.allreduce(tf.cast(g, tf.float32), op=hop, prescale_factor=pre,
+                                postscale_factor=post, name=nm, ignore_name_scope=True,
+                                process_set=self.process_set, device_dense=self.device_dense)
+            return tf.cast(out, g.dtype)
+        return hvd.allreduce(g, op=hop, prescale_factor=pre, postscale_factor=post, name=nm,
+                             ignore_name_scope=True, process_set=self.process_set,
+                             device_dense=self.device_dense, device_sparse=self.device_sparse)
+
+    def _compressed(self, engine, plan, grads):
+        size = engine.exchange.coll.size
+        out = {}
+        for b in plan.buckets:
+            parts = [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in b.idxs]
+            flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+            total = engine.build(b.name, flat, header=b.name)
+            if self.op == AVERAGE:
+                total = total * (1.0 / size)
+            pieces = tf.split(total, b.numels) if len(b.idxs) > 1 else [total]
+            for i, piece, shape, dtype in zip(b.idxs, pieces, b.shapes, b.dtypes):
+                piece = tf.reshape(piece, shape)
+                out[i] = piece if dtype == tf.float32 else tf.cast(piece, dtype)
+        return [out[i] for i in plan.comp]
+
+    def _reduce(self, grads, variables):
+        grads = list(grads)
+        if self.sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        ps = self.process_set
+        if not ps.included() or ps.size() <= 1:
+            return grads
+        with self._lock:
+            engine = self._connect()
+            plan = self._plan_for(grads, variables)
+        ok = engine.handshake(plan.key, plan.record, "hvd_quant.tensorflow gradient reduction",
+                              name=f"{HANDSHAKE_NAME}.{self._prefix}")
+        out = list(grads)
+        with tf.control_dependencies([ok]):
+            for i in plan.plain:
+                out[i] = self._allreduce(grads[i], plan.names[i])
+            comp_numel = sum(b.numel for b in plan.buckets)
+            comp_bytes = sum(n * _backend.sendable_dtype(grads[i].dtype).size
+                             for b in plan.buckets for i, n in zip(b.idxs, b.numels))
+            if plan.comp and self.warmup_steps > 0:
+                warm = self._step < self.warmup_steps
+                reduced = tf.cond(
+                    warm, lambda: [self._allreduce(grads[i], plan.names[i]) for i in plan.comp],
+                    lambda: self._compressed(engine, plan, grads))
+                extra_bytes = tf.where(warm, np.int64(comp_bytes), np.int64(0))
+                extra_numel = tf.where(warm, np.int64(comp_numel), np.int64(0))
+            else:
+                reduced = self._compressed(engine, plan, grads) if plan.comp else []
+                extra_bytes = extra_numel = tf.constant(0, tf.int64)
+            for i, r in zip(plan.comp, reduced):
+                out[i] = r
+            tail = [t for t in out if isinstance(t, tf.Tensor)]
+            with tf.control_dependencies(tail):
+                self._step.assign_add(1)
+                self._account_op(engine, plan, extra_bytes, extra_numel)
+        return out
+
+    def _account_op(self, engine, plan, extra_bytes, extra_numel):
+        size = engine.exchange.coll.size
+
+        def account(nbytes, numel):
+            with engine.lock:
+                t = engine.exchange.traffic
+                t.add_allreduce(plan.plain_nbytes + int(nbytes), plan.plain_numel + int(numel), size)
+                self.last_traffic = t.copy()
+                t.reset()
+            return np.int64(0)
+        with tf.device("/cpu:0"):
+            return tf.numpy_function(account, [extra_bytes, extra_numel], tf.int64, stateful=True,
+                                     name="hvdq_account")
+
+    def bytes_per_step(self):
+        """:class:`hvd_quant.exchange.Traffic` of the last reduction: bytes this rank sent and what an
+        fp32 ring allreduce of the same gradients would have sent (``.sent_bytes``, ``.fp32_bytes``,
+        ``.ratio``)."""
+        return self.last_traffic
+
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self):
+        """``{"step", "codec", "reduction", "residuals": {var name: array}, "server_residuals":
+        {key: array}, "exchange_steps": {bucket: count}}`` (NumPy copies; this rank's). The exchange
+        counters key the stochastic rounding, so a restored run draws the same noise."""
+        residuals, server = {}, {}
+        with self._lock:
+            if self.memory is not None:
+                for plan in self._plans.values():
+                    for b in plan.buckets:
+                        flat = self.memory.get(b.name)
+                        if flat is None:
+                            continue
+                        flat = np.asarray(flat, np.float32)
+                        for k, name in enumerate(b.names):
+                            residuals[name] = flat[b.offsets[k]:b.offsets[k + 1]].reshape(b.shapes[k]).copy()
+                for key in self.memory.names():
+                    if "/server" in key:
+                        server[key] = np.array(self.memory.get(key), np.float32, copy=True)
+            residuals.update({k: v for k, v in self._restored.items() if k not in residuals})
+            for k, v in self._restored_server.items():
+                server.setdefault(k, v)
+            steps = dict(self._engine.steps if self._engine is not None else self._restored_steps)
+        return {"step": int(self._step.numpy()), "codec": self.codec.spec(),
+                "reduction": self.reduction, "residuals": residuals, "server_residuals": server,
+                "exchange_steps": steps}
+
+    def load_state_dict(self, state):
+        with self._lock:
+            self._step.assign(int(state.get("step", 0)))
+            steps = {k: int(v) for k, v in state.get("exchange_steps", {}).items()}
+            if self._engine is not None:
+                self._engine.steps.clear()
+                self._engine.steps.update(steps)
+            else:
+                self._restored_steps = steps
+            if self.memory is None:
+                return
+            self.memory.clear()
+            self._restored = {k: np.array(v, np.float32) for k, v in state.get("residuals", {}).items()}
+            self._restored_server = {k: np.array(v, np.float32).reshape(-1)
+                                     for k, v in state.get("server_residuals", {}).items()}
+            self._apply_restored(self._plans.values())
+
+    def _apply_restored(self, plans):
+        if self.memory is None or not (self._restored or self._restored_server):
+            return
+        for plan in plans:
+            for b in plan.buckets:
+                if all(n in self._restored for n in b.names):
+                    flat = np.concatenate([self._restored.pop(n).reshape(-1) for n in b.names])
+                    if flat.size != b.numel:
+                        raise ValueError(f"hvd_quant: restored residuals of bucket {b.name} have "
+                                         f"{flat.size} elements, the bucket {b.numel}")
+                    self.memory.set(b.name, flat.astype(np.float32))
+                for key in [k for k in self._restored_server if k.startswith(b.name + "/server")]:
+                    self.memory.set(key, self._restored_server.pop(key))
+
+    def reset_residuals(self):
+        """Forget every error-feedback residual (e.g. after restoring another rank's checkpoint)."""
+        with self._lock:
+            if self.memory is not None:
+                self.memory.clear()
+            self._restored, self._restored_server = {}, {}
+
+    # The whole state as one string tensor: the set of residual names is only known once the model
+    # has been traced, and TensorFlow restores by keys known at restore time.
+    def serialize(self):
+        """The state as bytes (NumPy ``.npz``; no pickle)."""
+        st = self.state_dict()
+        arrays, rnames, snames = {}, [], []
+        for k, (name, v) in enumerate(sorted(st["residuals"].items())):
+            arrays[f"r{k}"] = v
+            rnames.append(name)
+        for k, (name, v) in enumerate(sorted(st["server_residuals"].items())):
+            arrays[f"s{k}"] = v
+            snames.append(name)
+        meta = {"format": 1, "step": st["step"], "codec": st["codec"], "reduction": st["reduction"],
+                "residuals": rnames, "server_residuals": snames, "exchange_steps": st["exchange_steps"]}
+        buf = io.BytesIO()
+        np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+        return buf.getvalue()
+
+    def deserialize(self, data):
+        with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes().decode())
+            state = {"step": meta["step"], "exchange_steps": meta.get("exchange_steps", {}),
+                     "residuals": {n: z[f"r{k}"] for k, n in enumerate(meta["residuals"])},
+                     "server_residuals": {n: z[f"s{k}"] for k, n in enumerate(meta["server_residuals"])}}
+        self.load_state_dict(state)
+
+    def _serialize_to_tensors(self):
+        if tf.executing_eagerly():
+            return {"state": tf.constant(self.serialize())}
+        with tf.device("/cpu:0"):
+            t = tf.numpy_function(lambda: np.array(self.serialize(), dtype=object), [], tf.string,
+                                  stateful=True)
+        t.set_shape([])
+        return {"state": t}
+
+    def _restore_from_tensors(self, restored_tensors):
+        t = restored_tensors["state"]
+        if tf.executing_eagerly():
+            self.deserialize(t.numpy())
+            return None
+        with tf.device("/cpu:0"):
+            return tf.numpy_function(lambda b: (self.deserialize(b), np.int64(0))[1], [t], tf.int64,
+                                     stateful=True)

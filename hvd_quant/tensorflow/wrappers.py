@@ -1,0 +1,209 @@
+"""``hvd_quant.tensorflow.DistributedGradientTape`` / ``DistributedOptimizer`` and the Keras one.
+
+Each is Horovod's own wrapper (same arguments, same behaviour: local sources/variables, gradient
+aggregation over ``backward_passes_per_step``, Keras ``fit``) with its gradient reduction replaced
+by a :class:`~hvd_quant.tensorflow.reducer.GradientReducer`. Nothing of Horovod is patched: the
+reducer is installed on the returned object only.
+"""
+import threading
+
+import horovod.tensorflow as hvd
+from horovod.tensorflow.compression import Compression as _HvdCompression
+
+from ..exchange import REDUCTIONS
+from . import _backend
+from .reducer import GradientReducer, resolve_codec
+
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "KerasDistributedOptimizer",
+           "install_reducer", "reducer_of"]
+
+_TAPE_REDUCERS = {}
+_TAPE_LOCK = threading.Lock()
+
+
+def install_reducer(obj, reducer):
+    """Make Horovod's wrapper ``obj`` (tape or optimizer) reduce gradients with ``reducer``, and
+    track ``reducer`` under the checkpoint dependency name ``hvd_quant`` where ``obj`` is trackable."""
+    object.__setattr__(obj, "_allreduce_grads", reducer)
+    helper = getattr(obj, "_agg_helper", None)
+    if helper is not None:                       # backward_passes_per_step > 1
+        if hasattr(helper, "_allreduce_grads"):
+            helper._allreduce_grads = reducer
+        if hasattr(helper, "allreduce_grads"):
+            helper.allreduce_grads = reducer
+    track = getattr(obj, "_track_trackable", None)
+    if track is not None:
+        track(reducer, name="hvd_quant", overwrite=True)
+    object.__setattr__(obj, "hvd_quant_reducer", reducer)
+    return obj
+
+
+def reducer_of(obj):
+    """The :class:`GradientReducer` of an hvd_quant tape or optimizer (or ``obj`` if it is one)."""
+    if isinstance(obj, GradientReducer):
+        return obj
+    r = getattr(obj, "hvd_quant_reducer", None)
+    if r is None:
+        raise TypeError(f"{type(obj).__name__} was not made by hvd_quant.tensorflow")
+    return r
+
+
+def _groups(num_groups, groups):
+    if num_groups != 0 and groups is None:
+        groups = num_groups
+    return groups
+
+
+def _check(reduction, backward_passes_per_step=1):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+
+
+def _tape_key(compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps,
+              error_feedback, compress_1d, gradient_predivide_factor, groups, sparse_as_dense,
+              process_set, device_dense, device_sparse):
+    comp = compression if isinstance(compression, str) or compression is None else id(compression)
+    if isinstance(groups, (list, tuple)):
+        groups = tuple(tuple(v.ref() for v in g) for g in groups)
+    return (comp, _backend.core_op(op), reduction, bucket_bytes, min_compress_numel, warmup_steps,
+            error_feedback, compress_1d, gradient_predivide_factor, groups, sparse_as_dense,
+            process_set.process_set_id, device_dense, device_sparse)
+
+
+def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=None,
+                            sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
+                            num_groups=0, groups=None, process_set=hvd.global_process_set,
+                            scale_local_gradients=True, reduction="sra", bucket_bytes=4 << 20,
+                            min_compress_numel=1024, warmup_steps=0, error_feedback=None,
+                            compress_1d=False, reducer=None):
+    """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange.
+
+    Horovod's arguments keep their meaning. hvd_quant adds (see :class:`GradientReducer`):
+
+    Arguments:
+        compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``), a spec
+            string (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``.
+        reduction: ``"sra"`` (scatter-reduce-allgather, default) or ``"allgather"``.
+        bucket_bytes: fusion bucket size in float32 bytes (default 4 MiB).
+        min_compress_numel: smaller gradients, and 1-D ones unless ``compress_1d``, go uncompressed.
+        warmup_steps: full-precision steps first.
+        error_feedback: keep per-rank residuals (default: what the codec wants).
+        reducer: a :class:`GradientReducer` to use (and checkpoint). By default the tapes made with
+            the same arguments (the same codec object) share one, so state survives the per-step
+            tape: it is ``tape.hvd_quant_reducer``.
+
+    Example::
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(model(x), y)
+        tape = hvd_quant.tensorflow.DistributedGradientTape(tape, compression=hvd_quant.QSGD(bits=4))
+        grads = tape.gradient(loss, model.trainable_variables)
+    """
+    _check(reduction)
+    groups = _groups(num_groups, groups)
+    tape = hvd.DistributedGradientTape(
+        gradtape, device_dense=device_dense, device_sparse=device_sparse,
+        compression=_HvdCompression.none, sparse_as_dense=sparse_as_dense,
+        op=_backend.hvd_op(_backend.core_op(op)), gradient_predivide_factor=gradient_predivide_factor,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+    if reducer is None:
+        key = _tape_key(compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps,
+                        error_feedback, compress_1d, gradient_predivide_factor, groups,
+                        sparse_as_dense, process_set, device_dense, device_sparse)
+        with _TAPE_LOCK:
+            entry = _TAPE_REDUCERS.get(key)
+            if entry is None:
+                entry = _TAPE_REDUCERS[key] = (compression, GradientReducer(
+                    compression=compression, op=op, reduction=reduction, bucket_bytes=bucket_bytes,
+                    min_compress_numel=min_compress_numel, warmup_steps=warmup_steps,
+                    error_feedback=error_feedback, compress_1d=compress_1d,
+                    gradient_predivide_factor=gradient_predivide_factor, groups=groups,
+                    sparse_as_dense=sparse_as_dense, process_set=process_set,
+                    device_dense=device_dense, device_sparse=device_sparse))
+            reducer = entry[1]
+    return install_reducer(tape, reducer)
+
+
+def _make_reducer(compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps,
+                  error_feedback, compress_1d, gradient_predivide_factor, groups, sparse_as_dense,
+                  process_set, device_dense, device_sparse):
+    return GradientReducer(compression=compression, op=op, reduction=reduction,
+                           bucket_bytes=bucket_bytes, min_compress_numel=min_compress_numel,
+                           warmup_steps=warmup_steps, error_feedback=error_feedback,
+                           compress_1d=compress_1d,
+                           gradient_predivide_factor=gradient_predivide_factor, groups=groups,
+                           sparse_as_dense=sparse_as_dense, process_set=process_set,
+                           device_dense=device_dense, device_sparse=device_sparse)
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='', device_sparse='',
+                         compression=None, sparse_as_dense=False, backward_passes_per_step=1,
+                         op=hvd.Average, gradient_predivide_factor=1.0,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=hvd.global_process_set, scale_local_gradients=True,
+                         reduction="sra", bucket_bytes=4 << 20, min_compress_numel=1024,
+                         warmup_steps=0, error_feedback=None, compress_1d=False):
+    """``horovod.tensorflow.DistributedOptimizer`` with a compressed gradient exchange: a
+    ``tf.compat.v1.train.Optimizer`` or a Keras optimizer (which goes to the Keras wrapper, as in
+    Horovod). Extra arguments as :func:`DistributedGradientTape`; the reducer is
+    ``opt.hvd_quant_reducer`` and is tracked by the optimizer's checkpoint as ``hvd_quant``."""
+    _check(reduction, backward_passes_per_step)
+    groups = _groups(num_groups, groups)
+    hop = _backend.hvd_op(_backend.core_op(op))
+    opt = hvd.DistributedOptimizer(
+        optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
+        device_sparse=device_sparse, compression=_HvdCompression.none,
+        sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step, op=hop,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    return install_reducer(opt, _make_reducer(
+        compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps, error_feedback,
+        compress_1d, gradient_predivide_factor, groups, sparse_as_dense, process_set, device_dense,
+        device_sparse))
+
+
+def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
+                              compression=None, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                              op=hvd.Average, backward_passes_per_step=1,
+                              average_aggregated_gradients=False, num_groups=0, groups=None,
+                              process_set=hvd.global_process_set, scale_local_gradients=True,
+                              reduction="sra", bucket_bytes=4 << 20, min_compress_numel=1024,
+                              warmup_steps=0, error_feedback=None, compress_1d=False):
+    """``horovod.tensorflow.keras.DistributedOptimizer`` with a compressed gradient exchange
+    (exported as ``hvd_quant.tensorflow.keras.DistributedOptimizer``); use it with ``model.fit``."""
+    import horovod.tensorflow.keras as hvdk
+    _check(reduction, backward_passes_per_step)
+    groups = _groups(num_groups, groups)
+    hop = _backend.hvd_op(_backend.core_op(op))
+    opt = hvdk.DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=_HvdCompression.none, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=hop,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    return install_reducer(opt, _make_reducer(
+        compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps, error_feedback,
+        compress_1d, gradient_predivide_factor, groups, sparse_as_dense, process_set, device_dense,
+        device_sparse))
+
+
+def bytes_sent_per_step(obj):
+    """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent}`` for the last step of an hvd_quant tape
+    or optimizer (or reducer); for a stock Horovod wrapper whose ``compression=`` is an hvd_quant
+    codec or StockCompression, pass the codec: bytes since the last call."""
+    from .. import _stock
+    try:
+        t = reducer_of(obj).bytes_per_step()
+    except TypeError:
+        comp = getattr(obj, "_compression", obj)
+        sc = comp if isinstance(comp, _stock.StockCompression) else _stock.stock_compression(comp)
+        t = sc.traffic
+        sc.reset_traffic()
+    return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}
+
+
+_ = resolve_codec  # re-exported by the package

@@ -1,0 +1,25 @@
+"""PyTorch frontend: ``hvd_quant.torch.DistributedOptimizer`` and the torch side of the exchange.
+
+Importing this module imports ``horovod.torch``. Codecs passed to stock
+``hvd.DistributedOptimizer(compression=...)`` reach the torch backend through
+``hvd_quant._stock`` without this import.
+"""
+from ._backend import OPS, collectives
+from .optimizer import DistributedOptimizer, resolve_codec
+
+__all__ = ["DistributedOptimizer", "bytes_sent_per_step", "collectives", "OPS", "resolve_codec"]
+
+
+def bytes_sent_per_step(optimizer):
+    """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent}`` for the optimizer's last step: what this
+    rank sent, beside what an fp32 ring allreduce of the same gradients would have sent. Works for
+    ``hvd_quant.torch.DistributedOptimizer`` and for stock Horovod optimizers whose ``compression=`` is
+    an hvd_quant codec or :class:`hvd_quant.StockCompression` (for those: since the last call)."""
+    t = optimizer.bytes_per_step() if hasattr(optimizer, "bytes_per_step") else None
+    if t is None:
+        from .. import _stock
+        comp = getattr(optimizer, "_compression", None)
+        sc = comp if isinstance(comp, _stock.StockCompression) else _stock.stock_compression(comp)
+        t = sc.traffic
+        sc.reset_traffic()
+    return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}

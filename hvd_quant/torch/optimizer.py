@@ -1,0 +1,467 @@
+"""``hvd_quant.torch.DistributedOptimizer``: Horovod's optimizer with a compressed gradient exchange.
+
+The wrapper follows ``horovod.torch.DistributedOptimizer`` (same arguments, same dynamic subclass of
+the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / ``step()`` /
+``zero_grad()`` rules) and changes what happens to a gradient once it is ready:
+
+1. At construction the gradients are planned: tensors that are 1-D or have fewer than
+   ``min_compress_numel`` elements go through plain ``hvd.allreduce`` (Horovod fuses them itself);
+   the others are fused into buckets of at most ``bucket_bytes`` of float32, in reverse parameter
+   order (the order backward produces them), or as ``groups`` says. Every rank checks, through one
+   blocking allgather under a fixed name, that every rank made the same plan with the same codec:
+   ranks configured differently raise :class:`hvd_quant.exchange.ConfigMismatchError` at once.
+2. A gradient hook counts the ready gradients of each bucket; when the last one arrives the bucket is
+   flattened into a float32 buffer and its exchange (``hvd_quant.exchange``: ``sra`` or
+   ``allgather``) starts, overlapping with the rest of backward.
+3. ``synchronize()`` launches what is missing, advances every bucket to its last phase, then finishes
+   each, divides by N for ``op=hvd.Average`` and copies the result back into ``p.grad``.
+
+For the first ``warmup_steps`` steps every gradient goes through plain full-precision allreduce.
+Error-feedback residuals (always for codecs that want it, e.g. ``OneBit(error_feedback=True)``;
+``error_feedback=True`` adds it to QSGD) are saved by ``state_dict()`` under ``"hvd_quant"``, keyed by
+parameter name, and restored by ``load_state_dict()`` -- so ``hvd.elastic.TorchState``, which saves and
+restores the optimizer's state dict, carries them.
+"""
+import itertools
+import os
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+import horovod.torch as hvd
+from horovod.common.util import split_list
+
+from ..exchange import (AVERAGE, Exchange, HANDSHAKE_NAME, REDUCTIONS, Traffic, handshake,
+                        handshake_record, is_passthrough_codec)
+from ..memory import Memory
+from . import _backend
+
+__all__ = ["DistributedOptimizer", "resolve_codec"]
+
+_STATE_KEY = "hvd_quant"
+_instances = itertools.count()
+
+
+def resolve_codec(compression):
+    """A codec from what users pass as ``compression=``: an hvd_quant codec, a spec string, a
+    :class:`hvd_quant.StockCompression`, Horovod's ``Compression.none`` / ``Compression.fp16``, or None."""
+    import hvd_quant
+    if compression is None:
+        return hvd_quant.NoCompression()
+    if isinstance(compression, str):
+        return hvd_quant.from_spec(compression)
+    inner = getattr(compression, "codec", None)
+    if inner is not None and hasattr(inner, "encode"):
+        return inner
+    if hasattr(compression, "encode") and hasattr(compression, "wire_nbytes"):
+        return compression
+    from horovod.torch.compression import Compression
+    if compression is Compression.none or isinstance(compression, Compression.none):
+        return hvd_quant.NoCompression()
+    if compression is Compression.fp16 or isinstance(compression, Compression.fp16):
+        return hvd_quant.FP16()
+    raise TypeError(f"hvd_quant: compression must be an hvd_quant codec, a spec string or "
+                    f"hvd.Compression.none/fp16, got {compression!r}")
+
+
+class _Bucket:
+    __slots__ = ("index", "name", "params", "names", "shapes", "offsets", "numel", "ready", "pending")
+
+    def __init__(self, index, name, params, names):
+        self.index, self.name, self.params, self.names = index, name, params, names
+        self.shapes = [tuple(p.shape) for p in params]
+        numels = [p.numel() for p in params]
+        self.offsets = [sum(numels[:i]) for i in range(len(numels) + 1)]
+        self.numel = self.offsets[-1]
+        self.ready = 0
+        self.pending = None
+
+
+def _fuse(params, bucket_bytes):
+    """Greedy, in the given order: groups of at most bucket_bytes of float32 (a bigger tensor alone)."""
+    groups, current, size = [], [], 0
+    limit = max(1, int(bucket_bytes) // 4) if bucket_bytes else None
+    for p in params:
+        n = p.numel()
+        if limit is not None and current and size + n > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, named_parameters, codec, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, reduction,
+                 bucket_bytes, min_compress_numel, warmup_steps, error_feedback, compress_1d):
+        super(self.__class__, self).__init__(params)
+
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            named_parameters = [(f'allreduce.noname.{i}.{j}', v)
+                                for i, param_group in enumerate(self.param_groups)
+                                for j, v in enumerate(param_group['params'])]
+        if any(not isinstance(p, tuple) for p in named_parameters):
+            raise ValueError('named_parameters should be a sequence of tuples (name, parameter), '
+                             'usually produced by model.named_parameters().')
+        names = [k for k, _ in named_parameters]
+        dups = sorted({k for k in names if names.count(k) > 1})
+        if dups:
+            raise ValueError('Parameter names in named_parameters must be unique. '
+                             'Found duplicates: %s' % ', '.join(dups))
+        all_ids = {id(v) for g in self.param_groups for v in g['params']}
+        unnamed = all_ids - {id(v) for _, v in named_parameters}
+        if unnamed:
+            raise ValueError('named_parameters was specified, but one or more model parameters were '
+                             'not named. Python object ids: %s' % ', '.join(map(str, unnamed)))
+
+        self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.codec = codec
+        self.reduction = reduction
+        self.bucket_bytes = bucket_bytes
+        self.min_compress_numel = min_compress_numel
+        self.warmup_steps = warmup_steps
+        self.compress_1d = compress_1d
+        self.error_feedback = (bool(getattr(codec, "wants_error_feedback", False))
+                               if error_feedback is None else bool(error_feedback))
+
+        self._prefix = f"hvdq{next(_instances)}"
+        self._memory = Memory(_backend.OPS) if self.error_feedback else None
+        self._exchange = None
+        self._handles = {}           # param -> plain allreduce handle (or callable for sparse)
+        self._launched = set()       # params whose gradient was handed to an exchange or allreduce
+        self._grad_accs = []
+        self._requires_update = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._step = 0               # completed synchronizations: warmup and the noise key
+        self._traffic = Traffic()    # this step so far
+        self.last_traffic = Traffic()  # the last completed step
+        self._plan(groups)
+
+        if self.process_set.included() and (hvd.size() > 1 or os.environ.get('HOROVOD_ELASTIC') == '1'):
+            self._connect()
+            self._register_hooks()
+
+    # -- plan ---------------------------------------------------------------------------------------
+    def _compressible(self, p):
+        return (p.dim() > 1 or self.compress_1d) and p.numel() >= self.min_compress_numel \
+            and p.is_floating_point() and not is_passthrough_codec(self.codec)
+
+    def _plan(self, groups):
+        plist = [p for g in self.param_groups for p in g['params'] if p.requires_grad]
+        comp = [p for p in plist if self._compressible(p)]
+        self._plain = [p for p in plist if not self._compressible(p)]
+        if isinstance(groups, list):
+            ids = {id(p) for p in comp}
+            seen = set()
+            member_groups = []
+            for grp in groups:
+                members = [p for p in grp if id(p) in ids]
+                seen.update(id(p) for p in members)
+                if members:
+                    member_groups.append(members)
+            rest = [p for p in reversed(comp) if id(p) not in seen]
+            member_groups += _fuse(rest, self.bucket_bytes)
+        elif groups:
+            member_groups = [g for g in split_list(comp, int(groups)) if g]
+        else:
+            member_groups = _fuse(list(reversed(comp)), self.bucket_bytes)
+        self._buckets = []
+        self._p_bucket = {}
+        for i, members in enumerate(member_groups):
+            b = _Bucket(i, f"{self._prefix}.b{i}", members,
+                        [self._parameter_names[p] for p in members])
+            self._buckets.append(b)
+            for p in members:
+                self._p_bucket[p] = b
+
+    def _summary(self):
+        return (f"{self.codec.spec()} reduction={self.reduction} bucket_bytes={self.bucket_bytes} "
+                f"min_compress_numel={self.min_compress_numel} compress_1d={self.compress_1d} "
+                f"warmup_steps={self.warmup_steps} error_feedback={self.error_feedback} op={self.op} "
+                f"predivide={self.gradient_predivide_factor} "
+                f"backward_passes={self.backward_passes_per_step} buckets={len(self._buckets)} "
+                f"compressed_numel={sum(b.numel for b in self._buckets)} params="
+                f"{len(self._plain) + len(self._p_bucket)}")
+
+    def _layout(self):
+        return (tuple((b.name, tuple(b.names), tuple(b.shapes)) for b in self._buckets),
+                tuple((self._parameter_names[p], tuple(p.shape)) for p in self._plain))
+
+    def _connect(self):
+        """(Re)bind to the process set's current rank and size and check every rank agrees."""
+        coll = _backend.collectives(self.process_set)
+        if self._exchange is not None and self._exchange.coll is coll:
+            return
+        if coll.size > 1:
+            handshake(coll, _backend.OPS, handshake_record(self._summary(), self._layout()),
+                      "hvd_quant.torch.DistributedOptimizer", name=HANDSHAKE_NAME)
+        if self._exchange is None:
+            self._exchange = Exchange(self.codec, coll, _backend.OPS, reduction=self.reduction,
+                                      memory=self._memory, prefix=self._prefix)
+            self._exchange.traffic = self._traffic
+        else:
+            self._exchange.coll = coll
+            self._exchange.codec.rank = coll.rank
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def _register_hooks(self):
+        for param_group in self.param_groups:
+            for p in param_group['params']:
+                if p.requires_grad:
+                    self._requires_update.add(p)
+                    p_tmp = p.expand_as(p)
+                    grad_acc = p_tmp.grad_fn.next_functions[0][0]
+                    grad_acc.register_hook(self._make_hook(p))
+                    self._grad_accs.append(grad_acc)
+
+    def _make_hook(self, p):
+        def hook(*ignore):
+            if p in self._launched and self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before call "
+                    "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+            assert not p.grad.requires_grad
+            assert self._allreduce_delay[p] > 0
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                self._ready(p)
+        return hook
+
+    def _in_warmup(self):
+        return self._step < self.warmup_steps
+
+    def _ready(self, p):
+        if p in self._launched:
+            return
+        self._launched.add(p)
+        if p.grad is None:
+            p.grad = p.data.new(p.size()).zero_()
+        bucket = self._p_bucket.get(p)
+        if bucket is None or self._in_warmup():
+            self._launch_plain(p)
+            return
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            grads = [q.grad.to_dense() if q.grad.is_sparse else q.grad for q in bucket.params]
+            flat = _backend.OPS.flatten(grads)
+            bucket.pending = self._exchange.start(bucket.name, flat, step=self._step)
+
+    def _launch_plain(self, p):
+        name = self._parameter_names.get(p)
+        tensor = p.grad
+        if tensor.is_sparse and not self.sparse_as_dense:
+            self._handles[p] = hvd.sparse_allreduce_async(tensor, name=name, op=_backend.hvd_op(self.op),
+                                                          process_set=self.process_set)
+            return
+        if tensor.is_sparse:
+            tensor = tensor.to_dense()
+        if _backend.sendable_dtype(tensor.dtype) != tensor.dtype:
+            tensor = tensor.to(torch.float32)       # bfloat16: Horovod cannot reduce it
+        if self.op == AVERAGE:
+            pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        else:
+            pre = post = 1.0
+        self._traffic.add_allreduce(tensor.numel() * tensor.element_size(), tensor.numel(),
+                                    self._exchange.coll.size)
+        handle = self._exchange.coll.allreduce_async(tensor, name, self.op, pre, post)
+        self._handles[p] = (handle, tensor)
+
+    # -- synchronize / step ---------------------------------------------------------------------------
+    def synchronize(self):
+        if not self.process_set.included() or self._exchange is None:
+            self._synchronized = True
+            return
+        for p in sorted(self._requires_update - self._launched, key=self._parameter_names.get):
+            self._ready(p)
+        pending = [b for b in self._buckets if b.pending is not None]
+        flats = self._exchange.finish_all([b.pending for b in pending])
+        scale = 1.0 / self._exchange.coll.size if self.op == AVERAGE else 1.0
+        for b, flat in zip(pending, flats):
+            if scale != 1.0:
+                flat = _backend.OPS.scale_(flat, scale)
+            for i, p in enumerate(b.params):
+                piece = flat[b.offsets[i]:b.offsets[i + 1]].view(b.shapes[i])
+                if p.grad.is_sparse:
+                    p.grad.zero_().add_(piece.to(p.grad.dtype).to_sparse())
+                else:
+                    p.grad.copy_(piece)
+            b.pending = None
+        for p, h in self._handles.items():
+            if callable(h):
+                p.grad.zero_().add_(h())
+                continue
+            handle, tensor = h
+            out = hvd.synchronize(handle)
+            if p.grad.is_sparse:
+                p.grad.zero_().add_(out.to_sparse())
+            elif out is not p.grad:
+                p.grad.copy_(out)
+        self._handles.clear()
+        self._launched.clear()
+        for b in self._buckets:
+            b.ready = 0
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._step += 1
+        self.last_traffic = self._traffic.copy()
+        self._traffic.reset()
+        self._connect()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Use after an explicit ``synchronize()`` so ``step()`` does not synchronize again."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
+                              "after optimizer.synchronize(). This can cause training slowdown. You "
+                              "may want to consider using optimizer.skip_synchronize() context if you "
+                              "use optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._launched:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as "
+                                 "it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    # -- traffic ------------------------------------------------------------------------------------
+    def bytes_per_step(self):
+        """Bytes this rank sent in the last step and what an fp32 ring allreduce would have sent
+        (:class:`hvd_quant.exchange.Traffic`; ``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""
+        return self.last_traffic
+
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        state = super(self.__class__, self).state_dict(*args, **kwargs)
+        residuals, server = {}, {}
+        if self._memory is not None:
+            for b in self._buckets:
+                flat = self._memory.get(b.name)
+                if flat is not None:
+                    for i, name in enumerate(b.names):
+                        residuals[name] = flat[b.offsets[i]:b.offsets[i + 1]].view(b.shapes[i]).clone()
+            for key in self._memory.names():
+                if "/server" in key:
+                    server[key] = self._memory.get(key).clone()
+        state[_STATE_KEY] = {"step": self._step, "codec": self.codec.spec(),
+                             "reduction": self.reduction, "residuals": residuals,
+                             "server_residuals": server}
+        return state
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(_STATE_KEY, None)
+        self._handles = {}
+        self._launched = set()
+        for b in self._buckets:
+            b.ready, b.pending = 0, None
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(state_dict, *args, **kwargs)
+        if ours is None:
+            return
+        self._step = int(ours.get("step", 0))
+        if self._memory is None:
+            return
+        self._memory.clear()
+        residuals = ours.get("residuals", {})
+        device = next((p.device for b in self._buckets for p in b.params), torch.device("cpu"))
+        for b in self._buckets:
+            if all(n in residuals for n in b.names):
+                flat = torch.cat([residuals[n].reshape(-1).to(device, torch.float32) for n in b.names])
+                self._memory.set(b.name, flat)
+        for key, value in ours.get("server_residuals", {}).items():
+            self._memory.set(key, value.detach().clone().to(device))
+        if self._exchange is not None:
+            self._connect()
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
+                         backward_passes_per_step=1, op=hvd.Average,
+                         gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=hvd.global_process_set,
+                         reduction="sra", bucket_bytes=4 << 20, min_compress_numel=1024,
+                         warmup_steps=0, error_feedback=None, compress_1d=False):
+    """Wrap ``optimizer`` so that gradients are averaged across ranks with a compressed exchange.
+
+    Same arguments and behaviour as ``horovod.torch.DistributedOptimizer`` (named_parameters,
+    compression, backward_passes_per_step, op, gradient_predivide_factor, num_groups/groups,
+    sparse_as_dense, process_set), plus:
+
+    Arguments:
+        compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``, ...), a
+            spec string (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``.
+            Default: no compression (plain Horovod allreduce).
+        reduction: ``"sra"`` (scatter-reduce-allgather with requantization; traffic flat in the number
+            of ranks) or ``"allgather"`` (each rank decodes every rank's payload; one quantization).
+        bucket_bytes: compressed gradients are fused into buckets of at most this many float32 bytes,
+            in reverse parameter order (a larger tensor is a bucket alone). Default 4 MiB.
+        min_compress_numel: gradients with fewer elements go uncompressed through Horovod's
+            allreduce, as do 1-D gradients unless ``compress_1d=True``. Default 1024.
+        warmup_steps: full-precision allreduce for this many first steps. Default 0.
+        error_feedback: keep each rank's quantization residual and add it to the next gradient.
+            Default: what the codec wants (``OneBit``: yes; ``QSGD``: no).
+
+    ``op=hvd.Adasum`` is refused (Adasum needs dot products of full gradients). Every rank must be
+    configured identically; otherwise every rank raises ``ConfigMismatchError`` at construction.
+    The last step's traffic is ``optimizer.bytes_per_step()``.
+
+    Example::
+
+        import horovod.torch as hvd, hvd_quant, hvd_quant.torch
+        opt = hvd_quant.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            compression=hvd_quant.QSGD(bits=4))
+    """
+    core = _backend.core_op(op)
+    if gradient_predivide_factor != 1.0 and core != AVERAGE:
+        raise ValueError('gradient_predivide_factor not supported with op != Average')
+    if num_groups != 0:
+        warnings.warn('Parameter `num_groups` has been replaced by `groups` and will be removed.',
+                      DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    if groups is not None and not (isinstance(groups, list) or groups > 0):
+        raise ValueError('groups should be a non-negative integer or a list of list of torch.Tensor.')
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    codec = resolve_codec(compression)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, codec, backward_passes_per_step, core,
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, reduction,
+               bucket_bytes, int(min_compress_numel), int(warmup_steps), error_feedback,
+               bool(compress_1d))

@@ -1,0 +1,125 @@
+"""Scalar math written once, compiled for the CPU (``numba.njit``) and for CUDA (``cuda.jit(device=True)``).
+
+:func:`build` takes the target's ``jit`` decorator and its float32 multiply (``a * b`` on the CPU,
+``libdevice.fmul_rn`` on CUDA so the compiler can never contract a product and a following add into
+an FMA; plain ``a * b`` in the CUDA simulator) and returns the compiled functions. The NumPy reference
+(``numba_kernels.reference``) vectorises the very same operations; the tests hold all three equal bit
+for bit.
+
+Every constant is a typed NumPy scalar and every mixed-type operation is cast explicitly: Numba types
+``uint64 op int64`` as float64 and ``float32 op float-literal`` as float64, which would silently change
+the results.
+"""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+
+# splitmix64 (Steele, Lea, Flood 2014): golden-ratio increment and the finalizer's multipliers.
+GAMMA = np.uint64(0x9E3779B97F4A7C15)
+M1 = np.uint64(0xBF58476D1CE4E5B9)
+M2 = np.uint64(0x94D049BB133111EB)
+U27 = np.uint64(27)
+U30 = np.uint64(30)
+U31 = np.uint64(31)
+U40 = np.uint64(40)
+U8 = np.uint64(8)
+UFF = np.uint64(0xFF)
+
+F0 = np.float32(0.0)
+FHALF = np.float32(0.5)
+F2_24 = np.float32(16777216.0)
+FINF = np.float32(np.inf)
+FNAN = np.float32(np.nan)
+
+
+def build(jit, fmul):
+    """Compile the scalar helpers with ``jit``; ``fmul(a, b)`` is the target's uncontractable multiply."""
+
+    @jit
+    def mix64(z):
+        """splitmix64 finalizer: a bijective avalanche of a uint64."""
+        z = (z ^ (z >> U30)) * M1
+        z = (z ^ (z >> U27)) * M2
+        return z ^ (z >> U31)
+
+    @jit
+    def uniform24(key, i):
+        """24 random bits (as a uint64 in [0, 2**24)) for element ``i`` under ``key``: counter-based."""
+        return mix64(key + np.uint64(i) * GAMMA) >> U40
+
+    @jit
+    def qsgd_code(xv, scale, unit, sf, s, stochastic, key, i):
+        """Offset-binary code (level + s, level in [-s, s]) of element ``xv`` (index ``i``).
+
+        ``scale`` is the bucket's norm, ``unit = scale / sf`` with ``sf = float32(s)``. A zero or
+        non-finite scale gives level 0 (no 0/0); decoding then gives 0 (zero scale) or NaN."""
+        if not (scale > F0 and scale < FINF):
+            return s
+        v = abs(xv) / unit
+        if not (v <= sf):            # rounding put |x|/unit above s, or unit underflowed to 0
+            v = sf
+        q = np.int64(v)              # v >= 0: truncation is floor
+        frac = v - np.float32(q)     # exact
+        # branch-free (the outcomes are unpredictable; mispredictions would dominate the CPU time)
+        if stochastic:
+            r = np.float32(uniform24(key, i))
+            q += np.int64(r < frac * F2_24)   # P = ceil(frac * 2**24) / 2**24: unbiased to 2**-24 level
+        else:
+            q += np.int64(frac >= FHALF)      # round half up, decided on the exact fraction
+        q = min(q, s)
+        neg = np.int64(xv < F0)
+        return s + q - 2 * q * neg
+
+    @jit
+    def max_nan(m, a):
+        """max that propagates NaN whatever the order (max is order-free, so any reduction tree works)."""
+        if a > m or a != a:
+            return a
+        return m
+
+    @jit
+    def finite(a):
+        return abs(a) < FINF
+
+    @jit
+    def bucket_of(i, bs, inv_bs):
+        """i // bs without a 64-bit integer division: float64 estimate, corrected by one step."""
+        b = np.int64(np.float64(i) * inv_bs)
+        r = i - b * bs
+        if r < 0:
+            b -= 1
+        elif r >= bs:
+            b += 1
+        return b
+
+    @jit
+    def mul(a, b):
+        return fmul(a, b)
+
+    @jit
+    def sqrt32(a):
+        return np.float32(math.sqrt(a))
+
+    return SimpleNamespace(mix64=mix64, uniform24=uniform24, qsgd_code=qsgd_code, max_nan=max_nan,
+                           finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32)
+
+
+def _mul_py(a, b):
+    return a * b
+
+
+def mix64_py(z):
+    """Pure-Python splitmix64 finalizer on ints (host-side key derivation)."""
+    m = (1 << 64) - 1
+    z &= m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def mix64_np(z):
+    """Vectorised splitmix64 finalizer on a uint64 array (wraps silently, like the kernels)."""
+    z = (z ^ (z >> U30)) * M1
+    z = (z ^ (z >> U27)) * M2
+    return z ^ (z >> U31)

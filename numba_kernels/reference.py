@@ -1,0 +1,233 @@
+"""NumPy references (``*_ref``): the specification the CPU and CUDA kernels are held equal to, bit for bit.
+
+Same signatures as the kernel launchers in ``numba_kernels.cpu`` / ``numba_kernels.cuda``
+(``stream`` and ``status`` are accepted and ignored). Written for clarity and vectorised; not fast.
+
+Canonical float32 summation (every sum: l2, two_mean, mean_abs): 32 lanes; lane ``l`` adds the terms of
+bucket elements ``l, l+32, l+64, ...`` sequentially in float32 starting from +0.0; then for stride in
+16, 8, 4, 2, 1: ``p[l] += p[l + stride]`` for ``l < stride``; the sum is ``p[0]``. (Max is order-free.)
+"""
+import numpy as np
+
+from . import wire
+from ._scalar import F0, F2_24, FHALF, FINF, GAMMA, U40, mix64_np
+
+__all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_ref",
+           "onebit_encode_ref", "onebit_decode_ref", "write_header_ref", "uniform24_ref",
+           "header_errors_ref", "levels"]
+
+
+def levels(bits):
+    """s = 2**(bits-1) - 1 magnitude levels per sign."""
+    return (1 << (bits - 1)) - 1
+
+
+def _buckets(a, bs, fill=0):
+    """(nb, R*32) zero-padded view of the buckets of ``a`` (R = ceil(bs/32)) and the validity mask."""
+    n = a.size
+    nb = -(-n // bs)
+    width = -(-bs // 32) * 32
+    out = np.full((nb, width), fill, dtype=a.dtype)
+    valid = np.zeros((nb, width), dtype=bool)
+    flat = np.full(nb * bs, fill, dtype=a.dtype)
+    flat[:n] = a
+    out[:, :bs] = flat.reshape(nb, bs)
+    vflat = np.zeros(nb * bs, dtype=bool)
+    vflat[:n] = True
+    valid[:, :bs] = vflat.reshape(nb, bs)
+    return out, valid
+
+
+def lane_sum_ref(terms):
+    """Canonical sum of each row of ``terms`` (float32, shape (nb, R*32), zero padded)."""
+    nb, width = terms.shape
+    t = terms.astype(np.float32, copy=False).reshape(nb, width // 32, 32)
+    if nb == 0:
+        return np.zeros(0, np.float32)
+    p = np.cumsum(t, axis=1, dtype=np.float32)[:, -1, :].copy()   # sequential per lane
+    for stride in (16, 8, 4, 2, 1):
+        p[:, :stride] = p[:, :stride] + p[:, stride:2 * stride]
+    return p[:, 0]
+
+
+def bucket_scales_ref(x, bucket_size, kind):
+    """Per-bucket scales. kind: "max", "l2" (QSGD), "two_mean" ((nb, 2): mean of x >= 0, mean of x < 0),
+    "mean_abs" (sum|x| / bucket length)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    X, valid = _buckets(x, bucket_size)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if kind == "max":
+            return np.max(np.abs(X), axis=1, initial=F0) if X.shape[0] else np.zeros(0, np.float32)
+        if kind == "l2":
+            return np.sqrt(lane_sum_ref(X * X)).astype(np.float32)
+        lengths = valid.sum(axis=1)
+        if kind == "mean_abs":
+            return (lane_sum_ref(np.abs(X)) / lengths.astype(np.float32)).astype(np.float32)
+        if kind == "two_mean":
+            pos = valid & (X >= 0)
+            neg = valid & ~(X >= 0)          # NaN counts as negative, as its bit (x >= 0) is 0
+            spos = lane_sum_ref(np.where(pos, X, F0))
+            sneg = lane_sum_ref(np.where(neg, X, F0))
+            npos = pos.sum(axis=1)
+            nneg = neg.sum(axis=1)
+            mpos = np.where(npos > 0, spos / np.maximum(npos, 1).astype(np.float32), F0).astype(np.float32)
+            mneg = np.where(nneg > 0, sneg / np.maximum(nneg, 1).astype(np.float32), F0).astype(np.float32)
+            bad = ~((np.abs(mpos) < FINF) & (np.abs(mneg) < FINF))
+            mpos[bad] = np.nan
+            mneg[bad] = np.nan
+            return np.stack([mpos, mneg], axis=1).reshape(-1, 2)
+    raise ValueError(f"unknown scale kind {kind!r}")
+
+
+def uniform24_ref(key, idx):
+    """24 random bits per element index (uint64 array), the same counter-based hash as the kernels."""
+    return mix64_np(np.uint64(key) + idx.astype(np.uint64) * GAMMA) >> U40
+
+
+def _qsgd_codes(x, scales, bits, bucket_size, stochastic, key):
+    s = levels(bits)
+    sf = np.float32(s)
+    n = x.size
+    idx = np.arange(n, dtype=np.int64)
+    b = idx // bucket_size
+    sc = scales[b]
+    unit = (scales / sf).astype(np.float32)[b]
+    ok = (sc > F0) & (sc < FINF)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        v = (np.abs(x) / unit).astype(np.float32)
+    v = np.where(v <= sf, v, sf).astype(np.float32)
+    q = v.astype(np.int64)
+    frac = (v - q.astype(np.float32)).astype(np.float32)
+    if stochastic:
+        r = uniform24_ref(key, idx).astype(np.float32)
+        q = q + (r < frac * F2_24)
+    else:
+        q = q + (frac >= FHALF)
+    q = np.minimum(q, s)
+    q = np.where(ok, q, 0)
+    return np.where(x < F0, s - q, s + q).astype(np.int64)
+
+
+def _pack(codes, bits):
+    """Little-endian bit stream of ``bits``-bit codes, ceil(n*bits/8) bytes."""
+    n = codes.size
+    nbytes = (n * bits + 7) // 8
+    if n == 0:
+        return np.zeros(0, np.uint8)
+    stream = ((codes[:, None].astype(np.uint64) >> np.arange(bits, dtype=np.uint64)) & np.uint64(1))
+    return np.packbits(stream.astype(np.uint8).reshape(-1), bitorder="little")[:nbytes]
+
+
+def _unpack(data, n, bits):
+    if n == 0:
+        return np.zeros(0, np.int64)
+    stream = np.unpackbits(np.asarray(data, np.uint8), bitorder="little")[:n * bits].reshape(n, bits)
+    return (stream.astype(np.int64) << np.arange(bits, dtype=np.int64)).sum(axis=1)
+
+
+def write_header_ref(payload, header, stream=None):
+    """Write the 64-byte header (8 little-endian uint64 words) at the start of ``payload``."""
+    payload[:wire.HEADER_NBYTES] = np.array([int(w) for w in header], dtype="<u8").view(np.uint8)
+
+
+def _write_body(payload, lay, codes_bytes, scales):
+    payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes] = codes_bytes
+    payload[lay.codes_offset + lay.codes_nbytes:lay.scales_offset] = 0
+    payload[lay.scales_offset:lay.scales_offset + 4 * lay.nscales] = \
+        np.ascontiguousarray(scales, dtype="<f4").reshape(-1).view(np.uint8)
+
+
+def _scales_of(payload, lay):
+    raw = np.ascontiguousarray(payload[lay.scales_offset:lay.scales_offset + 4 * lay.nscales])
+    return raw.view("<f4").astype(np.float32)
+
+
+def qsgd_encode_ref(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=None):
+    """Bucketed QSGD of float32 ``x`` into ``payload`` (header words, codes, padding, scales)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    lay = wire.layout(wire.METHODS["qsgd"], x.size, bits, bucket_size)
+    assert payload.size == lay.total, (payload.size, lay)
+    scales = bucket_scales_ref(x, bucket_size, "l2" if norm_l2 else "max")
+    codes = _qsgd_codes(x, scales, bits, bucket_size, stochastic, key)
+    write_header_ref(payload, header)
+    _write_body(payload, lay, _pack(codes, bits), scales)
+
+
+def qsgd_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, status=None):
+    """out (+)= dequantized values of a QSGD payload (no header checks: the caller validated it)."""
+    n = out.size
+    lay = wire.layout(wire.METHODS["qsgd"], n, bits, bucket_size)
+    s = levels(bits)
+    codes = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, bits)
+    unit = (_scales_of(payload, lay) / np.float32(s)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        val = ((codes - s).astype(np.float32) * unit[np.arange(n) // bucket_size]).astype(np.float32)
+    if accumulate:
+        out += val
+    else:
+        out[...] = val
+
+
+def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None):
+    """1-bit SGD: bit = (x >= 0) (NaN -> 0); scales two_mean (2 per bucket) or mean_abs (1 per bucket).
+
+    ``bucket_size`` 0: one bucket for the whole tensor."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    lay = wire.layout(wire.METHODS["onebit"], x.size, 1, bucket_size, mode)
+    assert payload.size == lay.total, (payload.size, lay)
+    bs = bucket_size or max(x.size, 1)
+    scales = bucket_scales_ref(x, bs, "two_mean" if two_mean else "mean_abs")
+    write_header_ref(payload, header)
+    _write_body(payload, lay, _pack((x >= F0).astype(np.int64), 1), scales)
+
+
+def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None):
+    n = out.size
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    lay = wire.layout(wire.METHODS["onebit"], n, 1, bucket_size, mode)
+    bs = bucket_size or max(n, 1)
+    bits = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, 1).astype(bool)
+    sc = _scales_of(payload, lay)
+    b = np.arange(n) // bs
+    if two_mean:
+        sc = sc.reshape(-1, 2)
+        val = np.where(bits, sc[b, 0], sc[b, 1]).astype(np.float32)
+    else:
+        val = np.where(bits, sc[b], -sc[b]).astype(np.float32)
+    if accumulate:
+        out += val
+    else:
+        out[...] = val
+
+
+def header_errors_ref(payload, method, bits, mode, norm, bucket_size, numel, name_hash, check_name):
+    """Error bits (``wire.ERROR_BITS``) of a payload header against what the receiver expects.
+
+    The reference of the CUDA check kernel, which cannot raise and reports these bits instead."""
+    h = bytes(np.asarray(payload[:wire.HEADER_NBYTES], np.uint8))
+    err = 0
+    if h[0:4] != wire.MAGIC:
+        err |= 1
+    if h[4] != wire.VERSION:
+        err |= 2
+    if h[5] != method:
+        err |= 4
+    if h[6] != bits:
+        err |= 8
+    if h[7] != mode:
+        err |= 16
+    if h[8] != norm:
+        err |= 32
+    if int.from_bytes(h[12:16], "little") != bucket_size:
+        err |= 64
+    if int.from_bytes(h[16:24], "little") != numel:
+        err |= 128
+    if check_name and int.from_bytes(h[56:60], "little") != name_hash:
+        err |= 256
+    if int.from_bytes(h[62:64], "little") != wire.fold16(wire.fnv1a32(h[0:62])):
+        err |= 512
+    cfg = h[4:9] + h[12:16]
+    if int.from_bytes(h[60:62], "little") != wire.fold16(wire.fnv1a32(cfg)):
+        err |= 1024
+    return err

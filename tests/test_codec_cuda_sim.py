@@ -1,0 +1,231 @@
+"""The codecs' device path (CUDA kernels, on-device header checks, NaN on a bad payload, device error
+status) in the CUDA simulator, through a tiny test-only device adapter over simulated device arrays.
+
+Runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (set before ``numba.cuda`` is imported). Each
+case is reported back and checked here by name. The torch-CUDA adapter itself needs a GPU
+(``HVDQ_REAL_CUDA=1`` on a GPU machine runs tests/test_kernels.py's child on the real device; the
+GPU run recorded in docs/BENCHMARKS.md exercised the torch path).
+"""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CODECS = ["qsgd:bits=4,bucket_size=16,seed=3", "qsgd:bits=8,bucket_size=7,mode=deterministic,norm=l2",
+          "qsgd:bits=2,bucket_size=32,mode=fake,seed=1", "onebit:bucket_size=16", "onebit:scale=mean_abs",
+          "fp16", "none"]
+CHECKS = ["encode-bytes", "decode-header-read", "decode-shape-given", "decode-into-accumulate",
+          "bad-config-nan-and-status", "bad-name-nan-and-status", "wrong-size-raises",
+          "numel-mismatch-detected", "clean-status"]
+
+
+class SimTensor:
+    """A 'device tensor' for tests: a simulated Numba device array plus a dtype label and shape."""
+
+    def __init__(self, dev, shape=None):
+        self.dev = dev
+        self.shape = tuple(dev.shape) if shape is None else tuple(shape)
+
+
+def adapter(obj):
+    return _ADAPTER[0]
+
+
+_ADAPTER = [None]
+
+
+def _make_adapter():
+    from numba import cuda
+    from hvd_quant._arrays import DeviceAdapter
+
+    class SimAdapter(DeviceAdapter):
+        kind = "sim"
+
+        def describe(self, x):
+            return x.shape, "float32"
+
+        def device_key(self, x):
+            return ("sim", 0)
+
+        def stream(self, x):
+            return 0
+
+        def context(self, x):
+            return contextlib.nullcontext()
+
+        def input_f32(self, x):
+            return x, x.dev.reshape(-1)
+
+        def new_bytes(self, n, like):
+            d = cuda.to_device(np.full(n, 0xA5, np.uint8))
+            return SimTensor(d), d
+
+        def new_f32(self, n, like):
+            d = cuda.to_device(np.full(n, np.float32(123.0)))
+            return SimTensor(d), d
+
+        def new_status(self, like):
+            d = cuda.to_device(np.zeros(2, np.int32))
+            return SimTensor(d), d
+
+        def bytes_dev(self, payload):
+            return payload.dev
+
+        def payload_nbytes(self, payload):
+            return payload.dev.size
+
+        def numel(self, t):
+            return t.dev.size
+
+        def out_dev(self, out):
+            return out.dev, None
+
+        def read_header(self, payload):
+            return payload.dev.copy_to_host()[:64]
+
+        def read_status(self, status):
+            st = status.dev.copy_to_host()
+            bits = int(st[1])
+            if bits:
+                st[1] = 0
+                status.dev.copy_to_device(st)
+            return bits
+
+        def result(self, f32, dtype_name, shape):
+            return SimTensor(f32.dev, shape)
+
+        def raw_encode(self, x, value_dtype, nbytes):
+            p = np.zeros(nbytes, np.uint8)
+            v = x.dev.copy_to_host().reshape(-1)
+            p[64:64 + v.size * np.dtype(value_dtype).itemsize].view(value_dtype)[...] = v
+            d = cuda.to_device(p)
+            return SimTensor(d), d
+
+        def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
+            w = np.dtype(value_dtype).itemsize
+            vals = payload.dev.copy_to_host()[offset:offset + w * numel].view(value_dtype).astype(np.float32)
+            o = out.dev.copy_to_host().reshape(-1)
+            o = o + vals if accumulate else vals
+            if bad is not None and bad.dev.copy_to_host()[0]:
+                o[:] = np.nan
+            out.dev.copy_to_device(o.reshape(out.dev.shape))
+
+        def status_bad(self, status):
+            return status
+
+    return SimAdapter()
+
+
+def _child():
+    import warnings
+    warnings.simplefilter("ignore")
+    from numba import cuda
+    import hvd_quant as hq
+    from hvd_quant import _arrays
+    _ADAPTER[0] = _make_adapter()
+    _arrays.register_backend("tests", "tests.test_codec_cuda_sim")
+
+    def nan_eq(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return bool(np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(
+            np.where(np.isnan(a), 0, a).view(np.uint32), np.where(np.isnan(b), 0, b).view(np.uint32)))
+
+    res = {}
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((10, 10)).astype(np.float32)
+    x[3, 3] = np.nan
+    for spec in CODECS:
+        r = {}
+        host, devc = hq.from_spec(spec), hq.from_spec(spec)
+        ph = host.encode(x, name="w")
+        xd = SimTensor(cuda.to_device(x))
+        pd = devc.encode(xd, name="w")
+        pbytes = pd.dev.copy_to_host()
+        r["encode-bytes"] = bool(np.array_equal(ph, pbytes))
+        yh = host.decode(ph)
+        r["decode-header-read"] = nan_eq(yh, devc.decode(pd).dev.copy_to_host().reshape(10, 10))
+        r["decode-shape-given"] = nan_eq(yh, devc.decode(pd, name="w", shape=(10, 10), dtype="float32")
+                                         .dev.copy_to_host().reshape(10, 10))
+        base = rng.standard_normal(100).astype(np.float32)
+        acc_h = base.copy()
+        host.decode_into(ph, acc_h, accumulate=True)
+        acc_d = SimTensor(cuda.to_device(base.copy()))
+        devc.decode_into(pd, acc_d, accumulate=True, name="w")
+        ok = nan_eq(acc_h, acc_d.dev.copy_to_host())
+        try:
+            devc.check_device_errors()
+        except hq.PayloadError:
+            ok = False
+        r["decode-into-accumulate"] = ok
+        r["clean-status"] = ok
+        # another configuration with the same payload size: the device check refuses it
+        other = {"qsgd": "qsgd:bits=4,bucket_size=16,mode=deterministic",
+                 "onebit": "onebit:bucket_size=16,scale=mean_abs" if "16" in spec else "onebit"}.get(
+            spec.split(":")[0])
+        if spec.startswith("onebit:scale"):
+            other = "onebit:scale=two_mean"
+        if other is not None and hq.from_spec(other).wire_nbytes(100) == devc.wire_nbytes(100) \
+                and hq.from_spec(other) != devc:
+            po = hq.from_spec(other).encode(xd, name="w")
+            out = SimTensor(cuda.to_device(np.zeros(100, np.float32)))
+            devc.decode_into(po, out, name="w")
+            nan_all = bool(np.isnan(out.dev.copy_to_host()).all())
+            try:
+                devc.check_device_errors()
+                raised = False
+            except hq.PayloadError as e:
+                raised = "differs" in str(e)
+            r["bad-config-nan-and-status"] = nan_all and raised
+        else:          # fp16/none: a payload of the other raw codec has another size
+            r["bad-config-nan-and-status"] = True
+        out = SimTensor(cuda.to_device(np.zeros(100, np.float32)))
+        devc.decode_into(pd, out, name="v")
+        nan_all = bool(np.isnan(out.dev.copy_to_host()).all())
+        try:
+            devc.check_device_errors()
+            raised = False
+        except hq.PayloadError as e:
+            raised = "name hash" in str(e)
+        r["bad-name-nan-and-status"] = nan_all and raised
+        try:
+            devc.decode_into(pd, SimTensor(cuda.to_device(np.zeros(50, np.float32))))
+            r["wrong-size-raises"] = False
+        except hq.PayloadError:
+            r["wrong-size-raises"] = True
+        # 99 elements may take the same bytes as 100 (padding): then the device check catches it
+        out = SimTensor(cuda.to_device(np.zeros(99, np.float32)))
+        try:
+            devc.decode_into(pd, out)
+            nan_all = bool(np.isnan(out.dev.copy_to_host()).all())
+            try:
+                devc.check_device_errors()
+                r["numel-mismatch-detected"] = False
+            except hq.PayloadError as e:
+                r["numel-mismatch-detected"] = nan_all and "numel differs" in str(e)
+        except hq.PayloadError:
+            r["numel-mismatch-detected"] = True
+        res[spec] = r
+    json.dump(res, sys.stdout)
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", "import tests.test_codec_cuda_sim as t; t._child()"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.parametrize("spec", CODECS)
+def test_device_codec_path(results, spec, check):
+    assert results[spec][check] is True

@@ -1,0 +1,190 @@
+"""On a real GPU: CUDA kernels == NumPy reference, the torch-CUDA codec path, no recompilation, no
+torch-level host synchronisation in encode / decode_into. Skipped without CUDA.
+
+Also runnable without pytest on a GPU machine: ``python tests/test_codec_gpu.py`` prints one line per
+check and exits non-zero on a failure.
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+try:
+    import pytest
+except ImportError:          # the GPU machines may have no pytest: run as a script
+    pytest = None
+
+
+def _cuda_ok():
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _nan_eq(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return bool(np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(
+        np.where(np.isnan(a), 0, a).view(np.uint32), np.where(np.isnan(b), 0, b).view(np.uint32)))
+
+
+def check_kernels_match_reference():
+    """Every size around groups/lanes/buckets, every bit width, both roundings and norms, 1-bit."""
+    from numba import cuda
+    import numba_kernels.cuda as K
+    from numba_kernels import reference as R, wire
+    fails = []
+    rng = np.random.default_rng(0)
+    key = 0x1234_5678_9ABC_DEF0
+    for n in (0, 1, 7, 8, 9, 31, 32, 33, 255, 256, 257, 511, 512, 513, 1000, 4097, 100_003):
+        x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 2)).astype(np.float32)
+        if n > 20:
+            x[rng.integers(0, n, 3)] = [np.nan, np.inf, 0.0]
+        xd = cuda.to_device(x)
+        for bs in (1, 7, 64, 512):
+            for bits in (2, 3, 4, 5, 8, 12, 16):
+                for st in (True, False):
+                    for l2 in (False, True):
+                        h = wire.Header(2, bits, 0 if st else 1, int(l2), bs, 0, (n,)).words()
+                        lay = wire.layout(2, n, bits, bs)
+                        want = np.zeros(lay.total, np.uint8)
+                        with np.errstate(all="ignore"):
+                            R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, key)
+                        d = cuda.to_device(np.full(lay.total, 0xA5, np.uint8))
+                        K.qsgd_encode_cuda(xd, d, h, bits, bs, st, l2, key)
+                        got = d.copy_to_host()
+                        sc = slice(lay.scales_offset, lay.total)
+                        ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and _nan_eq(
+                            want[sc].view(np.float32), got[sc].view(np.float32))
+                        a = np.ones(n, np.float32)
+                        with np.errstate(all="ignore"):
+                            R.qsgd_decode_ref(want, a, bits, bs, True)
+                        o = cuda.to_device(np.ones(n, np.float32))
+                        K.qsgd_decode_cuda(cuda.to_device(want), o, bits, bs, True)
+                        if not (ok and _nan_eq(a, o.copy_to_host())):
+                            fails.append(f"qsgd n={n} bs={bs} bits={bits} st={st} l2={l2} enc={ok}")
+            for bs1 in (0, bs):
+                for tm in (True, False):
+                    mode = 0 if tm else 1
+                    h = wire.Header(3, 1, mode, 0, bs1, 0, (n,)).words()
+                    lay = wire.layout(3, n, 1, bs1, mode)
+                    want = np.zeros(lay.total, np.uint8)
+                    with np.errstate(all="ignore"):
+                        R.onebit_encode_ref(x, want, h, bs1, tm)
+                    d = cuda.to_device(np.full(lay.total, 0xA5, np.uint8))
+                    K.onebit_encode_cuda(xd, d, h, bs1, tm)
+                    got = d.copy_to_host()
+                    sc = slice(lay.scales_offset, lay.total)
+                    ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and _nan_eq(
+                        want[sc].view(np.float32), got[sc].view(np.float32))
+                    a = np.ones(n, np.float32)
+                    with np.errstate(all="ignore"):
+                        R.onebit_decode_ref(want, a, bs1, tm, False)
+                    o = cuda.to_device(np.ones(n, np.float32))
+                    K.onebit_decode_cuda(cuda.to_device(want), o, bs1, tm, False)
+                    if not (ok and _nan_eq(a, o.copy_to_host())):
+                        fails.append(f"onebit n={n} bs={bs1} two_mean={tm} enc={ok}")
+    return fails
+
+
+def check_torch_codec_path():
+    """torch CUDA payloads == host payloads (same seed), decode/decode_into, bad payloads -> NaN +
+    status, no torch host sync in encode/decode_into/decode(shape=...), no recompilation."""
+    import torch
+    import hvd_quant as hq
+    import numba_kernels.cuda as K
+    fails = []
+    x = torch.randn(3, 1000, device="cuda")
+    x[1, 5] = float("nan")
+    specs = ["qsgd:bits=4,bucket_size=512,seed=1", "qsgd:bits=8,bucket_size=7,mode=deterministic,norm=l2",
+             "qsgd:bits=2,bucket_size=128,mode=fake,seed=2", "onebit:bucket_size=64", "onebit:scale=mean_abs",
+             "fp16", "none"]
+    for spec in specs:
+        host, dev = hq.from_spec(spec), hq.from_spec(spec)
+        ph = host.encode(x.cpu(), name="w")
+        pd = dev.encode(x, name="w")
+        if not (pd.is_cuda and pd.dtype == torch.uint8 and np.array_equal(ph.numpy(), pd.cpu().numpy())):
+            fails.append(f"{spec}: device payload != host payload")
+        yh = host.decode(ph)
+        yd = dev.decode(pd)
+        if not (yd.is_cuda and yd.shape == x.shape and _nan_eq(yh.numpy(), yd.cpu().numpy())):
+            fails.append(f"{spec}: decode differs")
+        yd2 = dev.decode(pd, name="w", shape=(3, 1000), dtype=torch.float32)
+        if not _nan_eq(yh.numpy(), yd2.cpu().numpy()):
+            fails.append(f"{spec}: decode(shape=...) differs")
+        acc = torch.ones(3000, device="cuda")
+        dev.decode_into(pd, acc, accumulate=True, name="w")
+        acc_h = torch.ones(3000)
+        host.decode_into(ph, acc_h, accumulate=True)
+        if not _nan_eq(acc_h.numpy(), acc.cpu().numpy()):
+            fails.append(f"{spec}: decode_into accumulate differs")
+        try:
+            dev.check_device_errors()
+        except hq.PayloadError as e:
+            fails.append(f"{spec}: spurious device error {e}")
+        out = torch.zeros(3000, device="cuda")
+        dev.decode_into(pd, out, name="other")
+        try:
+            dev.check_device_errors()
+            fails.append(f"{spec}: wrong name not reported")
+        except hq.PayloadError:
+            pass
+        if not bool(torch.isnan(out).all()):
+            fails.append(f"{spec}: wrong-name decode did not write NaN")
+        # bf16 / fp16 inputs come back in their dtype
+        for dt in (torch.float16, torch.bfloat16):
+            y = dev.decode(dev.encode(x.to(dt)))
+            if y.dtype != dt or y.shape == ():
+                fails.append(f"{spec}: {dt} round trip")
+        # no torch-level synchronisation in the steady state
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            p = dev.encode(x, name="w")
+            dev.decode_into(p, acc, accumulate=True, name="w")
+            dev.decode(p, name="w", shape=(3, 1000), dtype=torch.float32)
+        except RuntimeError as e:
+            fails.append(f"{spec}: host synchronisation: {e}")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counts = {k: len(v.overloads) for k, v in K.kernels.items()}
+    c = hq.QSGD(bits=4, bucket_size=512)
+    big = torch.randn(1 << 20, device="cuda")
+    out = torch.empty_like(big)
+    for _ in range(3):
+        c.decode_into(c.encode(big), out)
+    hq.OneBit(bucket_size=512).decode_into(hq.OneBit(bucket_size=512).encode(big), out)
+    after = {k: len(v.overloads) for k, v in K.kernels.items()}
+    if after != counts:
+        fails.append(f"recompiled: {counts} -> {after}")
+    print("compiled signatures per kernel:", after)
+    return fails
+
+
+CHECKS = {"kernels_match_reference": check_kernels_match_reference,
+          "torch_codec_path": check_torch_codec_path}
+
+if pytest is not None:
+    @pytest.mark.gpu
+    @pytest.mark.torch
+    @pytest.mark.skipif(not _cuda_ok(), reason="needs a CUDA GPU")
+    @pytest.mark.parametrize("name", sorted(CHECKS))
+    def test_gpu(name):
+        fails = CHECKS[name]()
+        assert not fails, fails[:20]
+
+
+if __name__ == "__main__":
+    import time
+    bad = 0
+    for name, fn in CHECKS.items():
+        t0 = time.time()
+        fails = fn()
+        bad += len(fails)
+        print(f"{name}: {'OK' if not fails else 'FAILED'} ({time.time() - t0:.1f} s)")
+        for f in fails[:30]:
+            print("   ", f)
+    sys.exit(1 if bad else 0)

@@ -1,0 +1,481 @@
+"""Codecs through the public API: numerics (with tolerances derived from the math), wire format,
+frameworks, bad input, seeds, the registry and the Compression namespace."""
+import math
+import pickle
+
+import numpy as np
+import pytest
+
+import hvd_quant as hq
+from hvd_quant import Compression, FP16, NoCompression, OneBit, PayloadError, QSGD, from_spec
+from numba_kernels import wire
+
+U = 2.0 ** -24          # float32 unit roundoff
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_numba_thread():
+    """Small inputs: serial kernels anyway; keeps the shared 2-core machine responsive."""
+    import numba
+    old = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(old)
+
+
+def rand(shape, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * np.exp(rng.standard_normal(shape))).astype(dtype)
+
+
+ALL_CODECS = [QSGD(), QSGD(bits=2, bucket_size=128, mode="deterministic", norm="l2"),
+              QSGD(bits=8, bucket_size=7, seed=1), QSGD(bits=16, bucket_size=1, norm="l2"),
+              QSGD(bits=5, mode="fake"), OneBit(), OneBit(bucket_size=64, scale="mean_abs"),
+              OneBit(bucket_size=3, error_feedback=False), FP16(), NoCompression()]
+CODEC_IDS = [c.spec() for c in ALL_CODECS]
+
+
+# ---- numerics ------------------------------------------------------------------------------------------
+
+def _units(x, bs, s, norm):
+    xb = np.zeros(-(-x.size // bs) * bs, np.float64)
+    xb[:x.size] = x
+    xb = xb.reshape(-1, bs)
+    scale = (np.sqrt((xb ** 2).sum(1)) if norm == "l2" else np.abs(xb).max(1)).astype(np.float32)
+    unit = (scale / np.float32(s)).astype(np.float32)
+    return np.repeat(unit, bs)[:x.size].astype(np.float64)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8, 16])
+@pytest.mark.parametrize("norm", ["max", "l2"])
+def test_deterministic_error_at_most_half_a_level(bits, norm):
+    """|decode - x| <= unit/2 + rounding: v = fl(|x|/unit) and fl(q*unit) each add at most one
+    rounding (2**-24 relative), and the clamp at s costs at most 2**-23 |x|."""
+    x = rand(3000, bits)
+    c = QSGD(bits=bits, bucket_size=100, mode="deterministic", norm=norm)
+    y = c.decode(c.encode(x)).astype(np.float64)
+    unit = _units(x, 100, c.levels, norm)
+    tol = unit / 2 + 2 * U * (np.abs(x) + np.abs(y))
+    assert np.all(np.abs(y - x) <= tol), np.max(np.abs(y - x) - tol)
+
+
+def test_deterministic_rounds_half_up_exactly():
+    # bucket max 4 with bits=3 (s=3): unit = 4/3; 2/3 of a unit is 0.888.., exactly half a unit is 2/3
+    unit = np.float32(4) / np.float32(3)
+    x = np.array([4.0, unit * np.float32(0.5), unit * np.float32(1.5), -unit * np.float32(0.5)], np.float32)
+    c = QSGD(bits=3, bucket_size=4, mode="deterministic")
+    v = np.abs(x) / unit
+    y = c.decode(c.encode(x))
+    q = np.floor(v) + ((v - np.floor(v)) >= 0.5)
+    assert np.array_equal(y, (np.sign(x) * q).astype(np.float32) * unit)
+
+
+@pytest.mark.parametrize("bits,norm", [(2, "max"), (4, "max"), (4, "l2"), (8, "l2")])
+def test_stochastic_is_unbiased(bits, norm):
+    """K independent draws of every element (the vector tiled K times, one bucket per copy, so each
+    copy has the same scale and its own uniforms). Per element Var = unit^2 p(1-p) with p the fraction
+    of |x|/unit; the mean of K draws is within 5 standard errors (plus the 2**-24-level bias of 24-bit
+    uniforms and float rounding), for every element."""
+    d, K = 64, 4000
+    v = rand(d, 7)
+    c = QSGD(bits=bits, bucket_size=d, norm=norm, seed=11)
+    y = c.decode(c.encode(np.tile(v, K))).astype(np.float64).reshape(K, d)
+    unit = float(_units(v, d, c.levels, norm)[0])
+    f = np.abs(v) / unit
+    p = f - np.floor(f)
+    se = unit * np.sqrt(p * (1 - p) / K)
+    tol = 5 * se + unit * 2 ** -23 + 4 * U * np.abs(v)
+    err = np.abs(y.mean(0) - v)
+    assert np.all(err <= tol), (err / np.maximum(tol, 1e-30)).max()
+
+
+@pytest.mark.parametrize("bits,d", [(2, 64), (2, 512), (4, 64), (4, 512), (8, 512)])
+def test_stochastic_l2_variance_bound(bits, d):
+    """QSGD Lemma 3.1: E||Q(v) - v||^2 <= min(d/s^2, sqrt(d)/s) ||v||^2 per bucket (l2 norm).
+
+    The exact expectation is sum_i unit^2 p_i (1 - p_i); check it against the bound, then check the
+    empirical mean over K draws is within 5 standard errors of it (each draw's squared error is a
+    sum of independent terms, its variance sum unit^4 p(1-p)(1-2p)^2 <= d unit^4 / 4... we use the
+    exact per-element fourth moment)."""
+    K = 400
+    s = (1 << (bits - 1)) - 1
+    v = rand(d, bits + d)
+    c = QSGD(bits=bits, bucket_size=d, norm="l2", seed=5)
+    y = c.decode(c.encode(np.tile(v, K))).astype(np.float64).reshape(K, d)
+    unit = float(_units(v, d, s, "l2")[0])
+    f = np.abs(v.astype(np.float64)) / unit
+    p = f - np.floor(f)
+    exact = np.sum(unit ** 2 * p * (1 - p))
+    norm2 = float(np.sum(v.astype(np.float64) ** 2))
+    bound = min(d / s ** 2, math.sqrt(d) / s) * norm2
+    assert exact <= bound * (1 + 1e-6)
+    sq = ((y - v) ** 2).sum(1)
+    # per element (q - f)^2 unit^2 takes (p unit)^2 w.p. 1-p and ((1-p) unit)^2 w.p. p
+    var_elem = unit ** 4 * (p * (1 - p) ** 4 + (1 - p) * p ** 4 - (p * (1 - p)) ** 2)
+    se = math.sqrt(var_elem.sum() / K)
+    assert abs(sq.mean() - exact) <= 5 * se + 1e-6 * exact + 1e-30
+    assert sq.mean() <= bound + 5 * se
+
+
+@pytest.mark.parametrize("bs", [None, 1, 7, 64])
+def test_two_mean_preserves_bucket_sums(bs):
+    """Sum of a decoded bucket = npos*mean_pos + nneg*mean_neg. The float32 canonical sums carry at
+    most (m + 5) roundings (m = ceil(n/32) sequential adds per lane, 5 tree levels), the division and
+    the test's float64 products one more each: |error| <= (m + 7) u sum|x|."""
+    x = rand(1000, 3)
+    c = OneBit(bucket_size=bs)
+    y = c.decode(c.encode(x)).astype(np.float64)
+    b = bs or x.size
+    for k in range(0, x.size, b):
+        xs, ys = x[k:k + b].astype(np.float64), y[k:k + b]
+        m = -(-xs.size // 32)
+        assert abs(ys.sum() - xs.sum()) <= (m + 7) * U * np.abs(xs).sum()
+
+
+def test_mean_abs_is_scaled_sign():
+    x = rand(256, 4)
+    c = OneBit(bucket_size=64, scale="mean_abs")
+    y = c.decode(c.encode(x))
+    for k in range(0, 256, 64):
+        m = np.abs(x[k:k + 64].astype(np.float64)).mean()
+        want = np.where(x[k:k + 64] >= 0, m, -m)
+        assert np.allclose(y[k:k + 64], want, rtol=4 * U * 64 / 32 + 8 * U, atol=0)
+
+
+def test_fake_has_stochastic_numerics_and_fp32_payload():
+    x = rand(1000, 9)
+    fake, real = QSGD(bits=4, bucket_size=64, mode="fake", seed=3), QSGD(bits=4, bucket_size=64, seed=3)
+    p = fake.encode(x, name="t")
+    assert p.size == 64 + 4 * x.size == fake.wire_nbytes(x.size)
+    assert np.array_equal(fake.decode(p), real.decode(real.encode(x, name="t")))
+    assert "no savings" in repr(fake) and "no savings" in QSGD.__doc__
+
+
+def test_decode_into_accumulates_without_changing_numerics():
+    x = rand(777, 2)
+    for c in ALL_CODECS:
+        p = c.encode(x)
+        y = c.decode(p)
+        acc = rand(777, 3)
+        want = acc + y
+        c.decode_into(p, acc, accumulate=True)
+        assert np.array_equal(acc, want), c
+        c.decode_into(p, acc)
+        assert np.array_equal(acc, y), c
+
+
+# ---- hard input ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ALL_CODECS[:8], ids=CODEC_IDS[:8])
+def test_zero_nan_inf_buckets_stay_in_their_bucket(codec):
+    bs = codec.bucket_size or 0
+    if bs in (0, 1) or bs > 100:
+        codec = type(codec)(**{**codec._config(), "bucket_size": 16})
+        bs = 16
+    x = rand(8 * bs, 1)
+    x[:bs] = 0                            # bucket 0: zeros
+    x[2 * bs + 1] = np.nan                # bucket 2: NaN
+    x[4 * bs + 2] = np.inf                # bucket 4: Inf
+    fresh = lambda: from_spec(codec.spec())         # noqa: E731 - same seed, same call counter
+    y = fresh().decode(fresh().encode(x))
+    assert np.all(y[:bs] == 0)
+    assert np.all(np.isnan(y[2 * bs:3 * bs]))
+    assert not np.all(np.isfinite(y[4 * bs:5 * bs]))
+    for k in (1, 3, 5, 6, 7):
+        assert np.all(np.isfinite(y[k * bs:(k + 1) * bs]))
+    clean = x.copy()
+    clean[2 * bs:3 * bs] = clean[4 * bs:5 * bs] = 1
+    yc = fresh().decode(fresh().encode(clean))
+    if not (isinstance(codec, QSGD) and codec.mode != "deterministic" and codec.seed is None):
+        for k in (1, 3, 5, 6, 7):
+            assert np.array_equal(y[k * bs:(k + 1) * bs], yc[k * bs:(k + 1) * bs])
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=CODEC_IDS)
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (513,), (3, 0, 2), (), (2, 3, 4), (1,) * 8, (1000, 3)],
+                         ids=lambda s: "x".join(map(str, s)) or "scalar")
+def test_payload_size_shape_and_dtype(codec, shape):
+    x = rand(shape, 4)
+    p = codec.encode(x)
+    n = int(np.prod(shape))
+    assert p.dtype == np.uint8 and p.ndim == 1
+    assert p.size == codec.wire_nbytes(n) and p.size % 4 == 0
+    if n == 0:
+        assert p.size == 64
+    y = codec.decode(p)
+    assert y.shape == x.shape and y.dtype == x.dtype
+
+
+def test_wire_nbytes_formula():
+    for n in (0, 1, 8, 1000, 10 ** 8):
+        for bits in (2, 4, 8, 16):
+            for bs in (7, 512):
+                nb = -(-n // bs)
+                codes = -(-n * bits // 8)
+                assert QSGD(bits=bits, bucket_size=bs).wire_nbytes(n) == 64 + codes + (-codes % 4) + 4 * nb
+        bitbytes = -(-n // 8)
+        pad = -bitbytes % 4
+        assert OneBit(bucket_size=64).wire_nbytes(n) == 64 + bitbytes + pad + 8 * -(-n // 64)
+        assert OneBit(scale="mean_abs").wire_nbytes(n) == 64 + bitbytes + pad + 4 * (n > 0)
+    assert QSGD(bits=4, bucket_size=512).wire_nbytes(10 ** 8) / (4 * 10 ** 8) < 1 / 7.8
+
+
+def test_rank_above_8_is_refused():
+    with pytest.raises(ValueError, match="rank 9"):
+        QSGD().encode(np.zeros((1,) * 9, np.float32))
+
+
+@pytest.mark.parametrize("bad", [np.arange(5), np.zeros(3, bool), np.zeros(3, np.complex64),
+                                 np.zeros(3, np.int8), "text", [1.0, 2.0]],
+                         ids=["int64", "bool", "complex", "int8", "str", "list"])
+def test_non_float_input_is_refused(bad):
+    for c in (QSGD(), OneBit(), FP16(), NoCompression()):
+        with pytest.raises((TypeError, ValueError)) as e:
+            c.encode(bad)
+        assert "float" in str(e.value) or "NumPy arrays" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(bits=1), "bits"), (dict(bits=17), "bits"), (dict(bits=4.0), "bits"), (dict(bits=True), "bits"),
+    (dict(bucket_size=0), "bucket_size"), (dict(bucket_size=-3), "bucket_size"),
+    (dict(mode="random"), "mode"), (dict(norm="l1"), "norm"), (dict(seed=-1), "seed"), (dict(seed="x"), "seed")])
+def test_bad_qsgd_configuration(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        QSGD(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(bucket_size=0), "bucket_size"), (dict(scale="max"), "scale"),
+                                          (dict(error_feedback="yes"), "error_feedback")])
+def test_bad_onebit_configuration(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        OneBit(**kwargs)
+
+
+def _payload(codec=None, n=100, name="w"):
+    codec = codec or QSGD(bits=4, bucket_size=16)
+    return codec, codec.encode(rand(n, 5), name=name)
+
+
+def _reheader(p, offset, value):
+    """Change header byte(s) and fix both checksums, as a differently-configured sender would."""
+    q = p.copy()
+    q[offset] = value
+    h = bytes(q[:64])
+    q[60:62] = np.frombuffer(wire.fold16(wire.fnv1a32(h[4:9] + h[12:16])).to_bytes(2, "little"), np.uint8)
+    h = bytes(q[:64])
+    q[62:64] = np.frombuffer(wire.fold16(wire.fnv1a32(h[:62])).to_bytes(2, "little"), np.uint8)
+    return q
+
+
+@pytest.mark.parametrize("other,field", [
+    (QSGD(bits=8, bucket_size=16), "bits"), (QSGD(bits=4, bucket_size=32), "bucket_size"),
+    (QSGD(bits=4, bucket_size=16, mode="deterministic"), "mode"), (QSGD(bits=4, bucket_size=16, norm="l2"), "norm"),
+    (OneBit(bucket_size=16), "onebit"), (FP16(), "fp16"), (QSGD(bits=4, bucket_size=16, mode="fake"), "mode")])
+def test_other_configuration_is_refused_naming_the_field(other, field):
+    c, p = _payload()
+    for decode in (lambda: other.decode(p), lambda: other.decode_into(p, np.zeros(100, np.float32))):
+        with pytest.raises(PayloadError, match=field):
+            decode()
+
+
+def test_equal_configuration_decodes_other_instance():
+    c, p = _payload(QSGD(bits=4, bucket_size=16, seed=1))
+    assert np.array_equal(QSGD(bits=4, bucket_size=16, seed=99).decode(p), c.decode(p))
+
+
+@pytest.mark.parametrize("corrupt,match", [
+    (lambda p: p[:-1], "truncated"), (lambda p: p[:10], "truncated"), (lambda p: p[:64], "truncated"),
+    (lambda p: np.concatenate([p, np.zeros(4, np.uint8)]), "too long"),
+    (lambda p: np.concatenate([np.zeros(1, np.uint8), p[1:]]), "magic"),
+    (lambda p: _reheader(p, 4, 2), "version"),
+    (lambda p: _reheader(p, 24, 99), "shape"),
+    (lambda p: np.where(np.arange(p.size) == 30, p ^ 1, p).astype(np.uint8), "header checksum"),
+    (lambda p: np.where(np.arange(p.size) == 61, p ^ 1, p).astype(np.uint8), "checksum"),
+    (lambda p: np.random.default_rng(0).integers(0, 256, p.size).astype(np.uint8), "magic"),
+    (lambda p: np.zeros(0, np.uint8), "truncated"),
+], ids=["minus1", "10bytes", "header-only", "plus4", "magic", "version", "shape", "header-crc",
+        "config-crc", "garbage", "empty"])
+def test_bad_payload_is_refused(corrupt, match):
+    c, p = _payload()
+    q = corrupt(p)
+    with pytest.raises(PayloadError, match=match):
+        c.decode(q)
+    with pytest.raises(PayloadError):
+        c.decode_into(q, np.zeros(100, np.float32))
+
+
+def test_payload_kind_checks():
+    c, p = _payload()
+    with pytest.raises((TypeError, ValueError)):
+        c.decode(p.view(np.int8))
+    with pytest.raises((TypeError, ValueError)):
+        c.decode(p.reshape(-1, 4))
+    with pytest.raises(PayloadError, match="elements"):
+        c.decode_into(p, np.zeros(99, np.float32))
+    with pytest.raises((TypeError, ValueError)):
+        c.decode_into(p, np.zeros(100, np.float64))
+
+
+def test_name_mismatch_is_refused():
+    c, p = _payload(name="layer1.weight")
+    c.decode(p, name="layer1.weight")
+    with pytest.raises(PayloadError, match="name"):
+        c.decode(p, name="layer2.weight")
+    with pytest.raises(PayloadError, match="name"):
+        c.decode_into(p, np.zeros(100, np.float32), name="layer2.weight")
+    _, unnamed = _payload(name=None)
+    with pytest.raises(PayloadError, match="no name"):
+        c.decode(unnamed, name="layer1.weight")
+    c.decode(p)                               # no name given: not checked
+
+
+def test_empty_tensor_is_header_only():
+    for c in ALL_CODECS:
+        p = c.encode(np.zeros((0, 5), np.float16))
+        assert p.size == 64
+        y = c.decode(p)
+        assert y.shape == (0, 5) and y.dtype == np.float16
+        c.decode_into(p, np.zeros(0, np.float32), accumulate=True)
+
+
+# ---- seeds and ranks --------------------------------------------------------------------------------------
+
+def test_seed_reproducible_sequence():
+    x = rand(1000, 8)
+    a, b = QSGD(seed=42), QSGD(seed=42)
+    seq_a = [a.encode(x, name="g").tobytes() for _ in range(3)]
+    seq_b = [b.encode(x, name="g").tobytes() for _ in range(3)]
+    assert seq_a == seq_b
+    assert len(set(seq_a)) == 3                      # the k-th call differs from the (k+1)-th
+    a.reset_counters()
+    assert a.encode(x, name="g").tobytes() == seq_a[0]
+    assert QSGD(seed=43).encode(x, name="g").tobytes() != seq_a[0]
+    # counters are per name: other names do not shift this name's sequence
+    c = QSGD(seed=42)
+    c.encode(x, name="other")
+    assert c.encode(x, name="g").tobytes() == seq_a[0]
+
+
+def test_ranks_draw_independent_noise(monkeypatch):
+    x = rand(1000, 8)
+    r0, r1 = QSGD(seed=42), QSGD(seed=42)
+    r1.rank = 1
+    assert r0.encode(x).tobytes() != r1.encode(x).tobytes()
+    monkeypatch.setenv("HOROVOD_RANK", "1")
+    env1 = QSGD(seed=42)
+    assert env1.rank == 1
+    r1.reset_counters()
+    assert env1.encode(x).tobytes() == r1.encode(x).tobytes()
+
+
+def test_unseeded_draws_fresh_noise():
+    x = rand(1000, 8)
+    c = QSGD()
+    assert c.encode(x).tobytes() != c.encode(x).tobytes()
+    d = QSGD(mode="deterministic")
+    assert d.encode(x).tobytes() == d.encode(x).tobytes()
+
+
+# ---- registry, specs, namespace -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ALL_CODECS + [QSGD(seed=7), OneBit(error_feedback=False)],
+                         ids=CODEC_IDS + ["qsgd-seed", "onebit-noef"])
+def test_spec_round_trip(codec):
+    assert from_spec(codec.spec()) == codec
+    assert hash(from_spec(codec.spec())) == hash(codec)
+    assert from_spec(codec.spec()).spec() == codec.spec()
+    assert pickle.loads(pickle.dumps(codec)) == codec
+
+
+def test_spec_examples():
+    assert from_spec("qsgd:bits=4,bucket_size=512,mode=deterministic") == QSGD(mode="deterministic")
+    assert from_spec("none") == NoCompression() == Compression.none
+    assert from_spec("fp16") == FP16() == Compression.fp16
+    assert from_spec("onebit:bucket_size=64,scale=mean_abs") == OneBit(64, "mean_abs")
+    assert from_spec(" QSGD : bits = 8 ") == QSGD(bits=8)
+    assert QSGD().spec() == "qsgd:bits=4,bucket_size=512,mode=stochastic,norm=max"
+    assert Compression.qsgd(bits=2) == QSGD(bits=2) and Compression.onebit() == OneBit()
+    assert QSGD() != QSGD(bits=8) and QSGD() != OneBit() and QSGD(seed=1) != QSGD(seed=2)
+    assert OneBit().wants_error_feedback and not OneBit(error_feedback=False).wants_error_feedback
+    assert not any(c.wants_error_feedback for c in (QSGD(), FP16(), NoCompression()))
+    assert set(hq.REGISTRY) >= {"qsgd", "onebit", "fp16", "none"}
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("bogus", "unknown codec 'bogus'"), ("qsgd:bitz=4", "unknown parameter 'bitz'"),
+    ("qsgd:bits=four", "bits='four'"), ("qsgd:bits=40", "bits"), ("qsgd:mode=fast", "mode"),
+    ("qsgd:bits", "bad item 'bits'"), ("qsgd:bits=4,bits=8", "twice"), ("fp16:bits=8", "unknown parameter 'bits'"),
+    ("onebit:error_feedback=maybe", "error_feedback"), ("onebit:scale=x", "scale"), (42, "string")])
+def test_spec_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        from_spec(spec)
+
+
+def test_register_decorator_refuses_duplicates():
+    with pytest.raises(ValueError, match="already registered"):
+        hq.register("qsgd")(type("X", (hq.Codec,), {}))
+
+
+def test_stock_hooks_exist():
+    for c in ALL_CODECS:
+        assert callable(c.compress) and callable(c.decompress)
+
+
+# ---- frameworks ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_numpy_dtypes(dtype):
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype(dtype)
+    x = rand((4, 50), 1).astype(dt)
+    for c in (QSGD(bits=8), OneBit(), FP16(), NoCompression()):
+        y = c.decode(c.encode(x))
+        assert y.dtype == dt and y.shape == x.shape
+    y = NoCompression().decode(NoCompression().encode(x))
+    assert np.array_equal(y.astype(np.float32), x.astype(np.float32))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_torch_cpu(dtype):
+    torch = pytest.importorskip("torch")
+    dt = getattr(torch, dtype)
+    x = torch.from_numpy(rand((5, 40), 2)).to(dt)
+    for c in (QSGD(bits=4, bucket_size=64, seed=3), OneBit(bucket_size=32), FP16(), NoCompression()):
+        p = c.encode(x, name="t")
+        assert isinstance(p, torch.Tensor) and p.dtype == torch.uint8 and p.dim() == 1
+        assert p.numel() == c.wire_nbytes(x.numel())
+        y = c.decode(p, name="t")
+        assert isinstance(y, torch.Tensor) and y.dtype == dt and y.shape == x.shape
+        # the same bytes as the NumPy path on the same float32 values
+        c.reset_counters()
+        pn = c.encode(x.float().numpy(), name="t")
+        assert bytes(p.numpy()[64:]) == bytes(pn[64:])
+        acc = torch.ones(x.numel())
+        c.decode_into(p, acc, accumulate=True)
+        assert torch.equal(acc, 1 + y.float().reshape(-1)) or dt != torch.float32
+
+
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_tensorflow_cpu(dtype):
+    tf = pytest.importorskip("tensorflow")
+    dt = getattr(tf, dtype)
+    x = tf.cast(tf.constant(rand((6, 30), 3)), dt)
+    for c in (QSGD(bits=4, bucket_size=64, seed=3), OneBit(bucket_size=32), FP16(), NoCompression()):
+        p = c.encode(x, name="t")
+        assert isinstance(p, tf.Tensor) and p.dtype == tf.uint8 and len(p.shape) == 1
+        assert int(p.shape[0]) == c.wire_nbytes(180)
+        y = c.decode(p, name="t")
+        assert y.dtype == dt and tuple(y.shape) == (6, 30)
+        v = tf.Variable(tf.ones([180]))
+        c.decode_into(p, v, accumulate=True)
+        want = 1 + tf.cast(tf.reshape(y, [-1]), tf.float32).numpy()
+        # decode_into adds the float32 values; y was rounded to the input dtype
+        rtol = {"float32": 0, "float16": 2 ** -11, "bfloat16": 2 ** -8}[dtype]
+        assert np.allclose(v.numpy(), want, rtol=rtol, atol=rtol)
+        with pytest.raises(TypeError, match="immutable"):
+            c.decode_into(p, tf.zeros([180]))

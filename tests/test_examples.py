@@ -1,0 +1,491 @@
+"""The examples (issue 6): helpers in examples/common, the PyTorch driver under real Horovod jobs, the
+matrices in horovodrun_configs/ and the sweep runner's dry run.
+
+Multi-process tests batch several models into one launch (the driver takes ``--model a,b,c``) so the
+file stays within a few minutes on 2 cores; every model of every task runs a few steps at tiny sizes.
+"""
+import contextlib
+import glob
+import gzip
+import io
+import json
+import math
+import os
+import pickle
+import re
+import shlex
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from launch import ROOT, run_horovod
+
+sys.path.insert(0, str(ROOT))
+
+from examples.common import cli, data as D, traffic  # noqa: E402
+from examples.common.runlog import (EPOCH_RE, STEP_RE, RunLog, format_epoch, format_step,  # noqa: E402
+                                    parse_log, read_metrics)
+
+TRAIN = ROOT / "examples" / "pytorch" / "train.py"
+MATRICES = sorted(glob.glob(str(ROOT / "horovodrun_configs" / "experiments" / "*.yaml")))
+TUNING = sorted(glob.glob(str(ROOT / "horovodrun_configs" / "horovod" / "*.yaml")))
+REFERENCE_DIR = ROOT.parent / "shared" / "reference"
+
+
+# ============================================================================ traffic formula
+
+def _one_byte_per_element(numel):
+    return numel
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_traffic_formulas_by_hand(n):
+    shapes = [(1000, 1000), (10,), (16, 8)]  # compressed; 1-D -> fp32; 128 < 1024 -> fp32
+    fp32 = 2 * (n - 1) / n * 4 * (1_000_000 + 10 + 128)
+    small = 2 * (n - 1) / n * 4 * (10 + 128)
+    ag = traffic.bytes_per_step(shapes, n, _one_byte_per_element, "allgather", 1024)
+    sra = traffic.bytes_per_step(shapes, n, _one_byte_per_element, "sra", 1024)
+    none = traffic.bytes_per_step(shapes, n)
+    assert none.sent == pytest.approx(fp32) and none.fp32 == pytest.approx(fp32)
+    assert ag.fp32 == pytest.approx(fp32)
+    assert ag.sent == pytest.approx((n - 1) * 1_000_000 + small)
+    assert sra.sent == pytest.approx(2 * (n - 1) * math.ceil(1_000_000 / n) + small)
+    assert (ag.tensors_compressed, ag.tensors_fp32) == (1, 2)
+    if n == 1:
+        assert ag.sent == sra.sent == fp32 == 0
+
+
+def test_traffic_fusion_and_ratio():
+    # 4-bit with 512-element buckets and an 8-byte header per payload: ratio -> 32 / (4 + 32/512)
+    wire = lambda numel: 8 + math.ceil(numel / 2) + 4 * math.ceil(numel / 512)  # noqa: E731
+    shapes = [(512, 512)] * 8
+    t = traffic.bytes_per_step(shapes, 4, wire, "sra", bucket_bytes=4 * 512 * 512 * 2)
+    assert t.groups == [2 * 512 * 512] * 4
+    assert t.ratio == pytest.approx(32 / (4 + 32 / 512), rel=1e-3)
+    assert traffic.fuse_groups([5, 5, 5], None) == [15]
+    assert traffic.fuse_groups([5, 5, 5], 1) == [5, 5, 5]
+    assert traffic.fuse_groups([5, 3, 9], 8 * 4) == [8, 9]
+    with pytest.raises(ValueError):
+        traffic.bytes_per_step(shapes, 2, wire, "ring")
+
+
+def test_spec_parsing():
+    assert cli.parse_spec("qsgd:bits=4,bucket_size=512,mode=stochastic") == (
+        "qsgd", {"bits": 4, "bucket_size": 512, "mode": "stochastic"})
+    assert cli.parse_spec("none") == ("none", {})
+    assert cli.spec_labels("onebit:bucket_size=64") == {"method": "onebit", "bits": 1, "bucket_size": 64,
+                                                        "mode": None}
+    assert cli.spec_labels("fp16")["bits"] == 16
+    with pytest.raises(ValueError):
+        cli.parse_spec("qsgd:bits")
+
+
+# ============================================================================ log format and metrics
+
+PUBLISHED_LINES = [  # as they appear in shared/reference/001 and 002
+    ("- Step200: 100.71 data/sec", (200, 100.71), None),
+    ("- Step 1600 60.44 data/sec", (1600, 60.44), None),
+    ("- Epoch 0 in 543.88 sec, test time 13.77 sec, test accuracy:0.86263", None, (0, 543.88, 13.77, 0.86263)),
+    ("- Epoch 0 in 770.23 sec, test time 20.34 sec, test accuracy: 0.8801", None, (0, 770.23, 20.34, 0.8801)),
+    ("- Epoch 2 in 957.91 sec, test time 18.63 sec. test accuracy 0.9786", None, (2, 957.91, 18.63, 0.9786)),
+    ("- Epoch 3 in 1129.23 sec, test time 21.01 sec. est accuracy 0.9853", None, (3, 1129.23, 21.01, 0.9853)),
+    ("- Epoch 0 in 1167.73 sec, test time 26.04 sec. Test accuracy 0.9790", None, (0, 1167.73, 26.04, 0.979)),
+]
+
+
+@pytest.mark.parametrize("line,step,epoch", PUBLISHED_LINES, ids=[p[0][2:24] for p in PUBLISHED_LINES])
+def test_regexes_read_the_published_lines(line, step, epoch):
+    m = STEP_RE.search(line)
+    if step is None:
+        assert m is None
+    else:
+        assert (int(m.group(1)), float(m.group(2))) == step
+    m = EPOCH_RE.search(line)
+    if epoch is None:
+        assert m is None
+    else:
+        assert (int(m.group(1)), float(m.group(2)), float(m.group(3)), float(m.group(4))) == epoch
+
+
+def test_our_lines_match_the_published_format():
+    assert format_step(200, 100.714) == "Step200: 100.71 data/sec"
+    assert format_epoch(0, 543.881, 13.771, 0.862634) == \
+        "Epoch 0 in 543.88 sec, test time 13.77 sec, test accuracy:0.86263"
+    text = "[0]<stdout>:== model resnet18\n[0]<stdout>:Step2: 5.00 data/sec\n" + \
+        "[0]<stdout>:" + format_epoch(0, 1, 0.5, 0.25) + "\n[0]<stdout>:Throughput: 7.50 data/sec over 2 ranks (x)\n"
+    parsed = parse_log(text)
+    assert parsed["resnet18"] == {"steps": [(2, 5.0)], "epochs": [(0, 1.0, 0.5, 0.25)], "throughput": 7.5}
+
+
+@pytest.mark.skipif(not (REFERENCE_DIR / "002_3998dbd99d4aa271.txt").exists(), reason="no shared/reference")
+def test_every_published_log_line_parses():
+    for name in ("001_685292da7d634812.txt", "002_3998dbd99d4aa271.txt"):
+        lines = (REFERENCE_DIR / name).read_text().splitlines()
+        steps = [l for l in lines if "data/sec" in l]
+        epochs = [l for l in lines if l.lstrip("- ").startswith("Epoch")]
+        assert steps and epochs
+        assert all(STEP_RE.search(l) for l in steps), [l for l in steps if not STEP_RE.search(l)]
+        assert all(EPOCH_RE.search(l) for l in epochs), [l for l in epochs if not EPOCH_RE.search(l)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_runlog_metrics_file(tmp_path, suffix):
+    path = tmp_path / f"m{suffix}"
+    out = io.StringIO()
+    log = RunLog(0, 2, log_every=2, metrics_out=str(path), progress=False, stream=out)
+    log.record("config", task="mnist")
+    log.start_model("resnet18")
+    for step in range(1, 5):
+        log.step(step, 0, samples=step * 256, train_time=step * 0.5, loss=1.0 / step, lr=0.02)
+    log.epoch(0, 2.5, 0.5, 0.75, test_loss=0.6)
+    log.close()
+    assert parse_log(out.getvalue())["resnet18"]["steps"] == [(2, 512.0), (4, 512.0)]
+    recs = read_metrics(str(path))
+    steps = [r for r in recs if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [2, 4] and steps[0]["data_per_sec"] == pytest.approx(512.0)
+    assert [r["test_accuracy"] for r in recs if r["event"] == "epoch"] == [0.75]
+    assert any(r["event"] == "config" for r in recs) == (suffix == ".jsonl")
+    quiet = io.StringIO()
+    other = RunLog(1, 2, log_every=1, metrics_out=str(tmp_path / "r1.jsonl"), progress=True, stream=quiet)
+    other.step(1, 0, 1, 1.0)
+    other.close()
+    assert quiet.getvalue() == "" and not (tmp_path / "r1.jsonl").exists()
+
+
+# ============================================================================ data readers
+
+def _write_idx(path, arr, gz):
+    codes = {np.uint8: 0x08}
+    head = struct.pack(">HBB", 0, codes[arr.dtype.type], arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    opener = gzip.open if gz else open
+    with opener(path, "wb") as f:
+        f.write(head + arr.tobytes())
+
+
+def make_mnist_dir(root, n_train=64, n_test=32, gz=True):
+    rng = np.random.default_rng(0)
+    raw = Path(root) / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte{'.gz' if gz else ''}",
+                   rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), gz)
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte{'.gz' if gz else ''}",
+                   (np.arange(n) % 10).astype(np.uint8), gz)
+    return str(root)
+
+
+def make_cifar_dir(root, per_batch=20, n_test=20):
+    rng = np.random.default_rng(1)
+    d = Path(root) / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    for name, n in [(f"data_batch_{i}", per_batch) for i in range(1, 6)] + [("test_batch", n_test)]:
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"labels": [int(i % 10) for i in range(n)]}
+        with open(d / name, "wb") as f:
+            pickle.dump(batch, f)
+    return str(root)
+
+
+def make_sst_dir(root, n_train=200, n_test=60):
+    """train.txt as PTB trees (Stanford's format), test.tsv as label<TAB>sentence."""
+    d = Path(root)
+    d.mkdir(parents=True, exist_ok=True)
+    sets = D.synthetic_sst5(n_train, n_test, seed=3)
+    with open(d / "train.txt", "w") as f:
+        for label, text in sets["train"]:
+            leaves = " ".join(f"(2 {w})" for w in text.split())
+            f.write(f"({label} {leaves})\n")
+    with open(d / "test.tsv", "w") as f:
+        for label, text in sets["test"]:
+            f.write(f"{label}\t{text}\n")
+    return str(d)
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_mnist_idx_reader(tmp_path, gz):
+    ds = D.load_mnist(make_mnist_dir(tmp_path, gz=gz))
+    assert ds.x_train.shape == (64, 1, 28, 28) and ds.x_test.shape == (32, 1, 28, 28)
+    assert ds.kind == "mnist" and "MNIST IDX" in ds.source
+    assert list(ds.y_train[:12]) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
+    assert D.load_mnist(make_mnist_dir(tmp_path / "b"), image_size=32, layout="NHWC").x_train.shape == (64, 32, 32, 1)
+    with pytest.raises(FileNotFoundError):
+        D.load_mnist(str(tmp_path / "empty"))
+
+
+def test_idx_header_checked(tmp_path):
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"\x01\x02\x03\x04" + b"\0" * 16)
+    with pytest.raises(ValueError, match="not an IDX"):
+        D.read_idx(str(bad))
+
+
+def test_digits_default_is_offline_and_says_so():
+    ds = D.load_mnist(None, image_size=28)
+    assert ds.kind == "sklearn-digits" and "NOT MNIST" in ds.source
+    assert ds.x_train.shape[1:] == (1, 28, 28) and len(ds.y_train) + len(ds.y_test) == 1797
+    assert abs(float(ds.x_train.mean())) < 1e-3
+    # the 20x20 digit sits in the middle: the 4-pixel border is background
+    assert np.allclose(ds.x_train[:, :, :4, :], ds.x_train[0, 0, 0, 0])
+
+
+def test_cifar_reader_and_synthetic(tmp_path):
+    ds = D.load_cifar10(make_cifar_dir(tmp_path))
+    assert ds.x_train.shape == (100, 3, 32, 32) and ds.x_test.shape == (20, 3, 32, 32) and ds.kind == "cifar10"
+    syn = D.load_cifar10(None, synthetic_train=50, synthetic_test=20)
+    assert syn.kind == "synthetic-cifar10" and "NOT CIFAR-10" in syn.source and syn.x_train.shape == (50, 3, 32, 32)
+    x = D.random_crop_flip(syn.x_train[:8], np.random.default_rng(0))
+    assert x.shape == (8, 3, 32, 32)
+
+
+def test_sst_formats(tmp_path):
+    assert D.parse_sst_line("(3 (2 It) (4 (4 works) (2 (2 -LRB-) (2 ok) (2 -RRB-))))") == (3, "It works ( ok )")
+    assert D.parse_sst_line("4\tA fine film .") == (4, "A fine film .")
+    assert D.parse_sst_line("A fine film .\t0") == (0, "A fine film .")
+    assert D.parse_sst_line("   ") is None
+    with pytest.raises(ValueError):
+        D.parse_sst_line("no label here")
+    ds = D.load_sst5(make_sst_dir(tmp_path), max_len=16)
+    assert ds.kind == "sst5" and ds.x_train.shape == (200, 16) and ds.x_test.shape == (60, 16)
+    assert set(ds.y_train) <= set(range(5)) and ds.meta["lengths_train"].max() <= 16
+    syn = D.load_sst5(None, synthetic_train=100, synthetic_test=50)
+    assert syn.kind == "synthetic-sst5" and "NOT SST-5" in syn.source
+
+
+@pytest.mark.parametrize("n,size", [(10, 3), (1797, 2), (7, 8), (128, 4)])
+def test_sharding_like_distributed_sampler(n, size):
+    shards = [D.shard_indices(n, r, size, epoch=1, seed=5) for r in range(size)]
+    assert len({len(s) for s in shards}) == 1 and len(shards[0]) == math.ceil(n / size)
+    assert set(np.concatenate(shards)) == set(range(n))
+    assert not np.array_equal(D.shard_indices(n, 0, size, epoch=2, seed=5), shards[0]) or n <= size
+    evals = [D.eval_indices(n, r, size) for r in range(size)]
+    assert sorted(np.concatenate(evals)) == list(range(n))
+    assert D.steps_per_epoch(n, size, 4) == math.ceil(math.ceil(n / size) / 4)
+
+
+# ============================================================================ models
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name,ctx,count", [
+    ("resnet18", {}, 11_689_512), ("resnet50", {}, 25_557_032), ("resnext50_32x4d", {}, 25_028_904),
+    ("vit_s_16", {}, 22_050_664), ("bn_inception", {}, 6_624_904),
+    ("resnet20", {"num_classes": 10, "small_input": True, "image_size": 32}, 269_722),
+    ("resnet110", {"num_classes": 10, "small_input": True, "image_size": 32}, 1_727_962),
+])
+def test_builtin_models_have_the_published_sizes(name, ctx, count):
+    """Parameter counts of torchvision's definitions (ResNets, ResNeXt, GoogLeNet, ViT-S as in timm)
+    and of He et al.'s CIFAR ResNets (0.27M and 1.7M)."""
+    from examples.pytorch.models import ModelContext, build_model
+    model, note = build_model(name, ModelContext(**ctx), "builtin")
+    assert sum(p.numel() for p in model.parameters()) == count and "built-in" in note
+
+
+# ============================================================================ matrices and tuning files
+
+def test_every_matrix_and_tuning_file_is_there():
+    names = {Path(p).stem for p in MATRICES}
+    assert {"qsgd_ec2_mpi", "qnccl", "torch_distributed"} <= names
+    assert len(TUNING) >= 3
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("path", MATRICES, ids=[Path(p).stem for p in MATRICES])
+def test_sweep_dry_run_covers_the_matrix(path, capsys):
+    """Every run prints a horovodrun command with an existing --config-file and script, and the
+    driver's own parser accepts the arguments."""
+    from examples import sweep
+    from examples.pytorch.train import build_parser
+
+    runs = sweep.expand(sweep.load_matrix(path))
+    assert sweep.main(["--dry-run", path, "--out-dir", "runs/x"]) == 0
+    out = capsys.readouterr().out
+    commands = [l for l in out.splitlines() if not l.startswith("#")]
+    launched = [r for r in runs if r.skip is None]
+    assert len(commands) == len(launched) > 0
+    assert out.count("# skipped:") == len(runs) - len(launched)
+    assert len({r.run_id for r in runs}) == len(runs)
+    parser = build_parser()
+    for line, run in zip(commands, launched):
+        argv = shlex.split(line)
+        assert Path(argv[0]).name == "horovodrun" and argv[argv.index("-np") + 1] == str(run.gpus)
+        assert (ROOT / argv[argv.index("--config-file") + 1]).is_file()
+        script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+        assert (ROOT / argv[script]).is_file()
+        args = parser.parse_args(argv[script + 1:])
+        assert args.compression == run.compression and args.model == run.model
+
+
+@pytest.mark.parametrize("path", MATRICES, ids=[Path(p).stem for p in MATRICES])
+def test_every_matrix_spec_is_a_valid_codec(path):
+    hvd_quant = pytest.importorskip("hvd_quant")
+    if not hasattr(hvd_quant, "from_spec"):
+        pytest.skip("hvd_quant.from_spec not available")
+    from examples import sweep
+    specs = {r.compression for r in sweep.expand(sweep.load_matrix(path))}
+    for spec in specs:
+        codec = hvd_quant.from_spec(spec)
+        assert hvd_quant.from_spec(codec.spec()).spec() == codec.spec()
+
+
+def _numbers(obj, skip=("gpus", "nodes", "bits", "bucket", "batch_size")):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k not in skip:
+                yield from _numbers(v, skip)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _numbers(v, skip)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield float(obj)
+
+
+@pytest.mark.skipif(not REFERENCE_DIR.exists(), reason="no shared/reference")
+@pytest.mark.parametrize("path", MATRICES, ids=[Path(p).stem for p in MATRICES])
+def test_reference_numbers_are_copied_from_the_published_files(path):
+    """Every reference number in a matrix appears in the file it cites (no typos, nothing invented)."""
+    cfg = yaml.safe_load(open(path))
+    text = (REFERENCE_DIR / cfg["reference_file"]).read_text()
+    published = {float(x) for x in re.findall(r"\d+(?:\.\d+)?", text)}
+    refs = []
+    for exp in cfg["experiments"]:
+        ref = exp.get("reference") or {}
+        refs.append({k: v for k, v in ref.items() if k != "accuracy_at_epochs"})
+        refs += [r.get("reference", {}) for r in exp.get("runs", [])]
+    numbers = list(_numbers(refs))
+    assert len(numbers) > 20
+    missing = sorted({n for n in numbers if n not in published})
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("path", TUNING, ids=[Path(p).stem for p in TUNING])
+def test_tuning_yaml_is_read_by_horovodrun(path, monkeypatch):
+    """horovodrun's own argument parser loads the file and sets what it says."""
+    from horovod.runner import launch as hl
+
+    monkeypatch.setattr(sys, "argv", ["horovodrun", "-np", "2", "--config-file", path, "python", "x.py"])
+    args = hl.parse_args()
+    cfg = yaml.safe_load(open(path))
+    for key, value in (cfg.get("params") or {}).items():
+        assert getattr(args, key) == value, key
+    if "timeline" in cfg:
+        assert args.timeline_filename == cfg["timeline"]["filename"]
+    if (cfg.get("autotune") or {}).get("enabled"):
+        assert args.autotune
+
+
+# ============================================================================ real Horovod jobs
+
+TINY_IMAGE = ["--width-mult", "0.0625", "--log-every", "2", "--bench-warmup", "1", "--no-progress"]
+
+
+def _launch(args, tmp_path, name, np_=2, controller="gloo", timeout=300):
+    metrics = tmp_path / name
+    result = run_horovod(str(TRAIN), np=np_, controller=controller,
+                         args=[*args, "--metrics-out", str(metrics)], timeout=timeout)
+    return result, metrics
+
+
+def _check_run(result, metrics, models, epochs, min_steps, compressed):
+    out = result.stdout
+    # rank 0 only prints the mirrored lines
+    assert not re.search(r"^\[[1-9]\d*\]<stdout>:.*(Step\d+:|Epoch \d+ in)", out, re.M)
+    for needle in ("world size: 2 (controller:", "compression:", "reduction:", "data:",
+                   "bytes sent per step per rank:"):
+        assert needle in out, needle
+    parsed = parse_log(out)
+    recs = read_metrics(str(metrics))
+    for model in models:
+        entry = parsed[model]
+        assert len(entry["steps"]) >= min_steps, (model, entry)
+        assert all(rate > 0 for _, rate in entry["steps"])
+        assert len(entry["epochs"]) == epochs, (model, entry)
+        assert all(0.0 <= acc <= 1.0 for *_, acc in entry["epochs"])
+        assert entry["throughput"] and entry["throughput"] > 0
+        mine = [r for r in recs if r.get("model") == model]
+        summary = [r for r in mine if r["event"] == "summary"]
+        assert len(summary) == 1
+        assert [r["event"] for r in mine].count("epoch") == epochs
+        if compressed:
+            # the codec sends fewer bytes than fp32, and hvd_quant measured the same order of magnitude
+            assert summary[0]["bytes_sent_per_step"] < summary[0]["bytes_fp32_per_step"]
+            if summary[0].get("measured_bytes_sent"):
+                ratio = summary[0]["measured_bytes_sent"] / summary[0]["bytes_sent_per_step"]
+                assert 0.5 < ratio < 2.0, ratio
+        else:
+            assert summary[0]["bytes_sent_per_step"] == summary[0]["bytes_fp32_per_step"]
+    return parsed, recs
+
+
+MNIST_MODELS = ["resnet18", "resnet50", "resnet101"]
+CIFAR_MODELS = ["resnet20", "resnet32", "resnet110"]
+IMAGENET_MODELS = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "vgg16",
+                   "vgg19", "alexnet", "vit_b_16", "vit_s_16", "bn_inception"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.torch
+def test_mnist_resnets_qsgd_sra(tmp_path):
+    """Offline digits, ResNet-18/50/101 at 1/16 width, 4-bit stochastic QSGD with SRA."""
+    args = ["--task", "mnist", "--model", ",".join(MNIST_MODELS), "--epochs", "2", "--batch-size", "64",
+            "--train-size", "256", "--test-size", "128", "--image-size", "16",
+            "--compression", "qsgd:bits=4,bucket_size=512,mode=stochastic", "--reduction", "sra",
+            "--min-compress-numel", "256", *TINY_IMAGE]
+    result, metrics = _launch(args, tmp_path, "mnist.jsonl")
+    assert "sklearn-digits (offline default, NOT MNIST" in result.stdout
+    _check_run(result, metrics, MNIST_MODELS, epochs=2, min_steps=2, compressed=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.torch
+def test_cifar_resnets_onebit_allgather_from_files(tmp_path):
+    """CIFAR-10 python batches from --data-dir (tiny fake files), He et al. ResNet-20/32/110,
+    bucketed 1-bit SGD with allgather, metrics as CSV."""
+    data_dir = make_cifar_dir(tmp_path / "cifar", per_batch=16, n_test=32)
+    args = ["--task", "cifar10", "--model", ",".join(CIFAR_MODELS), "--epochs", "2", "--batch-size", "16",
+            "--data-dir", data_dir, "--compression", "onebit:bucket_size=64", "--reduction", "allgather",
+            "--min-compress-numel", "256", "--width-mult", "0.5", "--log-every", "2", "--no-progress"]
+    result, metrics = _launch(args, tmp_path, "cifar.csv")
+    assert "CIFAR-10 python batches from" in result.stdout
+    _check_run(result, metrics, CIFAR_MODELS, epochs=2, min_steps=2, compressed=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.torch
+def test_sst5_transformer_fp16_from_files(tmp_path):
+    """SST-5 from --data-dir (PTB-tree train.txt, TSV test.tsv), a 2-layer 32-wide Transformer, fp16."""
+    data_dir = make_sst_dir(tmp_path / "sst", n_train=256, n_test=64)
+    args = ["--task", "sst5", "--epochs", "2", "--batch-size", "32", "--data-dir", data_dir,
+            "--layers", "2", "--embed-dim", "32", "--heads", "2", "--max-len", "32",
+            "--compression", "fp16", "--log-every", "2", "--no-progress"]
+    result, metrics = _launch(args, tmp_path, "sst5.jsonl")
+    assert "SST-5 text files from" in result.stdout
+    _check_run(result, metrics, ["transformer"], epochs=2, min_steps=4, compressed=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.torch
+def test_imagenet_benchmark_every_model(tmp_path):
+    """Synthetic ImageNet-size throughput for every model of the benchmark, tiny, 8-bit deterministic
+    QSGD; no test pass, so no Epoch lines."""
+    args = ["--task", "imagenet", "--model", ",".join(IMAGENET_MODELS), "--image-size", "64",
+            "--batch-size", "2", "--max-steps", "3", "--num-classes", "10",
+            "--compression", "qsgd:bits=8,bucket_size=128,mode=deterministic", "--min-compress-numel", "256",
+            *TINY_IMAGE]
+    result, metrics = _launch(args, tmp_path, "imagenet.jsonl")
+    assert "built-in models" in result.stdout or "torchvision importable" in result.stdout
+    _check_run(result, metrics, IMAGENET_MODELS, epochs=0, min_steps=1, compressed=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.torch
+@pytest.mark.mpi
+def test_fp32_baseline_under_mpirun(tmp_path):
+    """--compression none: stock Horovod allreduce (the fp32 baseline), launched with mpirun."""
+    args = ["--task", "mnist", "--model", "resnet18", "--epochs", "1", "--batch-size", "64",
+            "--train-size", "256", "--test-size", "64", "--image-size", "16", *TINY_IMAGE]
+    result, metrics = _launch(args, tmp_path, "fp32.jsonl", controller="mpi")
+    assert "controller: mpi" in result.stdout and "stock hvd.DistributedOptimizer" in result.stdout
+    _check_run(result, metrics, ["resnet18"], epochs=1, min_steps=1, compressed=False)

@@ -1,0 +1,316 @@
+"""Kernels against their NumPy references: bit-exact, CPU always, CUDA in the simulator.
+
+* CPU (``*_cpu``, Numba ``njit(parallel=True)``) == ``*_ref`` byte for byte (payload) and bit for bit
+  (decoded float32), at sizes on either side of the group (8), lane (32) and bucket sizes, for every
+  bit width, both roundings and both norms; stochastic cases use the same key, hence the same uniforms.
+* CUDA (``*_cuda``) runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (it must be set before
+  ``numba.cuda`` is imported) on small sizes; each case is reported back and checked here by name.
+  On a GPU machine ``HVDQ_REAL_CUDA=1`` runs the same child on the real device.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from numba_kernels import reference as R, wire
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SIZES = [0, 1, 7, 8, 9, 31, 32, 33, 511, 512, 513, 1000, 4097]
+BUCKETS = [1, 7, 64, 512]
+BITS = [2, 3, 4, 5, 8, 12, 16]
+KEY = 0x1234_5678_9ABC_DEF0
+
+
+def make_x(n, seed, special=False):
+    """Values over many magnitudes, with exact zeros and -0.0; ``special`` adds NaN, Inf, -Inf,
+    denormals and huge values in some buckets."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 2)).astype(np.float32)
+    if n > 4:
+        x[rng.integers(0, n, size=max(1, n // 10))] = 0.0
+        x[rng.integers(0, n)] = -0.0
+    if special and n:
+        picks = rng.integers(0, n, size=5)
+        x[picks[0]] = np.nan
+        x[picks[1]] = np.inf
+        x[picks[2]] = -np.inf
+        x[picks[3]] = np.float32(1e-42)
+        x[picks[4]] = np.float32(3e38)
+    return x
+
+
+def bits_equal(a, b):
+    return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
+
+
+def qsgd_case(n, bs, bits, stochastic, l2, x=None):
+    x = make_x(n, n * 7919 + bs * 31 + bits) if x is None else x
+    h = wire.Header(2, bits, 0 if stochastic else 1, int(l2), bs, 0, (n,), name_hash=7).words()
+    lay = wire.layout(2, n, bits, bs)
+    return x, h, lay
+
+
+def _ids(n, bs, bits, st, l2):
+    return f"n{n}-bs{bs}-b{bits}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}"
+
+
+QSGD_CASES = [(n, bs, b, st, l2) for n in SIZES for bs in BUCKETS for b in BITS
+              for st in (True, False) for l2 in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    from numba_kernels import cpu
+    return cpu
+
+
+@pytest.mark.parametrize("n,bs,bits,stochastic,l2", QSGD_CASES, ids=[_ids(*c) for c in QSGD_CASES])
+def test_qsgd_cpu_equals_reference(cpu, n, bs, bits, stochastic, l2):
+    x, h, lay = qsgd_case(n, bs, bits, stochastic, l2)
+    want = np.zeros(lay.total, np.uint8)
+    got = np.full(lay.total, 0xA5, np.uint8)          # garbage: every byte must be written
+    R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY)
+    cpu.qsgd_encode_cpu(x, got, h, bits, bs, stochastic, l2, KEY)
+    assert np.array_equal(want, got), f"first differing byte {np.flatnonzero(want != got)[:5]} of {lay}"
+    base = make_x(n, 99)
+    for accumulate in (False, True):
+        a, b = base.copy(), base.copy()
+        R.qsgd_decode_ref(want, a, bits, bs, accumulate)
+        cpu.qsgd_decode_cpu(want, b, bits, bs, accumulate)
+        assert bits_equal(a, b)
+
+
+SPECIAL_CASES = [(n, bs, b, st, l2) for n in (33, 513, 1000) for bs in (7, 64) for b in (2, 8, 16)
+                 for st in (True, False) for l2 in (False, True)]
+
+
+@pytest.mark.parametrize("n,bs,bits,stochastic,l2", SPECIAL_CASES, ids=[_ids(*c) for c in SPECIAL_CASES])
+def test_qsgd_cpu_equals_reference_special_values(cpu, n, bs, bits, stochastic, l2):
+    x, h, lay = qsgd_case(n, bs, bits, stochastic, l2, x=make_x(n, n + bs, special=True))
+    want = np.zeros(lay.total, np.uint8)
+    got = np.full(lay.total, 0xA5, np.uint8)
+    with np.errstate(all="ignore"):
+        R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY)
+    cpu.qsgd_encode_cpu(x, got, h, bits, bs, stochastic, l2, KEY)
+    assert np.array_equal(want, got)
+    a, b = np.empty(n, np.float32), np.empty(n, np.float32)
+    R.qsgd_decode_ref(want, a, bits, bs, False)
+    cpu.qsgd_decode_cpu(want, b, bits, bs, False)
+    assert bits_equal(a, b)
+
+
+ONEBIT_CASES = [(n, bs, tm) for n in SIZES for bs in (0, 1, 7, 64, 512) for tm in (True, False)]
+
+
+def onebit_case(n, bs, two_mean, special=False):
+    x = make_x(n, n * 13 + bs, special)
+    mode = 0 if two_mean else 1
+    h = wire.Header(3, 1, mode, 0, bs, 0, (n,)).words()
+    return x, h, wire.layout(3, n, 1, bs, mode)
+
+
+@pytest.mark.parametrize("n,bs,two_mean", ONEBIT_CASES,
+                         ids=[f"n{n}-bs{bs or 'tensor'}-{'two_mean' if t else 'mean_abs'}" for n, bs, t in ONEBIT_CASES])
+@pytest.mark.parametrize("special", [False, True], ids=["plain", "special"])
+def test_onebit_cpu_equals_reference(cpu, n, bs, two_mean, special):
+    x, h, lay = onebit_case(n, bs, two_mean, special)
+    want = np.zeros(lay.total, np.uint8)
+    got = np.full(lay.total, 0xA5, np.uint8)
+    with np.errstate(all="ignore"):
+        R.onebit_encode_ref(x, want, h, bs, two_mean)
+    cpu.onebit_encode_cpu(x, got, h, bs, two_mean)
+    assert np.array_equal(want, got)
+    base = make_x(n, 5)
+    for accumulate in (False, True):
+        a, b = base.copy(), base.copy()
+        with np.errstate(all="ignore"):
+            R.onebit_decode_ref(want, a, bs, two_mean, accumulate)
+        cpu.onebit_decode_cpu(want, b, bs, two_mean, accumulate)
+        assert bits_equal(a, b)
+
+
+PAR_CASES = [(70001, 1, 3, True, True), (70001, 7, 4, True, False), (100000, 512, 8, False, True),
+             (65536, 64, 2, False, False)]
+
+
+@pytest.mark.parametrize("n,bs,bits,stochastic,l2", PAR_CASES, ids=[_ids(*c) for c in PAR_CASES])
+def test_cpu_parallel_chunks_equal_reference(cpu, n, bs, bits, stochastic, l2):
+    """Inputs of several chunks take the prange path (when Numba has more than one thread)."""
+    assert -(-n // bs) > cpu.chunk_buckets(bs, n)
+    x, h, lay = qsgd_case(n, bs, bits, stochastic, l2)
+    want = np.zeros(lay.total, np.uint8)
+    got = np.full(lay.total, 0xA5, np.uint8)
+    R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY)
+    cpu.qsgd_encode_cpu(x, got, h, bits, bs, stochastic, l2, KEY)
+    assert np.array_equal(want, got)
+    a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+    R.qsgd_decode_ref(want, a, bits, bs, True)
+    cpu.qsgd_decode_cpu(want, b, bits, bs, True)
+    assert bits_equal(a, b)
+    for tm in (True, False):
+        x1, h1, lay1 = onebit_case(n, bs, tm)
+        want = np.zeros(lay1.total, np.uint8)
+        got = np.full(lay1.total, 0xA5, np.uint8)
+        R.onebit_encode_ref(x1, want, h1, bs, tm)
+        cpu.onebit_encode_cpu(x1, got, h1, bs, tm)
+        assert np.array_equal(want, got)
+        a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+        R.onebit_decode_ref(want, a, bs, tm, True)
+        cpu.onebit_decode_cpu(want, b, bs, tm, True)
+        assert bits_equal(a, b)
+
+
+def test_canonical_sum_order():
+    """lane_sum_ref is exactly: 32 sequential lane sums, then the stride-16..1 tree."""
+    rng = np.random.default_rng(3)
+    for n in (1, 31, 32, 33, 100, 1000):
+        t = (rng.standard_normal(n) * 10 ** rng.uniform(-3, 3, n)).astype(np.float32)
+        p = [np.float32(0)] * 32
+        for i, v in enumerate(t):
+            p[i % 32] = np.float32(p[i % 32] + v)
+        for stride in (16, 8, 4, 2, 1):
+            for l in range(stride):
+                p[l] = np.float32(p[l] + p[l + stride])
+        padded = np.zeros((1, -(-n // 32) * 32), np.float32)
+        padded[0, :n] = t
+        assert bits_equal(R.lane_sum_ref(padded), [p[0]])
+
+
+def test_header_check_reference():
+    h = wire.Header(2, 4, 0, 0, 512, 0, (10, 3), name_hash=wire.name_hash("w"))
+    lay = wire.layout(2, 30, 4, 512)
+    p = np.zeros(lay.total, np.uint8)
+    p[:64] = np.frombuffer(h.to_bytes(), np.uint8)
+    args = (2, 4, 0, 0, 512, 30, wire.name_hash("w"), True)
+    assert R.header_errors_ref(p, *args) == 0
+    assert R.header_errors_ref(p, 2, 8, 0, 1, 64, 31, 5, True) == 8 | 32 | 64 | 128 | 256
+    q = p.copy()
+    q[30] ^= 1                                  # shape byte: only the header checksum sees it
+    assert R.header_errors_ref(q, *args) == 512
+    q = p.copy()
+    q[0] = 0
+    assert R.header_errors_ref(q, *args) & 1
+
+
+# ---- CUDA kernels, in a subprocess (simulator by default) ------------------------------------------------
+
+SIM_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, False), (33, 64, 5, True, True),
+            (33, 1, 16, False, True), (100, 64, 8, True, False), (100, 7, 12, False, True),
+            (65, 32, 2, False, False), (130, 64, 16, True, True)]
+SIM_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True), (70, 1, True)]
+
+
+def _child():
+    """Runs in the subprocess: every case, results as JSON on stdout."""
+    import warnings
+    warnings.simplefilter("ignore")
+    from numba import cuda
+    import numba_kernels.cuda as K
+    out = {}
+
+    def dev(a):
+        return cuda.to_device(a)
+
+    def nan_eq(a, b):
+        a = np.asarray(a, np.float32)
+        b = np.asarray(b, np.float32)
+        same_nan = np.isnan(a) == np.isnan(b)
+        return bool(same_nan.all() and bits_equal(np.where(np.isnan(a), 0, a), np.where(np.isnan(b), 0, b)))
+
+    for case in SIM_QSGD:
+        n, bs, bits, st, l2 = case
+        for special in (False, True):
+            x, h, lay = qsgd_case(n, bs, bits, st, l2, x=make_x(n, n + bs, special) if special else None)
+            want = np.zeros(lay.total, np.uint8)
+            with np.errstate(all="ignore"):
+                R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, KEY)
+            d = dev(np.full(lay.total, 0xA5, np.uint8))
+            K.qsgd_encode_cuda(dev(x), d, h, bits, bs, st, l2, KEY)
+            got = d.copy_to_host()
+            # NaN scales may differ in NaN payload bits only (CUDA makes canonical NaNs)
+            sc = slice(lay.scales_offset, lay.total)
+            ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
+                want[sc].view(np.float32), got[sc].view(np.float32))
+            base = make_x(n, 5)
+            a = base.copy()
+            R.qsgd_decode_ref(want, a, bits, bs, True)
+            o = dev(base.copy())
+            K.qsgd_decode_cuda(dev(want), o, bits, bs, True)
+            ok_dec = nan_eq(a, o.copy_to_host())
+            out["qsgd-" + _ids(*case) + ("-special" if special else "")] = [bool(ok), ok_dec]
+    for n, bs, tm in SIM_ONEBIT:
+        x, h, lay = onebit_case(n, bs, tm, special=n > 50)
+        want = np.zeros(lay.total, np.uint8)
+        with np.errstate(all="ignore"):
+            R.onebit_encode_ref(x, want, h, bs, tm)
+        d = dev(np.full(lay.total, 0xA5, np.uint8))
+        K.onebit_encode_cuda(dev(x), d, h, bs, tm)
+        got = d.copy_to_host()
+        sc = slice(lay.scales_offset, lay.total)
+        ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
+            want[sc].view(np.float32), got[sc].view(np.float32))
+        a = make_x(n, 5)
+        o = dev(a.copy())
+        with np.errstate(all="ignore"):
+            R.onebit_decode_ref(want, a, bs, tm, False)
+        K.onebit_decode_cuda(dev(want), o, bs, tm, False)
+        out[f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}"] = [bool(ok), nan_eq(a, o.copy_to_host())]
+    # header check kernel == header_errors_ref, and a failed check makes the decode write NaN
+    h = wire.Header(2, 4, 0, 0, 64, 0, (100,), name_hash=wire.name_hash("w"))
+    lay = wire.layout(2, 100, 4, 64)
+    p = np.zeros(lay.total, np.uint8)
+    R.qsgd_encode_ref(make_x(100, 1), p, h.words(), 4, 64, True, False, KEY)
+    variants = {"good": p}
+    for name, idx in (("magic", 1), ("version", 4), ("shape", 25), ("hdr_crc", 63), ("cfg_crc", 60)):
+        q = p.copy()
+        q[idx] ^= 0x10
+        variants[name] = q
+    expectations = {"as-sent": (2, 4, 0, 0, 64, 100, wire.name_hash("w"), True),
+                    "other-config": (2, 8, 1, 1, 128, 101, wire.name_hash("v"), True),
+                    "no-name-check": (2, 4, 0, 0, 64, 100, 0, False)}
+    for vname, q in variants.items():
+        for ename, exp in expectations.items():
+            status = dev(np.zeros(2, np.int32))
+            dq = dev(q)
+            K.check_header_cuda(dq, status, *exp)
+            o = dev(np.zeros(100, np.float32))
+            K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)
+            st = status.copy_to_host()
+            want = R.header_errors_ref(q, *exp)
+            nan_ok = bool(np.isnan(o.copy_to_host()).all()) if want else not np.isnan(o.copy_to_host()).any()
+            out[f"check-{vname}-{ename}"] = [int(st[0]) == want and int(st[1]) == want, nan_ok]
+    json.dump(out, sys.stdout)
+
+
+def _run_child():
+    env = dict(os.environ)
+    if env.get("HVDQ_REAL_CUDA") != "1":
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", "import tests.test_kernels as t; t._child()"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cuda_results():
+    return _run_child()
+
+
+CUDA_NAMES = ([f"qsgd-{_ids(*c)}{s}" for c in SIM_QSGD for s in ("", "-special")]
+              + [f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}" for n, bs, tm in SIM_ONEBIT]
+              + [f"check-{v}-{e}" for v in ("good", "magic", "version", "shape", "hdr_crc", "cfg_crc")
+                 for e in ("as-sent", "other-config", "no-name-check")])
+
+
+@pytest.mark.parametrize("case", CUDA_NAMES)
+def test_cuda_kernel_equals_reference(cuda_results, case):
+    """[payload/check equal, decode equal / NaN-on-error] for each CUDA case."""
+    assert case in cuda_results, sorted(cuda_results)[:5]
+    assert cuda_results[case] == [True, True]

@@ -1,0 +1,36 @@
+"""Both PyTorch entry points on real Horovod processes: tests/workers/torch_optim.py (its docstring
+lists every check and derives the bounds; the training tolerance is in ``train_cases``)."""
+import re
+
+import pytest
+
+from launch import run_horovod
+from test_exchange_multiproc import assert_all_ranks_passed
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
+
+
+@pytest.mark.parametrize("np_,controller,groups", [
+    pytest.param(2, "gloo", ["grads", "options", "bytes", "resume", "train"], id="np2-gloo"),
+    pytest.param(3, "mpi", ["grads", "options", "bytes", "resume"], id="np3-mpi", marks=pytest.mark.mpi),
+])
+def test_optimizer_entry_points(np_, controller, groups):
+    result = run_horovod("torch_optim.py", np=np_, controller=controller, args=groups, timeout=600)
+    assert_all_ranks_passed(result, np_)
+    if "train" in groups:
+        assert len(re.findall(r"TRAIN ", result.stdout)) >= 3
+
+
+@pytest.mark.parametrize("np_,controller", [
+    pytest.param(2, "gloo", id="np2-gloo"),
+    pytest.param(3, "mpi", id="np3-mpi", marks=pytest.mark.mpi),
+])
+def test_ranks_configured_differently_fail_fast(np_, controller):
+    result = run_horovod("torch_mismatch.py", np=np_, controller=controller, timeout=240)
+    assert_all_ranks_passed(result, np_)
+    lines = re.findall(r"MISMATCH (\S+) ([\d.]+) (\d+)/(\d+) (.*)", result.stdout)
+    assert len(lines) == 10, lines      # 7 cases for hvd_quant's optimizer, 3 for stock Horovod's
+    for case, seconds, ok, ranks, msg in lines:
+        assert int(ok) == int(ranks) == np_, (case, ok, ranks, msg)
+        assert float(seconds) < 10, (case, seconds)
+        assert "configured differently" in msg, msg
