@@ -26,7 +26,9 @@ Frameworks. ``compress`` dispatches on the tensor's type through :data:`FRONTEND
 ``type(tensor)`` -> backend module). A backend module provides ``stock_backend(process_set)`` ->
 ``(Collectives, ArrayOps)`` and ``stock_adapter()`` -> an object with ``describe(t)``,
 ``placeholder(t)``, ``restore(flat, info)``, ``as_float(t)``, ``sendable(t)`` and ``cast_back(t, info)``
-(see ``hvd_quant/torch/_backend.py``).
+(see ``hvd_quant/torch/_backend.py``). Optionally ``stock_compress(stock_compression, tensor)``: return
+``(tensor, ctx)`` to take over ``compress`` (TensorFlow does for symbolic tensors) or None to let the
+generic path run; a ctx with a ``stock_decompress(summed)`` method then finishes in ``decompress``.
 """
 import importlib
 import sys
@@ -170,6 +172,11 @@ class StockCompression:
             saved = self._restored.pop(_key_str(key), None)
             if saved is not None and s.memory is not None:
                 s.memory.load_state_dict(saved)
+        else:
+            coll = backend.stock_backend(process_set)[0]
+            if coll is not s.exchange.coll:     # the process set's rank or size changed (elastic)
+                s.exchange.coll = coll
+                s.exchange.codec.rank = coll.rank
         return s
 
     def _compressible(self, info):

@@ -162,6 +162,7 @@ class Codec:
         self._zero = {}         # device key -> device int32[2] zeros (for decodes checked on the host)
         self._calls = {}        # name hash -> number of encode calls (seeded stochastic rounding)
         self._rank = None
+        self._prepared = {}     # (shape, dtype, name) -> (name hash, header words, layout)
 
     # -- configuration -------------------------------------------------------------------------------
     def _config(self):
@@ -186,6 +187,7 @@ class Codec:
         state = self.__dict__.copy()
         state["_status"] = {}
         state["_zero"] = {}
+        state["_prepared"] = {}
         return state
 
     @property
@@ -262,13 +264,24 @@ class Codec:
         into the header so that ``decode(..., name=...)`` can refuse another tensor's payload."""
         arrays = adapter_for(x)
         shape, dtype = arrays.describe(x)
-        header = self._header(shape, dtype, name)
-        header.to_bytes()                     # validates rank and dims before any work
-        lay = self._layout(header.numel)
+        nh, words, lay = self._prepare(shape, dtype, name)
         if arrays.device:
             with arrays.context(x):
-                return self._encode_device(arrays, x, header, lay, arrays.stream(x))
-        return arrays.wrap_payload(self._encode_host(arrays, x, header, lay), x)
+                return self._encode_device(arrays, x, nh, words, lay, arrays.stream(x))
+        return arrays.wrap_payload(self._encode_host(arrays, x, nh, words, lay), x)
+
+    def _prepare(self, shape, dtype, name):
+        """(name hash, header words, layout) for an input, cached: encode's host work stays small."""
+        key = (shape, dtype, name)
+        hit = self._prepared.get(key)
+        if hit is None:
+            header = self._header(shape, dtype, name)
+            words = header.words()              # validates rank and dims before any work
+            hit = (header.name_hash, words, self._layout(header.numel))
+            if len(self._prepared) >= 4096:     # names may carry a step number: keep it bounded
+                self._prepared.clear()
+            self._prepared[key] = hit
+        return hit
 
     def decode(self, payload, name=None, shape=None, dtype=None):
         """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
@@ -407,13 +420,13 @@ class Codec:
                             name is not None, stream)
 
     # -- subclass steps ------------------------------------------------------------------------------
-    def _encode_host(self, arrays, x, header, lay):
+    def _encode_host(self, arrays, x, nh, words, lay):
         raise NotImplementedError
 
     def _decode_host(self, pay, out, accumulate):
         raise NotImplementedError
 
-    def _encode_device(self, arrays, x, header, lay, stream):
+    def _encode_device(self, arrays, x, nh, words, lay, stream):
         raise NotImplementedError
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
@@ -527,11 +540,10 @@ class QSGD(Codec):
     def _qlayout(self, numel):
         return wire.layout(self._method, numel, self.bits, self.bucket_size, wire.MODES["stochastic"])
 
-    def _encode_host(self, arrays, x, header, lay):
+    def _encode_host(self, arrays, x, nh, words, lay):
         import numba_kernels.cpu as K
         xf = arrays.input_f32(x)
-        key = self._key(header.name_hash)
-        words = header.words()
+        key = self._key(nh)
         payload = np.empty(lay.total, np.uint8)
         if self.mode == "fake":
             tmp = np.empty(self._qlayout(xf.size).total, np.uint8)
@@ -555,11 +567,10 @@ class QSGD(Codec):
         import numba_kernels.cpu as K
         K.qsgd_decode_cpu(pay, out, self.bits, self.bucket_size, accumulate)
 
-    def _encode_device(self, arrays, x, header, lay, stream):
+    def _encode_device(self, arrays, x, nh, words, lay, stream):
         import numba_kernels.cuda as K
         _, xdev = arrays.input_f32(x)
-        key = self._key(header.name_hash)
-        words = header.words()
+        key = self._key(nh)
         pt, pdev = arrays.new_bytes(lay.total, x)
         if self.mode == "fake":
             n = xdev.size
@@ -647,22 +658,22 @@ class OneBit(Codec):
     def _two_mean(self):
         return self.scale == "two_mean"
 
-    def _encode_host(self, arrays, x, header, lay):
+    def _encode_host(self, arrays, x, nh, words, lay):
         import numba_kernels.cpu as K
         xf = arrays.input_f32(x)
         payload = np.empty(lay.total, np.uint8)
-        K.onebit_encode_cpu(xf, payload, header.words(), self.bucket_size or 0, self._two_mean)
+        K.onebit_encode_cpu(xf, payload, words, self.bucket_size or 0, self._two_mean)
         return payload
 
     def _decode_host(self, pay, out, accumulate):
         import numba_kernels.cpu as K
         K.onebit_decode_cpu(pay, out, self.bucket_size or 0, self._two_mean, accumulate)
 
-    def _encode_device(self, arrays, x, header, lay, stream):
+    def _encode_device(self, arrays, x, nh, words, lay, stream):
         import numba_kernels.cuda as K
         _, xdev = arrays.input_f32(x)
         pt, pdev = arrays.new_bytes(lay.total, x)
-        K.onebit_encode_cuda(xdev, pdev, header.words(), self.bucket_size or 0, self._two_mean, stream)
+        K.onebit_encode_cuda(xdev, pdev, words, self.bucket_size or 0, self._two_mean, stream)
         return pt
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
@@ -679,11 +690,11 @@ class _Raw(Codec):
     def _fields(self):
         return (self._method, 16 if self._value_dtype == "float16" else 32, 0, 0, 0)
 
-    def _encode_host(self, arrays, x, header, lay):
+    def _encode_host(self, arrays, x, nh, words, lay):
         import numba_kernels.cpu as K
         xs = arrays.input_np(x)
         payload = np.zeros(lay.total, np.uint8)
-        K.write_header_cpu(payload, header.words())
+        K.write_header_cpu(payload, words)
         w = 2 if self._value_dtype == "float16" else 4
         payload[64:64 + w * xs.size].view(self._value_dtype)[...] = xs
         return payload
@@ -699,10 +710,10 @@ class _Raw(Codec):
         else:
             out[...] = vals
 
-    def _encode_device(self, arrays, x, header, lay, stream):
+    def _encode_device(self, arrays, x, nh, words, lay, stream):
         import numba_kernels.cuda as K
         pt, pdev = arrays.raw_encode(x, self._value_dtype, lay.total)
-        K.write_header_cuda(pdev, header.words(), stream)
+        K.write_header_cuda(pdev, words, stream)
         return pt
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):

@@ -231,6 +231,7 @@ class Exchange:
         self.prefix = prefix
         self.align = codec_alignment(codec)
         self.traffic = Traffic()
+        self._verified = set()      # exchange names whose first payloads were checked on the device
         # Independent noise across ranks: the codec keys its stochastic rounding on its rank.
         if hasattr(codec, "rank"):
             codec.rank = collectives.rank
@@ -384,6 +385,18 @@ class Exchange:
             if p.numel:
                 for j in range(coll.size):
                     self._decode(p, j, ops.slice(data, j * each, (j + 1) * each), out, True, tag)
+        if p.name not in self._verified:
+            # Device payloads are checked by a kernel that writes NaN on a bad header; read its status
+            # word once per exchange name (one synchronisation, on the first step only) so that a
+            # misconfiguration raises instead of showing up as NaN.
+            self._verified.add(p.name)
+            check = getattr(self.codec, "check_device_errors", None)
+            if check is not None:
+                try:
+                    check()
+                except ValueError as e:
+                    raise PayloadMismatchError(f"hvd_quant: a payload for {p.name!r} was refused on "
+                                               f"the device: {e}") from e
         p.result, p.stage, p.like, p.handle = out, "done", None, None
         return out
 

@@ -46,7 +46,7 @@ _SHARED = 256            # shared arrays are sized for the largest block
 
 # The header check and header write are one-block kernels by design: silence Numba's occupancy hint
 # for them (a message filter, so Numba's other performance warnings still show).
-warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in GPU under-utilization")
+warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU under-utilization")
 
 if SIMULATOR:
     def _fmul_impl(a, b):
@@ -301,6 +301,8 @@ def _grid(n, per):
 
 
 def _words(header):
+    if type(header) is tuple and len(header) == 8 and all(type(w) is np.uint64 for w in header):
+        return header
     return tuple(np.uint64(int(w)) for w in header)
 
 

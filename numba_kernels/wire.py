@@ -35,6 +35,8 @@ size is a multiple of 4, so payloads concatenated back to back stay 4-byte align
 * fp16: numel float16 values at 64, zero padding to a multiple of 4.
 * none: numel float32 values at 64.
 """
+import functools
+
 import numpy as np
 
 __all__ = [
@@ -99,8 +101,12 @@ def name_hash(name):
     """uint32 hash of a tensor name put in the header; 0 means "no name"."""
     if name is None:
         return 0
-    h = fnv1a32(str(name).encode("utf-8"))
-    return h or 1
+    return _name_hash(str(name))
+
+
+@functools.lru_cache(maxsize=16384)
+def _name_hash(name):
+    return fnv1a32(name.encode("utf-8")) or 1
 
 
 def config_crc(version, method, bits, mode, norm, bucket_size):

@@ -4,7 +4,7 @@ matrices in horovodrun_configs/ and the sweep runner's dry run.
 Multi-process tests batch several models into one launch (the driver takes ``--model a,b,c``) so the
 file stays within a few minutes on 2 cores; every model of every task runs a few steps at tiny sizes.
 """
-import contextlib
+import csv
 import glob
 import gzip
 import io
@@ -372,6 +372,9 @@ def test_tuning_yaml_is_read_by_horovodrun(path, monkeypatch):
         assert getattr(args, key) == value, key
     if "timeline" in cfg:
         assert args.timeline_filename == cfg["timeline"]["filename"]
+    if "logging" in cfg:
+        from horovod.runner.common.util.config_parser import LOG_LEVELS
+        assert args.log_level in LOG_LEVELS
     if (cfg.get("autotune") or {}).get("enabled"):
         assert args.autotune
 
@@ -477,6 +480,27 @@ def test_imagenet_benchmark_every_model(tmp_path):
     result, metrics = _launch(args, tmp_path, "imagenet.jsonl")
     assert "built-in models" in result.stdout or "torchvision importable" in result.stdout
     _check_run(result, metrics, IMAGENET_MODELS, epochs=0, min_steps=1, compressed=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.torch
+def test_sweep_runs_a_run_and_summarizes(tmp_path, capsys):
+    """One matrix run for real (tiny sizes through --extra-args): horovodrun with the tuning YAML,
+    the driver, the log and metrics files, and summary.csv with ours beside the published."""
+    from examples import sweep
+    matrix = str(ROOT / "horovodrun_configs" / "experiments" / "torch_distributed.yaml")
+    rc = sweep.main([matrix, "--only", "experiment=mnist-resnet18", "--only", "gpus=2", "--only", "nodes=1",
+                     "--only", "precision=QSGD 4bit", "--out-dir", str(tmp_path), "--timeout", "240",
+                     "--extra-args", "--width-mult 0.0625 --epochs 1 --max-steps 2 --train-size 128 "
+                                     "--test-size 64 --image-size 16 --log-every 1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out + "".join(p.read_text()[-3000:] for p in tmp_path.glob("*.log"))
+    logs = list(tmp_path.glob("*.log"))
+    assert len(logs) == 1 and "--config-file" in logs[0].read_text().splitlines()[0]
+    assert parse_log(logs[0].read_text())["resnet18"]["throughput"] > 0
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert len(rows) == 1 and json.loads(rows[0]["ours"])["data_per_sec"] > 0
+    assert rows[0]["reference"] == "{}"  # the published runs are fp32 only
 
 
 @pytest.mark.multiproc

@@ -133,7 +133,7 @@ class RunLog:
     def emit(self, line: str):
         if self.rank != 0:
             return
-        if self._bar is not None:
+        if self._bar is not None and sys.stderr.isatty():  # same terminal: keep the bar below the line
             from tqdm import tqdm
             tqdm.write(line, file=self.stream)
         else:

@@ -13,8 +13,9 @@ In one run it times, on the same float32 data:
 * ``torch-ops``: the same bucketed QSGD (and 1-bit) written with plain PyTorch tensor ops
   (:func:`torch_qsgd_encode` ...), not bit-identical to ours (its own RNG), same work.
 
-GPU: times are CUDA-event times of the GPU work only (a ``torch.cuda._sleep`` before each timed call
-keeps the GPU busy while the host enqueues it; the host time per call is reported separately), median
+GPU: times are CUDA-event times of the GPU work only (a ``torch.cuda._sleep`` of ~20 ms before each
+timed call keeps the GPU busy while the host enqueues it; the host time per call, i.e. the Python +
+launch overhead, is reported separately as ``host ms/call``), median
 of ``--repeat`` after ``--warmup`` calls. The first call of each codec (Numba compilation or cache
 load included) is timed on its own. CPU: wall time, median, and GB/s of float32 input per core.
 Ratios: ``ours/copy`` (lower is better, 1.0 = memory-bound), ``torch/ours`` (higher is better).
@@ -115,7 +116,7 @@ def _torch_ops(name, bucket_size):
 class GpuTimer:
     def __init__(self, torch):
         self.torch = torch
-        self._sleep = int(2e6)          # ~1 ms of GPU cycles: the GPU stays busy while we enqueue
+        self._sleep = int(4e7)          # ~20 ms of GPU cycles: the GPU stays busy while we enqueue
 
     def __call__(self, fn, repeat, warmup):
         torch = self.torch

@@ -73,11 +73,15 @@ def resolve_codec(compression):
 
 
 class _Bucket:
-    __slots__ = ("name", "idxs", "names", "shapes", "dtypes", "numels", "offsets", "numel")
+    __slots__ = ("name", "header", "idxs", "names", "shapes", "dtypes", "numels", "offsets", "numel")
 
     def __init__(self, name, idxs, names, grads):
         self.name, self.idxs = name, list(idxs)
         self.names = [names[i] for i in idxs]
+        # The name in the payload headers (it also keys seeded stochastic rounding): the bucket's
+        # variables, not the instance prefix, so a restored run in another process draws the same noise.
+        self.header = (self.names[0] if len(self.names) == 1
+                       else f"{self.names[0]}..{self.names[-1]}({len(self.names)})")
         self.shapes = [tuple(int(d) for d in grads[i].shape) for i in idxs]
         self.dtypes = [grads[i].dtype for i in idxs]
         self.numels = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
@@ -275,7 +279,7 @@ class GradientReducer(_Trackable):
         for b in plan.buckets:
             parts = [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in b.idxs]
             flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-            total = engine.build(b.name, flat, header=b.name)
+            total = engine.build(b.name, flat, header=b.header)
             if self.op == AVERAGE:
                 total = total * (1.0 / size)
             pieces = tf.split(total, b.numels) if len(b.idxs) > 1 else [total]
@@ -359,11 +363,12 @@ class GradientReducer(_Trackable):
                             residuals[name] = flat[b.offsets[k]:b.offsets[k + 1]].reshape(b.shapes[k]).copy()
                 for key in self.memory.names():
                     if "/server" in key:
-                        server[key] = np.array(self.memory.get(key), np.float32, copy=True)
+                        server[self._rel(key)] = np.array(self.memory.get(key), np.float32, copy=True)
             residuals.update({k: v for k, v in self._restored.items() if k not in residuals})
             for k, v in self._restored_server.items():
-                server.setdefault(k, v)
-            steps = dict(self._engine.steps if self._engine is not None else self._restored_steps)
+                server.setdefault(self._rel(k), v)
+            steps = {self._rel(k): v for k, v in
+                     (self._engine.steps if self._engine is not None else self._restored_steps).items()}
         return {"step": int(self._step.numpy()), "codec": self.codec.spec(),
                 "reduction": self.reduction, "residuals": residuals, "server_residuals": server,
                 "exchange_steps": steps}
@@ -371,7 +376,7 @@ class GradientReducer(_Trackable):
     def load_state_dict(self, state):
         with self._lock:
             self._step.assign(int(state.get("step", 0)))
-            steps = {k: int(v) for k, v in state.get("exchange_steps", {}).items()}
+            steps = {self._abs(k): int(v) for k, v in state.get("exchange_steps", {}).items()}
             if self._engine is not None:
                 self._engine.steps.clear()
                 self._engine.steps.update(steps)
@@ -381,9 +386,18 @@ class GradientReducer(_Trackable):
                 return
             self.memory.clear()
             self._restored = {k: np.array(v, np.float32) for k, v in state.get("residuals", {}).items()}
-            self._restored_server = {k: np.array(v, np.float32).reshape(-1)
+            self._restored_server = {self._abs(k): np.array(v, np.float32).reshape(-1)
                                      for k, v in state.get("server_residuals", {}).items()}
             self._apply_restored(self._plans.values())
+
+    # Bucket names start with this instance's prefix (``hvdq.tf<k>``); the state stores them without
+    # it, so a checkpoint restores into another instance (another process, another order).
+    def _rel(self, key):
+        p = self._prefix + "."
+        return key[len(p):] if key.startswith(p) else key
+
+    def _abs(self, key):
+        return f"{self._prefix}.{key}"
 
     def _apply_restored(self, plans):
         if self.memory is None or not (self._restored or self._restored_server):

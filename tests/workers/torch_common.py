@@ -15,6 +15,17 @@ import horovod.torch as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# Where the workers put tensors: "cpu" (default) or "cuda" (tests/test_torch_gpu.py sets it).
+DEVICE = torch.device(os.environ.get("HVDQ_TEST_DEVICE", "cpu"))
+
+
+def init(**kwargs):
+    """hvd.init() and, on CUDA, one GPU per local rank."""
+    hvd.init(**kwargs)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(hvd.local_rank())
+    return hvd.rank(), hvd.size()
+
 
 class Checks:
     def __init__(self):

@@ -34,10 +34,9 @@ from hvd_quant.exchange import (ConfigMismatchError, Exchange, PayloadMismatchEr
                                 codec_alignment, handshake_record)
 from hvd_quant.torch import _backend
 
-from torch_common import Checks, all_ranks_true, same_on_all_ranks
+from torch_common import DEVICE, Checks, all_ranks_true, init, same_on_all_ranks
 
-hvd.init()
-R, N = hvd.rank(), hvd.size()
+R, N = init()
 OPS = _backend.OPS
 check = Checks()
 
@@ -145,8 +144,8 @@ def exchange_cases():
                 log = []
                 ex = Exchange(hvd_quant.from_spec(spec), counting(coll, log), OPS, reduction=reduction)
                 name = f"x.{key}.{reduction}.{n}"
-                pending = ex.start(name, xs[R].clone(), step=3)
-                got = ex.finish(pending)
+                pending = ex.start(name, xs[R].clone().to(DEVICE), step=3)
+                got = ex.finish(pending).cpu()
                 expect = replay(spec, reduction, xs, name, 3)
                 check(torch.equal(got, expect), f"exact {label}",
                       f"max diff {float((got - expect).abs().max()) if n else 0:.3g}")
@@ -195,7 +194,7 @@ def ratio_cases():
                                       ("qsgd:bits=4,bucket_size=512", "allgather", 7.8 * 2 / N)):
         log = []
         ex = Exchange(hvd_quant.from_spec(spec), counting(coll, log), OPS, reduction=reduction)
-        x = torch.randn(n)
+        x = torch.randn(n, device=DEVICE)
         ex.finish(ex.start(f"ratio.{spec}.{reduction}", x, step=0))
         sent = 0
         for kind, v in log:
@@ -212,8 +211,8 @@ def nan_cases():
             n, at = 3000, 1234
             xs = inputs(n, 99, nan_at=at)
             ex = Exchange(hvd_quant.from_spec(SPECS[key]), coll, OPS, reduction=reduction)
-            got = ex.finish(ex.start(f"nan.{key}.{reduction}", xs[R].clone(), step=0))
-            ref = hvd.allreduce(xs[R].clone(), op=hvd.Sum, name=f"nanref.{key}.{reduction}")
+            got = ex.finish(ex.start(f"nan.{key}.{reduction}", xs[R].clone().to(DEVICE), step=0)).cpu()
+            ref = hvd.allreduce(xs[R].clone().to(DEVICE), op=hvd.Sum, name=f"nanref.{key}.{reduction}").cpu()
             check(bool(torch.isnan(got[at])) and bool(torch.isnan(ref[at])), f"nan {key}/{reduction}",
                   f"result[{at}]={float(got[at])}, fp32 allreduce={float(ref[at])}")
             check(same_on_all_ranks(got), f"nan identical {key}/{reduction}")
@@ -229,7 +228,7 @@ def error_cases():
         n = 1000 + 2000 * R
         t0 = time.perf_counter()
         try:
-            ex.finish(ex.start(f"bad.size.{reduction}", torch.randn(n), step=0))
+            ex.finish(ex.start(f"bad.size.{reduction}", torch.randn(n, device=DEVICE), step=0))
             msg = None
         except (PayloadMismatchError, ValueError) as e:
             msg = str(e)
@@ -241,7 +240,7 @@ def error_cases():
         ex = Exchange(hvd_quant.from_spec(spec), coll, OPS, reduction=reduction)
         t0 = time.perf_counter()
         try:
-            ex.finish(ex.start(f"bad.name.{reduction}", torch.randn(4096), step=0,
+            ex.finish(ex.start(f"bad.name.{reduction}", torch.randn(4096, device=DEVICE), step=0,
                                header=f"tensor-of-rank-{R}"))
             msg = None
         except Exception as e:      # the codec's PayloadError (a ValueError)
@@ -254,7 +253,7 @@ def error_cases():
         ex = Exchange(hvd_quant.QSGD(bits=bits, bucket_size=512), coll, OPS, reduction=reduction)
         t0 = time.perf_counter()
         try:
-            ex.finish(ex.start(f"bad.cfg.{reduction}", torch.randn(4096), step=0,
+            ex.finish(ex.start(f"bad.cfg.{reduction}", torch.randn(4096, device=DEVICE), step=0,
                                record=handshake_record(ex.codec.spec())))
             msg = None
         except ConfigMismatchError as e:

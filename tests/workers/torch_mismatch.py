@@ -19,10 +19,9 @@ import hvd_quant
 import hvd_quant.torch as hqt
 from hvd_quant.exchange import ConfigMismatchError
 
-from torch_common import Checks, all_ranks_true
+from torch_common import DEVICE, Checks, all_ranks_true, init
 
-hvd.init()
-R, N = hvd.rank(), hvd.size()
+R, N = init()
 check = Checks()
 LIMIT_S = 10.0
 FIRST = R == 0
@@ -46,7 +45,8 @@ CASES = {   # case: (kwargs on rank 0, kwargs on the others, what the message mu
 
 def model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 64)).to(DEVICE)
 
 
 def report(case, dt, msg, must):
@@ -92,7 +92,7 @@ def stock():
                                        compression=hvd_quant.from_spec(a if FIRST else b))
         t0 = time.perf_counter()
         try:
-            F.mse_loss(m(torch.randn(8, 32)), torch.zeros(8, 64)).backward()
+            F.mse_loss(m(torch.randn(8, 32, device=DEVICE)), torch.zeros(8, 64, device=DEVICE)).backward()
             opt.synchronize()
             msg = None
         except ConfigMismatchError as e:

@@ -36,15 +36,14 @@ import horovod.torch as hvd
 import hvd_quant
 import hvd_quant.torch as hqt
 
-from torch_common import Checks, gather_max, params_identical, same_on_all_ranks
+from torch_common import DEVICE, Checks, gather_max, init, params_identical, same_on_all_ranks
 
 # A process set of ranks 0 and 1 (with 2 ranks it would duplicate the global set, which Horovod
 # refuses; then the global set stands in).
 _WORLD = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 0)
 PS01 = hvd.ProcessSet([0, 1]) if _WORLD > 2 else None
-hvd.init(process_sets=[PS01] if PS01 is not None else None)
+R, N = init(process_sets=[PS01] if PS01 is not None else None)
 PS01 = PS01 or hvd.global_process_set
-R, N = hvd.rank(), hvd.size()
 check = Checks()
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
@@ -84,7 +83,7 @@ class TwoBranch(nn.Module):
 
 def batch(step, salt, n=16, d_in=32, rank=None):
     g = torch.Generator().manual_seed(7919 * (R if rank is None else rank) + 104729 * step + salt)
-    return torch.randn(n, d_in, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return torch.randn(n, d_in, generator=g).to(DEVICE), torch.randint(0, 10, (n,), generator=g).to(DEVICE)
 
 
 def codec(spec):
@@ -127,7 +126,7 @@ def step_checks(label, model, opt, spec, reduction="sra", op=hvd.Average, steps=
     members = process_set is None or process_set.included()
     size = N if process_set is None else len(process_set.ranks)
     for step in range(steps):
-        local = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
+        local = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
         losses = []
         for k in range(passes):
             x, y = batch(step * passes + k, salt)
@@ -205,7 +204,7 @@ def step_checks(label, model, opt, spec, reduction="sra", op=hvd.Average, steps=
 
 def fresh(model_cls=Net, dtype=torch.float32):
     torch.manual_seed(1234)
-    return model_cls().to(dtype)
+    return model_cls().to(device=DEVICE, dtype=dtype)
 
 
 def grad_cases():
@@ -262,6 +261,21 @@ def option_cases():
     # 0.85-0.95 is expected; 0.7 is the floor that still rules out a wrong sign, scale or tensor.
     step_checks("ours/qsgd4+ef", m, make_opt("ours", m, Q4S, error_feedback=True), Q4S, steps=3,
                 min_cos=0.7)
+    # hvd.broadcast_optimizer_state (and so TorchState.sync) works on hvd_quant's optimizer.
+    m = fresh()
+    opt = make_opt("ours", m, Q4D, base=torch.optim.Adam(m.parameters(), lr=1e-3))
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    step_checks("ours/after-broadcast_optimizer_state", m, opt, Q4D, steps=1)
+    # Stock hvd.allreduce(tensor, compression=codec), outside any optimizer, both ops.
+    for op, opname in ((hvd.Average, "avg"), (hvd.Sum, "sum")):
+        x = batch(0, 55, n=64)[0]
+        ref = hvd.allreduce(x, op=op, name=f"direct.ref.{opname}")
+        got = hvd.allreduce(x, op=op, name=f"direct.{opname}", compression=codec(Q8))
+        m_ = gather_max(x)
+        b = q_factor(Q8, "sra") * sum(m_) / 127 / (N if op == hvd.Average else 1)
+        check(bool(((got - ref).abs() <= b * (1 + 1e-5)).all()) and same_on_all_ranks(got),
+              f"stock hvd.allreduce(compression=codec) {opname}",
+              f"max error {float((got - ref).abs().max()):.3g} <= {b:.3g}")
     # Adasum is refused with a clear message.
     try:
         hqt.DistributedOptimizer(torch.optim.SGD(fresh().parameters(), lr=0.1), compression=codec(Q4D),
@@ -379,12 +393,12 @@ def train_cases():
     al. 2019) but lags early, hence the wider tolerance over only 300 steps.
     """
     torch.manual_seed(99)
-    teacher = Net(32, 64, 10)
+    teacher = Net(32, 64, 10).to(DEVICE)
     steps = 300
 
     def run(spec, ef=None):
         torch.manual_seed(5)
-        m = Net(32, 128, 10)
+        m = Net(32, 128, 10).to(DEVICE)
         base = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
         if spec is None:
             opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters())
