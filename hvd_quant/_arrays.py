@@ -22,7 +22,7 @@ import importlib
 import numpy as np
 
 __all__ = ["adapter_for", "register_backend", "BACKENDS", "UnsupportedInputError", "HostAdapter",
-           "DeviceAdapter", "FLOAT_DTYPES", "dtype_name_of_numpy", "numpy_dtype"]
+           "DeviceAdapter", "FLOAT_DTYPES", "numpy_dtype", "check_float"]
 
 # top-level module of type(obj) -> adapter module (each exposes ``adapter(obj)``)
 BACKENDS = {
@@ -54,12 +54,6 @@ def adapter_for(obj):
             f"hvd_quant codecs take NumPy arrays, torch tensors or TensorFlow tensors; got "
             f"{type(obj).__module__}.{type(obj).__name__} (hvd_quant._arrays.register_backend adds one)")
     return importlib.import_module(path).adapter(obj)
-
-
-def dtype_name_of_numpy(dt):
-    """'float32' | 'float16' | 'bfloat16' | 'float64' for a NumPy dtype (ml_dtypes' bfloat16 included)."""
-    name = np.dtype(dt).name
-    return name
 
 
 def numpy_dtype(name):

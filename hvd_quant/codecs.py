@@ -437,8 +437,13 @@ def _dtype_text(dtype):
     """Normalise a dtype given as text, NumPy, torch or TF dtype to 'float32' | 'float16' | ..."""
     if isinstance(dtype, str):
         name = dtype
-    else:
+    elif type(dtype).__module__.split(".")[0] in ("torch", "tensorflow"):
         name = getattr(dtype, "name", None) or str(dtype)
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
     name = name.replace("torch.", "")
     name = {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
     if name not in wire.DTYPES:

@@ -7,7 +7,9 @@ writes whole code bytes and no two threads touch one byte); ``prange`` runs over
 chunk the scales of its buckets are computed first, then its elements are quantized and packed while
 they are still in cache: one pass over ``x`` from memory.
 """
+import hashlib
 import math
+import os
 import types
 
 import numba
@@ -19,6 +21,31 @@ from ._scalar import F0, FNAN, U8, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
            "write_header_cpu", "chunk_buckets"]
+
+
+
+def _invalidate_stale_cache():
+    """Numba's on-disk cache only watches this file; the kernels also inline ``_scalar.py``. Drop this
+    module's cache files when that changed (a stamp of its contents is kept beside the cache)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cache = os.path.join(here, "__pycache__")
+    try:
+        with open(os.path.join(here, "_scalar.py"), "rb") as f:
+            stamp = hashlib.sha256(f.read()).hexdigest()
+        path = os.path.join(cache, "cpu_scalar.stamp")
+        old = open(path).read() if os.path.exists(path) else None
+        if old != stamp:
+            for name in os.listdir(cache) if os.path.isdir(cache) else ():
+                if name.startswith("cpu.") and name.endswith((".nbi", ".nbc")):
+                    os.remove(os.path.join(cache, name))
+            os.makedirs(cache, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(stamp)
+    except OSError:          # read-only install: Numba then caches elsewhere (or not at all)
+        pass
+
+
+_invalidate_stale_cache()
 
 _inline = njit(inline="always", error_model="numpy")
 

@@ -10,7 +10,6 @@ import gzip
 import io
 import json
 import math
-import os
 import pickle
 import re
 import shlex
@@ -501,6 +500,20 @@ def test_sweep_runs_a_run_and_summarizes(tmp_path, capsys):
     rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert len(rows) == 1 and json.loads(rows[0]["ours"])["data_per_sec"] > 0
     assert rows[0]["reference"] == "{}"  # the published runs are fp32 only
+
+
+@pytest.mark.multiproc
+@pytest.mark.torch
+def test_codec_through_stock_horovod_optimizer(tmp_path):
+    """--frontend horovod: stock hvd.DistributedOptimizer with the codec as compression=."""
+    args = ["--task", "mnist", "--model", "resnet18", "--epochs", "1", "--batch-size", "32",
+            "--train-size", "128", "--test-size", "64", "--image-size", "16", "--frontend", "horovod",
+            "--compression", "qsgd:bits=4,bucket_size=512,mode=stochastic", "--min-compress-numel", "256",
+            *TINY_IMAGE]
+    result, metrics = _launch(args, tmp_path, "stock.jsonl")
+    assert "stock hvd.DistributedOptimizer with the codec as compression=" in result.stdout
+    assert "per step over 2 steps, measured by hvd_quant" in result.stdout
+    _check_run(result, metrics, ["resnet18"], epochs=1, min_steps=1, compressed=True)
 
 
 @pytest.mark.multiproc

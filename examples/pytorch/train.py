@@ -156,15 +156,21 @@ def estimate_traffic(args, model, codec, kind, world_size):
                                   args.min_compress_numel, bucket_bytes=bucket)
 
 
-def measured_traffic(dist, kind, codec):
-    """What hvd_quant counted for the last step (None for stock Horovod without a codec)."""
+def measured_traffic(dist, kind, codec, steps):
+    """Bytes per step hvd_quant counted: the last step for its own optimizer; for a stock Horovod
+    optimizer with a codec, hvd_quant counts since the start, so divide by the steps. None for stock
+    Horovod without a codec."""
     if codec is None and kind != "hvd_quant":
         return None
     try:
         import hvd_quant.torch as hq
-        return hq.bytes_sent_per_step(dist)
+        m = dict(hq.bytes_sent_per_step(dist))
     except Exception:
         return None
+    if kind == "horovod" and steps:
+        m["sent"] /= steps
+        m["fp32"] /= steps
+    return m
 
 
 def lr_at(args, base_lr, epoch, step, total_steps):
@@ -325,9 +331,10 @@ def run_model(name, args, hvd, ds, log, device):
     else:
         rate, counted, warm = (samples / train_time if train_time else 0.0), step, 0
     log.emit(format_throughput(rate, size, counted, warm))
-    measured = measured_traffic(dist, kind, codec)
+    measured = measured_traffic(dist, kind, codec, step)
     if measured is not None:
-        log.emit(f"bytes sent in the last step, measured by hvd_quant: {traffic.fmt_bytes(measured['sent'])} "
+        which = "in the last step" if kind == "hvd_quant" else f"per step over {step} steps"
+        log.emit(f"bytes sent {which}, measured by hvd_quant: {traffic.fmt_bytes(measured['sent'])} "
                  f"vs {traffic.fmt_bytes(measured['fp32'])} fp32 ({measured['ratio']:.2f}x less)")
     log.record("summary", steps=step, samples=samples, train_time=train_time, bench_data_per_sec=rate,
                data_per_sec=samples / train_time if train_time else 0.0,

@@ -29,9 +29,9 @@ first step. The Keras and legacy optimizers track their reducer as the dependenc
 checkpoints of the optimizer carry it.
 """
 import io
-import itertools
 import json
 import threading
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -45,7 +45,7 @@ from ._graph import GraphExchange, graph_collectives
 
 __all__ = ["GradientReducer", "resolve_codec"]
 
-_instances = itertools.count()
+_PREFIX = "hvdq.tf"
 _Trackable = tf.__internal__.tracking.Trackable
 _FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
@@ -78,10 +78,11 @@ class _Bucket:
     def __init__(self, name, idxs, names, grads):
         self.name, self.idxs = name, list(idxs)
         self.names = [names[i] for i in idxs]
-        # The name in the payload headers (it also keys seeded stochastic rounding): the bucket's
-        # variables, not the instance prefix, so a restored run in another process draws the same noise.
-        self.header = (self.names[0] if len(self.names) == 1
-                       else f"{self.names[0]}..{self.names[-1]}({len(self.names)})")
+        # Named after its variables only (module doc, "Names"): the payload headers, the keys of
+        # seeded stochastic rounding and the Horovod op names are then the same on every rank and in
+        # every process, however many reducers each one created.
+        self.header = (self.names[0] if len(self.names) == 1 else
+                       f"{self.names[0]}..{self.names[-1]}({len(self.names)},{_digest(self.names)})")
         self.shapes = [tuple(int(d) for d in grads[i].shape) for i in idxs]
         self.dtypes = [grads[i].dtype for i in idxs]
         self.numels = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
@@ -91,6 +92,10 @@ class _Bucket:
 
 class _Plan:
     __slots__ = ("key", "buckets", "comp", "plain", "names", "record", "plain_nbytes", "plain_numel")
+
+
+def _digest(names):
+    return f"{zlib.crc32(repr(list(names)).encode()) & 0xffffffff:08x}"
 
 
 def _fuse(idxs, numels, bucket_bytes):
@@ -156,7 +161,7 @@ class GradientReducer(_Trackable):
         self.sparse_as_dense = bool(sparse_as_dense)
         self.process_set = hvd.global_process_set if process_set is None else process_set
         self.device_dense, self.device_sparse = device_dense, device_sparse
-        self._prefix = f"hvdq.tf{next(_instances)}"
+        self._prefix = _PREFIX
         self.memory = Memory(OPS) if self.error_feedback else None
         with tf.init_scope():
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
@@ -229,10 +234,13 @@ class GradientReducer(_Trackable):
             members = [g for g in split_list(comp, int(groups)) if g]
         else:
             members = _fuse(list(reversed(comp)), numels, self.bucket_bytes)
-        tag = "" if not self._plans else f"p{len(self._plans)}."
         plan = _Plan()
         plan.names = names
-        plan.buckets = [_Bucket(f"{self._prefix}.{tag}b{k}", m, names, grads) for k, m in enumerate(members)]
+        plan.buckets = []
+        for m in members:
+            b = _Bucket(None, m, names, grads)
+            b.name = f"{self._prefix}.{b.header}"
+            plan.buckets.append(b)
         plan.comp = [i for b in plan.buckets for i in b.idxs]
         plan.plain = plain
         dense_plain = [i for i in plain if isinstance(grads[i], tf.Tensor) and grads[i].shape.is_fully_defined()]
@@ -241,7 +249,9 @@ class GradientReducer(_Trackable):
                                 _backend.sendable_dtype(grads[i].dtype).size for i in dense_plain)
         layout = (tuple((b.name, tuple(b.names), tuple(b.shapes)) for b in plan.buckets),
                   tuple((names[i], str(grads[i].shape)) for i in plain))
-        plan.key = f"{self._prefix}.{tag}plan"
+        # One handshake per plan, named after every variable it reduces: ranks configured differently
+        # meet in it and raise (ranks with differently named variables would not meet in Horovod anyway).
+        plan.key = f"{HANDSHAKE_NAME}.tf.{_digest(names)}"
         plan.record = handshake_record(
             f"{self.summary()} buckets={len(plan.buckets)} "
             f"compressed_numel={sum(b.numel for b in plan.buckets)} grads={len(comp) + len(plain)}",
@@ -299,7 +309,7 @@ class GradientReducer(_Trackable):
             engine = self._connect()
             plan = self._plan_for(grads, variables)
         ok = engine.handshake(plan.key, plan.record, "hvd_quant.tensorflow gradient reduction",
-                              name=f"{HANDSHAKE_NAME}.{self._prefix}")
+                              name=plan.key)
         out = list(grads)
         with tf.control_dependencies([ok]):
             for i in plan.plain:

@@ -120,7 +120,7 @@ def main():
             ok = "configured differently" in text
             lines = [ln for ln in text.splitlines() if "configured differently" in ln] or text.splitlines()[:1]
             msg = lines[0].strip() if lines else type(e).__name__
-            if not ok:
+            if not ok or os.environ.get("HVDQ_DEBUG"):
                 traceback.print_exc()
         failures += not ok
         print(f"MISMATCH {case} {dt:.2f} {'ok' if ok else 'FAIL'} {msg[:300]}", flush=True)
