@@ -41,7 +41,6 @@ __all__ = [
 
 AVERAGE = "average"
 SUM = "sum"
-OPS = (AVERAGE, SUM)
 REDUCTIONS = ("sra", "allgather")
 
 HANDSHAKE_NAME = "hvdq.handshake"
@@ -217,7 +216,7 @@ class Exchange:
     ``memory`` (a :class:`hvd_quant.memory.Memory`, optional) turns on error feedback: the residual of
     this rank's own quantization is kept under the exchange's name and, for SRA, the residual of the
     requantization of the chunk this rank owns under ``<name>/server<r>of<N>`` (the "server" error feedback of
-    1-bit Adam; without it 1-bit SRA loses the sign of small sums).
+    1-bit Adam: the requantization's error is carried to the next step too, not lost).
     """
 
     def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq"):

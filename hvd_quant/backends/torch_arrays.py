@@ -3,7 +3,6 @@
 synchronisation), kernels launched on ``torch.cuda.current_stream(device)`` via
 ``numba.cuda.external_stream``. Outputs are allocated by torch's caching allocator (no cudaMalloc, no
 synchronisation). float16 / bfloat16 / float64 inputs are converted to float32 by torch first."""
-import numpy as np
 import torch
 
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float

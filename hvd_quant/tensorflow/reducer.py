@@ -208,9 +208,12 @@ class GradientReducer(_Trackable):
                 and int(np.prod(shape.as_list(), dtype=np.int64)) >= self.min_compress_numel
                 and not is_passthrough_codec(self.codec))
 
-    def _plan_for(self, grads, variables):
-        names = _unique([getattr(v, "name", None) or f"grad_{i}" for i, v in enumerate(variables)]
-                        if variables is not None else [f"grad_{i}" for i in range(len(grads))])
+    @staticmethod
+    def _names(grads, variables):
+        return tuple(_unique([getattr(v, "name", None) or f"grad_{i}" for i, v in enumerate(variables)]
+                             if variables is not None else [f"grad_{i}" for i in range(len(grads))]))
+
+    def _plan_for(self, grads, variables, names):
         sig = tuple((n, None if g is None else (type(g).__name__, g.dtype.name, str(g.shape)))
                     for n, g in zip(names, grads))
         plan = self._plans.get(sig)
@@ -264,9 +267,13 @@ class GradientReducer(_Trackable):
     def __call__(self, grads, vars=None, use_generic_names=False):  # noqa: A002 - Horovod's signature
         grads = list(grads)
         variables = list(vars) if vars is not None else None
+        # The names are a Python argument, hence part of the trace key: tf.function would otherwise
+        # reuse a trace (and its names, hence its collectives' names) for other variables of the
+        # same shapes.
+        names = self._names(grads, variables)
         if tf.executing_eagerly():
-            return self._eager_fn(grads, variables)
-        return self._reduce(grads, variables)
+            return self._eager_fn(grads, variables, names)
+        return self._reduce(grads, variables, names)
 
     def _allreduce(self, g, name):
         import horovod.tensorflow as hvd
@@ -298,8 +305,10 @@ class GradientReducer(_Trackable):
                 out[i] = piece if dtype == tf.float32 else tf.cast(piece, dtype)
         return [out[i] for i in plan.comp]
 
-    def _reduce(self, grads, variables):
+    def _reduce(self, grads, variables, names=None):
         grads = list(grads)
+        if names is None:
+            names = self._names(grads, variables)
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         ps = self.process_set
@@ -307,7 +316,7 @@ class GradientReducer(_Trackable):
             return grads
         with self._lock:
             engine = self._connect()
-            plan = self._plan_for(grads, variables)
+            plan = self._plan_for(grads, variables, list(names))
         ok = engine.handshake(plan.key, plan.record, "hvd_quant.tensorflow gradient reduction",
                               name=plan.key)
         out = list(grads)

@@ -106,7 +106,21 @@ CASES = [
 ]
 
 
+def warm_up():
+    """TensorFlow's first trace of a tape inside a tf.function takes seconds here (measured ~9 s on
+    the shared 2-core machine, matched or not); do it once so the timings below are the error path's."""
+    v = tf.Variable(tf.ones((4, 4)))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * v)
+        return tape.gradient(loss, [v])
+    step()
+
+
 def main():
+    warm_up()
     failures = 0
     for case, fn in CASES:
         t0 = time.perf_counter()

@@ -76,10 +76,6 @@ def same_on_all_ranks(t):
     return all(torch.equal(gathered[0], gathered[i]) for i in range(1, gathered.shape[0]))
 
 
-def flat_params(model):
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-
-
 def params_identical(model):
     return same_on_all_ranks(torch.cat([p.detach().reshape(-1).contiguous().view(torch.uint8)
                                         for p in model.parameters()]))

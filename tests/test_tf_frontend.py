@@ -1,0 +1,58 @@
+"""The TensorFlow frontend on real Horovod processes (2 ranks; Gloo through horovodrun, MPI through
+mpirun). What each worker checks, and the bounds and tolerances with their derivations, are in the
+workers' docstrings: tests/workers/tf_exchange.py (gradients through every entry point against exact
+averages, bit-identical results, bytes), tests/workers/tf_train.py (loss near fp32, replicas
+identical after every step, Keras fit with Horovod's callbacks, checkpoint resume),
+tests/workers/tf_mismatch.py (ranks configured differently fail fast on every rank)."""
+import re
+
+import pytest
+
+from launch import run_horovod
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.tensorflow]
+
+NP = 2
+
+
+def assert_all_ranks_passed(result, np_):
+    out = result.stdout
+    fails = re.findall(r"CHECK FAIL (.*)", out)
+    assert not fails, "\n".join(fails[:20]) + "\n--- stdout tail\n" + out[-4000:]
+    finished = re.findall(r"RESULT rank (\d+)/(\d+): (\d+) checks, 0 failures", out)
+    assert sorted(int(r) for r, _, _ in finished) == list(range(np_)), out[-4000:]
+    return finished
+
+
+@pytest.mark.parametrize("controller,paths", [
+    pytest.param("gloo", [], id="gloo-all-entry-points"),
+    pytest.param("mpi", ["core", "stocktape", "tapefn", "keras"], id="mpi", marks=pytest.mark.mpi),
+])
+def test_gradients_match_allreduce_within_codec_bound(controller, paths):
+    result = run_horovod("tf_exchange.py", np=NP, controller=controller, args=paths, timeout=420)
+    finished = assert_all_ranks_passed(result, NP)
+    assert all(int(n) >= (100 if not paths else 30) for _, _, n in finished), finished
+    assert "results bit-identical on every rank" in result.stdout
+
+
+def test_training_loss_replicas_fit_and_resume():
+    result = run_horovod("tf_train.py", np=NP, controller="gloo", timeout=420)
+    assert_all_ranks_passed(result, NP)
+    losses = dict(re.findall(r"^\[0\]<stdout>:TRAIN (\S+) loss ([\d.]+)", result.stdout, re.M))
+    assert set(losses) >= {"fp32", "qsgd8", "qsgd4", "onebit-ef"}, losses
+
+
+@pytest.mark.parametrize("controller", [
+    pytest.param("gloo", id="gloo"),
+    pytest.param("mpi", id="mpi", marks=pytest.mark.mpi),
+])
+def test_ranks_configured_differently_fail_fast(controller):
+    result = run_horovod("tf_mismatch.py", np=NP, controller=controller, timeout=240)
+    assert_all_ranks_passed(result, NP)
+    lines = re.findall(r"MISMATCH (\S+) ([\d.]+) (ok|FAIL) (.*)", result.stdout)
+    cases = {c for c, _, _, _ in lines}
+    assert len(cases) >= 13, cases
+    for case, seconds, status, msg in lines:
+        assert status == "ok" and float(seconds) < 10, (case, seconds, msg)
+        assert "configured differently" in msg
+    assert len(lines) == NP * len(cases)        # every rank reported every case
