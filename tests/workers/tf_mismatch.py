@@ -13,8 +13,7 @@ tf.function tape, Keras optimizer); bits and reduction through stock ``hvd.Distr
 hvd_quant collective waits for the handshake, so nothing is left in flight after the error and the
 next case runs in the same processes. The eager stock path submits its first collective with the
 handshake (core ``Exchange.start``): with different reductions that collective never matches, so
-that case runs last and the worker leaves with ``os._exit`` (Horovod would report the orphan as a
-stall).
+that case runs last, and ``hvd.shutdown()`` fails that orphan at the end.
 """
 import os
 import sys
@@ -141,7 +140,8 @@ def main():
     print(f"RESULT rank {R}/{N}: {len(CASES)} checks, {failures} failures", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1 if failures else 0)
+    hvd.shutdown()          # fails the collectives the last case left unmatched, and finalizes MPI
+    sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":
