@@ -1,8 +1,12 @@
 """The codecs' device path (CUDA kernels, on-device header checks, NaN on a bad payload, device error
 status) in the CUDA simulator, through a tiny test-only device adapter over simulated device arrays.
 
-Runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (set before ``numba.cuda`` is imported). Each
-case is reported back and checked here by name. The torch-CUDA adapter itself needs a GPU
+Runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (set before ``numba.cuda`` is imported), once per
+CUDA kernel implementation (``HVD_QUANT_CUDA_KERNELS=v1`` and ``v2``). Each case is reported back and
+checked here by name. The child also holds the kernels themselves equal to the NumPy reference on
+cases chosen for v2's code paths (fused encode with several buckets per block and odd bucket sizes,
+the two-kernel path for buckets above ``FUSE_MAX``, straddling code words for odd bit widths, the
+header check deferred into the decode kernel or flushed by another launch). The torch-CUDA adapter itself needs a GPU
 (``HVDQ_REAL_CUDA=1`` on a GPU machine runs tests/test_kernels.py's child on the real device; the
 GPU run recorded in docs/BENCHMARKS.md exercised the torch path).
 """
@@ -21,6 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 CODECS = ["qsgd:bits=4,bucket_size=16,seed=3", "qsgd:bits=8,bucket_size=7,mode=deterministic,norm=l2",
           "qsgd:bits=2,bucket_size=32,mode=fake,seed=1", "onebit:bucket_size=16", "onebit:scale=mean_abs",
           "fp16", "none"]
+IMPLS = ["v1", "v2"]
+KERNEL_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, False),
+               (33, 64, 5, True, True), (33, 1, 16, False, True), (100, 64, 8, True, False),
+               (100, 7, 12, False, True), (300, 16, 4, True, False), (300, 9000, 3, True, True),
+               (70, 3, 7, True, False)]
+KERNEL_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True),
+                 (70, 1, True), (200, 9000, False)]
+KERNEL_CASES = ([f"qsgd-n{n}-bs{bs}-b{b}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}{sp}"
+                 for n, bs, b, st, l2 in KERNEL_QSGD for sp in ("", "-special")]
+                + [f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}" for n, bs, tm in KERNEL_ONEBIT]
+                + ["check-deferred-bad", "check-deferred-good", "check-flushed-by-other-launch",
+                   "check-raw-method-immediate"])
 CHECKS = ["encode-bytes", "decode-header-read", "decode-shape-given", "decode-into-accumulate",
           "bad-config-nan-and-status", "bad-name-nan-and-status", "wrong-size-raises",
           "numel-mismatch-detected", "clean-status"]
@@ -91,6 +107,8 @@ def _make_adapter():
             return payload.dev.copy_to_host()[:64]
 
         def read_status(self, status):
+            import numba_kernels.cuda as K
+            K.flush_pending()
             st = status.dev.copy_to_host()
             bits = int(st[1])
             if bits:
@@ -137,7 +155,9 @@ def _child():
         return bool(np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(
             np.where(np.isnan(a), 0, a).view(np.uint32), np.where(np.isnan(b), 0, b).view(np.uint32)))
 
-    res = {}
+    import numba_kernels.cuda as K
+    assert K.impl() == os.environ.get("HVD_QUANT_CUDA_KERNELS", "v2"), K.impl()
+    res = {"impl": K.impl(), "kernels": _kernel_cases(nan_eq)}
     rng = np.random.default_rng(0)
     x = rng.standard_normal((10, 10)).astype(np.float32)
     x[3, 3] = np.nan
@@ -215,17 +235,105 @@ def _child():
     json.dump(res, sys.stdout)
 
 
-@pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+def _kernel_cases(nan_eq):
+    """Kernels (selected implementation) == NumPy reference, and the header-check plumbing."""
+    from numba import cuda
+    import numba_kernels.cuda as K
+    from numba_kernels import reference as R, wire
+    from tests.test_kernels import KEY, make_x, onebit_case, qsgd_case
+    out = {}
+    dev = cuda.to_device
+    for n, bs, bits, st, l2 in KERNEL_QSGD:
+        for special in (False, True):
+            x, h, lay = qsgd_case(n, bs, bits, st, l2, x=make_x(n, n + bs, special) if special else None)
+            want = np.zeros(lay.total, np.uint8)
+            with np.errstate(all="ignore"):
+                R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, KEY)
+            d = dev(np.full(lay.total, 0xA5, np.uint8))
+            K.qsgd_encode_cuda(dev(x), d, h, bits, bs, st, l2, KEY)
+            got = d.copy_to_host()
+            sc = slice(lay.scales_offset, lay.total)
+            ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
+                want[sc].view(np.float32), got[sc].view(np.float32))
+            a = make_x(n, 5)
+            o = dev(a.copy())
+            with np.errstate(all="ignore"):
+                R.qsgd_decode_ref(want, a, bits, bs, True)
+            K.qsgd_decode_cuda(dev(want), o, bits, bs, True)
+            name = (f"qsgd-n{n}-bs{bs}-b{bits}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}"
+                    + ("-special" if special else ""))
+            out[name] = bool(ok) and nan_eq(a, o.copy_to_host())
+    for n, bs, tm in KERNEL_ONEBIT:
+        x, h, lay = onebit_case(n, bs, tm, special=n > 50)
+        want = np.zeros(lay.total, np.uint8)
+        with np.errstate(all="ignore"):
+            R.onebit_encode_ref(x, want, h, bs, tm)
+        d = dev(np.full(lay.total, 0xA5, np.uint8))
+        K.onebit_encode_cuda(dev(x), d, h, bs, tm)
+        got = d.copy_to_host()
+        sc = slice(lay.scales_offset, lay.total)
+        ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
+            want[sc].view(np.float32), got[sc].view(np.float32))
+        a = make_x(n, 5)
+        o = dev(a.copy())
+        with np.errstate(all="ignore"):
+            R.onebit_decode_ref(want, a, bs, tm, False)
+        K.onebit_decode_cuda(dev(want), o, bs, tm, False)
+        out[f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}"] = bool(ok) and nan_eq(a, o.copy_to_host())
+    # header checks: deferred into the decode (v2) or a kernel of their own (v1): same status, NaN
+    h = wire.Header(2, 4, 0, 0, 64, 0, (100,), name_hash=wire.name_hash("w"))
+    p = np.zeros(wire.layout(2, 100, 4, 64).total, np.uint8)
+    R.qsgd_encode_ref(make_x(100, 1), p, h.words(), 4, 64, True, False, KEY)
+    good = (2, 4, 0, 0, 64, 100, wire.name_hash("w"), True)
+    bad = (2, 8, 1, 1, 128, 101, wire.name_hash("v"), True)
+    for name, exp in (("check-deferred-bad", bad), ("check-deferred-good", good)):
+        status = dev(np.array([0, 4096], np.int32))
+        dq = dev(p)
+        K.check_header_cuda(dq, status, *exp)
+        o = dev(np.zeros(100, np.float32))
+        K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)
+        want = R.header_errors_ref(p, *exp)
+        st = status.copy_to_host()
+        y = o.copy_to_host()
+        out[name] = (int(st[0]) == want and int(st[1]) == (want | 4096)
+                     and (bool(np.isnan(y).all()) if want else not np.isnan(y).any()))
+    # a check followed by another launch (not its decode) must still have run, in order
+    status = dev(np.zeros(2, np.int32))
+    dq = dev(p)
+    K.check_header_cuda(dq, status, *bad)
+    other = dev(np.zeros(wire.layout(2, 100, 4, 64).total, np.uint8))
+    K.qsgd_encode_cuda(dev(make_x(100, 2)), other, h.words(), 4, 64, True, False, KEY)
+    o = dev(np.zeros(100, np.float32))
+    K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)       # status given, no check pending
+    out["check-flushed-by-other-launch"] = (int(status.copy_to_host()[0]) == R.header_errors_ref(p, *bad)
+                                            and bool(np.isnan(o.copy_to_host()).all()))
+    # raw payloads (fp16/none/fake) are read by framework ops: their check runs at once
+    status = dev(np.zeros(2, np.int32))
+    K.check_header_cuda(dq, status, 1, 16, 0, 0, 0, 100, 0, False)
+    out["check-raw-method-immediate"] = (int(status.copy_to_host()[0])
+                                         == R.header_errors_ref(p, 1, 16, 0, 0, 0, 100, 0, False) != 0)
+    K.flush_pending()
+    return out
+
+
+@pytest.fixture(scope="module", params=IMPLS)
+def results(request):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", HVD_QUANT_CUDA_KERNELS=request.param)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", "import tests.test_codec_cuda_sim as t; t._child()"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["impl"] == request.param
+    return res
 
 
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("spec", CODECS)
 def test_device_codec_path(results, spec, check):
     assert results[spec][check] is True
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernel_equals_reference(results, case):
+    assert results["kernels"].get(case) is True, case

@@ -1,8 +1,12 @@
 """On a real GPU: CUDA kernels == NumPy reference, the torch-CUDA codec path, no recompilation, no
 torch-level host synchronisation in encode / decode_into. Skipped without CUDA.
 
+Every check runs for both CUDA kernel implementations (``v1``: the first kernels and launch path,
+``HVD_QUANT_CUDA_KERNELS=v1``; ``v2``: the fused kernels, the default), switched in-process with
+``numba_kernels.cuda.set_impl``.
+
 Also runnable without pytest on a GPU machine: ``python tests/test_codec_gpu.py`` prints one line per
-check and exits non-zero on a failure.
+check and implementation and exits non-zero on a failure (``--impl v2`` checks only one).
 """
 import sys
 from pathlib import Path
@@ -31,8 +35,12 @@ def _nan_eq(a, b):
         np.where(np.isnan(a), 0, a).view(np.uint32), np.where(np.isnan(b), 0, b).view(np.uint32)))
 
 
+IMPLS = ("v1", "v2")
+
+
 def check_kernels_match_reference():
-    """Every size around groups/lanes/buckets, every bit width, both roundings and norms, 1-bit."""
+    """Every size around groups/lanes/buckets, every bit width, both roundings and norms, 1-bit;
+    buckets above v2's FUSE_MAX (its two-kernel path) and the header check folded into the decode."""
     from numba import cuda
     import numba_kernels.cuda as K
     from numba_kernels import reference as R, wire
@@ -44,8 +52,8 @@ def check_kernels_match_reference():
         if n > 20:
             x[rng.integers(0, n, 3)] = [np.nan, np.inf, 0.0]
         xd = cuda.to_device(x)
-        for bs in (1, 7, 64, 512):
-            for bits in (2, 3, 4, 5, 8, 12, 16):
+        for bs in (1, 7, 64, 512, 10000):
+            for bits in ((2, 3, 4, 5, 8, 12, 16) if bs != 10000 else (3, 4)):
                 for st in (True, False):
                     for l2 in (False, True):
                         h = wire.Header(2, bits, 0 if st else 1, int(l2), bs, 0, (n,)).words()
@@ -87,6 +95,26 @@ def check_kernels_match_reference():
                     K.onebit_decode_cuda(cuda.to_device(want), o, bs1, tm, False)
                     if not (ok and _nan_eq(a, o.copy_to_host())):
                         fails.append(f"onebit n={n} bs={bs1} two_mean={tm} enc={ok}")
+    # header check + decode (v2: one kernel), good and bad, status words as the reference says
+    h = wire.Header(2, 4, 0, 0, 64, 0, (100_003,), name_hash=wire.name_hash("w"))
+    lay = wire.layout(2, 100_003, 4, 64)
+    p = np.zeros(lay.total, np.uint8)
+    R.qsgd_encode_ref(rng.standard_normal(100_003).astype(np.float32), p, h.words(), 4, 64, True, False, key)
+    for exp in ((2, 4, 0, 0, 64, 100_003, wire.name_hash("w"), True),
+                (2, 8, 1, 1, 128, 100_004, wire.name_hash("v"), True),
+                (2, 4, 0, 0, 64, 100_003, 0, False)):
+        status = cuda.to_device(np.array([0, 4096], np.int32))
+        dq = cuda.to_device(p)
+        K.check_header_cuda(dq, status, *exp)
+        o = cuda.to_device(np.zeros(100_003, np.float32))
+        K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)
+        want = R.header_errors_ref(p, *exp)
+        st = status.copy_to_host()
+        y = o.copy_to_host()
+        if not (int(st[0]) == want and int(st[1]) == want | 4096
+                and (bool(np.isnan(y).all()) if want else not np.isnan(y).any())):
+            fails.append(f"header check {exp}: status {st.tolist()}, want {want}")
+    K.flush_pending()
     return fails
 
 
@@ -156,6 +184,7 @@ def check_torch_codec_path():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     counts = {k: len(v.overloads) for k, v in K.kernels.items()}
+    fails += _check_fast_path(K)
     c = hq.QSGD(bits=4, bucket_size=512)
     big = torch.randn(1 << 20, device="cuda")
     out = torch.empty_like(big)
@@ -169,27 +198,54 @@ def check_torch_codec_path():
     return fails
 
 
+def _check_fast_path(K):
+    """v2 launches compiled kernels directly after their first launch; report whether it is active."""
+    if K.impl() != "v2":
+        return []
+    print(f"v2 direct launches: {'on' if K._FAST else 'off'}; kernels launched directly: {len(K._COMPILED)}")
+    return []
+
+
 CHECKS = {"kernels_match_reference": check_kernels_match_reference,
           "torch_codec_path": check_torch_codec_path}
+
+
+def run_check(name, impl):
+    import numba_kernels.cuda as K
+    K.set_impl(impl)
+    return CHECKS[name]()
+
 
 if pytest is not None:
     @pytest.mark.gpu
     @pytest.mark.torch
     @pytest.mark.skipif(not _cuda_ok(), reason="needs a CUDA GPU")
+    @pytest.mark.parametrize("impl", IMPLS)
     @pytest.mark.parametrize("name", sorted(CHECKS))
-    def test_gpu(name):
-        fails = CHECKS[name]()
+    def test_gpu(name, impl):
+        fails = run_check(name, impl)
         assert not fails, fails[:20]
 
 
 if __name__ == "__main__":
+    import argparse
     import time
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", choices=IMPLS, action="append", help="implementation(s) to check (default both)")
+    impls = ap.parse_args().impl or list(IMPLS)
     bad = 0
-    for name, fn in CHECKS.items():
-        t0 = time.time()
-        fails = fn()
-        bad += len(fails)
-        print(f"{name}: {'OK' if not fails else 'FAILED'} ({time.time() - t0:.1f} s)")
-        for f in fails[:30]:
-            print("   ", f)
+    for impl in impls:
+        for name in CHECKS:
+            t0 = time.time()
+            try:
+                fails = run_check(name, impl)
+            except Exception as e:      # a crash is a failure of this check, the others still run
+                import traceback
+                traceback.print_exc()
+                fails = [f"raised {type(e).__name__}: {e}"]
+            bad += len(fails)
+            print(f"[{impl}] {name}: {'OK' if not fails else 'FAILED'} ({time.time() - t0:.1f} s)")
+            for f in fails[:30]:
+                print("   ", f)
+    print("ALL OK" if not bad else f"{bad} FAILURE(S)")
     sys.exit(1 if bad else 0)

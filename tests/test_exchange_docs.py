@@ -1,4 +1,4 @@
-"""The runnable snippets of docs/EXCHANGE.md run, as written, on 2 real Horovod ranks (Gloo)."""
+"""The runnable snippets of README.md and docs/EXCHANGE.md run, as written, on 2 real Horovod ranks (Gloo)."""
 import re
 from pathlib import Path
 
@@ -10,9 +10,11 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 
 
 def test_exchange_doc_snippets_run(tmp_path):
-    text = (Path(ROOT) / "docs" / "EXCHANGE.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) >= 2
+    blocks = []
+    for doc, least in ((Path(ROOT) / "README.md", 1), (Path(ROOT) / "docs" / "EXCHANGE.md", 2)):
+        found = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+        assert len(found) >= least, doc
+        blocks += found
     script = tmp_path / "snippets.py"
     # Each block is a complete program; run them one after the other in one job.
     script.write_text("\n\n".join(f"def block_{i}():\n" + "".join(f"    {line}\n" for line in b.splitlines())

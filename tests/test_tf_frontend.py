@@ -49,10 +49,11 @@ def test_training_loss_replicas_fit_and_resume():
 def test_ranks_configured_differently_fail_fast(controller):
     result = run_horovod("tf_mismatch.py", np=NP, controller=controller, timeout=240)
     assert_all_ranks_passed(result, NP)
-    lines = re.findall(r"MISMATCH (\S+) ([\d.]+) (ok|FAIL) (.*)", result.stdout)
-    cases = {c for c, _, _, _ in lines}
+    # ok = raised an error whose message says "configured differently" (checked in the worker);
+    # seconds = from the call to the error, tracing excluded.
+    lines = re.findall(r"MISMATCH r(\d+) (\S+) ([\d.]+) (ok|FAIL)", result.stdout)
+    cases = {c for _, c, _, _ in lines}
     assert len(cases) >= 13, cases
-    for case, seconds, status, msg in lines:
-        assert status == "ok" and float(seconds) < 10, (case, seconds, msg)
-        assert "configured differently" in msg
-    assert len(lines) == NP * len(cases)        # every rank reported every case
+    for rank, case, seconds, status in lines:
+        assert status == "ok" and float(seconds) < 10, (rank, case, seconds, result.stdout[-3000:])
+    assert {(int(r), c) for r, c, _, _ in lines} == {(r, c) for r in range(NP) for c in cases}

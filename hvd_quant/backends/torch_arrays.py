@@ -2,7 +2,17 @@
 ``__cuda_array_interface__`` (``numba.cuda.as_cuda_array(t, sync=False)``: zero-copy, no host
 synchronisation), kernels launched on ``torch.cuda.current_stream(device)`` via
 ``numba.cuda.external_stream``. Outputs are allocated by torch's caching allocator (no cudaMalloc, no
-synchronisation). float16 / bfloat16 / float64 inputs are converted to float32 by torch first."""
+synchronisation). float16 / bfloat16 / float64 inputs are converted to float32 by torch first.
+
+With the v2 CUDA kernels (the default; ``HVD_QUANT_CUDA_KERNELS=v1`` restores the previous path) the
+per-call host work is cut: device-array views are cached by (device, pointer, size, dtype) instead of
+being rebuilt through ``as_cuda_array`` on every call (torch's caching allocator hands the same
+blocks back, so steady-state calls hit the cache; the views hold no reference to the tensor, whose
+memory they describe only while a tensor of that pointer, size and dtype is being used), the current
+stream is read with one call, and with a single visible GPU no device context is pushed and popped
+around each call."""
+import contextlib
+
 import torch
 
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
@@ -63,13 +73,25 @@ class TorchHostAdapter(HostAdapter):
         return t.reshape(shape)
 
 
+_TYPESTR = {torch.float32: "<f4", torch.uint8: "|u1", torch.int32: "<i4"}
+_VIEW_CACHE_MAX = 1024
+
+
 class TorchCudaAdapter(DeviceAdapter):
     kind = "torch"
     _streams = {}
 
     def __init__(self):
         from numba import cuda
+        import numba_kernels.cuda as kernels
         self._cuda = cuda
+        self._kernels = kernels
+        self._views = {}
+        self._single = None
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def _v2(self):
+        return self._kernels.impl() != "v1"
 
     def describe(self, x):
         return _describe(x)
@@ -78,20 +100,49 @@ class TorchCudaAdapter(DeviceAdapter):
         return ("torch", x.device.index)
 
     def stream(self, x):
-        handle = torch.cuda.current_stream(x.device).cuda_stream
+        handle = None
+        if self._raw_stream is not None and self._v2():
+            try:
+                handle = self._raw_stream(x.device.index)
+            except Exception:           # pragma: no cover - private torch API changed
+                self._raw_stream = None
+        if handle is None:
+            handle = torch.cuda.current_stream(x.device).cuda_stream
         st = self._streams.get(handle)
         if st is None:
             st = self._streams[handle] = self._cuda.external_stream(handle)
         return st
 
     def context(self, x):
+        if self._v2():
+            if self._single is None:
+                self._single = torch.cuda.device_count() == 1
+            if self._single:            # Numba attaches to the device's primary context by itself
+                return contextlib.nullcontext()
         return self._cuda.gpus[x.device.index]
 
     def _dev(self, t):
-        return self._cuda.as_cuda_array(t, sync=False)
+        if not self._v2():
+            return self._cuda.as_cuda_array(t, sync=False)
+        ptr = t.data_ptr()
+        key = (t.device.index, ptr, t.numel(), t.dtype)
+        d = self._views.get(key)
+        if d is None:
+            typestr = _TYPESTR.get(t.dtype)
+            if typestr is None or not t.is_contiguous():
+                return self._cuda.as_cuda_array(t, sync=False)
+            if len(self._views) >= _VIEW_CACHE_MAX:
+                self._views.clear()
+            desc = {"shape": (t.numel(),), "strides": None, "typestr": typestr, "data": (ptr, False),
+                    "version": 3}
+            d = self._views[key] = self._cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+        return d
 
     def input_f32(self, x):
-        t = _flat(x).to(torch.float32).contiguous()
+        if x.dtype == torch.float32 and x.is_contiguous() and self._v2():
+            t = x.detach().view(-1)
+        else:
+            t = _flat(x).to(torch.float32).contiguous()
         return t, self._dev(t)
 
     def new_bytes(self, nbytes, like):
@@ -139,6 +190,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return payload[:64].cpu().numpy()
 
     def read_status(self, status):
+        self._kernels.flush_pending()
         bits = int(status[1].item())
         if bits:
             status[1].zero_()

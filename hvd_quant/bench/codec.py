@@ -19,6 +19,13 @@ launch overhead, is reported separately as ``host ms/call``), median
 of ``--repeat`` after ``--warmup`` calls. The first call of each codec (Numba compilation or cache
 load included) is timed on its own. CPU: wall time, median, and GB/s of float32 input per core.
 Ratios: ``ours/copy`` (lower is better, 1.0 = memory-bound), ``torch/ours`` (higher is better).
+
+``tiny enc+dec us``: wall time per ``decode_into(encode(x))`` call on a tiny tensor
+(``--tiny-numel``, 4096 elements), many calls back to back then one synchronisation: the per-call
+host cost (Python + kernel launches), which the large-tensor GPU times do not show.
+
+On CUDA the kernels are those selected by ``HVD_QUANT_CUDA_KERNELS`` (``v2``, the default, or ``v1``);
+the table's heading says which.
 """
 import argparse
 import json
@@ -43,6 +50,9 @@ def build_parser():
     p.add_argument("--codecs", default=",".join(n for n, _ in CODECS), help="subset of " +
                    ",".join(n for n, _ in CODECS))
     p.add_argument("--no-torch-ops", action="store_true", help="skip the plain-PyTorch baseline")
+    p.add_argument("--tiny-numel", type=int, default=4096,
+                   help="elements of the tensor for the per-call host overhead column (0: skip)")
+    p.add_argument("--tiny-calls", type=int, default=300, help="calls timed for that column")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     return p
 
@@ -163,6 +173,23 @@ class CpuTimer:
         return time.perf_counter() - t0
 
 
+def tiny_overhead_us(fn, calls, sync):
+    """Wall time per call of ``fn`` (µs), ``calls`` calls back to back then one ``sync``: for a tiny
+    tensor this is the host cost of a call (Python, adapters, kernel launches)."""
+    for _ in range(max(3, calls // 10)):
+        fn()
+    sync()
+    best = None
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        t = (time.perf_counter() - t0) / calls * 1e6
+        best = t if best is None else min(best, t)
+    return best
+
+
 def _fmt(v, nd=3):
     return "-" if v is None else f"{v:.{nd}f}"
 
@@ -194,9 +221,24 @@ def run_device(args, device, threads=None):
         copy = lambda: np.copyto(out, x)               # noqa: E731
     wanted = args.codecs.split(",")
     rows = []
+    tiny = int(getattr(args, "tiny_numel", 0) or 0)
+    calls = int(getattr(args, "tiny_calls", 300))
+    if tiny:
+        if device == "cuda":
+            xs = torch.randn(tiny, device="cuda")
+            sync = torch.cuda.synchronize
+        else:
+            xs = np.random.default_rng(1).standard_normal(tiny, dtype=np.float32)
+            sync = lambda: None                        # noqa: E731
+        outs = xs * 0
     cp, cp_host = timer(copy, args.repeat, args.warmup)
     rows.append(dict(codec="copy", spec="memcpy", encode=None, decode=None, encdec=cp, host=cp_host,
                      bytes_per_elem=4.0))
+    if tiny:
+        if device == "cuda":
+            rows[0]["tiny_us"] = tiny_overhead_us(lambda: outs.copy_(xs), calls, sync)
+        else:
+            rows[0]["tiny_us"] = tiny_overhead_us(lambda: np.copyto(outs, xs), calls, sync)
     for name, spec in CODECS:
         if name not in wanted:
             continue
@@ -210,6 +252,8 @@ def run_device(args, device, threads=None):
         row = dict(codec=name, spec=c.spec(), encode=enc, decode=dec, encdec=ed, host=ed_host,
                    first_encode_s=first_enc, first_decode_s=first_dec,
                    bytes_per_elem=c.wire_nbytes(n) / n)
+        if tiny:
+            row["tiny_us"] = tiny_overhead_us(lambda: c.decode_into(c.encode(xs), outs), calls, sync)
         if torch is not None and not args.no_torch_ops:
             xt = x if device == "cuda" else torch.from_numpy(x)
             ot = out if device == "cuda" else torch.from_numpy(out)
@@ -222,12 +266,21 @@ def run_device(args, device, threads=None):
     return rows
 
 
-def print_table(rows, device, numel, threads=None):
+def kernels_impl():
+    """The CUDA kernel implementation the codecs use ('v2' or 'v1', from HVD_QUANT_CUDA_KERNELS)."""
+    import numba_kernels.cuda as K
+    return K.impl()
+
+
+def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
     cp = rows[0]["encdec"]
     head = f"{device}, numel={numel:,}" + (f", threads={threads}" if threads else "")
+    if impl:
+        head += f", CUDA kernels {impl}"
     print(f"\n### {head}\n")
     cols = ["codec", "B/elem", "encode ms", "decode ms", "enc+dec ms", "enc+dec / copy",
-            "torch-ops enc+dec ms", "torch-ops / ours", "host ms/call", "first enc s", "first dec s"]
+            "torch-ops enc+dec ms", "torch-ops / ours", "host ms/call", "first enc s", "first dec s",
+            "tiny enc+dec us"]
     if device == "cpu":
         cols += ["enc GB/s/core", "dec GB/s/core", "enc+dec GB/s/core"]
     print("| " + " | ".join(cols) + " |")
@@ -237,11 +290,15 @@ def print_table(rows, device, numel, threads=None):
         cells = [r["codec"], _fmt(r["bytes_per_elem"], 3), _fmt(r["encode"]), _fmt(r["decode"]),
                  _fmt(r["encdec"]), _fmt(r["encdec"] / cp, 2),
                  _fmt(ted), _fmt(ted / r["encdec"] if ted else None, 1), _fmt(r["host"]),
-                 _fmt(r.get("first_encode_s"), 2), _fmt(r.get("first_decode_s"), 2)]
+                 _fmt(r.get("first_encode_s"), 2), _fmt(r.get("first_decode_s"), 2),
+                 _fmt(r.get("tiny_us"), 1)]
         if device == "cpu":
             gb = lambda ms: None if ms is None else 4 * numel / (ms * 1e-3) / 1e9 / (threads or 1)  # noqa: E731
             cells += [_fmt(gb(r["encode"]), 2), _fmt(gb(r["decode"]), 2), _fmt(gb(r["encdec"]), 2)]
         print("| " + " | ".join(cells) + " |")
+    if tiny and len(rows) > 1:
+        parts = ", ".join(f"{r['codec']} {r['tiny_us']:.1f}" for r in rows if r.get("tiny_us") is not None)
+        print(f"\nhost overhead (numel={tiny:,}, encode+decode_into per call, us): {parts}")
 
 
 def main(argv=None):
@@ -260,14 +317,18 @@ def main(argv=None):
     n = int(args.numel)
     print(f"hvd_quant codec benchmark: device={device} numel={n:,} bucket_size={args.bucket_size} "
           f"repeat={args.repeat} warmup={args.warmup}")
+    impl = None
     if device == "cuda":
         import torch
-        print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        import numba
+        impl = kernels_impl()
+        print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, numba {numba.__version__}, "
+              f"CUDA kernels {impl} (HVD_QUANT_CUDA_KERNELS)")
     out = []
     for t in ([int(t) for t in args.threads.split(",")] if (args.threads and device == "cpu") else [None]):
         rows = run_device(args, device, t)
-        print_table(rows, device, n, t)
-        out.append(dict(device=device, numel=n, threads=t, rows=rows))
+        print_table(rows, device, n, t, impl, args.tiny_numel)
+        out.append(dict(device=device, numel=n, threads=t, kernels=impl, rows=rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -1,10 +1,11 @@
 """Worker: ranks configured differently get a clear error quickly, on every rank, with no hang.
 
 Rank 0 uses one configuration, the other ranks another. Each case runs one gradient reduction and
-expects it to raise, within seconds, an error naming the problem ("configured differently",
+expects it to raise, within seconds (tracing a ``tf.function`` is timed apart: on the shared 2-core
+machine a first trace can take longer than the error), an error naming the problem ("configured differently",
 :class:`hvd_quant.ConfigMismatchError`; inside a ``tf.function`` TensorFlow wraps it in a
-``tf.errors`` exception carrying the same text). Prints ``MISMATCH <case> <seconds> ok|FAIL <first
-line of the message>`` per case.
+``tf.errors`` exception carrying the same text). Prints ``MISMATCH r<rank> <case> <seconds> ok|FAIL``
+per case (ok: it raised, and the message says "configured differently"), then a ``DETAIL`` line.
 
 Cases: bits, bucket size, method (qsgd vs onebit), reduction (sra vs allgather), warm-up steps,
 min_compress_numel (a different plan), model shape -- through ``hvd_quant.tensorflow`` (tape,
@@ -33,7 +34,7 @@ import hvd_quant.tensorflow.keras as hqk  # noqa: E402
 
 R, N = hvd.rank(), hvd.size()
 FIRST = R == 0
-results = []
+SETUP = {}      # case -> seconds spent tracing before the step that must fail
 
 
 def variables(case, wide=64):
@@ -62,7 +63,10 @@ def hq_tape_fn(case, **kw):
             loss = loss_of(vs)
         tape = hqt.DistributedGradientTape(tape, **kw)
         return tape.gradient(loss, vs)
-    return [g.numpy() for g in step()]
+    t0 = time.perf_counter()
+    fn = step.get_concrete_function()     # tracing is not the error path: timed apart
+    SETUP[case] = time.perf_counter() - t0
+    return [g.numpy() for g in fn()]
 
 
 def hq_keras(case, **kw):
@@ -136,7 +140,10 @@ def main():
             if not ok or os.environ.get("HVDQ_DEBUG"):
                 traceback.print_exc()
         failures += not ok
-        print(f"MISMATCH {case} {dt:.2f} {'ok' if ok else 'FAIL'} {msg[:300]}", flush=True)
+        setup = SETUP.get(case, 0.0)
+        # Short lines: mpirun interleaves long lines of different ranks.
+        print(f"MISMATCH r{R} {case} {dt - setup:.2f} {'ok' if ok else 'FAIL'}", flush=True)
+        print(f"DETAIL r{R} {case}: traced in {setup:.2f}s; {msg[:240]}", flush=True)
     print(f"RESULT rank {R}/{N}: {len(CASES)} checks, {failures} failures", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
