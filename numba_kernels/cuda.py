@@ -1,5 +1,10 @@
 """Numba CUDA kernels (``*_cuda``), bit-identical to ``*_ref``; they also run in the CUDA simulator.
 
+Two implementations behind the same launchers, selected by ``HVD_QUANT_CUDA_KERNELS`` (read at import;
+``set_impl`` switches in-process): ``v2`` (default; fused one-launch encode and decode, the header
+check inside the decode, a cheaper launch path: see the "v2" section below) and ``v1`` (the kernels
+described next, launched as before, unchanged).
+
 Import this module lazily (``numba_kernels.cuda`` is loaded on first attribute access): importing it
 imports ``numba.cuda``, and ``NUMBA_ENABLE_CUDASIM`` must be set before that happens.
 

@@ -140,7 +140,7 @@ class TorchCudaAdapter(DeviceAdapter):
 
     def input_f32(self, x):
         if x.dtype == torch.float32 and x.is_contiguous() and self._v2():
-            t = x.detach().view(-1)
+            t = x                       # the cached view is 1-D whatever x's shape
         else:
             t = _flat(x).to(torch.float32).contiguous()
         return t, self._dev(t)
@@ -170,7 +170,8 @@ class TorchCudaAdapter(DeviceAdapter):
         return payload
 
     def bytes_dev(self, payload):
-        return self._dev(self._check_payload(payload).detach())
+        payload = self._check_payload(payload)
+        return self._dev(payload if self._v2() else payload.detach())
 
     def payload_nbytes(self, payload):
         return payload.numel()
@@ -184,7 +185,7 @@ class TorchCudaAdapter(DeviceAdapter):
             raise UnsupportedInputError("decode_into needs a contiguous float32 CUDA tensor; got "
                                         f"{type(out).__name__} {getattr(out, 'dtype', '')} "
                                         f"{getattr(out, 'device', '')}")
-        return self._dev(out.detach().view(-1)), None
+        return self._dev(out if self._v2() else out.detach().view(-1)), None   # v2: keyed by numel
 
     def read_header(self, payload):
         return payload[:64].cpu().numpy()

@@ -7,14 +7,32 @@
 - :class:`GradientReducer`: the persistent, ``tf.train.Checkpoint``-trackable reduction they use.
 - :data:`OPS` / :func:`collectives`: the core's ArrayOps and eager Collectives tables for TensorFlow.
 
-Importing this module imports TensorFlow and ``horovod.tensorflow``. Codecs passed to stock Horovod
-(``hvd.DistributedGradientTape(tape, compression=hvd_quant.QSGD(bits=4))``) reach this frontend
-through ``hvd_quant._stock`` without this import.
+Attributes are imported on first use (TensorFlow and ``horovod.tensorflow`` with them), so that
+``hvd_quant.tensorflow._device``'s Numba half can be imported, and tested, where TensorFlow is not
+installed. Codecs passed to stock Horovod (``hvd.DistributedGradientTape(tape,
+compression=hvd_quant.QSGD(bits=4))``) reach this frontend through ``hvd_quant._stock`` without any
+import.
 """
-from ._backend import OPS, collectives
-from .reducer import GradientReducer, resolve_codec
-from .wrappers import (DistributedGradientTape, DistributedOptimizer, bytes_sent_per_step,
-                       install_reducer, reducer_of)
+import importlib
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer", "GradientReducer", "OPS",
-           "bytes_sent_per_step", "collectives", "install_reducer", "reducer_of", "resolve_codec"]
+_EXPORTS = {
+    "OPS": "._backend", "collectives": "._backend",
+    "GradientReducer": ".reducer", "resolve_codec": ".reducer",
+    "DistributedGradientTape": ".wrappers", "DistributedOptimizer": ".wrappers",
+    "bytes_sent_per_step": ".wrappers", "install_reducer": ".wrappers", "reducer_of": ".wrappers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

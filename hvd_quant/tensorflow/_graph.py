@@ -114,12 +114,23 @@ def _numpy_step(fn, inputs, dtype, shape, name):
     return out
 
 
+def _device_step(device):
+    """A step as a ``tf.py_function`` placed on ``device`` (GPU inputs stay on the GPU)."""
+    def make(fn, inputs, dtype, shape, name):
+        with tf.device(device):
+            out = tf.py_function(fn, inputs, dtype, name=name)
+        out.set_shape(shape)
+        return out
+    return make
+
+
 class GraphExchange:
     """Builds exchanges of one :class:`~hvd_quant.exchange.Exchange` (whose ``coll`` is a
     :func:`graph_collectives` table) into the graph being traced."""
 
-    def __init__(self, exchange, process_set):
+    def __init__(self, exchange, process_set, device_exchange=None):
         self.exchange = exchange
+        self.device_exchange = device_exchange     # same configuration on DEVICE_OPS (_device.py)
         self.process_set = process_set
         self.lock = threading.RLock()
         self.steps = {}            # exchange name -> executions started (payload header tags)
@@ -172,9 +183,11 @@ class GraphExchange:
         a, b = bounds[ex.coll.rank]
         return sum(ex.payload_nbytes(y - x) for x, y in bounds), ex.payload_nbytes(b - a)
 
-    def build(self, key, flat, header=None, deps=()):
+    def build(self, key, flat, header=None, deps=(), device=None):
         """Graph ops computing the float32 **sum over ranks** of the 1-D float32 ``flat`` (static
-        size) with the core's reduction; returns that 1-D float32 tensor."""
+        size) with the core's reduction; returns that 1-D float32 tensor. ``device`` (a GPU device
+        string, with a ``device_exchange``) keeps the exchange on that GPU (``_device.py``, untested
+        with TensorFlow); otherwise the steps run on the host."""
         import horovod.tensorflow as hvd
         ex, ps = self.exchange, self.process_set
         numel = int(flat.shape[0])
@@ -182,20 +195,26 @@ class GraphExchange:
         first, second = self.static_sizes(numel)
         slot = _Slot()
         nm = op_name(key)
+        if device is None:
+            step, start, advance, finish = _numpy_step, self._start, self._advance, self._finish
+        else:
+            step = _device_step(device)
+            start, advance, finish = (functools.partial(f, device) for f in
+                                      (self._start_dev, self._advance_dev, self._finish_dev))
         with tf.control_dependencies(list(deps)):
-            send = _numpy_step(functools.partial(self._start, slot, key, header, first), [flat],
-                               tf.uint8, [first], "hvdq_start")
+            send = step(functools.partial(start, slot, key, header, first), [flat],
+                        tf.uint8, [first], "hvdq_start")
         if ex.reduction == "sra":
             splits = [ex.payload_nbytes(b - a) for a, b in ex.bounds(numel)]
             recv, _ = hvd.alltoall(send, splits=tf.constant(splits, tf.int32),
                                    name=op_name(f"{ex.prefix}.a2a.{nm}"), ignore_name_scope=True,
                                    process_set=ps)
-            send = _numpy_step(functools.partial(self._advance, slot, second), [recv], tf.uint8,
-                               [second], "hvdq_advance")
+            send = step(functools.partial(advance, slot, second), [recv], tf.uint8,
+                        [second], "hvdq_advance")
         gathered = hvd.allgather(send, name=op_name(f"{ex.prefix}.ag.{nm}"), ignore_name_scope=True,
                                  process_set=ps)
-        return _numpy_step(functools.partial(self._finish, slot, numel), [gathered], tf.float32,
-                           [numel], "hvdq_finish")
+        return step(functools.partial(finish, slot, numel), [gathered], tf.float32,
+                    [numel], "hvdq_finish")
 
     # The numpy steps (run at execution time, under one lock per engine: the core and the codec
     # keep per-name state).
@@ -221,6 +240,43 @@ class GraphExchange:
             p.handle.result = np.asarray(gathered).reshape(-1)
             out = self.exchange.finish(p)
             return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
+
+    # The same steps on a GPU (tf.py_function; inputs are GPU EagerTensors). Written, never run.
+    def _start_dev(self, device, slot, key, header, expected, flat):
+        from . import _device as D
+        with self.lock:
+            D.sync_tensorflow()
+            own = D.DEVICE_OPS.clone(D.tf_view(flat).reshape(-1))     # the core may write into it
+            step = self.steps.get(key, 0)
+            self.steps[key] = step + 1
+            slot.pending = self.device_exchange.start(key, own, step=step, header=header)
+            return self._out_dev(slot.pending.handle.tensor, expected, key, device)
+
+    def _advance_dev(self, device, slot, expected, recv):
+        from . import _device as D
+        with self.lock:
+            D.sync_tensorflow()
+            p = self._pending(slot)
+            p.handle.result = D.tf_view(recv).reshape(-1)
+            self.device_exchange.advance(p)
+            return self._out_dev(p.handle.tensor, expected, p.name, device)
+
+    def _finish_dev(self, device, slot, numel, gathered):
+        from . import _device as D
+        with self.lock:
+            D.sync_tensorflow()
+            p = self._pending(slot)
+            slot.pending = None
+            p.handle.result = D.tf_view(gathered).reshape(-1)
+            return D.to_tf(self.device_exchange.finish(p), tf.float32, device)
+
+    @staticmethod
+    def _out_dev(arr, expected, key, device):
+        from . import _device as D
+        if int(arr.size) != expected:
+            raise RuntimeError(f"hvd_quant: internal error: exchange {key!r} produced {arr.size} "
+                               f"bytes, {expected} were planned when tracing")
+        return D.to_tf(arr, tf.uint8, device)
 
     @staticmethod
     def _pending(slot):

@@ -91,7 +91,15 @@ class _Bucket:
 
 
 class _Plan:
-    __slots__ = ("key", "buckets", "comp", "plain", "names", "record", "plain_nbytes", "plain_numel")
+    __slots__ = ("key", "buckets", "comp", "plain", "names", "record", "plain_nbytes", "plain_numel",
+                 "device")
+
+
+def _host(a):
+    """A residual as a float32 NumPy array (device arrays of the device exchange are copied)."""
+    if hasattr(a, "copy_to_host"):
+        a = a.copy_to_host()
+    return np.asarray(a, np.float32)
 
 
 def _digest(names):
@@ -130,7 +138,9 @@ class GradientReducer(_Trackable):
     ``process_set``, ``device_dense``, ``device_sparse``) plus ``compression`` (a codec, a spec
     string or ``hvd.Compression.none/fp16``), ``reduction`` (``"sra"`` | ``"allgather"``),
     ``bucket_bytes`` (default 4 MiB), ``min_compress_numel`` (default 1024), ``compress_1d``,
-    ``warmup_steps`` and ``error_feedback`` (default: what the codec wants).
+    ``warmup_steps`` and ``error_feedback`` (default: what the codec wants), and
+    ``device_exchange`` (GPU gradients: keep the exchange on the GPU through DLPack and Numba device
+    arrays, ``_device.py``; **untested with TensorFlow**; default off: host steps).
 
     Call it as Horovod calls its own: ``reducer(grads, vars)`` -> reduced grads (``None`` stays
     ``None``), eagerly (it wraps itself in a ``tf.function``) or inside a graph.
@@ -139,7 +149,7 @@ class GradientReducer(_Trackable):
     def __init__(self, compression=None, op=None, reduction="sra", bucket_bytes=4 << 20,
                  min_compress_numel=1024, warmup_steps=0, error_feedback=None, compress_1d=False,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
-                 process_set=None, device_dense="", device_sparse=""):
+                 process_set=None, device_dense="", device_sparse="", device_exchange=False):
         import horovod.tensorflow as hvd
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -163,6 +173,10 @@ class GradientReducer(_Trackable):
         self.device_dense, self.device_sparse = device_dense, device_sparse
         self._prefix = _PREFIX
         self.memory = Memory(OPS) if self.error_feedback else None
+        # GPU gradients: keep the exchange on the GPU (hvd_quant/tensorflow/_device.py; written, its
+        # TensorFlow half never run). Off: GPU gradients go through the host steps.
+        self.device_exchange = bool(device_exchange) and bool(tf.config.list_logical_devices("GPU"))
+        self.device_memory = None
         with tf.init_scope():
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
         self._plans = {}
@@ -192,8 +206,17 @@ class GradientReducer(_Trackable):
         if self._engine is None or self._engine.exchange.coll is not coll:
             exchange = Exchange(self.codec, coll, OPS, reduction=self.reduction, memory=self.memory,
                                 prefix=self._prefix)
+            device_exchange = None
+            if self.device_exchange:
+                from . import _device
+                _device.register()
+                if self.error_feedback and self.device_memory is None:
+                    self.device_memory = Memory(_device.DEVICE_OPS)
+                device_exchange = Exchange(self.codec, coll, _device.DEVICE_OPS,
+                                           reduction=self.reduction, memory=self.device_memory,
+                                           prefix=self._prefix)
             steps = self._engine.steps if self._engine is not None else self._restored_steps
-            self._engine = GraphExchange(exchange, ps)
+            self._engine = GraphExchange(exchange, ps, device_exchange)
             self._engine.steps.update(steps)
         return self._engine
 
@@ -239,6 +262,8 @@ class GradientReducer(_Trackable):
             members = _fuse(list(reversed(comp)), numels, self.bucket_bytes)
         plan = _Plan()
         plan.names = names
+        plan.device = self.device_exchange and any(
+            self._device_of(grads[i]) is not None for i in comp)
         plan.buckets = []
         for m in members:
             b = _Bucket(None, m, names, grads)
@@ -290,13 +315,22 @@ class GradientReducer(_Trackable):
                              ignore_name_scope=True, process_set=self.process_set,
                              device_dense=self.device_dense, device_sparse=self.device_sparse)
 
+    def _device_of(self, flat):
+        """The GPU to keep this bucket's exchange on, or None (host steps)."""
+        if not self.device_exchange:
+            return None
+        dev = flat.device or ""
+        if "GPU" in dev.upper():
+            return dev
+        return None if "CPU" in dev.upper() else "/GPU:0"
+
     def _compressed(self, engine, plan, grads):
         size = engine.exchange.coll.size
         out = {}
         for b in plan.buckets:
             parts = [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in b.idxs]
             flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-            total = engine.build(b.name, flat, header=b.header)
+            total = engine.build(b.name, flat, header=b.header, device=self._device_of(flat))
             if self.op == AVERAGE:
                 total = total * (1.0 / size)
             pieces = tf.split(total, b.numels) if len(b.idxs) > 1 else [total]
@@ -371,18 +405,18 @@ class GradientReducer(_Trackable):
         counters key the stochastic rounding, so a restored run draws the same noise."""
         residuals, server = {}, {}
         with self._lock:
-            if self.memory is not None:
+            for memory in (m for m in (self.memory, self.device_memory) if m is not None):
                 for plan in self._plans.values():
                     for b in plan.buckets:
-                        flat = self.memory.get(b.name)
+                        flat = memory.get(b.name)
                         if flat is None:
                             continue
-                        flat = np.asarray(flat, np.float32)
+                        flat = _host(flat)
                         for k, name in enumerate(b.names):
                             residuals[name] = flat[b.offsets[k]:b.offsets[k + 1]].reshape(b.shapes[k]).copy()
-                for key in self.memory.names():
+                for key in memory.names():
                     if "/server" in key:
-                        server[self._rel(key)] = np.array(self.memory.get(key), np.float32, copy=True)
+                        server[self._rel(key)] = np.array(_host(memory.get(key)), np.float32, copy=True)
             residuals.update({k: v for k, v in self._restored.items() if k not in residuals})
             for k, v in self._restored_server.items():
                 server.setdefault(self._rel(k), v)
@@ -404,6 +438,8 @@ class GradientReducer(_Trackable):
             if self.memory is None:
                 return
             self.memory.clear()
+            if self.device_memory is not None:
+                self.device_memory.clear()
             self._restored = {k: np.array(v, np.float32) for k, v in state.get("residuals", {}).items()}
             self._restored_server = {self._abs(k): np.array(v, np.float32).reshape(-1)
                                      for k, v in state.get("server_residuals", {}).items()}
@@ -422,21 +458,25 @@ class GradientReducer(_Trackable):
         if self.memory is None or not (self._restored or self._restored_server):
             return
         for plan in plans:
+            # residuals are kept on the host until the exchange fetches them (Memory moves them to
+            # the gradient's device with ops.to_like); a device-exchange plan keeps them in its memory
+            memory = self.device_memory if plan.device else self.memory
             for b in plan.buckets:
                 if all(n in self._restored for n in b.names):
                     flat = np.concatenate([self._restored.pop(n).reshape(-1) for n in b.names])
                     if flat.size != b.numel:
                         raise ValueError(f"hvd_quant: restored residuals of bucket {b.name} have "
                                          f"{flat.size} elements, the bucket {b.numel}")
-                    self.memory.set(b.name, flat.astype(np.float32))
+                    memory.set(b.name, flat.astype(np.float32))
                 for key in [k for k in self._restored_server if k.startswith(b.name + "/server")]:
-                    self.memory.set(key, self._restored_server.pop(key))
+                    memory.set(key, self._restored_server.pop(key))
 
     def reset_residuals(self):
         """Forget every error-feedback residual (e.g. after restoring another rank's checkpoint)."""
         with self._lock:
-            if self.memory is not None:
-                self.memory.clear()
+            for memory in (self.memory, self.device_memory):
+                if memory is not None:
+                    memory.clear()
             self._restored, self._restored_server = {}, {}
 
     # The whole state as one string tensor: the set of residual names is only known once the model

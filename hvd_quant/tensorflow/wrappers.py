@@ -63,13 +63,13 @@ def _check(reduction, backward_passes_per_step=1):
 
 def _tape_key(compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps,
               error_feedback, compress_1d, gradient_predivide_factor, groups, sparse_as_dense,
-              process_set, device_dense, device_sparse):
+              process_set, device_dense, device_sparse, device_exchange=False):
     comp = compression if isinstance(compression, str) or compression is None else id(compression)
     if isinstance(groups, (list, tuple)):
         groups = tuple(tuple(v.ref() for v in g) for g in groups)
     return (comp, _backend.core_op(op), reduction, bucket_bytes, min_compress_numel, warmup_steps,
             error_feedback, compress_1d, gradient_predivide_factor, groups, sparse_as_dense,
-            process_set.process_set_id, device_dense, device_sparse)
+            process_set.process_set_id, device_dense, device_sparse, bool(device_exchange))
 
 
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=None,
@@ -77,7 +77,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
                             num_groups=0, groups=None, process_set=hvd.global_process_set,
                             scale_local_gradients=True, reduction="sra", bucket_bytes=4 << 20,
                             min_compress_numel=1024, warmup_steps=0, error_feedback=None,
-                            compress_1d=False, reducer=None):
+                            compress_1d=False, device_exchange=False, reducer=None):
     """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange.
 
     Horovod's arguments keep their meaning. hvd_quant adds (see :class:`GradientReducer`):
@@ -90,6 +90,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
         min_compress_numel: smaller gradients, and 1-D ones unless ``compress_1d``, go uncompressed.
         warmup_steps: full-precision steps first.
         error_feedback: keep per-rank residuals (default: what the codec wants).
+        device_exchange: GPU gradients keep their exchange on the GPU (DLPack + Numba device arrays;
+            written, **untested with TensorFlow**: docs/TENSORFLOW.md, "GPU"). Default: host steps.
         reducer: a :class:`GradientReducer` to use (and checkpoint). By default the tapes made with
             the same arguments (the same codec object) share one, so state survives the per-step
             tape: it is ``tape.hvd_quant_reducer``.
@@ -111,7 +113,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
     if reducer is None:
         key = _tape_key(compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps,
                         error_feedback, compress_1d, gradient_predivide_factor, groups,
-                        sparse_as_dense, process_set, device_dense, device_sparse)
+                        sparse_as_dense, process_set, device_dense, device_sparse, device_exchange)
         with _TAPE_LOCK:
             entry = _TAPE_REDUCERS.get(key)
             if entry is None:
@@ -121,21 +123,23 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
                     error_feedback=error_feedback, compress_1d=compress_1d,
                     gradient_predivide_factor=gradient_predivide_factor, groups=groups,
                     sparse_as_dense=sparse_as_dense, process_set=process_set,
-                    device_dense=device_dense, device_sparse=device_sparse))
+                    device_dense=device_dense, device_sparse=device_sparse,
+                    device_exchange=device_exchange))
             reducer = entry[1]
     return install_reducer(tape, reducer)
 
 
 def _make_reducer(compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps,
                   error_feedback, compress_1d, gradient_predivide_factor, groups, sparse_as_dense,
-                  process_set, device_dense, device_sparse):
+                  process_set, device_dense, device_sparse, device_exchange=False):
     return GradientReducer(compression=compression, op=op, reduction=reduction,
                            bucket_bytes=bucket_bytes, min_compress_numel=min_compress_numel,
                            warmup_steps=warmup_steps, error_feedback=error_feedback,
                            compress_1d=compress_1d,
                            gradient_predivide_factor=gradient_predivide_factor, groups=groups,
                            sparse_as_dense=sparse_as_dense, process_set=process_set,
-                           device_dense=device_dense, device_sparse=device_sparse)
+                           device_dense=device_dense, device_sparse=device_sparse,
+                           device_exchange=device_exchange)
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='', device_sparse='',
@@ -144,7 +148,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=hvd.global_process_set, scale_local_gradients=True,
                          reduction="sra", bucket_bytes=4 << 20, min_compress_numel=1024,
-                         warmup_steps=0, error_feedback=None, compress_1d=False):
+                         warmup_steps=0, error_feedback=None, compress_1d=False,
+                         device_exchange=False):
     """``horovod.tensorflow.DistributedOptimizer`` with a compressed gradient exchange: a
     ``tf.compat.v1.train.Optimizer`` or a Keras optimizer (which goes to the Keras wrapper, as in
     Horovod). Extra arguments as :func:`DistributedGradientTape`; the reducer is
@@ -162,7 +167,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     return install_reducer(opt, _make_reducer(
         compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps, error_feedback,
         compress_1d, gradient_predivide_factor, groups, sparse_as_dense, process_set, device_dense,
-        device_sparse))
+        device_sparse, device_exchange))
 
 
 def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
@@ -171,7 +176,8 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
                               average_aggregated_gradients=False, num_groups=0, groups=None,
                               process_set=hvd.global_process_set, scale_local_gradients=True,
                               reduction="sra", bucket_bytes=4 << 20, min_compress_numel=1024,
-                              warmup_steps=0, error_feedback=None, compress_1d=False):
+                              warmup_steps=0, error_feedback=None, compress_1d=False,
+                              device_exchange=False):
     """``horovod.tensorflow.keras.DistributedOptimizer`` with a compressed gradient exchange
     (exported as ``hvd_quant.tensorflow.keras.DistributedOptimizer``); use it with ``model.fit``."""
     import horovod.tensorflow.keras as hvdk
@@ -188,7 +194,7 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
     return install_reducer(opt, _make_reducer(
         compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps, error_feedback,
         compress_1d, gradient_predivide_factor, groups, sparse_as_dense, process_set, device_dense,
-        device_sparse))
+        device_sparse, device_exchange))
 
 
 def bytes_sent_per_step(obj):

@@ -1,0 +1,42 @@
+"""The Numba half of the TensorFlow frontend's opt-in device exchange (hvd_quant/tensorflow/_device.py):
+the core's ArrayOps over Numba device arrays and the codec adapter for them, against the host path,
+with N ranks simulated in one process (tests/workers/tf_device_child.py says what is checked).
+
+No TensorFlow is involved: the TensorFlow half (DLPack views of GPU tensors, tf.py_function steps on
+the GPU) cannot run anywhere we have (no GPU with TensorFlow); docs/TENSORFLOW.md says so."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = ROOT / "tests" / "workers" / "tf_device_child.py"
+
+
+def _run(env_extra, args, timeout):
+    env = dict(os.environ, **env_extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    p = subprocess.run([sys.executable, str(CHILD), *args], capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=str(ROOT))
+    assert p.returncode == 0 and "DEVICE-RESULT" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "DEVICE FAIL" not in p.stdout, p.stdout[-4000:]
+    return p.stdout
+
+
+def test_device_exchange_in_cuda_simulator():
+    """CUDA simulator (kernels interpreted on the CPU): small sizes, 4-bit QSGD and 1-bit + EF."""
+    out = _run({"NUMBA_ENABLE_CUDASIM": "1"},
+               ["--sizes", "130", "--ranks", "2",
+                "--specs", "qsgd:bits=4,bucket_size=64,seed=5;onebit:bucket_size=64"], timeout=300)
+    assert out.count("DEVICE ok") == 5
+
+
+@pytest.mark.gpu
+def test_device_exchange_on_gpu():
+    numba_cuda = pytest.importorskip("numba.cuda")
+    if not numba_cuda.is_available():
+        pytest.skip("no CUDA device")
+    out = _run({}, ["--sizes", "1,1000,100003,4000000", "--ranks", "2,3"], timeout=900)
+    assert out.count("DEVICE ok") == 1 + 2 * 4 * 4 * 2
