@@ -776,7 +776,9 @@ def _launch(disp, grid, block, stream, args):
     if _FAST:
         kern = _COMPILED.get(id(disp))
         if kern is not None:
-            kern.launch(args, (grid, 1, 1), (block, 1, 1), stream, 0)
+            # The dispatcher accepts 0 for the default stream; a compiled kernel's launch (numba-cuda
+            # on cuda.core) wants a stream object.
+            kern.launch(args, (grid, 1, 1), (block, 1, 1), stream if stream else cuda.default_stream(), 0)
             return
     disp[grid, block, stream](*args)
     if _FAST:
