@@ -972,7 +972,10 @@ def check_header_cuda(payload, status, method, bits, mode, norm, bucket_size, nu
 
 def qsgd_encode_cuda(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=0):  # noqa: F811
     """Bucketed QSGD encode of a float32 device array into a uint8 device payload (v2: one launch)."""
-    if _IMPL[0] == "v1":
+    if _IMPL[0] == "v1" or int(bucket_size) > FUSE_MAX:
+        # Buckets larger than FUSE_MAX: v2's reduce-then-pack path did not match the reference on an
+        # H100 (docs/BENCHMARKS.md); v1's encode did, and writes the same payload.
+        flush_pending()
         return _v1_qsgd_encode(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream)
     _check_f32(x, "x")
     lay = _layout(wire.METHODS["qsgd"], x.size, int(bits), int(bucket_size))
@@ -993,10 +996,11 @@ def qsgd_decode_cuda(payload, out, bits, bucket_size, accumulate, stream=0, stat
 
 def onebit_encode_cuda(x, payload, header, bucket_size, two_mean, stream=0):  # noqa: F811
     """1-bit encode (v2: one launch when bucket_size <= FUSE_MAX, else a reduce and a pack launch)."""
-    if _IMPL[0] == "v1":
+    n = x.size
+    if _IMPL[0] == "v1" or (int(bucket_size) or max(n, 1)) > FUSE_MAX:
+        flush_pending()         # see qsgd_encode_cuda: large buckets take v1's encode
         return _v1_onebit_encode(x, payload, header, bucket_size, two_mean, stream)
     _check_f32(x, "x")
-    n = x.size
     mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
     lay = _layout(wire.METHODS["onebit"], n, 1, int(bucket_size), mode)
     _check_size(payload, lay)
