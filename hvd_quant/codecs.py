@@ -35,7 +35,7 @@ from numba_kernels.wire import PayloadError
 from ._arrays import UnsupportedInputError, adapter_for
 
 __all__ = ["Codec", "QSGD", "OneBit", "FP16", "NoCompression", "Compression", "REGISTRY", "register",
-           "from_spec", "PayloadError", "UnsupportedInputError"]
+           "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
 
 REGISTRY = {}
 
@@ -768,3 +768,25 @@ class Compression:
     def onebit(*args, **kwargs):
         """A :class:`OneBit` codec (same arguments)."""
         return OneBit(*args, **kwargs)
+
+
+def resolve_codec(compression, horovod_compression=None):
+    """A codec from what users pass as ``compression=``: an hvd_quant codec, a spec string, a
+    :class:`hvd_quant.StockCompression` (its codec), None (no compression), or Horovod's
+    ``Compression.none`` / ``Compression.fp16`` of the framework whose ``Compression`` namespace is
+    given as ``horovod_compression`` (``horovod.torch.compression.Compression`` and so on)."""
+    if compression is None:
+        return NoCompression()
+    if isinstance(compression, str):
+        return from_spec(compression)
+    inner = getattr(compression, "codec", None)
+    if inner is not None and hasattr(inner, "encode"):
+        return inner
+    if hasattr(compression, "encode") and hasattr(compression, "wire_nbytes"):
+        return compression
+    if horovod_compression is not None:
+        for hvd_cls, ours in ((horovod_compression.none, NoCompression), (horovod_compression.fp16, FP16)):
+            if compression is hvd_cls or isinstance(compression, hvd_cls):
+                return ours()
+    raise TypeError(f"hvd_quant: compression must be an hvd_quant codec, a spec string or "
+                    f"hvd.Compression.none/fp16, got {compression!r}")

@@ -34,8 +34,10 @@ from horovod.common.util import split_list
 
 from ..exchange import (AVERAGE, Exchange, HANDSHAKE_NAME, REDUCTIONS, Traffic, handshake,
                         handshake_record, is_passthrough_codec)
+from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
 from . import _backend
+
 
 __all__ = ["DistributedOptimizer", "resolve_codec"]
 
@@ -44,25 +46,9 @@ _instances = itertools.count()
 
 
 def resolve_codec(compression):
-    """A codec from what users pass as ``compression=``: an hvd_quant codec, a spec string, a
-    :class:`hvd_quant.StockCompression`, Horovod's ``Compression.none`` / ``Compression.fp16``, or None."""
-    import hvd_quant
-    if compression is None:
-        return hvd_quant.NoCompression()
-    if isinstance(compression, str):
-        return hvd_quant.from_spec(compression)
-    inner = getattr(compression, "codec", None)
-    if inner is not None and hasattr(inner, "encode"):
-        return inner
-    if hasattr(compression, "encode") and hasattr(compression, "wire_nbytes"):
-        return compression
+    """:func:`hvd_quant.codecs.resolve_codec`, with this framework's ``hvd.Compression`` namespace."""
     from horovod.torch.compression import Compression
-    if compression is Compression.none or isinstance(compression, Compression.none):
-        return hvd_quant.NoCompression()
-    if compression is Compression.fp16 or isinstance(compression, Compression.fp16):
-        return hvd_quant.FP16()
-    raise TypeError(f"hvd_quant: compression must be an hvd_quant codec, a spec string or "
-                    f"hvd.Compression.none/fp16, got {compression!r}")
+    return _resolve_codec(compression, Compression)
 
 
 class _Bucket:
