@@ -250,10 +250,9 @@ def _fnv(payload, a, b, h):
     return h
 
 
-@cuda.jit
-def _k_check(payload, status, expect, check_name):
-    if cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x != 0:
-        return
+@cuda.jit(device=True)
+def _hdr_err(payload, expect, check_name):
+    """``_k_check``'s error bits for one payload header (one thread)."""
     err = 0
     if payload[0] != 72 or payload[1] != 86 or payload[2] != 68 or payload[3] != 81:   # b"HVDQ"
         err |= 1
@@ -292,6 +291,14 @@ def _k_check(payload, status, expect, check_name):
     h = ((h >> np.uint64(16)) ^ h) & np.uint64(0xFFFF)
     if h != (np.uint64(payload[60]) | (np.uint64(payload[61]) << U8)):
         err |= 1024
+    return err
+
+
+@cuda.jit
+def _k_check(payload, status, expect, check_name):
+    if cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x != 0:
+        return
+    err = _hdr_err(payload, expect, check_name)
     status[0] = err
     status[1] = status[1] | err
 
@@ -470,48 +477,6 @@ _WBITS = np.int64(32)
 _M32 = np.int64(0xFFFFFFFF)
 
 
-@cuda.jit(device=True)
-def _hdr_err(payload, expect, check_name):
-    """``_k_check``'s error bits for one payload header (one thread)."""
-    err = 0
-    if payload[0] != 72 or payload[1] != 86 or payload[2] != 68 or payload[3] != 81:   # b"HVDQ"
-        err |= 1
-    if payload[4] != wire.VERSION:
-        err |= 2
-    if payload[5] != expect[0]:
-        err |= 4
-    if payload[6] != expect[1]:
-        err |= 8
-    if payload[7] != expect[2]:
-        err |= 16
-    if payload[8] != expect[3]:
-        err |= 32
-    bsz = 0
-    for k in range(4):
-        bsz |= np.int64(payload[12 + k]) << (8 * k)
-    if bsz != expect[4]:
-        err |= 64
-    n = np.uint64(0)
-    for k in range(8):
-        n |= np.uint64(payload[16 + k]) << (U8 * np.uint64(k))
-    if n != np.uint64(expect[5]):
-        err |= 128
-    if check_name:
-        nh = 0
-        for k in range(4):
-            nh |= np.int64(payload[56 + k]) << (8 * k)
-        if nh != expect[6]:
-            err |= 256
-    h = _fnv(payload, 0, 62, np.uint64(0x811C9DC5))
-    h = ((h >> np.uint64(16)) ^ h) & np.uint64(0xFFFF)
-    if h != (np.uint64(payload[62]) | (np.uint64(payload[63]) << U8)):
-        err |= 512
-    h = _fnv(payload, 4, 9, np.uint64(0x811C9DC5))
-    h = _fnv(payload, 12, 16, h)
-    h = ((h >> np.uint64(16)) ^ h) & np.uint64(0xFFFF)
-    if h != (np.uint64(payload[60]) | (np.uint64(payload[61]) << U8)):
-        err |= 1024
-    return err
 
 
 def _make_encode(BITS):
