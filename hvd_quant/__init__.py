@@ -1,6 +1,10 @@
 """hvd_quant: QSGD and 1-bit SGD gradient compression for Horovod."""
 __version__ = "0.1.0"
 
+__all__ = ["QSGD", "OneBit", "FP16", "NoCompression", "Compression", "Codec", "REGISTRY", "register",
+           "from_spec", "PayloadError", "UnsupportedInputError", "StockCompression",
+           "ConfigMismatchError", "PayloadMismatchError", "__version__"]
+
 # The compressed exchange (issue 4): stock-Horovod adapter and the errors users may catch.
 from ._stock import StockCompression  # noqa: E402
 from .exchange import ConfigMismatchError, PayloadMismatchError  # noqa: E402

@@ -154,7 +154,6 @@ def _qsgd_encode(x, payload, scales, header, codes_off, codes_end, scales_off, b
     nchunks = (nb + kchunk - 1) // kchunk
     s = (1 << (bits - 1)) - 1
     sf = np.float32(s)
-    ubits = np.uint64(bits)
     for c in prange(nchunks):
         p = np.empty(32, np.float32)
         q = np.empty(32, np.float32)

@@ -13,7 +13,6 @@ inside the namespaces, which are deleted on exit.
 import argparse
 import atexit
 import os
-import shlex
 import shutil
 import signal
 import socket

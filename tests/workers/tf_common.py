@@ -6,8 +6,6 @@ pytest side sees both the exit status and which check failed on which rank.
 """
 import os
 import sys
-import time
-import traceback
 
 import numpy as np
 import tensorflow as tf
@@ -15,38 +13,14 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checks as _checks  # noqa: E402
 
 FP32_EPS = 2.0 ** -23
 
 
-class Checks:
+class Checks(_checks.Checks):
     def __init__(self):
-        self.n = 0
-        self.failed = []
-
-    def __call__(self, ok, name, detail=""):
-        self.n += 1
-        ok = bool(ok)
-        if not ok:
-            self.failed.append(name)
-        print(f"CHECK {'ok' if ok else 'FAIL'} {name}: {detail}", flush=True)
-        return ok
-
-    def run(self, name, fn, *args, **kwargs):
-        """Run one group of checks; an exception fails it (and is printed) instead of ending the run."""
-        t0 = time.perf_counter()
-        try:
-            fn(*args, **kwargs)
-        except Exception:
-            self(False, name, "raised:\n" + traceback.format_exc())
-        print(f"TIME {name} {time.perf_counter() - t0:.2f}s", flush=True)
-
-    def finish(self):
-        print(f"RESULT rank {hvd.rank()}/{hvd.size()}: {self.n} checks, {len(self.failed)} failures"
-              + (f" ({', '.join(self.failed[:20])})" if self.failed else ""), flush=True)
-        sys.stdout.flush()
-        hvd.shutdown()
-        sys.exit(1 if self.failed else 0)
+        super().__init__(hvd)
 
 
 _counter = [0]

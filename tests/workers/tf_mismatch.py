@@ -21,7 +21,6 @@ import sys
 import time
 import traceback
 
-import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd

@@ -6,14 +6,13 @@ pytest side sees both the exit status and which check failed on which rank.
 """
 import os
 import sys
-import time
-import traceback
 
 import torch
 
 import horovod.torch as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checks as _checks  # noqa: E402
 
 # Where the workers put tensors: "cpu" (default) or "cuda" (tests/test_torch_gpu.py sets it).
 DEVICE = torch.device(os.environ.get("HVDQ_TEST_DEVICE", "cpu"))
@@ -27,38 +26,9 @@ def init(**kwargs):
     return hvd.rank(), hvd.size()
 
 
-class Checks:
+class Checks(_checks.Checks):
     def __init__(self):
-        self.n = 0
-        self.failed = []
-
-    def __call__(self, ok, name, detail=""):
-        self.n += 1
-        ok = bool(ok)
-        if not ok:
-            self.failed.append(name)
-        print(f"CHECK {'ok' if ok else 'FAIL'} {name}: {detail}", flush=True)
-        return ok
-
-    def run(self, name, fn, *args, **kwargs):
-        """Run one group of checks; an exception fails it (and is printed) instead of ending the run."""
-        t0 = time.perf_counter()
-        try:
-            fn(*args, **kwargs)
-        except Exception:
-            self(False, name, "raised:\n" + traceback.format_exc())
-        print(f"TIME {name} {time.perf_counter() - t0:.2f}s", flush=True)
-
-    def finish(self):
-        print(f"RESULT rank {hvd.rank()}/{hvd.size()}: {self.n} checks, {len(self.failed)} failures"
-              + (f" ({', '.join(self.failed[:20])})" if self.failed else ""), flush=True)
-        # One line from rank 0 for every rank (mpirun may interleave the ranks' own lines).
-        counts = hvd.allgather_object((self.n, len(self.failed)), name="checks.summary")
-        if hvd.rank() == 0:
-            print("SUMMARY " + " ".join(f"rank{r}={n}/{f}" for r, (n, f) in enumerate(counts))
-                  + f" checks/failures over {hvd.size()} ranks", flush=True)
-        hvd.shutdown()
-        sys.exit(1 if self.failed else 0)
+        super().__init__(hvd)
 
 
 _counter = [0]
