@@ -59,17 +59,19 @@ def build(jit, fmul):
         v = abs(xv) / unit
         if not (v <= sf):            # rounding put |x|/unit above s, or unit underflowed to 0
             v = sf
-        q = np.int64(v)              # v >= 0: truncation is floor
+        # 32-bit integers from here on (0 <= v <= s < 2**15): on a GPU, 64-bit conversions cost several
+        # times more than 32-bit ones; the values are the same
+        q = np.int32(v)              # v >= 0: truncation is floor
         frac = v - np.float32(q)     # exact
         # branch-free (the outcomes are unpredictable; mispredictions would dominate the CPU time)
         if stochastic:
-            r = np.float32(uniform24(key, i))
-            q += np.int64(r < frac * F2_24)   # P = ceil(frac * 2**24) / 2**24: unbiased to 2**-24 level
+            r = np.float32(np.uint32(uniform24(key, i)))
+            q = np.int32(q + np.int32(r < frac * F2_24))  # P = ceil(frac * 2**24) / 2**24: unbiased
         else:
-            q += np.int64(frac >= FHALF)      # round half up, decided on the exact fraction
-        q = min(q, s)
-        neg = np.int64(xv < F0)
-        return s + q - 2 * q * neg
+            q = np.int32(q + np.int32(frac >= FHALF))     # round half up, decided on the exact fraction
+        q = min(q, np.int32(s))
+        neg = np.int32(xv < F0)
+        return np.int64(s + q - 2 * q * neg)
 
     @jit
     def max_nan(m, a):

@@ -446,8 +446,8 @@ import os
 import threading
 import weakref
 
-IMPLS = ("v1", "v2")
-_IMPL = [os.environ.get("HVD_QUANT_CUDA_KERNELS", "v2").strip().lower() or "v2"]
+IMPLS = ("v1", "v2", "v3")
+_IMPL = [os.environ.get("HVD_QUANT_CUDA_KERNELS", "v3").strip().lower() or "v3"]
 if _IMPL[0] not in IMPLS:
     raise ValueError(f"HVD_QUANT_CUDA_KERNELS={_IMPL[0]!r}: expected one of {', '.join(IMPLS)}")
 
@@ -701,31 +701,28 @@ def _make_decode(BITS):
     return k2_decode
 
 
-_ENC = {}
-_DEC = {}
+_KERNELS = {}
 _kernels_lock = threading.Lock()
 
 
-def _enc_kernel(bits):
-    k = _ENC.get(bits)
+def _cached(name, make, spec):
+    """The kernel ``make(spec)``, built once per (name, spec) and listed in ``kernels``."""
+    key = f"{name}_{spec}" if not isinstance(spec, tuple) else name + "".join(f"_{v}" for v in spec)
+    k = _KERNELS.get(key)
     if k is None:
         with _kernels_lock:
-            k = _ENC.get(bits)
+            k = _KERNELS.get(key)
             if k is None:
-                k = _ENC[bits] = _make_encode(bits)
-                kernels[f"v2_encode_{bits}"] = k
+                k = _KERNELS[key] = kernels[key] = make(spec)
     return k
+
+
+def _enc_kernel(bits):
+    return _cached("v2_encode", _make_encode, bits)
 
 
 def _dec_kernel(bits):
-    k = _DEC.get(bits)
-    if k is None:
-        with _kernels_lock:
-            k = _DEC.get(bits)
-            if k is None:
-                k = _DEC[bits] = _make_decode(bits)
-                kernels[f"v2_decode_{bits}"] = k
-    return k
+    return _cached("v2_decode", _make_decode, bits)
 
 
 # ---- v2 launch path ---------------------------------------------------------------------------------
@@ -904,6 +901,71 @@ def _v2_decode(payload, out, bits, bs, kind, accumulate, lay, stream, status):
              check_name, n, bs, 1.0 / bs, kind, bool(accumulate), nchunks))
 
 
+# ---- v3: one warp per bucket (numba_kernels/_cuda_warp.py) ---------------------------------------
+
+from types import SimpleNamespace as _NS  # noqa: E402
+
+from . import _cuda_warp  # noqa: E402
+
+_make_encode3, _make_decode3 = _cuda_warp.build(_NS(
+    SIMULATOR=SIMULATOR, qsgd_code=_qsgd_code, max_nan=_max_nan, finite=_finite, mul=_mul,
+    sqrt32=_sqrt32, hdr_err=_hdr_err, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
+    PACK_ONEBIT=PACK_ONEBIT, DEC_QSGD=DEC_QSGD, DEC_TWO_MEAN=DEC_TWO_MEAN))
+
+_RESIDENT = {}
+
+
+def _resident_blocks(disp):
+    """Blocks of ``disp``'s compiled kernel that fit on the GPU at once (its persistent grid size);
+    4 per multiprocessor until the kernel is compiled (or where occupancy cannot be queried)."""
+    r = _RESIDENT.get(id(disp))
+    if r is None:
+        r = 4 * _sm_count()
+        kern = _COMPILED.get(id(disp))
+        if kern is not None and not SIMULATOR:
+            try:
+                r = _RESIDENT[id(disp)] = max(1, int(kern.max_cooperative_grid_blocks(BLOCK)))
+            except Exception:       # pragma: no cover - occupancy query unavailable
+                r = _RESIDENT[id(disp)] = r
+    return r
+
+
+def _v3_supported(bits, bs, n):
+    return _IMPL[0] == "v3" and _cuda_warp.supported(bits, bs, n, FUSE_MAX)
+
+
+def _v3_encode(x, payload, header, bits, bs, red, pack, key, lay, stream):
+    flush_pending()
+    words, scales = _views(payload, lay)
+    nb = lay.nbuckets
+    ngroups = max(1, _grid(nb, BLOCK // 32))
+    _launch(_cached("v3_encode", _make_encode3, (bits, red, pack)), ngroups, BLOCK, stream,
+            (x, payload, words, scales, _words(header), x.size, nb, bs, (bs + 31) // 32, ngroups, key))
+
+
+def _v3_decode(payload, out, bits, bs, kind, accumulate, lay, stream, status):
+    stream = stream or 0
+    n = out.size
+    pend = _take_pending(payload, status, stream) if status is not None else None
+    if pend is None:
+        flush_pending()
+    if n == 0:
+        if pend is not None:
+            _launch(_k_check, 1, 32, stream, (payload, status, pend[0], pend[1]))
+        return
+    words, scales = _views(payload, lay)
+    nb = lay.nbuckets
+    ngroups = _grid(nb, BLOCK // 32)
+    if pend is None:
+        expect, check, check_name = _NO_CHECK, False, False
+    else:
+        expect, check, check_name = pend[0], True, pend[1]
+    k = _cached("v3_decode", _make_decode3, (bits, kind))
+    _launch(k, min(ngroups, _resident_blocks(k)), BLOCK, stream,
+            (payload, words, scales, out, _zero_status() if status is None else status, expect, check,
+             check_name, n, nb, bs, (bs + 31) // 32, ngroups, bool(accumulate)))
+
+
 # ---- public launchers: dispatch on the selected implementation -------------------------------------
 
 _v1_write_header = write_header_cuda
@@ -936,17 +998,20 @@ def check_header_cuda(payload, status, method, bits, mode, norm, bucket_size, nu
 
 
 def qsgd_encode_cuda(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=0):  # noqa: F811
-    """Bucketed QSGD encode of a float32 device array into a uint8 device payload (v2: one launch)."""
-    if _IMPL[0] == "v1" or int(bucket_size) > FUSE_MAX:
+    """Bucketed QSGD encode of a float32 device array into a uint8 device payload (one launch; v3 where
+    ``_cuda_warp.supported``, else v2; buckets above FUSE_MAX take v1's two launches)."""
+    bits, bs, n = int(bits), int(bucket_size), x.size
+    if _IMPL[0] == "v1" or bs > FUSE_MAX:
         # Buckets larger than FUSE_MAX: v2's reduce-then-pack path did not match the reference on an
         # H100 (docs/BENCHMARKS.md); v1's encode did, and writes the same payload.
         flush_pending()
-        return _v1_qsgd_encode(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream)
+        return _v1_qsgd_encode(x, payload, header, bits, bs, stochastic, norm_l2, key, stream)
     _check_f32(x, "x")
-    lay = _layout(wire.METHODS["qsgd"], x.size, int(bits), int(bucket_size))
+    lay = _layout(wire.METHODS["qsgd"], n, bits, bs)
     _check_size(payload, lay)
-    _v2_encode(x, payload, header, int(bits), int(bucket_size), L2 if norm_l2 else MAX,
-               PACK_STOCH if stochastic else PACK_DET, np.uint64(int(key)), lay, stream or 0)
+    enc = _v3_encode if _v3_supported(bits, bs, n) else _v2_encode
+    enc(x, payload, header, bits, bs, L2 if norm_l2 else MAX, PACK_STOCH if stochastic else PACK_DET,
+        np.uint64(int(key)), lay, stream or 0)
 
 
 def qsgd_decode_cuda(payload, out, bits, bucket_size, accumulate, stream=0, status=None):  # noqa: F811
@@ -954,13 +1019,15 @@ def qsgd_decode_cuda(payload, out, bits, bucket_size, accumulate, stream=0, stat
     if _IMPL[0] == "v1":
         return _v1_qsgd_decode(payload, out, bits, bucket_size, accumulate, stream, status)
     _check_f32(out, "out")
-    lay = _layout(wire.METHODS["qsgd"], out.size, int(bits), int(bucket_size))
+    bits, bs, n = int(bits), int(bucket_size), out.size
+    lay = _layout(wire.METHODS["qsgd"], n, bits, bs)
     _check_size(payload, lay)
-    _v2_decode(payload, out, int(bits), int(bucket_size), DEC_QSGD, accumulate, lay, stream, status)
+    dec = _v3_decode if _v3_supported(bits, bs, n) else _v2_decode
+    dec(payload, out, bits, bs, DEC_QSGD, accumulate, lay, stream, status)
 
 
 def onebit_encode_cuda(x, payload, header, bucket_size, two_mean, stream=0):  # noqa: F811
-    """1-bit encode (v2: one launch when bucket_size <= FUSE_MAX, else a reduce and a pack launch)."""
+    """1-bit encode (one launch when the bucket size is at most FUSE_MAX, else v1's two launches)."""
     n = x.size
     if _IMPL[0] == "v1" or (int(bucket_size) or max(n, 1)) > FUSE_MAX:
         flush_pending()         # see qsgd_encode_cuda: large buckets take v1's encode
@@ -970,8 +1037,9 @@ def onebit_encode_cuda(x, payload, header, bucket_size, two_mean, stream=0):  # 
     lay = _layout(wire.METHODS["onebit"], n, 1, int(bucket_size), mode)
     _check_size(payload, lay)
     bs = int(bucket_size) or max(n, 1)
-    _v2_encode(x, payload, header, 1, bs, TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT,
-               np.uint64(0), lay, stream or 0)
+    enc = _v3_encode if _v3_supported(1, bs, n) else _v2_encode
+    enc(x, payload, header, 1, bs, TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, np.uint64(0), lay,
+        stream or 0)
 
 
 def onebit_decode_cuda(payload, out, bucket_size, two_mean, accumulate, stream=0, status=None):  # noqa: F811
@@ -983,5 +1051,5 @@ def onebit_decode_cuda(payload, out, bucket_size, two_mean, accumulate, stream=0
     lay = _layout(wire.METHODS["onebit"], n, 1, int(bucket_size), mode)
     _check_size(payload, lay)
     bs = int(bucket_size) or max(n, 1)
-    _v2_decode(payload, out, 1, bs, DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS, accumulate, lay,
-               stream, status)
+    dec = _v3_decode if _v3_supported(1, bs, n) else _v2_decode
+    dec(payload, out, 1, bs, DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS, accumulate, lay, stream, status)

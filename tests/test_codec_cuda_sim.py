@@ -2,9 +2,10 @@
 status) in the CUDA simulator, through a tiny test-only device adapter over simulated device arrays.
 
 Runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (set before ``numba.cuda`` is imported), once per
-CUDA kernel implementation (``HVD_QUANT_CUDA_KERNELS=v1`` and ``v2``). Each case is reported back and
+CUDA kernel implementation (``HVD_QUANT_CUDA_KERNELS=v1``, ``v2`` and ``v3``). Each case is reported back and
 checked here by name. The child also holds the kernels themselves equal to the NumPy reference on
-cases chosen for v2's code paths (fused encode with several buckets per block and odd bucket sizes,
+cases chosen for v2's and v3's code paths (v3: bit widths dividing 32, buckets of 32 or more
+elements, partial last steps and buckets; v2: fused encode with several buckets per block and odd bucket sizes,
 the two-kernel path for buckets above ``FUSE_MAX``, straddling code words for odd bit widths, the
 header check deferred into the decode kernel or flushed by another launch). The torch-CUDA adapter itself needs a GPU
 (``HVDQ_REAL_CUDA=1`` on a GPU machine runs tests/test_kernels.py's child on the real device; the
@@ -24,14 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CODECS = ["qsgd:bits=4,bucket_size=16,seed=3", "qsgd:bits=8,bucket_size=7,mode=deterministic,norm=l2",
           "qsgd:bits=2,bucket_size=32,mode=fake,seed=1", "onebit:bucket_size=16", "onebit:scale=mean_abs",
-          "fp16", "none"]
-IMPLS = ["v1", "v2"]
+          "qsgd:bits=4,bucket_size=32,seed=5", "qsgd:bits=8,bucket_size=64,norm=l2,seed=2",
+          "onebit:bucket_size=32", "fp16", "none"]
+IMPLS = ["v1", "v2", "v3"]
 KERNEL_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, False),
                (33, 64, 5, True, True), (33, 1, 16, False, True), (100, 64, 8, True, False),
                (100, 7, 12, False, True), (300, 16, 4, True, False), (300, 9000, 3, True, True),
-               (70, 3, 7, True, False)]
+               (70, 3, 7, True, False),
+               # v3 (warp per bucket): bits dividing 32, buckets of >= 32 elements holding whole words
+               (1000, 96, 4, True, True), (257, 32, 2, False, False), (130, 64, 16, True, False),
+               (600, 512, 8, True, False), (65, 40, 4, False, True)]
 KERNEL_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True),
-                 (70, 1, True), (200, 9000, False)]
+                 (70, 1, True), (200, 9000, False), (300, 96, False), (100, 32, True)]
 KERNEL_CASES = ([f"qsgd-n{n}-bs{bs}-b{b}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}{sp}"
                  for n, bs, b, st, l2 in KERNEL_QSGD for sp in ("", "-special")]
                 + [f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}" for n, bs, tm in KERNEL_ONEBIT]
@@ -156,8 +161,9 @@ def _child():
             np.where(np.isnan(a), 0, a).view(np.uint32), np.where(np.isnan(b), 0, b).view(np.uint32)))
 
     import numba_kernels.cuda as K
-    assert K.impl() == os.environ.get("HVD_QUANT_CUDA_KERNELS", "v2"), K.impl()
+    assert K.impl() == os.environ.get("HVD_QUANT_CUDA_KERNELS", "v3"), K.impl()
     res = {"impl": K.impl(), "kernels": _kernel_cases(nan_eq)}
+    res["compiled"] = sorted(K.kernels)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((10, 10)).astype(np.float32)
     x[3, 3] = np.nan
@@ -332,6 +338,22 @@ def results(request):
 @pytest.mark.parametrize("spec", CODECS)
 def test_device_codec_path(results, spec, check):
     assert results[spec][check] is True
+
+
+def test_selected_kernels_ran(results):
+    """The cases above went through the selected implementation's own kernels (v3: for qsgd at
+    2, 4, 8, 16 bits with every scale, and 1-bit with both scales; v2: its fused encode/decode)."""
+    got = set(results["compiled"])
+    if results["impl"] == "v3":
+        want = {"v3_encode_4_1_1", "v3_encode_4_0_1", "v3_encode_2_0_0", "v3_encode_16_0_1",
+                "v3_encode_8_0_1", "v3_encode_4_1_0", "v3_encode_1_2_2", "v3_encode_1_3_2",
+                "v3_decode_4_0", "v3_decode_2_0", "v3_decode_16_0", "v3_decode_8_0",
+                "v3_decode_1_1", "v3_decode_1_2"}
+    elif results["impl"] == "v2":
+        want = {"v2_encode_4", "v2_decode_4", "v2_encode_1", "v2_decode_1"}
+    else:
+        want = set()
+    assert want <= got, sorted(want - got)
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES)

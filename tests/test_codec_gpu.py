@@ -1,9 +1,9 @@
 """On a real GPU: CUDA kernels == NumPy reference, the torch-CUDA codec path, no recompilation, no
 torch-level host synchronisation in encode / decode_into. Skipped without CUDA.
 
-Every check runs for both CUDA kernel implementations (``v1``: the first kernels and launch path,
-``HVD_QUANT_CUDA_KERNELS=v1``; ``v2``: the fused kernels, the default), switched in-process with
-``numba_kernels.cuda.set_impl``.
+Every check runs for each CUDA kernel implementation (``v1``: the first kernels and launch path,
+``HVD_QUANT_CUDA_KERNELS=v1``; ``v2``: the fused block kernels; ``v3``: one warp per bucket where it
+applies, v2's kernels elsewhere, the default), switched in-process with ``numba_kernels.cuda.set_impl``.
 
 Also runnable without pytest on a GPU machine: ``python tests/test_codec_gpu.py`` prints one line per
 check and implementation and exits non-zero on a failure (``--impl v2`` checks only one).
@@ -35,7 +35,7 @@ def _nan_eq(a, b):
         np.where(np.isnan(a), 0, a).view(np.uint32), np.where(np.isnan(b), 0, b).view(np.uint32)))
 
 
-IMPLS = ("v1", "v2")
+IMPLS = ("v1", "v2", "v3")
 
 
 def check_kernels_match_reference():
@@ -52,7 +52,7 @@ def check_kernels_match_reference():
         if n > 20:
             x[rng.integers(0, n, 3)] = [np.nan, np.inf, 0.0]
         xd = cuda.to_device(x)
-        for bs in (1, 7, 64, 512, 10000):
+        for bs in (1, 7, 64, 96, 512, 10000):
             for bits in ((2, 3, 4, 5, 8, 12, 16) if bs != 10000 else (3, 4)):
                 for st in (True, False):
                     for l2 in (False, True):
@@ -95,6 +95,23 @@ def check_kernels_match_reference():
                     K.onebit_decode_cuda(cuda.to_device(want), o, bs1, tm, False)
                     if not (ok and _nan_eq(a, o.copy_to_host())):
                         fails.append(f"onebit n={n} bs={bs1} two_mean={tm} enc={ok}")
+    # v3's persistent decode grid strides over more bucket groups than fit on the GPU at once
+    n = 5_000_000
+    x = rng.standard_normal(n).astype(np.float32)
+    xd = cuda.to_device(x)
+    for bits, bs, st, l2 in ((4, 64, True, False), (8, 512, False, True), (2, 32, True, True)):
+        h = wire.Header(2, bits, 0 if st else 1, int(l2), bs, 0, (n,)).words()
+        lay = wire.layout(2, n, bits, bs)
+        want = np.zeros(lay.total, np.uint8)
+        R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, key)
+        d = cuda.to_device(np.full(lay.total, 0xA5, np.uint8))
+        K.qsgd_encode_cuda(xd, d, h, bits, bs, st, l2, key)
+        a = np.zeros(n, np.float32)
+        R.qsgd_decode_ref(want, a, bits, bs, False)
+        o = cuda.to_device(np.ones(n, np.float32))
+        K.qsgd_decode_cuda(d, o, bits, bs, False)
+        if not (np.array_equal(want, d.copy_to_host()) and _nan_eq(a, o.copy_to_host())):
+            fails.append(f"qsgd n={n} bs={bs} bits={bits} st={st} l2={l2}")
     # header check + decode (v2: one kernel), good and bad, status words as the reference says
     h = wire.Header(2, 4, 0, 0, 64, 0, (100_003,), name_hash=wire.name_hash("w"))
     lay = wire.layout(2, 100_003, 4, 64)
@@ -199,10 +216,10 @@ def check_torch_codec_path():
 
 
 def _check_fast_path(K):
-    """v2 launches compiled kernels directly after their first launch; report whether it is active."""
-    if K.impl() != "v2":
+    """v2/v3 launch compiled kernels directly after their first launch; report whether it is active."""
+    if K.impl() == "v1":
         return []
-    print(f"v2 direct launches: {'on' if K._FAST else 'off'}; kernels launched directly: {len(K._COMPILED)}")
+    print(f"{K.impl()} direct launches: {'on' if K._FAST else 'off'}; kernels launched directly: {len(K._COMPILED)}")
     return []
 
 
@@ -231,7 +248,7 @@ if __name__ == "__main__":
     import argparse
     import time
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", choices=IMPLS, action="append", help="implementation(s) to check (default both)")
+    ap.add_argument("--impl", choices=IMPLS, action="append", help="implementation(s) to check (default all)")
     impls = ap.parse_args().impl or list(IMPLS)
     bad = 0
     for impl in impls:

@@ -1,0 +1,314 @@
+"""v3 CUDA kernels: one warp per bucket (built by :func:`build`, launched from ``numba_kernels.cuda``).
+
+For bit widths that divide 32 (1, 2, 4, 8, 16) and buckets of 32..FUSE_MAX elements that hold whole
+32-bit code words, on tensors of fewer than 2**31 elements (``supported``); every other case keeps
+the v2 kernels. Same payloads as the reference, bit for bit.
+
+Lane ``l`` of the warp that owns bucket ``b`` handles the bucket's elements ``l, l+32, l+64, ...``:
+the canonical order of every sum (``numba_kernels.reference``), and coalesced 128-byte loads and
+stores for the whole warp.
+
+* encode (``k3_encode_<bits>``): pass 1 reads the bucket and reduces it: max with a xor butterfly of
+  warp shuffles (max is order-free), sums with ``shfl_down`` at strides 16, 8, 4, 2, 1 (the canonical
+  tree ``p[l] += p[l + stride]``), then broadcast. Pass 2 reads the bucket again (from L1/L2: the warp
+  has just read it) and quantizes; the ``32 // bits`` codes of one 32-bit word sit in consecutive
+  lanes, so each lane shifts its code into place and a xor butterfly of ``log2(32 // bits)`` shuffles
+  ORs them together (1 bit: one ``ballot``); the group's first lane stores the word. Block 0 also
+  writes the header. No shared memory, no block barrier (on hardware).
+* decode (``k3_decode_<bits>``): lane ``l`` reads its element's code word (the lanes of one word
+  read the same address: one broadcast), shifts out its code and writes ``(code - s) * unit`` with a
+  coalesced store; ``unit = scale / s`` once per bucket. The header check runs once per block
+  (thread 0), so the grid is persistent: at most as many blocks as fit on the GPU at once, striding
+  over groups of buckets.
+
+In the CUDA simulator (which has no warp shuffles) the shuffles are emulated through shared memory
+and block barriers; every loop's trip count is therefore uniform over the block (warps past the
+last bucket run with no valid element).
+"""
+import numpy as np
+from numba import cuda, float32, int32, int64
+
+WARPS = 8                          # warps (buckets) per block
+SIMBUF = 256                       # shared slots for the simulator's shuffle emulation
+FULL = 0xFFFFFFFF
+M32 = np.int64(0xFFFFFFFF)
+
+
+def supported(bits, bucket_size, numel, fuse_max):
+    """Whether the v3 kernels handle this configuration (else the caller uses v2's)."""
+    if 32 % bits or numel >= 2 ** 31:
+        return False
+    return 32 <= bucket_size <= fuse_max and bucket_size % (32 // bits) == 0
+
+
+def _shuffles(simulator):
+    """(xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot) device functions: warp shuffles on
+    hardware; shared memory + ``syncthreads`` in the simulator (``bf``/``bi``: float32/int64 slots)."""
+    if not simulator:
+        @cuda.jit(device=True)
+        def xor_f(v, m, bf, bi, tid):
+            return cuda.shfl_xor_sync(FULL, v, m)
+
+        @cuda.jit(device=True)
+        def down_f(v, d, bf, bi, tid):
+            return cuda.shfl_down_sync(FULL, v, d)
+
+        @cuda.jit(device=True)
+        def bcast_f(v, src, bf, bi, tid):
+            return cuda.shfl_sync(FULL, v, src)
+
+        # integers (code words, counts) are non-negative and below 2**32: one 32-bit shuffle each
+        @cuda.jit(device=True)
+        def xor_i(v, m, bf, bi, tid):
+            return np.int64(cuda.shfl_xor_sync(FULL, np.int32(v), m)) & M32
+
+        @cuda.jit(device=True)
+        def down_i(v, d, bf, bi, tid):
+            return np.int64(cuda.shfl_down_sync(FULL, np.int32(v), d)) & M32
+
+        @cuda.jit(device=True)
+        def bcast_i(v, src, bf, bi, tid):
+            return np.int64(cuda.shfl_sync(FULL, np.int32(v), src)) & M32
+
+        @cuda.jit(device=True)
+        def ballot(pred, bf, bi, tid):
+            return np.int64(cuda.ballot_sync(FULL, pred)) & M32
+
+        return xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot
+
+    def _ex(buf, v, src, tid):
+        buf[tid] = v
+        cuda.syncthreads()
+        r = buf[src]
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True)
+    def xor_f(v, m, bf, bi, tid):
+        return _ex(bf, v, tid ^ m, tid)
+
+    @cuda.jit(device=True)
+    def xor_i(v, m, bf, bi, tid):
+        return _ex(bi, v, tid ^ m, tid)
+
+    @cuda.jit(device=True)
+    def down_f(v, d, bf, bi, tid):
+        lane = tid % 32
+        return _ex(bf, v, tid + d if lane + d < 32 else tid, tid)
+
+    @cuda.jit(device=True)
+    def down_i(v, d, bf, bi, tid):
+        lane = tid % 32
+        return _ex(bi, v, tid + d if lane + d < 32 else tid, tid)
+
+    @cuda.jit(device=True)
+    def bcast_f(v, src, bf, bi, tid):
+        return _ex(bf, v, tid - tid % 32 + src, tid)
+
+    @cuda.jit(device=True)
+    def bcast_i(v, src, bf, bi, tid):
+        return _ex(bi, v, tid - tid % 32 + src, tid)
+
+    @cuda.jit(device=True)
+    def ballot(pred, bf, bi, tid):
+        w = np.int64(1) << np.int64(tid % 32) if pred else np.int64(0)
+        for m in (1, 2, 4, 8, 16):
+            w |= _ex(bi, w, tid ^ m, tid)
+        return w
+
+    return xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot
+
+
+def build(c):
+    """Kernel factories over ``c``: a namespace holding ``SIMULATOR``, the scalar ops (``qsgd_code``,
+    ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``hdr_err`` and the kind constants of
+    ``numba_kernels.cuda`` (``MAX``, ``L2``, ``TWO_MEAN``, ``MEAN_ABS``, ``PACK_*``, ``DEC_*``).
+    Returns ``(make_encode((bits, red, pack)), make_decode((bits, kind)))``."""
+    xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot = _shuffles(c.SIMULATOR)
+    qsgd_code, max_nan, finite, mul, sqrt32, hdr_err = (c.qsgd_code, c.max_nan, c.finite, c.mul,
+                                                       c.sqrt32, c.hdr_err)
+    MAX, L2, TWO_MEAN = c.MAX, c.L2, c.TWO_MEAN
+    PACK_STOCH, PACK_ONEBIT = c.PACK_STOCH, c.PACK_ONEBIT
+    DEC_QSGD, DEC_TWO_MEAN = c.DEC_QSGD, c.DEC_TWO_MEAN
+    F0 = np.float32(0.0)
+    FNAN = np.float32(np.nan)
+    U8 = np.uint64(8)
+    UFF = np.uint64(0xFF)
+
+    def make_encode(spec):
+        BITS, red, pack = spec               # compile-time constants: one kernel per combination
+        S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
+        SF = np.float32(max(S, 1))
+        EPW = 32 // BITS                      # codes per 32-bit word
+        LOG_EPW = EPW.bit_length() - 1
+        GMASK = EPW - 1
+
+        @cuda.jit
+        def k3_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key):
+            # indices are 32-bit unsigned (n < 2**31; unsigned: no negative-index wraparound code)
+            tid = cuda.threadIdx.x
+            lane = np.int32(tid & 31)
+            nw = cuda.blockDim.x >> 5
+            bf = cuda.shared.array(SIMBUF, float32)
+            bi = cuda.shared.array(SIMBUF, int64)
+            if cuda.blockIdx.x == 0 and tid < 64:
+                payload[tid] = (header[tid >> 3] >> (U8 * np.uint64(tid & 7))) & UFF
+            sh = np.int32((lane & GMASK) * BITS)
+            g = cuda.blockIdx.x
+            while g < ngroups:                          # uniform over the block
+                b = np.int32(g * nw + (tid >> 5))
+                st = np.uint32(0)
+                ln = np.int32(0)
+                if b < nb:
+                    st = np.uint32(b * bs)
+                    ln = np.int32(min(bs, n - b * bs))
+                # pass 1: the bucket's scale(s), canonical order
+                p = F0
+                q = F0
+                cnt = np.int32(0)
+                for k in range(K):
+                    j = np.int32(k * 32 + lane)
+                    if j < ln:
+                        v = x[np.uint32(st + j)]
+                        if red == MAX:
+                            p = max_nan(p, abs(v))
+                        elif red == L2:
+                            p = p + mul(v, v)
+                        elif red == TWO_MEAN:
+                            if v >= F0:
+                                p = p + v
+                                cnt = np.int32(cnt + 1)
+                            else:
+                                q = q + v
+                        else:
+                            p = p + abs(v)
+                if red == MAX:
+                    for m in (16, 8, 4, 2, 1):
+                        p = max_nan(p, xor_f(p, m, bf, bi, tid))
+                else:
+                    for d in (16, 8, 4, 2, 1):
+                        op = down_f(p, d, bf, bi, tid)
+                        if red == TWO_MEAN:
+                            oq = down_f(q, d, bf, bi, tid)
+                            oc = down_i(cnt, d, bf, bi, tid)
+                        if lane < d:
+                            p = p + op
+                            if red == TWO_MEAN:
+                                q = q + oq
+                                cnt = np.int32(cnt + oc)
+                    p = bcast_f(p, 0, bf, bi, tid)
+                    if red == TWO_MEAN:
+                        q = bcast_f(q, 0, bf, bi, tid)
+                        cnt = np.int32(bcast_i(cnt, 0, bf, bi, tid))
+                scale = p
+                if pack != PACK_ONEBIT:
+                    if red == L2:
+                        scale = sqrt32(p)
+                    if lane == 0 and b < nb:
+                        scales[np.uint32(b)] = scale
+                elif lane == 0 and b < nb:
+                    if red == TWO_MEAN:
+                        nneg = ln - cnt
+                        mp = F0
+                        mn = F0
+                        if cnt > 0:
+                            mp = p / np.float32(cnt)
+                        if nneg > 0:
+                            mn = q / np.float32(nneg)
+                        if not (finite(mp) and finite(mn)):
+                            mp = FNAN
+                            mn = FNAN
+                        scales[np.uint32(2 * b)] = mp
+                        scales[np.uint32(2 * b + 1)] = mn
+                    else:
+                        scales[np.uint32(b)] = p / np.float32(ln)
+                unit = scale / SF
+                # pass 2: codes, one 32-bit word per group of EPW lanes
+                wb = np.uint32(st >> LOG_EPW)
+                for k in range(K):
+                    j = np.int32(k * 32 + lane)
+                    ok = j < ln
+                    if BITS == 1:
+                        w = ballot(ok and x[np.uint32(st + j)] >= F0, bf, bi, tid)
+                    else:
+                        cde = np.int64(0)
+                        if ok:
+                            e = np.uint32(st + j)
+                            cde = qsgd_code(x[e], scale, unit, SF, S, pack == PACK_STOCH, key, e)
+                        w = np.int64(np.uint32(cde) << np.uint32(sh))
+                        m = 1
+                        while m < EPW:
+                            w |= xor_i(w, m, bf, bi, tid)
+                            m <<= 1
+                    if ok and (lane & GMASK) == 0:
+                        words[np.uint32(wb + np.uint32(j >> LOG_EPW))] = np.uint32(w & M32)
+                g += cuda.gridDim.x
+
+        return k3_encode
+
+    def make_decode(spec):
+        BITS, kind = spec
+        S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
+        SF = np.float32(max(S, 1))
+        EPW = 32 // BITS
+        LOG_EPW = EPW.bit_length() - 1
+        GMASK = EPW - 1
+        MASK = np.uint32((1 << BITS) - 1)
+
+        @cuda.jit
+        def k3_decode(payload, words, scales, out, status, expect, check, check_name, n, nb, bs, K,
+                      ngroups, accumulate):
+            tid = cuda.threadIdx.x
+            lane = np.int32(tid & 31)
+            nw = cuda.blockDim.x >> 5
+            serr = cuda.shared.array(1, int32)
+            if tid == 0:
+                if check:
+                    err = hdr_err(payload, expect, check_name)
+                    if cuda.blockIdx.x == 0:
+                        status[0] = err
+                        status[1] = status[1] | err
+                else:
+                    err = status[0]
+                serr[0] = err
+            cuda.syncthreads()
+            bad = serr[0] != 0
+            sh = np.uint32((lane & GMASK) * BITS)
+            g = cuda.blockIdx.x
+            while g < ngroups:
+                b = np.int32(g * nw + (tid >> 5))
+                if b < nb:
+                    st = np.uint32(b * bs)
+                    ln = np.int32(min(bs, n - b * bs))
+                    wb = np.uint32(st >> LOG_EPW)
+                    if kind == DEC_QSGD:
+                        hi = scales[np.uint32(b)] / SF
+                        lo = hi
+                    elif kind == DEC_TWO_MEAN:
+                        hi = scales[np.uint32(2 * b)]
+                        lo = scales[np.uint32(2 * b + 1)]
+                    else:
+                        hi = scales[np.uint32(b)]
+                        lo = -hi
+                    for k in range(K):
+                        j = np.int32(k * 32 + lane)
+                        if j < ln:
+                            cde = np.int32((words[np.uint32(wb + np.uint32(j >> LOG_EPW))] >> sh) & MASK)
+                            if kind == DEC_QSGD:
+                                val = mul(np.float32(np.int32(cde - S)), hi)
+                            elif cde:
+                                val = hi
+                            else:
+                                val = lo
+                            if bad:
+                                val = FNAN
+                            e = np.uint32(st + j)
+                            if accumulate:
+                                out[e] = out[e] + val
+                            else:
+                                out[e] = val
+                g += cuda.gridDim.x
+
+        return k3_decode
+
+    return make_encode, make_decode
