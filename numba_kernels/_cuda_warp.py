@@ -28,10 +28,16 @@ last bucket run with no valid element).
 import numpy as np
 from numba import cuda, float32, int32, int64
 
-WARPS = 8                          # warps (buckets) per block
+# buckets of up to 32*REGK elements: kept in registers by the encode, a constant-trip (unrolled) loop in
+# the decode. Smaller in the simulator (every step of every thread is Python there); both paths are
+# exercised either way.
 SIMBUF = 256                       # shared slots for the simulator's shuffle emulation
 FULL = 0xFFFFFFFF
 M32 = np.int64(0xFFFFFFFF)
+
+
+def regk(simulator):
+    return 4 if simulator else 16
 
 
 def supported(bits, bucket_size, numel, fuse_max):
@@ -123,7 +129,7 @@ def build(c):
     """Kernel factories over ``c``: a namespace holding ``SIMULATOR``, the scalar ops (``qsgd_code``,
     ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``hdr_err`` and the kind constants of
     ``numba_kernels.cuda`` (``MAX``, ``L2``, ``TWO_MEAN``, ``MEAN_ABS``, ``PACK_*``, ``DEC_*``).
-    Returns ``(make_encode((bits, red, pack)), make_decode((bits, kind)))``."""
+    Returns ``(make_encode((bits, red, pack, regk)), make_decode((bits, kind, regk)))``."""
     xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot = _shuffles(c.SIMULATOR)
     qsgd_code, max_nan, finite, mul, sqrt32, hdr_err = (c.qsgd_code, c.max_nan, c.finite, c.mul,
                                                        c.sqrt32, c.hdr_err)
@@ -136,7 +142,11 @@ def build(c):
     UFF = np.uint64(0xFF)
 
     def make_encode(spec):
-        BITS, red, pack = spec               # compile-time constants: one kernel per combination
+        # compile-time constants, one kernel per combination. REGK > 0: buckets of at most 32*REGK
+        # elements, kept in registers between the two passes (x is read once, all REGK loads of a
+        # lane in flight together); 0: any bucket size, pass 2 reads x again
+        BITS, red, pack, REGK = spec
+        NREG = max(REGK, 1)
         S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
         SF = np.float32(max(S, 1))
         EPW = 32 // BITS                      # codes per 32-bit word
@@ -162,14 +172,25 @@ def build(c):
                 if b < nb:
                     st = np.uint32(b * bs)
                     ln = np.int32(min(bs, n - b * bs))
+                vals = cuda.local.array(NREG, float32)
+                if REGK:
+                    for k in range(REGK):                   # every load first, then the sums in order
+                        j = np.int32(k * 32 + lane)
+                        v = F0
+                        if j < ln:
+                            v = x[np.uint32(st + j)]
+                        vals[k] = v
                 # pass 1: the bucket's scale(s), canonical order
                 p = F0
                 q = F0
                 cnt = np.int32(0)
-                for k in range(K):
+                for k in range(REGK if REGK else K):
                     j = np.int32(k * 32 + lane)
                     if j < ln:
-                        v = x[np.uint32(st + j)]
+                        if REGK:
+                            v = vals[k]
+                        else:
+                            v = x[np.uint32(st + j)]
                         if red == MAX:
                             p = max_nan(p, abs(v))
                         elif red == L2:
@@ -225,16 +246,21 @@ def build(c):
                 unit = scale / SF
                 # pass 2: codes, one 32-bit word per group of EPW lanes
                 wb = np.uint32(st >> LOG_EPW)
-                for k in range(K):
+                for k in range(REGK if REGK else K):
                     j = np.int32(k * 32 + lane)
                     ok = j < ln
+                    e = np.uint32(st + j)
+                    v = F0
+                    if REGK:
+                        v = vals[k]
+                    elif ok:
+                        v = x[e]
                     if BITS == 1:
-                        w = ballot(ok and x[np.uint32(st + j)] >= F0, bf, bi, tid)
+                        w = ballot(ok and v >= F0, bf, bi, tid)
                     else:
                         cde = np.int64(0)
                         if ok:
-                            e = np.uint32(st + j)
-                            cde = qsgd_code(x[e], scale, unit, SF, S, pack == PACK_STOCH, key, e)
+                            cde = qsgd_code(v, scale, unit, SF, S, pack == PACK_STOCH, key, e)
                         w = np.int64(np.uint32(cde) << np.uint32(sh))
                         m = 1
                         while m < EPW:
@@ -247,7 +273,8 @@ def build(c):
         return k3_encode
 
     def make_decode(spec):
-        BITS, kind = spec
+        BITS, kind, REGK = spec             # REGK > 0: at most REGK steps (a constant trip count:
+                                            # unrolled, every code word load of a lane in flight)
         S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
         SF = np.float32(max(S, 1))
         EPW = 32 // BITS
@@ -290,7 +317,7 @@ def build(c):
                     else:
                         hi = scales[np.uint32(b)]
                         lo = -hi
-                    for k in range(K):
+                    for k in range(REGK if REGK else K):
                         j = np.int32(k * 32 + lane)
                         if j < ln:
                             cde = np.int32((words[np.uint32(wb + np.uint32(j >> LOG_EPW))] >> sh) & MASK)

@@ -913,6 +913,7 @@ _make_encode3, _make_decode3 = _cuda_warp.build(_NS(
     PACK_ONEBIT=PACK_ONEBIT, DEC_QSGD=DEC_QSGD, DEC_TWO_MEAN=DEC_TWO_MEAN))
 
 _RESIDENT = {}
+_REGK = _cuda_warp.regk(SIMULATOR)
 
 
 def _resident_blocks(disp):
@@ -939,7 +940,8 @@ def _v3_encode(x, payload, header, bits, bs, red, pack, key, lay, stream):
     words, scales = _views(payload, lay)
     nb = lay.nbuckets
     ngroups = max(1, _grid(nb, BLOCK // 32))
-    _launch(_cached("v3_encode", _make_encode3, (bits, red, pack)), ngroups, BLOCK, stream,
+    regk = _REGK if bs <= 32 * _REGK else 0
+    _launch(_cached("v3_encode", _make_encode3, (bits, red, pack, regk)), ngroups, BLOCK, stream,
             (x, payload, words, scales, _words(header), x.size, nb, bs, (bs + 31) // 32, ngroups, key))
 
 
@@ -960,7 +962,7 @@ def _v3_decode(payload, out, bits, bs, kind, accumulate, lay, stream, status):
         expect, check, check_name = _NO_CHECK, False, False
     else:
         expect, check, check_name = pend[0], True, pend[1]
-    k = _cached("v3_decode", _make_decode3, (bits, kind))
+    k = _cached("v3_decode", _make_decode3, (bits, kind, _REGK if bs <= 32 * _REGK else 0))
     _launch(k, min(ngroups, _resident_blocks(k)), BLOCK, stream,
             (payload, words, scales, out, _zero_status() if status is None else status, expect, check,
              check_name, n, nb, bs, (bs + 31) // 32, ngroups, bool(accumulate)))

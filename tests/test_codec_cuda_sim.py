@@ -34,7 +34,7 @@ KERNEL_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, F
                (70, 3, 7, True, False),
                # v3 (warp per bucket): bits dividing 32, buckets of >= 32 elements holding whole words
                (1000, 96, 4, True, True), (257, 32, 2, False, False), (130, 64, 16, True, False),
-               (600, 512, 8, True, False), (65, 40, 4, False, True)]
+               (600, 512, 8, True, False), (65, 40, 4, False, True), (1100, 640, 4, True, False)]
 KERNEL_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True),
                  (70, 1, True), (200, 9000, False), (300, 96, False), (100, 32, True)]
 KERNEL_CASES = ([f"qsgd-n{n}-bs{bs}-b{b}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}{sp}"
@@ -342,13 +342,16 @@ def test_device_codec_path(results, spec, check):
 
 def test_selected_kernels_ran(results):
     """The cases above went through the selected implementation's own kernels (v3: for qsgd at
-    2, 4, 8, 16 bits with every scale, and 1-bit with both scales; v2: its fused encode/decode)."""
+    2, 4, 8, 16 bits with every scale, and 1-bit with both scales, buckets kept in registers (up to
+    32*REGK elements) and re-read (above); v2: its fused encode/decode)."""
     got = set(results["compiled"])
     if results["impl"] == "v3":
-        want = {"v3_encode_4_1_1", "v3_encode_4_0_1", "v3_encode_2_0_0", "v3_encode_16_0_1",
-                "v3_encode_8_0_1", "v3_encode_4_1_0", "v3_encode_1_2_2", "v3_encode_1_3_2",
-                "v3_decode_4_0", "v3_decode_2_0", "v3_decode_16_0", "v3_decode_8_0",
-                "v3_decode_1_1", "v3_decode_1_2"}
+        want = {name.replace("R", "4") for name in (       # REGK is 4 in the simulator
+            "v3_encode_4_1_1_R", "v3_encode_2_0_0_R", "v3_encode_16_0_1_R", "v3_encode_8_0_1_R",
+            "v3_encode_4_1_0_R", "v3_encode_1_2_2_R", "v3_encode_1_3_2_R", "v3_encode_4_0_1_R",
+            "v3_encode_4_0_1_0", "v3_encode_8_0_1_0", "v3_decode_4_0_R", "v3_decode_2_0_R",
+            "v3_decode_16_0_R", "v3_decode_8_0_R", "v3_decode_1_1_R", "v3_decode_1_2_R",
+            "v3_decode_4_0_0", "v3_decode_8_0_0")}
     elif results["impl"] == "v2":
         want = {"v2_encode_4", "v2_decode_4", "v2_encode_1", "v2_decode_1"}
     else:
