@@ -28,16 +28,21 @@ last bucket run with no valid element).
 import numpy as np
 from numba import cuda, float32, int32, int64
 
-# buckets of up to 32*REGK elements: kept in registers by the encode, a constant-trip (unrolled) loop in
-# the decode. Smaller in the simulator (every step of every thread is Python there); both paths are
-# exercised either way.
 SIMBUF = 256                       # shared slots for the simulator's shuffle emulation
 FULL = 0xFFFFFFFF
+ENC_REGS = 40                      # register caps per thread (see build's _limit)
+DEC_REGS = 32
 M32 = np.int64(0xFFFFFFFF)
 
 
-def regk(simulator):
-    return 4 if simulator else 16
+def regk(bucket_size, simulator):
+    """Steps per lane fixed at compile time for this bucket size (the smallest power of two covering
+    ``ceil(bucket_size / 32)``), or 0 (a run-time loop) above 16 steps (4 in the simulator)."""
+    steps = -(-bucket_size // 32)
+    r = 1
+    while r < steps:
+        r *= 2
+    return r if r <= (4 if simulator else 16) else 0
 
 
 def supported(bits, bucket_size, numel, fuse_max):
@@ -129,10 +134,17 @@ def build(c):
     """Kernel factories over ``c``: a namespace holding ``SIMULATOR``, the scalar ops (``qsgd_code``,
     ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``hdr_err`` and the kind constants of
     ``numba_kernels.cuda`` (``MAX``, ``L2``, ``TWO_MEAN``, ``MEAN_ABS``, ``PACK_*``, ``DEC_*``).
-    Returns ``(make_encode((bits, red, pack, regk)), make_decode((bits, kind, regk)))``."""
+    Returns ``(make_encode((bits, red, pack, regk, paired)), make_decode((bits, kind, regk)))``."""
     xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot = _shuffles(c.SIMULATOR)
+
+    def _limit(regs):
+        # a register cap raises the blocks resident per multiprocessor (65536 registers / 256 threads:
+        # 40 -> 6 blocks, 32 -> 8); at these caps ptxas (CUDA 13, sm_90) reports no spills
+        return {} if c.SIMULATOR else {"max_registers": regs}
+
     qsgd_code, max_nan, finite, mul, sqrt32, hdr_err = (c.qsgd_code, c.max_nan, c.finite, c.mul,
                                                        c.sqrt32, c.hdr_err)
+    qsgd_code_r, draw = c.qsgd_code_r, c.draw
     MAX, L2, TWO_MEAN = c.MAX, c.L2, c.TWO_MEAN
     PACK_STOCH, PACK_ONEBIT = c.PACK_STOCH, c.PACK_ONEBIT
     DEC_QSGD, DEC_TWO_MEAN = c.DEC_QSGD, c.DEC_TWO_MEAN
@@ -145,15 +157,20 @@ def build(c):
         # compile-time constants, one kernel per combination. REGK > 0: buckets of at most 32*REGK
         # elements, kept in registers between the two passes (x is read once, all REGK loads of a
         # lane in flight together); 0: any bucket size, pass 2 reads x again
-        BITS, red, pack, REGK = spec
+        # PAIRED (stochastic, REGK >= 2, buckets a multiple of 64 elements): a lane's elements at steps
+        # 2t and 2t+1 are i and i + 32 of one aligned group of 64, which share one hash draw
+        BITS, red, pack, REGK, PAIRED = spec
         NREG = max(REGK, 1)
+        U8_ = np.uint64(8)
+        U40_ = np.uint64(40)
+        U24M = np.uint64(0xFFFFFF)
         S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
         SF = np.float32(max(S, 1))
         EPW = 32 // BITS                      # codes per 32-bit word
         LOG_EPW = EPW.bit_length() - 1
         GMASK = EPW - 1
 
-        @cuda.jit
+        @cuda.jit(**_limit(ENC_REGS))
         def k3_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key):
             # indices are 32-bit unsigned (n < 2**31; unsigned: no negative-index wraparound code)
             tid = cuda.threadIdx.x
@@ -246,6 +263,7 @@ def build(c):
                 unit = scale / SF
                 # pass 2: codes, one 32-bit word per group of EPW lanes
                 wb = np.uint32(st >> LOG_EPW)
+                z = np.uint64(0)
                 for k in range(REGK if REGK else K):
                     j = np.int32(k * 32 + lane)
                     ok = j < ln
@@ -259,7 +277,15 @@ def build(c):
                         w = ballot(ok and v >= F0, bf, bi, tid)
                     else:
                         cde = np.int64(0)
-                        if ok:
+                        if PAIRED:
+                            if k % 2 == 0:
+                                z = draw(key, e)
+                                r = np.uint32((z >> U8_) & U24M)
+                            else:
+                                r = np.uint32(z >> U40_)
+                            if ok:
+                                cde = qsgd_code_r(v, scale, unit, SF, S, True, r)
+                        elif ok:
                             cde = qsgd_code(v, scale, unit, SF, S, pack == PACK_STOCH, key, e)
                         w = np.int64(np.uint32(cde) << np.uint32(sh))
                         m = 1
@@ -282,7 +308,7 @@ def build(c):
         GMASK = EPW - 1
         MASK = np.uint32((1 << BITS) - 1)
 
-        @cuda.jit
+        @cuda.jit(**_limit(DEC_REGS))
         def k3_decode(payload, words, scales, out, status, expect, check, check_name, n, nb, bs, K,
                       ngroups, accumulate):
             tid = cuda.threadIdx.x

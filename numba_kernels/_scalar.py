@@ -23,6 +23,10 @@ U27 = np.uint64(27)
 U30 = np.uint64(30)
 U31 = np.uint64(31)
 U40 = np.uint64(40)
+U5 = np.uint64(5)
+U6 = np.uint64(6)
+U32 = np.uint64(32)
+U24M = np.uint64(0xFFFFFF)
 U8 = np.uint64(8)
 UFF = np.uint64(0xFF)
 
@@ -44,9 +48,22 @@ def build(jit, fmul):
         return z ^ (z >> U31)
 
     @jit
+    def draw(key, i):
+        """The splitmix64 draw shared by elements ``i`` and ``i ^ 32`` (``i`` and ``i + 32`` of each
+        aligned group of 64 indices): ``mix64(key + p * GAMMA)`` with ``p = (i >> 6) * 32 + i % 32``."""
+        ui = np.uint64(i)
+        p = ((ui >> U6) << U5) | (ui & U31)
+        return mix64(key + p * GAMMA)
+
+    @jit
     def uniform24(key, i):
-        """24 random bits (as a uint64 in [0, 2**24)) for element ``i`` under ``key``: counter-based."""
-        return mix64(key + np.uint64(i) * GAMMA) >> U40
+        """24 random bits (as a uint64 in [0, 2**24)) for element ``i`` under ``key``, counter-based:
+        bits 8..31 of :func:`draw` when bit 5 of ``i`` is 0, bits 40..63 when it is 1 (one 64-bit
+        hash serves two elements)."""
+        z = draw(key, i)
+        if np.uint64(i) & U32:
+            return z >> U40
+        return (z >> U8) & U24M
 
     @jit
     def qsgd_code(xv, scale, unit, sf, s, stochastic, key, i):
@@ -54,6 +71,14 @@ def build(jit, fmul):
 
         ``scale`` is the bucket's norm, ``unit = scale / sf`` with ``sf = float32(s)``. A zero or
         non-finite scale gives level 0 (no 0/0); decoding then gives 0 (zero scale) or NaN."""
+        r = np.uint32(0)
+        if stochastic:
+            r = np.uint32(uniform24(key, i))
+        return qsgd_code_r(xv, scale, unit, sf, s, stochastic, r)
+
+    @jit
+    def qsgd_code_r(xv, scale, unit, sf, s, stochastic, r):
+        """:func:`qsgd_code` with the element's 24 random bits ``r`` given (uint32)."""
         if not (scale > F0 and scale < FINF):
             return s
         v = abs(xv) / unit
@@ -65,8 +90,7 @@ def build(jit, fmul):
         frac = v - np.float32(q)     # exact
         # branch-free (the outcomes are unpredictable; mispredictions would dominate the CPU time)
         if stochastic:
-            r = np.float32(np.uint32(uniform24(key, i)))
-            q = np.int32(q + np.int32(r < frac * F2_24))  # P = ceil(frac * 2**24) / 2**24: unbiased
+            q = np.int32(q + np.int32(np.float32(r) < frac * F2_24))  # P = ceil(frac * 2**24) / 2**24
         else:
             q = np.int32(q + np.int32(frac >= FHALF))     # round half up, decided on the exact fraction
         q = min(q, np.int32(s))
@@ -103,7 +127,8 @@ def build(jit, fmul):
     def sqrt32(a):
         return np.float32(math.sqrt(a))
 
-    return SimpleNamespace(mix64=mix64, uniform24=uniform24, qsgd_code=qsgd_code, max_nan=max_nan,
+    return SimpleNamespace(mix64=mix64, draw=draw, uniform24=uniform24, qsgd_code=qsgd_code,
+                           qsgd_code_r=qsgd_code_r, max_nan=max_nan,
                            finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32)
 
 

@@ -1,9 +1,11 @@
 """Numba CUDA kernels (``*_cuda``), bit-identical to ``*_ref``; they also run in the CUDA simulator.
 
-Two implementations behind the same launchers, selected by ``HVD_QUANT_CUDA_KERNELS`` (read at import;
-``set_impl`` switches in-process): ``v2`` (default; fused one-launch encode and decode, the header
-check inside the decode, a cheaper launch path: see the "v2" section below) and ``v1`` (the kernels
-described next, launched as before, unchanged).
+Three implementations behind the same launchers, selected by ``HVD_QUANT_CUDA_KERNELS`` (read at
+import; ``set_impl`` switches in-process): ``v3`` (default; one warp per bucket, in
+``numba_kernels/_cuda_warp.py``, for bit widths dividing 32 and buckets of whole code words, v2's
+kernels elsewhere: see the "v3" section at the end), ``v2`` (fused one-launch encode and decode, the
+header check inside the decode, a cheaper launch path: see the "v2" section below) and ``v1`` (the
+kernels described next, launched as before, unchanged).
 
 Import this module lazily (``numba_kernels.cuda`` is loaded on first attribute access): importing it
 imports ``numba.cuda``, and ``NUMBA_ENABLE_CUDASIM`` must be set before that happens.
@@ -453,12 +455,12 @@ if _IMPL[0] not in IMPLS:
 
 
 def impl():
-    """The selected kernel implementation: 'v2' (default) or 'v1' (env HVD_QUANT_CUDA_KERNELS)."""
+    """The selected kernel implementation: 'v3' (default), 'v2' or 'v1' (env HVD_QUANT_CUDA_KERNELS)."""
     return _IMPL[0]
 
 
 def set_impl(name):
-    """Select 'v1' or 'v2' for the launchers of this module (tests and benchmarks)."""
+    """Select 'v1', 'v2' or 'v3' for the launchers of this module (tests and benchmarks)."""
     name = str(name).lower()
     if name not in IMPLS:
         raise ValueError(f"unknown CUDA kernel implementation {name!r}; expected one of {', '.join(IMPLS)}")
@@ -909,11 +911,10 @@ from . import _cuda_warp  # noqa: E402
 
 _make_encode3, _make_decode3 = _cuda_warp.build(_NS(
     SIMULATOR=SIMULATOR, qsgd_code=_qsgd_code, max_nan=_max_nan, finite=_finite, mul=_mul,
-    sqrt32=_sqrt32, hdr_err=_hdr_err, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
+    sqrt32=_sqrt32, hdr_err=_hdr_err, qsgd_code_r=_ops.qsgd_code_r, draw=_ops.draw, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
     PACK_ONEBIT=PACK_ONEBIT, DEC_QSGD=DEC_QSGD, DEC_TWO_MEAN=DEC_TWO_MEAN))
 
 _RESIDENT = {}
-_REGK = _cuda_warp.regk(SIMULATOR)
 
 
 def _resident_blocks(disp):
@@ -940,8 +941,9 @@ def _v3_encode(x, payload, header, bits, bs, red, pack, key, lay, stream):
     words, scales = _views(payload, lay)
     nb = lay.nbuckets
     ngroups = max(1, _grid(nb, BLOCK // 32))
-    regk = _REGK if bs <= 32 * _REGK else 0
-    _launch(_cached("v3_encode", _make_encode3, (bits, red, pack, regk)), ngroups, BLOCK, stream,
+    regk = _cuda_warp.regk(bs, SIMULATOR)
+    paired = pack == PACK_STOCH and regk >= 2 and bs % 64 == 0
+    _launch(_cached("v3_encode", _make_encode3, (bits, red, pack, regk, paired)), ngroups, BLOCK, stream,
             (x, payload, words, scales, _words(header), x.size, nb, bs, (bs + 31) // 32, ngroups, key))
 
 
@@ -962,7 +964,7 @@ def _v3_decode(payload, out, bits, bs, kind, accumulate, lay, stream, status):
         expect, check, check_name = _NO_CHECK, False, False
     else:
         expect, check, check_name = pend[0], True, pend[1]
-    k = _cached("v3_decode", _make_decode3, (bits, kind, _REGK if bs <= 32 * _REGK else 0))
+    k = _cached("v3_decode", _make_decode3, (bits, kind, _cuda_warp.regk(bs, SIMULATOR)))
     _launch(k, min(ngroups, _resident_blocks(k)), BLOCK, stream,
             (payload, words, scales, out, _zero_status() if status is None else status, expect, check,
              check_name, n, nb, bs, (bs + 31) // 32, ngroups, bool(accumulate)))

@@ -80,8 +80,13 @@ def bucket_scales_ref(x, bucket_size, kind):
 
 
 def uniform24_ref(key, idx):
-    """24 random bits per element index (uint64 array), the same counter-based hash as the kernels."""
-    return mix64_np(np.uint64(key) + idx.astype(np.uint64) * GAMMA) >> U40
+    """24 random bits per element index (uint64 array), the same counter-based hash as the kernels:
+    elements ``i`` and ``i ^ 32`` share the splitmix64 draw of ``p = (i >> 6) * 32 + i % 32``; bit 5 of
+    ``i`` picks its bits 40..63 (1) or 8..31 (0)."""
+    i = idx.astype(np.uint64)
+    p = ((i >> np.uint64(6)) << np.uint64(5)) | (i & np.uint64(31))
+    z = mix64_np(np.uint64(key) + p * GAMMA)
+    return np.where((i & np.uint64(32)) != 0, z >> U40, (z >> np.uint64(8)) & np.uint64(0xFFFFFF))
 
 
 def _qsgd_codes(x, scales, bits, bucket_size, stochastic, key):

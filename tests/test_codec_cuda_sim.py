@@ -34,7 +34,8 @@ KERNEL_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, F
                (70, 3, 7, True, False),
                # v3 (warp per bucket): bits dividing 32, buckets of >= 32 elements holding whole words
                (1000, 96, 4, True, True), (257, 32, 2, False, False), (130, 64, 16, True, False),
-               (600, 512, 8, True, False), (65, 40, 4, False, True), (1100, 640, 4, True, False)]
+               (600, 512, 8, True, False), (65, 40, 4, False, True), (1100, 640, 4, True, False),
+               (300, 128, 4, True, False)]
 KERNEL_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True),
                  (70, 1, True), (200, 9000, False), (300, 96, False), (100, 32, True)]
 KERNEL_CASES = ([f"qsgd-n{n}-bs{bs}-b{b}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}{sp}"
@@ -163,7 +164,6 @@ def _child():
     import numba_kernels.cuda as K
     assert K.impl() == os.environ.get("HVD_QUANT_CUDA_KERNELS", "v3"), K.impl()
     res = {"impl": K.impl(), "kernels": _kernel_cases(nan_eq)}
-    res["compiled"] = sorted(K.kernels)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((10, 10)).astype(np.float32)
     x[3, 3] = np.nan
@@ -238,6 +238,7 @@ def _child():
         except hq.PayloadError:
             r["numel-mismatch-detected"] = True
         res[spec] = r
+    res["compiled"] = sorted(K.kernels)
     json.dump(res, sys.stdout)
 
 
@@ -343,15 +344,18 @@ def test_device_codec_path(results, spec, check):
 def test_selected_kernels_ran(results):
     """The cases above went through the selected implementation's own kernels (v3: for qsgd at
     2, 4, 8, 16 bits with every scale, and 1-bit with both scales, buckets kept in registers (up to
-    32*REGK elements) and re-read (above); v2: its fused encode/decode)."""
+    128 elements in the simulator, 512 on a GPU) and re-read (above), paired hash draws; v2: its fused encode/decode)."""
     got = set(results["compiled"])
     if results["impl"] == "v3":
-        want = {name.replace("R", "4") for name in (       # REGK is 4 in the simulator
-            "v3_encode_4_1_1_R", "v3_encode_2_0_0_R", "v3_encode_16_0_1_R", "v3_encode_8_0_1_R",
-            "v3_encode_4_1_0_R", "v3_encode_1_2_2_R", "v3_encode_1_3_2_R", "v3_encode_4_0_1_R",
-            "v3_encode_4_0_1_0", "v3_encode_8_0_1_0", "v3_decode_4_0_R", "v3_decode_2_0_R",
-            "v3_decode_16_0_R", "v3_decode_8_0_R", "v3_decode_1_1_R", "v3_decode_1_2_R",
-            "v3_decode_4_0_0", "v3_decode_8_0_0")}
+        # v3_encode_<bits>_<scale>_<pack>_<steps in registers: 0 = run-time loop>_<paired draws>
+        want = {"v3_encode_4_1_1_4_False", "v3_encode_2_0_0_1_False", "v3_encode_16_0_1_2_True",
+                "v3_encode_8_0_1_2_True", "v3_encode_8_0_1_0_False", "v3_encode_4_1_0_2_False",
+                "v3_encode_4_0_1_0_False", "v3_encode_4_0_1_4_True", "v3_encode_4_0_1_1_False",
+                "v3_encode_8_1_1_2_True", "v3_encode_1_3_2_4_False", "v3_encode_1_2_2_1_False",
+                "v3_encode_1_2_2_2_False",
+                "v3_decode_4_0_4", "v3_decode_2_0_1", "v3_decode_16_0_2", "v3_decode_8_0_2",
+                "v3_decode_8_0_0", "v3_decode_4_0_2", "v3_decode_4_0_0", "v3_decode_4_0_1",
+                "v3_decode_1_1_1", "v3_decode_1_1_2", "v3_decode_1_2_4"}
     elif results["impl"] == "v2":
         want = {"v2_encode_4", "v2_decode_4", "v2_encode_1", "v2_decode_1"}
     else:

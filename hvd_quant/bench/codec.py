@@ -24,7 +24,7 @@ Ratios: ``ours/copy`` (lower is better, 1.0 = memory-bound), ``torch/ours`` (hig
 (``--tiny-numel``, 4096 elements), many calls back to back then one synchronisation: the per-call
 host cost (Python + kernel launches), which the large-tensor GPU times do not show.
 
-On CUDA the kernels are those selected by ``HVD_QUANT_CUDA_KERNELS`` (``v2``, the default, or ``v1``);
+On CUDA the kernels are those selected by ``HVD_QUANT_CUDA_KERNELS`` (``v3``, the default, ``v2`` or ``v1``);
 the table's heading says which.
 """
 import argparse
@@ -267,7 +267,7 @@ def run_device(args, device, threads=None):
 
 
 def kernels_impl():
-    """The CUDA kernel implementation the codecs use ('v2' or 'v1', from HVD_QUANT_CUDA_KERNELS)."""
+    """The CUDA kernel implementation the codecs use ('v3', 'v2' or 'v1', from HVD_QUANT_CUDA_KERNELS)."""
     import numba_kernels.cuda as K
     return K.impl()
 
