@@ -132,8 +132,9 @@ def _shuffles(simulator):
 
 def build(c):
     """Kernel factories over ``c``: a namespace holding ``SIMULATOR``, the scalar ops (``qsgd_code``,
-    ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``hdr_err`` and the kind constants of
-    ``numba_kernels.cuda`` (``MAX``, ``L2``, ``TWO_MEAN``, ``MEAN_ABS``, ``PACK_*``, ``DEC_*``).
+    ``qsgd_code_r``, ``draw``, ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``block_bad`` (the decode's
+    block-level header check) and the kind constants of ``numba_kernels.cuda`` (``MAX``, ``L2``,
+    ``TWO_MEAN``, ``PACK_*``, ``DEC_*``).
     Returns ``(make_encode((bits, red, pack, regk, paired)), make_decode((bits, kind, regk)))``."""
     xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot = _shuffles(c.SIMULATOR)
 
@@ -142,8 +143,8 @@ def build(c):
         # 40 -> 6 blocks, 32 -> 8); at these caps ptxas (CUDA 13, sm_90) reports no spills
         return {} if c.SIMULATOR else {"max_registers": regs}
 
-    qsgd_code, max_nan, finite, mul, sqrt32, hdr_err = (c.qsgd_code, c.max_nan, c.finite, c.mul,
-                                                       c.sqrt32, c.hdr_err)
+    qsgd_code, max_nan, finite, mul, sqrt32, block_bad = (c.qsgd_code, c.max_nan, c.finite, c.mul,
+                                                         c.sqrt32, c.block_bad)
     qsgd_code_r, draw = c.qsgd_code_r, c.draw
     MAX, L2, TWO_MEAN = c.MAX, c.L2, c.TWO_MEAN
     PACK_STOCH, PACK_ONEBIT = c.PACK_STOCH, c.PACK_ONEBIT
@@ -315,17 +316,7 @@ def build(c):
             lane = np.int32(tid & 31)
             nw = cuda.blockDim.x >> 5
             serr = cuda.shared.array(1, int32)
-            if tid == 0:
-                if check:
-                    err = hdr_err(payload, expect, check_name)
-                    if cuda.blockIdx.x == 0:
-                        status[0] = err
-                        status[1] = status[1] | err
-                else:
-                    err = status[0]
-                serr[0] = err
-            cuda.syncthreads()
-            bad = serr[0] != 0
+            bad = block_bad(payload, status, expect, check, check_name, serr)
             sh = np.uint32((lane & GMASK) * BITS)
             g = cuda.blockIdx.x
             while g < ngroups:

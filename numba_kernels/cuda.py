@@ -296,6 +296,24 @@ def _hdr_err(payload, expect, check_name):
     return err
 
 
+@cuda.jit(device=True)
+def _block_bad(payload, status, expect, check, check_name, serr):
+    """Whether this block decodes a bad payload: thread 0 runs the header check (``check``; block 0
+    also stores the error bits in ``status``, as ``_k_check`` does) or reads ``status[0]``; ``serr`` is
+    a shared int32[1]. Every thread of the block must call it (it ends with a block barrier)."""
+    if cuda.threadIdx.x == 0:
+        if check:
+            err = _hdr_err(payload, expect, check_name)
+            if cuda.blockIdx.x == 0:
+                status[0] = err
+                status[1] = status[1] | err
+        else:
+            err = status[0]
+        serr[0] = err
+    cuda.syncthreads()
+    return serr[0] != 0
+
+
 @cuda.jit
 def _k_check(payload, status, expect, check_name):
     if cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x != 0:
@@ -644,17 +662,7 @@ def _make_decode(BITS):
         nthr = cuda.blockDim.x
         serr = cuda.shared.array(1, int32)
         sunit = cuda.shared.array(_DEC_TABLE, float32)
-        if tid == 0:
-            if check:
-                err = _hdr_err(payload, expect, check_name)
-                if cuda.blockIdx.x == 0:
-                    status[0] = err
-                    status[1] = status[1] | err
-            else:
-                err = status[0]
-            serr[0] = err
-        cuda.syncthreads()
-        bad = serr[0] != 0
+        bad = _block_bad(payload, status, expect, check, check_name, serr)
         chunk = np.int64(cuda.blockIdx.x)
         per = np.int64(nthr) * _DEC_K
         while chunk < nchunks:
@@ -881,23 +889,32 @@ def _v2_encode(x, payload, header, bits, bs, red, pack, key, lay, stream):
                 (x, payload, words, scales, hdr, n, nb, bs, 1.0 / bs, g, red, pack, False, key))
 
 
-def _v2_decode(payload, out, bits, bs, kind, accumulate, lay, stream, status):
-    stream = stream or 0
-    n = out.size
+def _decode_check(payload, n, stream, status):
+    """(expect, check, check_name) for a decode kernel, which takes over the header check deferred for
+    exactly this payload (any other pending check is launched first); None when there is nothing to
+    decode (the deferred check, if any, is then launched on its own: the status must be written)."""
     pend = _take_pending(payload, status, stream) if status is not None else None
     if pend is None:
         flush_pending()
     if n == 0:
-        if pend is not None:            # nothing to decode, but the status must still be written
+        if pend is not None:
             _launch(_k_check, 1, 32, stream, (payload, status, pend[0], pend[1]))
+        return None
+    if pend is None:
+        return _NO_CHECK, False, False
+    return pend[0], True, pend[1]
+
+
+def _v2_decode(payload, out, bits, bs, kind, accumulate, lay, stream, status):
+    stream = stream or 0
+    n = out.size
+    chk = _decode_check(payload, n, stream, status)
+    if chk is None:
         return
+    expect, check, check_name = chk
     words, scales = _views(payload, lay)
     nchunks = _grid(n, _DEC_CHUNK)
     grid = min(nchunks, 8 * _sm_count())
-    if pend is None:
-        expect, check, check_name = _NO_CHECK, False, False
-    else:
-        expect, check, check_name = pend[0], True, pend[1]
     _launch(_dec_kernel(bits), grid, BLOCK, stream,
             (payload, words, scales, out, _zero_status() if status is None else status, expect, check,
              check_name, n, bs, 1.0 / bs, kind, bool(accumulate), nchunks))
@@ -911,7 +928,7 @@ from . import _cuda_warp  # noqa: E402
 
 _make_encode3, _make_decode3 = _cuda_warp.build(_NS(
     SIMULATOR=SIMULATOR, qsgd_code=_qsgd_code, max_nan=_max_nan, finite=_finite, mul=_mul,
-    sqrt32=_sqrt32, hdr_err=_hdr_err, qsgd_code_r=_ops.qsgd_code_r, draw=_ops.draw, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
+    sqrt32=_sqrt32, block_bad=_block_bad, qsgd_code_r=_ops.qsgd_code_r, draw=_ops.draw, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
     PACK_ONEBIT=PACK_ONEBIT, DEC_QSGD=DEC_QSGD, DEC_TWO_MEAN=DEC_TWO_MEAN))
 
 _RESIDENT = {}
@@ -950,20 +967,13 @@ def _v3_encode(x, payload, header, bits, bs, red, pack, key, lay, stream):
 def _v3_decode(payload, out, bits, bs, kind, accumulate, lay, stream, status):
     stream = stream or 0
     n = out.size
-    pend = _take_pending(payload, status, stream) if status is not None else None
-    if pend is None:
-        flush_pending()
-    if n == 0:
-        if pend is not None:
-            _launch(_k_check, 1, 32, stream, (payload, status, pend[0], pend[1]))
+    chk = _decode_check(payload, n, stream, status)
+    if chk is None:
         return
+    expect, check, check_name = chk
     words, scales = _views(payload, lay)
     nb = lay.nbuckets
     ngroups = _grid(nb, BLOCK // 32)
-    if pend is None:
-        expect, check, check_name = _NO_CHECK, False, False
-    else:
-        expect, check, check_name = pend[0], True, pend[1]
     k = _cached("v3_decode", _make_decode3, (bits, kind, _cuda_warp.regk(bs, SIMULATOR)))
     _launch(k, min(ngroups, _resident_blocks(k)), BLOCK, stream,
             (payload, words, scales, out, _zero_status() if status is None else status, expect, check,
