@@ -26,11 +26,12 @@ and block barriers; every loop's trip count is therefore uniform over the block 
 last bucket run with no valid element).
 """
 import numpy as np
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
 
 SIMBUF = 256                       # shared slots for the simulator's shuffle emulation
 FULL = 0xFFFFFFFF
 ENC_REGS = 40                      # register caps per thread (see build's _limit)
+ENC_REGS_1BIT = 48                 # (1 bit, two_mean: 40 would spill)
 DEC_REGS = 32
 M32 = np.int64(0xFFFFFFFF)
 
@@ -140,7 +141,7 @@ def build(c):
 
     def _limit(regs):
         # a register cap raises the blocks resident per multiprocessor (65536 registers / 256 threads:
-        # 40 -> 6 blocks, 32 -> 8); at these caps ptxas (CUDA 13, sm_90) reports no spills
+        # 48 -> 5 blocks, 40 -> 6, 32 -> 8); at these caps ptxas (CUDA 13, sm_90) reports no spills
         return {} if c.SIMULATOR else {"max_registers": regs}
 
     qsgd_code, max_nan, finite, mul, sqrt32, block_bad = (c.qsgd_code, c.max_nan, c.finite, c.mul,
@@ -162,6 +163,7 @@ def build(c):
         # 2t and 2t+1 are i and i + 32 of one aligned group of 64, which share one hash draw
         BITS, red, pack, REGK, PAIRED = spec
         NREG = max(REGK, 1)
+        NSLOT = max(1, -(-REGK // (32 // BITS)))   # words kept per lane (REGK path)
         U8_ = np.uint64(8)
         U40_ = np.uint64(40)
         U24M = np.uint64(0xFFFFFF)
@@ -171,7 +173,7 @@ def build(c):
         LOG_EPW = EPW.bit_length() - 1
         GMASK = EPW - 1
 
-        @cuda.jit(**_limit(ENC_REGS))
+        @cuda.jit(**_limit(ENC_REGS if BITS > 1 else ENC_REGS_1BIT))
         def k3_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key):
             # indices are 32-bit unsigned (n < 2**31; unsigned: no negative-index wraparound code)
             tid = cuda.threadIdx.x
@@ -262,9 +264,13 @@ def build(c):
                     else:
                         scales[np.uint32(b)] = p / np.float32(ln)
                 unit = scale / SF
-                # pass 2: codes, one 32-bit word per group of EPW lanes
+                # pass 2: codes, one 32-bit word per group of EPW lanes. REGK path: branch-free (codes of
+                # elements past the bucket are computed from 0.0 and masked), and each word is kept by
+                # one lane of its group (the lane with i == k % EPW, in slot k // EPW) and stored
+                # after the loop: a few coalesced stores per lane instead of one per step
                 wb = np.uint32(st >> LOG_EPW)
                 z = np.uint64(0)
+                slots = cuda.local.array(NSLOT, uint32)
                 for k in range(REGK if REGK else K):
                     j = np.int32(k * 32 + lane)
                     ok = j < ln
@@ -284,17 +290,27 @@ def build(c):
                                 r = np.uint32((z >> U8_) & U24M)
                             else:
                                 r = np.uint32(z >> U40_)
-                            if ok:
-                                cde = qsgd_code_r(v, scale, unit, SF, S, True, r)
-                        elif ok:
+                            cde = qsgd_code_r(v, scale, unit, SF, S, True, r)
+                        elif REGK or ok:
                             cde = qsgd_code(v, scale, unit, SF, S, pack == PACK_STOCH, key, e)
+                        if not ok:
+                            cde = np.int64(0)
                         w = np.int64(np.uint32(cde) << np.uint32(sh))
                         m = 1
                         while m < EPW:
                             w |= xor_i(w, m, bf, bi, tid)
                             m <<= 1
-                    if ok and (lane & GMASK) == 0:
+                    if REGK:
+                        if (lane & GMASK) == k % EPW:
+                            slots[k // EPW] = np.uint32(w & M32)
+                    elif ok and (lane & GMASK) == 0:
                         words[np.uint32(wb + np.uint32(j >> LOG_EPW))] = np.uint32(w & M32)
+                if REGK:
+                    gi = lane >> LOG_EPW                    # this lane's group: word k*BITS + gi of step k
+                    for t in range(NSLOT):
+                        k = t * EPW + (lane & GMASK)
+                        if k < REGK and k * 32 + gi * EPW < ln:
+                            words[np.uint32(wb + np.uint32(k * BITS + gi))] = slots[t]
                 g += cuda.gridDim.x
 
         return k3_encode

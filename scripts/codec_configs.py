@@ -32,6 +32,9 @@ for spec in ["qsgd:bits=4,bucket_size=512", "qsgd:bits=4,bucket_size=512,mode=de
     e = t(lambda: c.encode(x))
     d = t(lambda: c.decode_into(p, out))
     print(f"{spec:50s} encode {e:.3f} ms  decode {d:.3f} ms  sum {e + d:.3f}", flush=True)
+import numba_kernels.cuda as K
+print("persistent decode grid (blocks) per kernel:", {k: K._RESIDENT.get(id(d)) for k, d in K.kernels.items()
+                                                     if id(d) in K._RESIDENT}, flush=True)
 c = hq.from_spec("qsgd:bits=4,bucket_size=512")
 s = torch.randn(4096, device="cuda")
 o = torch.empty_like(s)
