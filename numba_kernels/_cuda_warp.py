@@ -133,7 +133,8 @@ def _shuffles(simulator):
 
 def build(c):
     """Kernel factories over ``c``: a namespace holding ``SIMULATOR``, the scalar ops (``qsgd_code``,
-    ``qsgd_code_r``, ``draw``, ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``block_bad`` (the decode's
+    ``qsgd_code_r``, ``draw``, ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``add_term`` (one element
+    of a bucket's reduction), ``block_bad`` (the decode's
     block-level header check) and the kind constants of ``numba_kernels.cuda`` (``MAX``, ``L2``,
     ``TWO_MEAN``, ``PACK_*``, ``DEC_*``).
     Returns ``(make_encode((bits, red, pack, regk, paired)), make_decode((bits, kind, regk)))``."""
@@ -146,7 +147,7 @@ def build(c):
 
     qsgd_code, max_nan, finite, mul, sqrt32, block_bad = (c.qsgd_code, c.max_nan, c.finite, c.mul,
                                                          c.sqrt32, c.block_bad)
-    qsgd_code_r, draw = c.qsgd_code_r, c.draw
+    qsgd_code_r, draw, add_term = c.qsgd_code_r, c.draw, c.add_term
     MAX, L2, TWO_MEAN = c.MAX, c.L2, c.TWO_MEAN
     PACK_STOCH, PACK_ONEBIT = c.PACK_STOCH, c.PACK_ONEBIT
     DEC_QSGD, DEC_TWO_MEAN = c.DEC_QSGD, c.DEC_TWO_MEAN
@@ -203,7 +204,7 @@ def build(c):
                 # pass 1: the bucket's scale(s), canonical order
                 p = F0
                 q = F0
-                cnt = np.int32(0)
+                cnt = np.int64(0)
                 for k in range(REGK if REGK else K):
                     j = np.int32(k * 32 + lane)
                     if j < ln:
@@ -211,18 +212,7 @@ def build(c):
                             v = vals[k]
                         else:
                             v = x[np.uint32(st + j)]
-                        if red == MAX:
-                            p = max_nan(p, abs(v))
-                        elif red == L2:
-                            p = p + mul(v, v)
-                        elif red == TWO_MEAN:
-                            if v >= F0:
-                                p = p + v
-                                cnt = np.int32(cnt + 1)
-                            else:
-                                q = q + v
-                        else:
-                            p = p + abs(v)
+                        p, q, cnt = add_term(red, v, p, q, cnt)
                 if red == MAX:
                     for m in (16, 8, 4, 2, 1):
                         p = max_nan(p, xor_f(p, m, bf, bi, tid))
@@ -236,11 +226,11 @@ def build(c):
                             p = p + op
                             if red == TWO_MEAN:
                                 q = q + oq
-                                cnt = np.int32(cnt + oc)
+                                cnt = cnt + oc
                     p = bcast_f(p, 0, bf, bi, tid)
                     if red == TWO_MEAN:
                         q = bcast_f(q, 0, bf, bi, tid)
-                        cnt = np.int32(bcast_i(cnt, 0, bf, bi, tid))
+                        cnt = bcast_i(cnt, 0, bf, bi, tid)
                 scale = p
                 if pack != PACK_ONEBIT:
                     if red == L2:

@@ -82,6 +82,26 @@ PACK_DET, PACK_STOCH, PACK_ONEBIT = 0, 1, 2
 DEC_QSGD, DEC_TWO_MEAN, DEC_MEAN_ABS = 0, 1, 2
 
 
+@cuda.jit(device=True)
+def _add_term(kind, v, p, q, cnt):
+    """One element ``v`` added to a lane's running reduction of kind ``kind`` (p: max, sum of squares,
+    sum of the non-negatives or sum of |v|; q: sum of the negatives; cnt: count of the non-negatives).
+    Lanes add their elements in order: the canonical summation order (module docstring)."""
+    if kind == MAX:
+        p = _max_nan(p, abs(v))
+    elif kind == L2:
+        p = p + _mul(v, v)
+    elif kind == TWO_MEAN:
+        if v >= F0:
+            p = p + v
+            cnt += 1
+        else:
+            q = q + v
+    else:
+        p = p + abs(v)
+    return p, q, cnt
+
+
 @cuda.jit
 def _k_reduce(x, scales, numel, bs, nb, kind):
     tid = cuda.threadIdx.x
@@ -98,19 +118,7 @@ def _k_reduce(x, scales, numel, bs, nb, kind):
     if b < nb:
         i = st + lane
         while i < en:
-            v = x[i]
-            if kind == MAX:
-                p = _max_nan(p, abs(v))
-            elif kind == L2:
-                p = p + _mul(v, v)
-            elif kind == TWO_MEAN:
-                if v >= F0:
-                    p = p + v
-                    cnt += 1
-                else:
-                    q = q + v
-            else:
-                p = p + abs(v)
+            p, q, cnt = _add_term(kind, x[i], p, q, cnt)
             i += 32
     sp[tid] = p
     sq[tid] = q
@@ -535,19 +543,7 @@ def _make_encode(BITS):
                 if lb < nbl:
                     i = st + lane
                     while i < en:
-                        v = x[i]
-                        if red == MAX:
-                            p = _max_nan(p, abs(v))
-                        elif red == L2:
-                            p = p + _mul(v, v)
-                        elif red == TWO_MEAN:
-                            if v >= F0:
-                                p = p + v
-                                cnt += 1
-                            else:
-                                q = q + v
-                        else:
-                            p = p + abs(v)
+                        p, q, cnt = _add_term(red, x[i], p, q, cnt)
                         i += 32
                 sp[tid] = p
                 sq[tid] = q
@@ -928,7 +924,7 @@ from . import _cuda_warp  # noqa: E402
 
 _make_encode3, _make_decode3 = _cuda_warp.build(_NS(
     SIMULATOR=SIMULATOR, qsgd_code=_qsgd_code, max_nan=_max_nan, finite=_finite, mul=_mul,
-    sqrt32=_sqrt32, block_bad=_block_bad, qsgd_code_r=_ops.qsgd_code_r, draw=_ops.draw, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
+    sqrt32=_sqrt32, add_term=_add_term, block_bad=_block_bad, qsgd_code_r=_ops.qsgd_code_r, draw=_ops.draw, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
     PACK_ONEBIT=PACK_ONEBIT, DEC_QSGD=DEC_QSGD, DEC_TWO_MEAN=DEC_TWO_MEAN))
 
 _RESIDENT = {}
