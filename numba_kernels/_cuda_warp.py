@@ -133,7 +133,7 @@ def _shuffles(simulator):
 
 def build(c):
     """Kernel factories over ``c``: a namespace holding ``SIMULATOR``, the scalar ops (``qsgd_code``,
-    ``qsgd_code_r``, ``draw``, ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``add_term`` (one element
+    ``qsgd_level``, ``uniform24``, ``draw``, ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``add_term`` (one element
     of a bucket's reduction), ``block_bad`` (the decode's
     block-level header check) and the kind constants of ``numba_kernels.cuda`` (``MAX``, ``L2``,
     ``TWO_MEAN``, ``PACK_*``, ``DEC_*``).
@@ -147,11 +147,12 @@ def build(c):
 
     qsgd_code, max_nan, finite, mul, sqrt32, block_bad = (c.qsgd_code, c.max_nan, c.finite, c.mul,
                                                          c.sqrt32, c.block_bad)
-    qsgd_code_r, draw, add_term = c.qsgd_code_r, c.draw, c.add_term
+    qsgd_level, uniform24, draw, add_term = c.qsgd_level, c.uniform24, c.draw, c.add_term
     MAX, L2, TWO_MEAN = c.MAX, c.L2, c.TWO_MEAN
     PACK_STOCH, PACK_ONEBIT = c.PACK_STOCH, c.PACK_ONEBIT
     DEC_QSGD, DEC_TWO_MEAN = c.DEC_QSGD, c.DEC_TWO_MEAN
     F0 = np.float32(0.0)
+    FINF = np.float32(np.inf)
     FNAN = np.float32(np.nan)
     U8 = np.uint64(8)
     UFF = np.uint64(0xFF)
@@ -254,53 +255,73 @@ def build(c):
                     else:
                         scales[np.uint32(b)] = p / np.float32(ln)
                 unit = scale / SF
-                # pass 2: codes, one 32-bit word per group of EPW lanes. REGK path: branch-free (codes of
-                # elements past the bucket are computed from 0.0 and masked), and each word is kept by
-                # one lane of its group (the lane with i == k % EPW, in slot k // EPW) and stored
-                # after the loop: a few coalesced stores per lane instead of one per step
+                # pass 2: codes, one 32-bit word per group of EPW lanes
                 wb = np.uint32(st >> LOG_EPW)
-                z = np.uint64(0)
-                slots = cuda.local.array(NSLOT, uint32)
-                for k in range(REGK if REGK else K):
-                    j = np.int32(k * 32 + lane)
-                    ok = j < ln
-                    e = np.uint32(st + j)
-                    v = F0
-                    if REGK:
-                        v = vals[k]
-                    elif ok:
-                        v = x[e]
-                    if BITS == 1:
-                        w = ballot(ok and v >= F0, bf, bi, tid)
-                    else:
-                        cde = np.int64(0)
-                        if PAIRED:
-                            if k % 2 == 0:
-                                z = draw(key, e)
-                                r = np.uint32((z >> U8_) & U24M)
-                            else:
-                                r = np.uint32(z >> U40_)
-                            cde = qsgd_code_r(v, scale, unit, SF, S, True, r)
-                        elif REGK or ok:
-                            cde = qsgd_code(v, scale, unit, SF, S, pack == PACK_STOCH, key, e)
-                        if not ok:
-                            cde = np.int64(0)
-                        w = np.int64(np.uint32(cde) << np.uint32(sh))
-                        m = 1
-                        while m < EPW:
-                            w |= xor_i(w, m, bf, bi, tid)
-                            m <<= 1
-                    if REGK:
-                        if (lane & GMASK) == k % EPW:
-                            slots[k // EPW] = np.uint32(w & M32)
-                    elif ok and (lane & GMASK) == 0:
-                        words[np.uint32(wb + np.uint32(j >> LOG_EPW))] = np.uint32(w & M32)
                 if REGK:
+                    # Branch-free: the scale check is hoisted to the bucket (a bad scale gives level 0,
+                    # offset s, for every element), elements past the bucket's end are quantized from
+                    # 0.0 and their bits cleared at the store; each word is kept by one lane of its
+                    # group (the lane with i == k % EPW, in slot k // EPW) and stored after the loop:
+                    # a few coalesced stores per lane instead of one per step.
+                    scale_ok = scale > F0 and scale < FINF
+                    i = lane & GMASK
+                    z = np.uint64(0)
+                    slots = cuda.local.array(NSLOT, uint32)
+                    for k in range(REGK):
+                        v = vals[k]
+                        if BITS == 1:
+                            w = ballot(v >= F0, bf, bi, tid)
+                        else:
+                            e = np.uint32(st + np.uint32(k * 32 + lane))
+                            r = np.uint32(0)
+                            if PAIRED:
+                                if k % 2 == 0:
+                                    z = draw(key, e)
+                                    r = np.uint32((z >> U8_) & U24M)
+                                else:
+                                    r = np.uint32(z >> U40_)
+                            elif pack == PACK_STOCH:
+                                r = np.uint32(uniform24(key, e))
+                            cde = qsgd_level(v, unit, SF, S, pack == PACK_STOCH, r)
+                            if not scale_ok:
+                                cde = np.int64(S)
+                            w = np.int64(np.uint32(cde) << np.uint32(sh))
+                            m = 1
+                            while m < EPW:
+                                w |= xor_i(w, m, bf, bi, tid)
+                                m <<= 1
+                        if i == k % EPW:
+                            slots[k // EPW] = np.uint32(w & M32)
                     gi = lane >> LOG_EPW                    # this lane's group: word k*BITS + gi of step k
                     for t in range(NSLOT):
-                        k = t * EPW + (lane & GMASK)
-                        if k < REGK and k * 32 + gi * EPW < ln:
-                            words[np.uint32(wb + np.uint32(k * BITS + gi))] = slots[t]
+                        k = t * EPW + i
+                        first = np.int32(k * 32 + gi * EPW)  # the word's first element in the bucket
+                        if k < REGK and first < ln:
+                            w32 = slots[t]
+                            if ln - first < EPW:            # the bucket's last, partial word
+                                w32 &= np.uint32((1 << ((ln - first) * BITS)) - 1)
+                            words[np.uint32(wb + np.uint32(k * BITS + gi))] = w32
+                else:
+                    for k in range(K):
+                        j = np.int32(k * 32 + lane)
+                        ok = j < ln
+                        e = np.uint32(st + j)
+                        v = F0
+                        if ok:
+                            v = x[e]
+                        if BITS == 1:
+                            w = ballot(ok and v >= F0, bf, bi, tid)
+                        else:
+                            cde = np.int64(0)
+                            if ok:
+                                cde = qsgd_code(v, scale, unit, SF, S, pack == PACK_STOCH, key, e)
+                            w = np.int64(np.uint32(cde) << np.uint32(sh))
+                            m = 1
+                            while m < EPW:
+                                w |= xor_i(w, m, bf, bi, tid)
+                                m <<= 1
+                        if ok and (lane & GMASK) == 0:
+                            words[np.uint32(wb + np.uint32(j >> LOG_EPW))] = np.uint32(w & M32)
                 g += cuda.gridDim.x
 
         return k3_encode

@@ -81,6 +81,11 @@ def build(jit, fmul):
         """:func:`qsgd_code` with the element's 24 random bits ``r`` given (uint32)."""
         if not (scale > F0 and scale < FINF):
             return s
+        return qsgd_level(xv, unit, sf, s, stochastic, r)
+
+    @jit
+    def qsgd_level(xv, unit, sf, s, stochastic, r):
+        """:func:`qsgd_code_r` for a bucket whose scale is known to be positive and finite."""
         v = abs(xv) / unit
         if not (v <= sf):            # rounding put |x|/unit above s, or unit underflowed to 0
             v = sf
@@ -93,7 +98,8 @@ def build(jit, fmul):
             q = np.int32(q + np.int32(np.float32(r) < frac * F2_24))  # P = ceil(frac * 2**24) / 2**24
         else:
             q = np.int32(q + np.int32(frac >= FHALF))     # round half up, decided on the exact fraction
-        q = min(q, np.int32(s))
+        # q <= s here: v <= s, and v == s has no fraction to round up (the reference's min(q, s) is a
+        # no-op; it is left out of the kernels)
         neg = np.int32(xv < F0)
         return np.int64(s + q - 2 * q * neg)
 
@@ -128,7 +134,7 @@ def build(jit, fmul):
         return np.float32(math.sqrt(a))
 
     return SimpleNamespace(mix64=mix64, draw=draw, uniform24=uniform24, qsgd_code=qsgd_code,
-                           qsgd_code_r=qsgd_code_r, max_nan=max_nan,
+                           qsgd_code_r=qsgd_code_r, qsgd_level=qsgd_level, max_nan=max_nan,
                            finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32)
 
 
