@@ -8,18 +8,25 @@ Lane ``l`` of the warp that owns bucket ``b`` handles the bucket's elements ``l,
 the canonical order of every sum (``numba_kernels.reference``), and coalesced 128-byte loads and
 stores for the whole warp.
 
-* encode (``k3_encode_<bits>``): pass 1 reads the bucket and reduces it: max with a xor butterfly of
-  warp shuffles (max is order-free), sums with ``shfl_down`` at strides 16, 8, 4, 2, 1 (the canonical
-  tree ``p[l] += p[l + stride]``), then broadcast. Pass 2 reads the bucket again (from L1/L2: the warp
-  has just read it) and quantizes; the ``32 // bits`` codes of one 32-bit word sit in consecutive
-  lanes, so each lane shifts its code into place and a xor butterfly of ``log2(32 // bits)`` shuffles
-  ORs them together (1 bit: one ``ballot``); the group's first lane stores the word. Block 0 also
-  writes the header. No shared memory, no block barrier (on hardware).
-* decode (``k3_decode_<bits>``): lane ``l`` reads its element's code word (the lanes of one word
-  read the same address: one broadcast), shifts out its code and writes ``(code - s) * unit`` with a
-  coalesced store; ``unit = scale / s`` once per bucket. The header check runs once per block
-  (thread 0), so the grid is persistent: at most as many blocks as fit on the GPU at once, striding
-  over groups of buckets.
+* encode (``k3_encode_<bits>``): buckets of up to 512 elements are loaded into registers at once
+  (``regk`` steps of 32 per lane, all loads in flight; larger buckets are read twice). Pass 1 reduces
+  the bucket: max with a xor butterfly of warp shuffles (max is order-free), sums with ``shfl_down``
+  at strides 16, 8, 4, 2, 1 (the canonical tree ``p[l] += p[l + stride]``), then broadcast. Pass 2
+  quantizes: ``|x| / unit`` through the bucket's reciprocal where the bucket allows it (see DIV_* in
+  ``numba_kernels._scalar``: the same float32 quotient as the IEEE division, without its per-element
+  range check and branch), stochastic draws with their splitmix64 argument advanced by a constant
+  per pair of steps. A 32-bit word holds the codes of ``32 // bits`` consecutive lanes of one step:
+  where a lane holds at least that many steps, it quantizes ``32 // bits`` steps and a recursive
+  halving over the word's lanes (``32 // bits - 1`` xor shuffles) leaves each lane one whole word;
+  otherwise a xor butterfly of ``log2(32 // bits)`` shuffles ORs each step's codes together (1 bit:
+  one ``ballot``). Words are kept in registers and stored after the loop. Block 0 also writes the
+  header. No shared memory, no block barrier (on hardware).
+* decode (``k3_decode_<bits>``): a whole bucket's code words are read coalesced (``dec_steps`` steps
+  per lane), then each step takes its word from the lane holding it with one shuffle, shifts out its
+  code and writes ``(code - s) * unit`` with a coalesced, unconditional store (a bucket's partial
+  last steps, and buckets of more than 512 elements, read their words one per element instead);
+  ``unit = scale / s`` once per bucket. The header check runs once per block (thread 0), so the grid
+  is persistent: at most as many blocks as fit on the GPU at once, striding over groups of buckets.
 
 In the CUDA simulator (which has no warp shuffles) the shuffles are emulated through shared memory
 and block barriers; every loop's trip count is therefore uniform over the block (warps past the
@@ -27,6 +34,8 @@ last bucket run with no valid element).
 """
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
+
+from ._scalar import DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN
 
 SIMBUF = 256                       # shared slots for the simulator's shuffle emulation
 FULL = 0xFFFFFFFF
@@ -36,14 +45,52 @@ DEC_REGS = 32
 M32 = np.int64(0xFFFFFFFF)
 
 
-def regk(bucket_size, simulator):
+def _round_exact(exact, mode):
+    """The float32 nearest ``exact`` (a Fraction; ties to even), or the largest float32 <= it when
+    ``mode == 'down'`` (finite results only)."""
+    from fractions import Fraction
+    f = np.float32(float(exact))               # within one float32 step of the exact value
+    cands = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+    cands = [c for c in cands if np.isfinite(c)]
+    if mode == "down":
+        return max(c for c in cands if Fraction(float(c)) <= exact)
+    return min(cands, key=lambda c: (abs(Fraction(float(c)) - exact),
+                                     int(np.float32(c).view(np.uint32)) & 1))
+
+
+def fma_exact(a, b, c):
+    """float32 ``a * b + c`` rounded once, to nearest (the hardware fma; the CUDA simulator's rounds
+    twice). Non-finite operands: plain float32 arithmetic."""
+    from fractions import Fraction
+    a, b, c = np.float32(a), np.float32(b), np.float32(c)
+    if not (np.isfinite(a) and np.isfinite(b) and np.isfinite(c)):
+        with np.errstate(all="ignore"):
+            return np.float32(a * b + c)
+    return np.float32(_round_exact(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)), "near"))
+
+
+def mul_rd_exact(a, b):
+    """float32 ``a * b`` rounded down (``libdevice.fmul_rd``), for the simulator; finite operands."""
+    from fractions import Fraction
+    return np.float32(_round_exact(Fraction(float(np.float32(a))) * Fraction(float(np.float32(b))),
+                                   "down"))
+
+
+def regk(bucket_size):
     """Steps per lane fixed at compile time for this bucket size (the smallest power of two covering
-    ``ceil(bucket_size / 32)``), or 0 (a run-time loop) above 16 steps (4 in the simulator)."""
+    ``ceil(bucket_size / 32)``), or 0 (a run-time loop) above 16 steps."""
     steps = -(-bucket_size // 32)
     r = 1
     while r < steps:
         r *= 2
-    return r if r <= (4 if simulator else 16) else 0
+    return r if r <= 16 else 0
+
+
+def dec_steps(bucket_size):
+    """The decode's steps per bucket fixed at compile time: ``ceil(bucket_size / 32)`` up to 16, else 0
+    (a run-time loop)."""
+    steps = -(-bucket_size // 32)
+    return steps if steps <= 16 else 0
 
 
 def supported(bits, bucket_size, numel, fuse_max):
@@ -148,6 +195,31 @@ def build(c):
     qsgd_code, max_nan, finite, mul, sqrt32, block_bad = (c.qsgd_code, c.max_nan, c.finite, c.mul,
                                                          c.sqrt32, c.block_bad)
     qsgd_level, uniform24, draw, add_term = c.qsgd_level, c.uniform24, c.draw, c.add_term
+    qsgd_round, mix64 = c.qsgd_round, c.mix64
+    if c.SIMULATOR:
+        fma = cuda.jit(device=True)(fma_exact)
+        mul_rd = cuda.jit(device=True)(mul_rd_exact)
+    else:
+        from numba.cuda import libdevice
+
+        @cuda.jit(device=True)
+        def fma(a, b, c_):
+            return libdevice.fmaf_rn(a, b, c_)
+
+        @cuda.jit(device=True)
+        def mul_rd(a, b):
+            return libdevice.fmul_rd(a, b)
+
+    @cuda.jit(device=True)
+    def quotient(a, unit, y):
+        """``a / unit``, IEEE-rounded, from ``y = 1 / unit`` (valid under the conditions of DIV_*)."""
+        q0 = mul(a, y)
+        return fma(fma(-q0, unit, a), y, q0)
+
+    F1 = np.float32(1.0)
+    SIMULATOR = c.SIMULATOR
+    GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
     MAX, L2, TWO_MEAN = c.MAX, c.L2, c.TWO_MEAN
     PACK_STOCH, PACK_ONEBIT = c.PACK_STOCH, c.PACK_ONEBIT
     DEC_QSGD, DEC_TWO_MEAN = c.DEC_QSGD, c.DEC_TWO_MEAN
@@ -174,6 +246,64 @@ def build(c):
         EPW = 32 // BITS                      # codes per 32-bit word
         LOG_EPW = EPW.bit_length() - 1
         GMASK = EPW - 1
+        HALF = EPW // 2
+
+        def make_words(FASTDIV):
+            @cuda.jit(device=True, inline="always")
+            def words(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok, bf, bi, tid):
+                """The REGK path's code words for BITS > 1, REGK >= EPW: for each group of EPW steps,
+                every lane quantizes its EPW elements (codes shifted to their place in the word), then
+                a recursive halving over the EPW lanes of a word (shuffles at distances EPW/2, ..., 1;
+                EPW - 1 in all) leaves lane i with the whole word of step t*EPW + i in ``slots[t]``:
+                one shuffle per word instead of log2(EPW) per element. FASTDIV: |x| / unit through
+                ``y`` and ``thr`` (see DIV_*); else the plain division."""
+                parts = cuda.local.array(HALF, uint32)
+                hi0 = (lane & HALF) != 0
+                z = np.uint64(0)
+                for t in range(REGK // EPW):
+                    for u in range(EPW):
+                        k = t * EPW + u
+                        v = vals[k]
+                        r = np.uint32(0)
+                        if PAIRED:
+                            if k % 2 == 0:
+                                z = mix64(key + np.uint64(pb + np.uint32(k // 2 * 32)) * GAMMA)
+                                r = np.uint32((z >> U8_) & U24M)
+                            else:
+                                r = np.uint32(z >> U40_)
+                        elif pack == PACK_STOCH:
+                            r = np.uint32(uniform24(key, np.uint32(st + np.uint32(k * 32 + lane))))
+                        a = abs(v)
+                        if FASTDIV:
+                            vq = F0
+                            if a > thr:
+                                vq = max(quotient(a, unit, y), DIV_POS)
+                        else:
+                            vq = a / unit
+                        cde = qsgd_round(vq, v < F0, SF, S, pack == PACK_STOCH, r)
+                        if not scale_ok:
+                            cde = np.int64(S)
+                        w = np.uint32(cde) << np.uint32(sh)
+                        if u < HALF:
+                            parts[u] = w
+                        else:            # the first halving step at once: fewer codes held live
+                            send = parts[u - HALF] if hi0 else w
+                            keep = w if hi0 else parts[u - HALF]
+                            parts[u - HALF] = keep | np.uint32(xor_i(send, HALF, bf, bi, tid))
+                    h = EPW >> 2
+                    while h:
+                        hi = (lane & h) != 0
+                        for u in range(h):
+                            lo_w = parts[u]
+                            hi_w = parts[u + h]
+                            send = lo_w if hi else hi_w
+                            keep = hi_w if hi else lo_w
+                            parts[u] = keep | np.uint32(xor_i(send, h, bf, bi, tid))
+                        h >>= 1
+                    slots[t] = parts[0]
+            return words
+
+        words_fast, words_plain = make_words(True), make_words(False)
 
         @cuda.jit(**_limit(ENC_REGS if BITS > 1 else ENC_REGS_1BIT))
         def k3_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key):
@@ -267,7 +397,31 @@ def build(c):
                     i = lane & GMASK
                     z = np.uint64(0)
                     slots = cuda.local.array(NSLOT, uint32)
-                    for k in range(REGK):
+                    slots2 = cuda.local.array(NSLOT if SIMULATOR else 1, uint32)
+                    if BITS > 1 and REGK >= EPW:
+                        fast = scale_ok and unit >= DIV_UNIT_MIN and unit <= DIV_UNIT_MAX
+                        y = F1
+                        thr = F0
+                        if fast:
+                            y = F1 / unit
+                            thr = mul_rd(mul(unit, DIV_2M50), DIV_2M100)    # RD(unit * 2**-150)
+                        # draw()'s counter for this lane's first pair (PAIRED), then + 32 per pair
+                        pb = np.uint32(((st >> np.uint32(6)) << np.uint32(5)) + np.uint32(lane))
+                        if SIMULATOR:     # both, in every warp: the emulated shuffles need them all
+                            words_fast(vals, slots2, lane, sh, pb, key, st, unit, y, thr, scale_ok,
+                                       bf, bi, tid)
+                            words_plain(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok,
+                                        bf, bi, tid)
+                            if fast:
+                                for t in range(NSLOT):
+                                    slots[t] = slots2[t]
+                        elif fast:
+                            words_fast(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok, bf,
+                                       bi, tid)
+                        else:
+                            words_plain(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok,
+                                        bf, bi, tid)
+                    for k in range(REGK if (BITS == 1 or REGK < EPW) else 0):
                         v = vals[k]
                         if BITS == 1:
                             w = ballot(v >= F0, bf, bi, tid)
@@ -327,14 +481,15 @@ def build(c):
         return k3_encode
 
     def make_decode(spec):
-        BITS, kind, REGK = spec             # REGK > 0: at most REGK steps (a constant trip count:
-                                            # unrolled, every code word load of a lane in flight)
+        BITS, kind, REGK = spec             # REGK > 0: buckets of REGK steps (bucket_size // 32,
+                                            # a constant trip count: unrolled) take the shuffle path
         S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
         SF = np.float32(max(S, 1))
         EPW = 32 // BITS
         LOG_EPW = EPW.bit_length() - 1
         GMASK = EPW - 1
         MASK = np.uint32((1 << BITS) - 1)
+        NHELD = max(1, -(-REGK * BITS // 32))   # code words per lane of a bucket of REGK steps
 
         @cuda.jit(**_limit(DEC_REGS))
         def k3_decode(payload, words, scales, out, status, expect, check, check_name, n, nb, bs, K,
@@ -343,15 +498,21 @@ def build(c):
             lane = np.int32(tid & 31)
             nw = cuda.blockDim.x >> 5
             serr = cuda.shared.array(1, int32)
+            bf = cuda.shared.array(SIMBUF, float32)
+            bi = cuda.shared.array(SIMBUF, int64)
             bad = block_bad(payload, status, expect, check, check_name, serr)
             sh = np.uint32((lane & GMASK) * BITS)
             g = cuda.blockIdx.x
-            while g < ngroups:
+            gi = lane >> LOG_EPW                # this lane's word within a step's BITS words
+            while g < ngroups:                  # uniform over the block
                 b = np.int32(g * nw + (tid >> 5))
+                st = np.uint32(0)
+                ln = np.int32(0)
+                hi = F0
+                lo = F0
                 if b < nb:
                     st = np.uint32(b * bs)
                     ln = np.int32(min(bs, n - b * bs))
-                    wb = np.uint32(st >> LOG_EPW)
                     if kind == DEC_QSGD:
                         hi = scales[np.uint32(b)] / SF
                         lo = hi
@@ -361,7 +522,44 @@ def build(c):
                     else:
                         hi = scales[np.uint32(b)]
                         lo = -hi
-                    for k in range(REGK if REGK else K):
+                if bad:                         # every value NaN, whatever its code
+                    hi = FNAN
+                    lo = FNAN
+                wb = np.uint32(st >> LOG_EPW)
+                if REGK and (SIMULATOR or ln == REGK * 32):    # (a whole bucket: uniform over the warp)
+                    # The bucket's code words, read coalesced (word m*32 + l by lane l) before any
+                    # store; step k's words k*BITS .. k*BITS + BITS-1 are then taken from their lanes
+                    # with one shuffle per element (a load per element waits behind the previous
+                    # element's store, which the compiler cannot prove does not alias it), and the
+                    # stores are unconditional. (The simulator, whose emulated shuffles need every
+                    # warp, takes this path for every bucket, with guarded stores.)
+                    nwd = np.int32((ln + EPW - 1) >> LOG_EPW)
+                    held = cuda.local.array(NHELD, uint32)
+                    for m in range(NHELD):
+                        wi = np.int32(m * 32 + lane)
+                        w = np.uint32(0)
+                        if wi < nwd:
+                            w = words[np.uint32(wb + np.uint32(wi))]
+                        held[m] = w
+                    for k in range(REGK):
+                        wd = np.uint32(bcast_i(held[(k * BITS) >> 5], ((k * BITS) & 31) + gi, bf, bi,
+                                               tid))
+                        j = np.int32(k * 32 + lane)
+                        cde = np.int32((wd >> sh) & MASK)
+                        if kind == DEC_QSGD:
+                            val = mul(np.float32(np.int32(cde - S)), hi)
+                        elif cde:
+                            val = hi
+                        else:
+                            val = lo
+                        if not SIMULATOR or j < ln:
+                            e = np.uint32(st + j)
+                            if accumulate:
+                                out[e] = out[e] + val
+                            else:
+                                out[e] = val
+                else:                           # a bucket's last, partial, steps; or REGK == 0
+                    for k in range(K):
                         j = np.int32(k * 32 + lane)
                         if j < ln:
                             cde = np.int32((words[np.uint32(wb + np.uint32(j >> LOG_EPW))] >> sh) & MASK)
@@ -371,8 +569,6 @@ def build(c):
                                 val = hi
                             else:
                                 val = lo
-                            if bad:
-                                val = FNAN
                             e = np.uint32(st + j)
                             if accumulate:
                                 out[e] = out[e] + val

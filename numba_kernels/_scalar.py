@@ -37,6 +37,27 @@ FINF = np.float32(np.inf)
 FNAN = np.float32(np.nan)
 
 
+# The encode divides |x| by the bucket's unit with IEEE rounding (the reference's ``abs(x) / unit``).
+# Per element that is a reciprocal approximation, its refinement, a range check (FCHK) and a branch on
+# the GPU. Where the bucket allows it (unit in [2**-60, 2**60]), v3 instead computes ``y = 1 / unit``
+# (IEEE-rounded) once per bucket and per element
+#     q0 = RN(a * y);  r = fma(-q0, unit, a);  q = fma(r, y, q0)
+# which is the IEEE-rounded a / unit (Markstein's correction step: with y the correctly rounded
+# reciprocal, r is exact and the corrected quotient is correctly rounded) wherever nothing underflows:
+# a / unit >= 2**-40 (then ulp(q) * ulp(unit) >= 2**-146, so r is representable). Below that only
+# whether the quotient is positive matters: a level is drawn from q < 2**-24 as 1 iff the 24 random
+# bits are 0 and q > 0 (rounding to nearest gives 0), and a / unit rounds to a positive float32 iff
+# a > unit * 2**-150, i.e. iff a > thr = RD(unit * 2**-150) (a is a float32). So each element takes
+# ``max(q, 2**-41)`` if a > thr, else 0: equal codes, three instructions instead of the branch.
+# tests/test_kernels.py holds both facts over every float32 significand of the unit and
+# random quotients; the GPU tests hold the kernels equal to the reference, tiny elements included.
+DIV_UNIT_MIN = np.float32(2.0 ** -60)
+DIV_UNIT_MAX = np.float32(2.0 ** 60)
+DIV_POS = np.float32(2.0 ** -41)      # any quotient in (0, 2**-24) gives the same code
+DIV_2M50 = np.float32(2.0 ** -50)
+DIV_2M100 = np.float32(2.0 ** -100)
+
+
 def build(jit, fmul):
     """Compile the scalar helpers with ``jit``; ``fmul(a, b)`` is the target's uncontractable multiply."""
 
@@ -86,7 +107,11 @@ def build(jit, fmul):
     @jit
     def qsgd_level(xv, unit, sf, s, stochastic, r):
         """:func:`qsgd_code_r` for a bucket whose scale is known to be positive and finite."""
-        v = abs(xv) / unit
+        return qsgd_round(abs(xv) / unit, xv < F0, sf, s, stochastic, r)
+
+    @jit
+    def qsgd_round(v, negative, sf, s, stochastic, r):
+        """:func:`qsgd_level` from ``v = |x| / unit`` (float32, IEEE-rounded) and the sign of x."""
         if not (v <= sf):            # rounding put |x|/unit above s, or unit underflowed to 0
             v = sf
         # 32-bit integers from here on (0 <= v <= s < 2**15): on a GPU, 64-bit conversions cost several
@@ -100,7 +125,7 @@ def build(jit, fmul):
             q = np.int32(q + np.int32(frac >= FHALF))     # round half up, decided on the exact fraction
         # q <= s here: v <= s, and v == s has no fraction to round up (the reference's min(q, s) is a
         # no-op; it is left out of the kernels)
-        neg = np.int32(xv < F0)
+        neg = np.int32(negative)
         return np.int64(s + q - 2 * q * neg)
 
     @jit
@@ -134,7 +159,8 @@ def build(jit, fmul):
         return np.float32(math.sqrt(a))
 
     return SimpleNamespace(mix64=mix64, draw=draw, uniform24=uniform24, qsgd_code=qsgd_code,
-                           qsgd_code_r=qsgd_code_r, qsgd_level=qsgd_level, max_nan=max_nan,
+                           qsgd_code_r=qsgd_code_r, qsgd_level=qsgd_level, qsgd_round=qsgd_round,
+                           max_nan=max_nan,
                            finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32)
 
 

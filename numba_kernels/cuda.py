@@ -924,7 +924,8 @@ from . import _cuda_warp  # noqa: E402
 
 _make_encode3, _make_decode3 = _cuda_warp.build(_NS(
     SIMULATOR=SIMULATOR, qsgd_code=_qsgd_code, max_nan=_max_nan, finite=_finite, mul=_mul,
-    sqrt32=_sqrt32, add_term=_add_term, block_bad=_block_bad, qsgd_level=_ops.qsgd_level, uniform24=_ops.uniform24, draw=_ops.draw, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
+    sqrt32=_sqrt32, add_term=_add_term, block_bad=_block_bad, qsgd_level=_ops.qsgd_level, qsgd_round=_ops.qsgd_round, uniform24=_ops.uniform24, draw=_ops.draw,
+    mix64=_ops.mix64, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
     PACK_ONEBIT=PACK_ONEBIT, DEC_QSGD=DEC_QSGD, DEC_TWO_MEAN=DEC_TWO_MEAN))
 
 _RESIDENT = {}
@@ -954,7 +955,7 @@ def _v3_encode(x, payload, header, bits, bs, red, pack, key, lay, stream):
     words, scales = _views(payload, lay)
     nb = lay.nbuckets
     ngroups = max(1, _grid(nb, BLOCK // 32))
-    regk = _cuda_warp.regk(bs, SIMULATOR)
+    regk = _cuda_warp.regk(bs)
     paired = pack == PACK_STOCH and regk >= 2 and bs % 64 == 0
     _launch(_cached("v3_encode", _make_encode3, (bits, red, pack, regk, paired)), ngroups, BLOCK, stream,
             (x, payload, words, scales, _words(header), x.size, nb, bs, (bs + 31) // 32, ngroups, key))
@@ -970,7 +971,7 @@ def _v3_decode(payload, out, bits, bs, kind, accumulate, lay, stream, status):
     words, scales = _views(payload, lay)
     nb = lay.nbuckets
     ngroups = _grid(nb, BLOCK // 32)
-    k = _cached("v3_decode", _make_decode3, (bits, kind, _cuda_warp.regk(bs, SIMULATOR)))
+    k = _cached("v3_decode", _make_decode3, (bits, kind, _cuda_warp.dec_steps(bs)))
     _launch(k, min(ngroups, _resident_blocks(k)), BLOCK, stream,
             (payload, words, scales, out, _zero_status() if status is None else status, expect, check,
              check_name, n, nb, bs, (bs + 31) // 32, ngroups, bool(accumulate)))

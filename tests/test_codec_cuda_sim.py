@@ -35,11 +35,14 @@ KERNEL_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, F
                # v3 (warp per bucket): bits dividing 32, buckets of >= 32 elements holding whole words
                (1000, 96, 4, True, True), (257, 32, 2, False, False), (130, 64, 16, True, False),
                (600, 512, 8, True, False), (65, 40, 4, False, True), (1100, 640, 4, True, False),
-               (300, 128, 4, True, False)]
+               (300, 128, 4, True, False),
+               # v3's word assembly by recursive halving (steps in registers >= codes per word)
+               (600, 256, 4, True, False), (1100, 512, 2, True, True), (300, 128, 8, False, False),
+               (700, 352, 4, True, True)]
 KERNEL_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True),
                  (70, 1, True), (200, 9000, False), (300, 96, False), (100, 32, True)]
 KERNEL_CASES = ([f"qsgd-n{n}-bs{bs}-b{b}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}{sp}"
-                 for n, bs, b, st, l2 in KERNEL_QSGD for sp in ("", "-special")]
+                 for n, bs, b, st, l2 in KERNEL_QSGD for sp in ("", "-special", "-wide")]
                 + [f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}" for n, bs, tm in KERNEL_ONEBIT]
                 + ["check-deferred-bad", "check-deferred-good", "check-flushed-by-other-launch",
                    "check-raw-method-immediate"])
@@ -251,8 +254,9 @@ def _kernel_cases(nan_eq):
     out = {}
     dev = cuda.to_device
     for n, bs, bits, st, l2 in KERNEL_QSGD:
-        for special in (False, True):
-            x, h, lay = qsgd_case(n, bs, bits, st, l2, x=make_x(n, n + bs, special) if special else None)
+        for variant in ("", "-special", "-wide"):
+            x, h, lay = qsgd_case(n, bs, bits, st, l2, x=make_x(n, n + bs, variant == "-special",
+                                                                variant == "-wide") if variant else None)
             want = np.zeros(lay.total, np.uint8)
             with np.errstate(all="ignore"):
                 R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, KEY)
@@ -267,8 +271,7 @@ def _kernel_cases(nan_eq):
             with np.errstate(all="ignore"):
                 R.qsgd_decode_ref(want, a, bits, bs, True)
             K.qsgd_decode_cuda(dev(want), o, bits, bs, True)
-            name = (f"qsgd-n{n}-bs{bs}-b{bits}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}"
-                    + ("-special" if special else ""))
+            name = f"qsgd-n{n}-bs{bs}-b{bits}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}{variant}"
             out[name] = bool(ok) and nan_eq(a, o.copy_to_host())
     for n, bs, tm in KERNEL_ONEBIT:
         x, h, lay = onebit_case(n, bs, tm, special=n > 50)
@@ -344,18 +347,22 @@ def test_device_codec_path(results, spec, check):
 def test_selected_kernels_ran(results):
     """The cases above went through the selected implementation's own kernels (v3: for qsgd at
     2, 4, 8, 16 bits with every scale, and 1-bit with both scales, buckets kept in registers (up to
-    128 elements in the simulator, 512 on a GPU) and re-read (above), paired hash draws; v2: its fused encode/decode)."""
+    512 elements) and re-read (above), paired hash draws, code words assembled by recursive halving
+    (steps in registers >= codes per word), decodes of whole and partial buckets; v2: its fused
+    encode/decode)."""
     got = set(results["compiled"])
     if results["impl"] == "v3":
         # v3_encode_<bits>_<scale>_<pack>_<steps in registers: 0 = run-time loop>_<paired draws>
         want = {"v3_encode_4_1_1_4_False", "v3_encode_2_0_0_1_False", "v3_encode_16_0_1_2_True",
-                "v3_encode_8_0_1_2_True", "v3_encode_8_0_1_0_False", "v3_encode_4_1_0_2_False",
+                "v3_encode_8_0_1_2_True", "v3_encode_8_0_1_16_True", "v3_encode_4_1_0_2_False",
                 "v3_encode_4_0_1_0_False", "v3_encode_4_0_1_4_True", "v3_encode_4_0_1_1_False",
                 "v3_encode_8_1_1_2_True", "v3_encode_1_3_2_4_False", "v3_encode_1_2_2_1_False",
-                "v3_encode_1_2_2_2_False",
+                "v3_encode_1_2_2_2_False", "v3_encode_4_0_1_8_True", "v3_encode_2_1_1_16_True",
+                "v3_encode_8_0_0_4_False", "v3_encode_4_1_1_16_False",
                 "v3_decode_4_0_4", "v3_decode_2_0_1", "v3_decode_16_0_2", "v3_decode_8_0_2",
-                "v3_decode_8_0_0", "v3_decode_4_0_2", "v3_decode_4_0_0", "v3_decode_4_0_1",
-                "v3_decode_1_1_1", "v3_decode_1_1_2", "v3_decode_1_2_4"}
+                "v3_decode_8_0_16", "v3_decode_4_0_2", "v3_decode_4_0_0", "v3_decode_4_0_1",
+                "v3_decode_4_0_8", "v3_decode_4_0_11", "v3_decode_2_0_16",
+                "v3_decode_1_1_1", "v3_decode_1_1_2", "v3_decode_1_2_3"}
     elif results["impl"] == "v2":
         want = {"v2_encode_4", "v2_decode_4", "v2_encode_1", "v2_decode_1"}
     else:

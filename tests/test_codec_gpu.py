@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import make_x  # noqa: E402
 
 try:
     import pytest
@@ -47,12 +49,17 @@ def check_kernels_match_reference():
     fails = []
     rng = np.random.default_rng(0)
     key = 0x1234_5678_9ABC_DEF0
-    for n in (0, 1, 7, 8, 9, 31, 32, 33, 255, 256, 257, 511, 512, 513, 1000, 4097, 100_003):
-        x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 2)).astype(np.float32)
+    sizes = (0, 1, 7, 8, 9, 31, 32, 33, 255, 256, 257, 511, 512, 513, 1000, 4097, 100_003)
+    # then magnitudes over the whole float32 range: v3's division for tiny quotients and extreme scales
+    for n, wide in [(n, False) for n in sizes] + [(1000, True), (100_003, True)]:
+        if wide:
+            x = make_x(n, n, wide=True)
+        else:
+            x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 2)).astype(np.float32)
         if n > 20:
             x[rng.integers(0, n, 3)] = [np.nan, np.inf, 0.0]
         xd = cuda.to_device(x)
-        for bs in (1, 7, 64, 96, 512, 10000):
+        for bs in (1, 7, 64, 96, 256, 352, 512, 10000):
             for bits in ((2, 3, 4, 5, 8, 12, 16) if bs != 10000 else (3, 4)):
                 for st in (True, False):
                     for l2 in (False, True):
@@ -73,7 +80,8 @@ def check_kernels_match_reference():
                         o = cuda.to_device(np.ones(n, np.float32))
                         K.qsgd_decode_cuda(cuda.to_device(want), o, bits, bs, True)
                         if not (ok and _nan_eq(a, o.copy_to_host())):
-                            fails.append(f"qsgd n={n} bs={bs} bits={bits} st={st} l2={l2} enc={ok}")
+                            fails.append(f"qsgd n={n}{' wide' if wide else ''} bs={bs} bits={bits} st={st} "
+                                         f"l2={l2} enc={ok}")
             for bs1 in (0, bs):
                 for tm in (True, False):
                     mode = 0 if tm else 1
@@ -94,7 +102,7 @@ def check_kernels_match_reference():
                     o = cuda.to_device(np.ones(n, np.float32))
                     K.onebit_decode_cuda(cuda.to_device(want), o, bs1, tm, False)
                     if not (ok and _nan_eq(a, o.copy_to_host())):
-                        fails.append(f"onebit n={n} bs={bs1} two_mean={tm} enc={ok}")
+                        fails.append(f"onebit n={n}{' wide' if wide else ''} bs={bs1} two_mean={tm} enc={ok}")
     # v3's persistent decode grid strides over more bucket groups than fit on the GPU at once
     n = 5_000_000
     x = rng.standard_normal(n).astype(np.float32)

@@ -18,30 +18,15 @@ import pytest
 
 from numba_kernels import reference as R, wire
 
+sys.path.insert(0, os.path.dirname(__file__))   # (the simulator's child imports this module too)
+from data import make_x  # noqa: E402,F401  (re-exported for the simulator's child)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SIZES = [0, 1, 7, 8, 9, 31, 32, 33, 511, 512, 513, 1000, 4097]
 BUCKETS = [1, 7, 64, 512]
 BITS = [2, 3, 4, 5, 8, 12, 16]
 KEY = 0x1234_5678_9ABC_DEF0
-
-
-def make_x(n, seed, special=False):
-    """Values over many magnitudes, with exact zeros and -0.0; ``special`` adds NaN, Inf, -Inf,
-    denormals and huge values in some buckets."""
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 2)).astype(np.float32)
-    if n > 4:
-        x[rng.integers(0, n, size=max(1, n // 10))] = 0.0
-        x[rng.integers(0, n)] = -0.0
-    if special and n:
-        picks = rng.integers(0, n, size=5)
-        x[picks[0]] = np.nan
-        x[picks[1]] = np.inf
-        x[picks[2]] = -np.inf
-        x[picks[3]] = np.float32(1e-42)
-        x[picks[4]] = np.float32(3e38)
-    return x
 
 
 def bits_equal(a, b):
@@ -179,6 +164,69 @@ def test_canonical_sum_order():
         padded = np.zeros((1, -(-n // 32) * 32), np.float32)
         padded[0, :n] = t
         assert bits_equal(R.lane_sum_ref(padded), [p[0]])
+
+
+def _fast_quotient_mismatches():
+    """(quotients that differ from a / unit, positivity tests that differ, cases) for the v3 encode's
+    division (numba_kernels/_scalar.py, DIV_*): q = fma(fma(-q0, unit, a), y, q0) with q0 = RN(a*y),
+    y = RN(1/unit), against the IEEE quotient where a / unit >= 2**-40; and a > RD(unit * 2**-150)
+    against a / unit rounding to a positive float32 below that. Every float32 significand of the unit
+    (exponents drawn in [-60, 59]), 8 quotients each over 2**-40 .. 2**16 (a few at binade edges),
+    and 4 tiny ones around the positivity boundary."""
+    import llvmlite.ir as lir
+    from numba import njit, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def fma32(typingctx, a, b, c):
+        def codegen(context, builder, sig, args):
+            f32 = lir.FloatType()
+            fn = cgutils.get_or_insert_function(builder.module, lir.FunctionType(f32, [f32] * 3),
+                                                "llvm.fma.f32")
+            return builder.call(fn, args)
+        return types.float32(types.float32, types.float32, types.float32), codegen
+
+    @njit(cache=False)
+    def run(seed):
+        np.random.seed(seed)
+        one = np.float32(1.0)
+        bad_q = 0
+        bad_pos = 0
+        cases = 0
+        for m in range(1 << 23):
+            e = np.random.randint(-60, 60)
+            unit = np.float32((1.0 + m / 8388608.0) * 2.0 ** e)
+            y = one / unit
+            for t in range(8):
+                qe = np.random.uniform(-40.0, 16.0)
+                a = np.float32(np.float64(unit) * 2.0 ** qe * (1.0 + np.random.random() * 1e-7 * (t < 2)))
+                if a / unit < np.float32(2.0 ** -40) or not np.isfinite(a):
+                    continue
+                q0 = a * y
+                q = fma32(fma32(-q0, unit, a), y, q0)
+                cases += 1
+                if q != a / unit:
+                    bad_q += 1
+            # positivity below 2**-40: a / unit > 0  <=>  a > RD(unit * 2**-150)
+            p = np.float64(unit * np.float32(2.0 ** -50)) * 2.0 ** -100      # exact in float64
+            thr = np.float32(p)
+            if np.float64(thr) > p:
+                thr = np.float32(np.nextafter(thr, np.float32(0.0)))
+            for t in range(4):
+                a = np.float32(p * (1.0 + (np.random.random() - 0.5) * 0.5 ** (t * 6)))
+                cases += 1
+                if (a / unit > 0) != (a > thr):
+                    bad_pos += 1
+        return bad_q, bad_pos, cases
+
+    return run(7)
+
+
+def test_fast_quotient_identity():
+    bad_q, bad_pos, cases = _fast_quotient_mismatches()
+    assert cases > 40_000_000
+    assert (bad_q, bad_pos) == (0, 0)
 
 
 def test_header_check_reference():

@@ -18,7 +18,9 @@ timed call keeps the GPU busy while the host enqueues it; the host time per call
 launch overhead, is reported separately as ``host ms/call``), median
 of ``--repeat`` after ``--warmup`` calls. The first call of each codec (Numba compilation or cache
 load included) is timed on its own. CPU: wall time, median, and GB/s of float32 input per core.
-Ratios: ``ours/copy`` (lower is better, 1.0 = memory-bound), ``torch/ours`` (higher is better).
+Ratios: ``enc+dec / copy`` and ``enc+dec / limit`` (lower is better; the limit is the traffic of an
+encode+decode, 8 + 2*B bytes per element for a payload of B bytes per element, at the copy's measured
+rate: 1.0 = memory-bound), ``torch-ops / ours`` (higher is better).
 
 ``tiny enc+dec us``: wall time per ``decode_into(encode(x))`` call on a tiny tensor
 (``--tiny-numel``, 4096 elements), many calls back to back then one synchronisation: the per-call
@@ -272,6 +274,15 @@ def kernels_impl():
     return K.impl()
 
 
+def traffic_limit(copy_ms, row):
+    """The memory-bound time of ``row``'s encode+decode: its traffic (read x, write the payload, read
+    it, write out: 8 + 2*B bytes per element; the copy's own row: 8) at the copy's measured rate
+    (8 bytes per element in ``copy_ms``)."""
+    if row["codec"] == "copy":
+        return copy_ms
+    return copy_ms * (8 + 2 * row["bytes_per_elem"]) / 8
+
+
 def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
     cp = rows[0]["encdec"]
     head = f"{device}, numel={numel:,}" + (f", threads={threads}" if threads else "")
@@ -279,7 +290,7 @@ def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
         head += f", CUDA kernels {impl}"
     print(f"\n### {head}\n")
     cols = ["codec", "B/elem", "encode ms", "decode ms", "enc+dec ms", "enc+dec / copy",
-            "torch-ops enc+dec ms", "torch-ops / ours", "host ms/call", "first enc s", "first dec s",
+            "enc+dec / limit", "torch-ops enc+dec ms", "torch-ops / ours", "host ms/call", "first enc s", "first dec s",
             "tiny enc+dec us"]
     if device == "cpu":
         cols += ["enc GB/s/core", "dec GB/s/core", "enc+dec GB/s/core"]
@@ -289,7 +300,7 @@ def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
         ted = r.get("torch_encdec")
         cells = [r["codec"], _fmt(r["bytes_per_elem"], 3), _fmt(r["encode"]), _fmt(r["decode"]),
                  _fmt(r["encdec"]), _fmt(r["encdec"] / cp, 2),
-                 _fmt(ted), _fmt(ted / r["encdec"] if ted else None, 1), _fmt(r["host"]),
+                 _fmt(r["encdec"] / traffic_limit(cp, r), 2), _fmt(ted), _fmt(ted / r["encdec"] if ted else None, 1), _fmt(r["host"]),
                  _fmt(r.get("first_encode_s"), 2), _fmt(r.get("first_decode_s"), 2),
                  _fmt(r.get("tiny_us"), 1)]
         if device == "cpu":
