@@ -41,7 +41,7 @@ SIMBUF = 256                       # shared slots for the simulator's shuffle em
 FULL = 0xFFFFFFFF
 ENC_REGS = 40                      # register caps per thread (see build's _limit)
 ENC_REGS_1BIT = 48                 # (1 bit, two_mean: 40 would spill)
-DEC_REGS = 32
+DEC_REGS = 40
 M32 = np.int64(0xFFFFFFFF)
 
 
@@ -260,6 +260,9 @@ def build(c):
                 parts = cuda.local.array(HALF, uint32)
                 hi0 = (lane & HALF) != 0
                 z = np.uint64(0)
+                # 1 << sh, through an identity shuffle: opaque to the compiler, which would otherwise
+                # turn the multiply below back into a shift (integer ALU: the encode's busiest pipe)
+                place = np.uint32(bcast_i(np.uint32(1) << np.uint32(sh), lane, bf, bi, tid))
                 for t in range(REGK // EPW):
                     for u in range(EPW):
                         k = t * EPW + u
@@ -281,9 +284,9 @@ def build(c):
                         else:
                             vq = a / unit
                         cde = qsgd_round(vq, v < F0, SF, S, pack == PACK_STOCH, r)
-                        if not scale_ok:
+                        if not FASTDIV and not scale_ok:     # (FASTDIV implies a good scale)
                             cde = np.int64(S)
-                        w = np.uint32(cde) << np.uint32(sh)
+                        w = np.uint32(cde) * place           # (<< sh, as a multiply)
                         if u < HALF:
                             parts[u] = w
                         else:            # the first halving step at once: fewer codes held live

@@ -125,8 +125,8 @@ def build(jit, fmul):
             q = np.int32(q + np.int32(frac >= FHALF))     # round half up, decided on the exact fraction
         # q <= s here: v <= s, and v == s has no fraction to round up (the reference's min(q, s) is a
         # no-op; it is left out of the kernels)
-        neg = np.int32(negative)
-        return np.int64(s + q - 2 * q * neg)
+        sign = np.int32(1) - np.int32(2) * np.int32(negative)     # (a select and a multiply-add on a GPU)
+        return np.int64(s + q * sign)
 
     @jit
     def max_nan(m, a):
