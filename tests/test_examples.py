@@ -231,6 +231,16 @@ def test_digits_default_is_offline_and_says_so():
     assert np.allclose(ds.x_train[:, :, :4, :], ds.x_train[0, 0, 0, 0])
 
 
+@pytest.mark.torch
+def test_one_channel_batches_are_plain_nchw():
+    """Batches of one-channel images reach torch with ordinary NCHW strides, not strides it reads as
+    channels_last (which routes convolutions to oneDNN's NHWC kernels; see data._layout)."""
+    import torch
+    ds = D.load_mnist(None, image_size=16)
+    xb = torch.from_numpy(ds.x_train[np.array([5, 0, 9])])
+    assert xb.shape == (3, 1, 16, 16) and xb.stride() == (256, 256, 16, 1)
+
+
 def test_cifar_reader_and_synthetic(tmp_path):
     ds = D.load_cifar10(make_cifar_dir(tmp_path))
     assert ds.x_train.shape == (100, 3, 32, 32) and ds.x_test.shape == (20, 3, 32, 32) and ds.kind == "cifar10"

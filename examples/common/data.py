@@ -128,7 +128,13 @@ def _layout(x: np.ndarray, layout: str) -> np.ndarray:
     if layout == "NHWC":
         return np.ascontiguousarray(x)
     if layout == "NCHW":
-        return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        # A copy, not np.ascontiguousarray: with one channel (MNIST, digits) the transposed view already
+        # counts as C-contiguous and would come back with its channel axis' odd stride; batches gathered
+        # from it then have strides torch reads as channels_last, which sends every convolution to
+        # oneDNN's NHWC kernels. In torch 2.13's CPU build the backward-weights kernel of a strided 1x1
+        # convolution with few channels there (jit_1x1:avx2, on CPUs without AVX-512) corrupts the heap
+        # with one thread and gives wrong weight gradients with two.
+        return x.transpose(0, 3, 1, 2).copy()
     raise ValueError(f"layout must be NCHW or NHWC, got {layout!r}")
 
 
