@@ -494,6 +494,21 @@ def build(c):
         MASK = np.uint32((1 << BITS) - 1)
         NHELD = max(1, -(-REGK * BITS // 32))   # code words per lane of a bucket of REGK steps
 
+        @cuda.jit(device=True, inline="always")
+        def put(out, e, cde, hi, lo, accumulate):
+            """Write (or add) element ``e``'s value from its code ``cde``: ``(cde - s) * hi`` for QSGD
+            (hi = lo = unit), ``hi`` or ``lo`` by the code's bit for 1-bit."""
+            if kind == DEC_QSGD:
+                val = mul(np.float32(np.int32(cde - S)), hi)
+            elif cde:
+                val = hi
+            else:
+                val = lo
+            if accumulate:
+                out[e] = out[e] + val
+            else:
+                out[e] = val
+
         @cuda.jit(**_limit(DEC_REGS))
         def k3_decode(payload, words, scales, out, status, expect, check, check_name, n, nb, bs, K,
                       ngroups, accumulate):
@@ -548,35 +563,15 @@ def build(c):
                         wd = np.uint32(bcast_i(held[(k * BITS) >> 5], ((k * BITS) & 31) + gi, bf, bi,
                                                tid))
                         j = np.int32(k * 32 + lane)
-                        cde = np.int32((wd >> sh) & MASK)
-                        if kind == DEC_QSGD:
-                            val = mul(np.float32(np.int32(cde - S)), hi)
-                        elif cde:
-                            val = hi
-                        else:
-                            val = lo
                         if not SIMULATOR or j < ln:
-                            e = np.uint32(st + j)
-                            if accumulate:
-                                out[e] = out[e] + val
-                            else:
-                                out[e] = val
+                            put(out, np.uint32(st + j), np.int32((wd >> sh) & MASK), hi, lo, accumulate)
                 else:                           # a bucket's last, partial, steps; or REGK == 0
                     for k in range(K):
                         j = np.int32(k * 32 + lane)
                         if j < ln:
-                            cde = np.int32((words[np.uint32(wb + np.uint32(j >> LOG_EPW))] >> sh) & MASK)
-                            if kind == DEC_QSGD:
-                                val = mul(np.float32(np.int32(cde - S)), hi)
-                            elif cde:
-                                val = hi
-                            else:
-                                val = lo
-                            e = np.uint32(st + j)
-                            if accumulate:
-                                out[e] = out[e] + val
-                            else:
-                                out[e] = val
+                            put(out, np.uint32(st + j),
+                                np.int32((words[np.uint32(wb + np.uint32(j >> LOG_EPW))] >> sh) & MASK),
+                                hi, lo, accumulate)
                 g += cuda.gridDim.x
 
         return k3_decode
