@@ -42,9 +42,10 @@ FNAN = np.float32(np.nan)
 # the GPU. Where the bucket allows it (unit in [2**-60, 2**60]), v3 instead computes ``y = 1 / unit``
 # (IEEE-rounded) once per bucket and per element
 #     q0 = RN(a * y);  r = fma(-q0, unit, a);  q = fma(r, y, q0)
-# which is the IEEE-rounded a / unit (Markstein's correction step: with y the correctly rounded
-# reciprocal, r is exact and the corrected quotient is correctly rounded) wherever nothing underflows:
-# a / unit >= 2**-40 (then ulp(q) * ulp(unit) >= 2**-146, so r is representable). Below that only
+# (one correction step in the manner of Markstein, from the correctly rounded reciprocal), which gives
+# the IEEE-rounded a / unit wherever nothing underflows: a / unit >= 2**-40 (then ulp(q) * ulp(unit)
+# >= 2**-146, so the remainder r is representable; the identity itself is checked, not assumed, by the
+# test named below, over every float32 significand of the unit). Below that only
 # whether the quotient is positive matters: a level is drawn from q < 2**-24 as 1 iff the 24 random
 # bits are 0 and q > 0 (rounding to nearest gives 0), and a / unit rounds to a positive float32 iff
 # a > unit * 2**-150, i.e. iff a > thr = RD(unit * 2**-150) (a is a float32). So each element takes
