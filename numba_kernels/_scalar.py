@@ -46,8 +46,9 @@ FNAN = np.float32(np.nan)
 # the IEEE-rounded a / unit wherever nothing underflows: a / unit >= 2**-40 (then ulp(q) * ulp(unit)
 # >= 2**-146, so the remainder r is representable; the identity itself is checked, not assumed, by the
 # test named below, over every float32 significand of the unit). Below that only
-# whether the quotient is positive matters: a level is drawn from q < 2**-24 as 1 iff the 24 random
-# bits are 0 and q > 0 (rounding to nearest gives 0), and a / unit rounds to a positive float32 iff
+# whether the quotient is positive matters: stochastic rounding draws a level of 1 from q < 2**-24 iff
+# the 24 random bits are 0 and q > 0 (rounding to nearest gives 0 either way), and a / unit rounds to a
+# positive float32 iff
 # a > unit * 2**-150, i.e. iff a > thr = RD(unit * 2**-150) (a is a float32). So each element takes
 # ``max(q, 2**-41)`` if a > thr, else 0: equal codes, three instructions instead of the branch.
 # tests/test_kernels.py holds both facts over every float32 significand of the unit and
