@@ -924,8 +924,8 @@ from . import _cuda_warp  # noqa: E402
 
 _make_encode3, _make_decode3 = _cuda_warp.build(_NS(
     SIMULATOR=SIMULATOR, qsgd_code=_qsgd_code, max_nan=_max_nan, finite=_finite, mul=_mul,
-    sqrt32=_sqrt32, add_term=_add_term, block_bad=_block_bad, qsgd_level=_ops.qsgd_level, qsgd_round=_ops.qsgd_round, uniform24=_ops.uniform24, draw=_ops.draw,
-    mix64=_ops.mix64, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
+    sqrt32=_sqrt32, add_term=_add_term, block_bad=_block_bad, qsgd_level=_ops.qsgd_level,
+    qsgd_round=_ops.qsgd_round, uniform24=_ops.uniform24, draw=_ops.draw, mix64=_ops.mix64, MAX=MAX, L2=L2, TWO_MEAN=TWO_MEAN, PACK_STOCH=PACK_STOCH,
     PACK_ONEBIT=PACK_ONEBIT, DEC_QSGD=DEC_QSGD, DEC_TWO_MEAN=DEC_TWO_MEAN))
 
 _RESIDENT = {}

@@ -171,8 +171,8 @@ def _fast_quotient_mismatches():
     division (numba_kernels/_scalar.py, DIV_*): q = fma(fma(-q0, unit, a), y, q0) with q0 = RN(a*y),
     y = RN(1/unit), against the IEEE quotient where a / unit >= 2**-40; and a > RD(unit * 2**-150)
     against a / unit rounding to a positive float32 below that. Every float32 significand of the unit
-    (exponents drawn in [-60, 59]), 8 quotients each over 2**-40 .. 2**16 (a few at binade edges),
-    and 4 tiny ones around the positivity boundary."""
+    (exponents drawn in [-60, 59]), 8 quotients each over 2**-40 .. 2**16 (two of them nudged by up
+    to 1e-7 relative), and 4 tiny ones around the positivity boundary."""
     import llvmlite.ir as lir
     from numba import njit, types
     from numba.core import cgutils

@@ -290,8 +290,8 @@ def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
         head += f", CUDA kernels {impl}"
     print(f"\n### {head}\n")
     cols = ["codec", "B/elem", "encode ms", "decode ms", "enc+dec ms", "enc+dec / copy",
-            "enc+dec / limit", "torch-ops enc+dec ms", "torch-ops / ours", "host ms/call", "first enc s", "first dec s",
-            "tiny enc+dec us"]
+            "enc+dec / limit", "torch-ops enc+dec ms", "torch-ops / ours", "host ms/call", "first enc s",
+            "first dec s", "tiny enc+dec us"]
     if device == "cpu":
         cols += ["enc GB/s/core", "dec GB/s/core", "enc+dec GB/s/core"]
     print("| " + " | ".join(cols) + " |")
@@ -300,7 +300,8 @@ def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
         ted = r.get("torch_encdec")
         cells = [r["codec"], _fmt(r["bytes_per_elem"], 3), _fmt(r["encode"]), _fmt(r["decode"]),
                  _fmt(r["encdec"]), _fmt(r["encdec"] / cp, 2),
-                 _fmt(r["encdec"] / traffic_limit(cp, r), 2), _fmt(ted), _fmt(ted / r["encdec"] if ted else None, 1), _fmt(r["host"]),
+                 _fmt(r["encdec"] / traffic_limit(cp, r), 2), _fmt(ted),
+                 _fmt(ted / r["encdec"] if ted else None, 1), _fmt(r["host"]),
                  _fmt(r.get("first_encode_s"), 2), _fmt(r.get("first_decode_s"), 2),
                  _fmt(r.get("tiny_us"), 1)]
         if device == "cpu":
