@@ -13,8 +13,12 @@ from .exchange import ConfigMismatchError, PayloadMismatchError  # noqa: E402
 from .codecs import (QSGD, OneBit, FP16, NoCompression, Compression, Codec, REGISTRY,  # noqa: E402
                      register, from_spec, PayloadError, UnsupportedInputError)
 
-# TensorFlow: autograph must run the stock-Horovod hooks as plain Python (in a graph they build the
-# exchange's ops themselves); it leaves alone functions carrying this attribute. No TensorFlow import.
-for _hook in (Codec.compress, Codec.decompress, StockCompression.compress, StockCompression.decompress):
-    _hook.autograph_info__ = None
-del _hook
+# TensorFlow: autograph must run the codecs and the stock-Horovod hooks as plain Python (in a graph
+# the hooks build the exchange's ops themselves; a codec is configuration, read while tracing); it
+# leaves alone functions carrying this attribute. No TensorFlow import.
+for _cls in {StockCompression} | {c for k in REGISTRY.values() for c in k.__mro__ if c is not object}:
+    for _fn in vars(_cls).values():
+        _fn = getattr(_fn, "fget", _fn)         # properties: their getter
+        if callable(_fn) and hasattr(_fn, "__code__"):
+            _fn.autograph_info__ = None
+del _cls, _fn

@@ -18,10 +18,11 @@ Input dtypes: float32 is used in place; float16, bfloat16 and float64 are conver
 (one extra pass, done by the framework); anything else raises :class:`UnsupportedInputError`.
 """
 import importlib
+import threading
 
 import numpy as np
 
-__all__ = ["adapter_for", "register_backend", "BACKENDS", "UnsupportedInputError", "HostAdapter",
+__all__ = ["adapter_for", "register_backend", "status_for", "zero_status", "device_statuses", "BACKENDS", "UnsupportedInputError", "HostAdapter",
            "DeviceAdapter", "FLOAT_DTYPES", "numpy_dtype", "check_float"]
 
 # top-level module of type(obj) -> adapter module (each exposes ``adapter(obj)``)
@@ -41,19 +42,66 @@ class UnsupportedInputError(TypeError, ValueError):
 def register_backend(top_module, adapter_module):
     """Route objects whose type lives under ``top_module`` to ``adapter_module``."""
     BACKENDS[top_module] = adapter_module
+    _RESOLVERS.clear()
+
+
+_RESOLVERS = {}         # type(obj) -> the adapter module's ``adapter`` function, resolved once
 
 
 def adapter_for(obj):
-    """The adapter for ``obj`` (NumPy array, torch tensor, TF tensor/Variable)."""
-    top = type(obj).__module__.split(".", 1)[0]
-    if top == "ml_dtypes":            # NumPy scalars of ml_dtypes types -> numpy adapter
-        top = "numpy"
-    path = BACKENDS.get(top)
-    if path is None:
-        raise UnsupportedInputError(
-            f"hvd_quant codecs take NumPy arrays, torch tensors or TensorFlow tensors; got "
-            f"{type(obj).__module__}.{type(obj).__name__} (hvd_quant._arrays.register_backend adds one)")
-    return importlib.import_module(path).adapter(obj)
+    """The adapter for ``obj`` (NumPy array, torch tensor, TF tensor/Variable). The adapter module of
+    each type is resolved once; afterwards this is a dict lookup and the module's own dispatch (host
+    or device)."""
+    resolve = _RESOLVERS.get(type(obj))
+    if resolve is None:
+        top = type(obj).__module__.split(".", 1)[0]
+        if top == "ml_dtypes":            # NumPy scalars of ml_dtypes types -> numpy adapter
+            top = "numpy"
+        path = BACKENDS.get(top)
+        if path is None:
+            raise UnsupportedInputError(
+                f"hvd_quant codecs take NumPy arrays, torch tensors or TensorFlow tensors; got "
+                f"{type(obj).__module__}.{type(obj).__name__} (hvd_quant._arrays.register_backend adds one)")
+        resolve = _RESOLVERS[type(obj)] = importlib.import_module(path).adapter
+    return resolve(obj)
+
+
+# ---- device status words ---------------------------------------------------------------------------
+# A device decode checks its payload's header on the device and records what was wrong in an int32[2]
+# status array (wire.ERROR_BITS): [0] for the payload just decoded, [1] sticky until read. They belong
+# to the run, not to the (immutable) codec: one per (codec, device) here, read by
+# ``Codec.check_device_errors``; the exchange's plans keep their own.
+
+_STATUS = {}            # (codec, device key) -> (adapter, status tensor, device array)
+_ZERO = {}              # device key -> (tensor, device array) of zeros: decodes checked on the host
+_status_lock = threading.Lock()
+
+
+def status_for(codec, arrays, like):
+    """(status tensor, device array) for ``codec``'s decodes on ``like``'s device."""
+    key = (codec, arrays.device_key(like))
+    entry = _STATUS.get(key)
+    if entry is None:
+        with _status_lock:
+            entry = _STATUS.get(key)
+            if entry is None:
+                t, dev = arrays.new_status(like)
+                entry = _STATUS[key] = (arrays, t, dev)
+    return entry[1], entry[2]
+
+
+def zero_status(arrays, like):
+    """A device int32[2] of zeros on ``like``'s device (a decode whose header was checked on the host)."""
+    key = arrays.device_key(like)
+    entry = _ZERO.get(key)
+    if entry is None:
+        entry = _ZERO[key] = arrays.new_status(like)
+    return entry[1]
+
+
+def device_statuses(codec):
+    """[(device key, adapter, status tensor)] of ``codec``'s device decodes so far."""
+    return [(k[1], e[0], e[1]) for k, e in list(_STATUS.items()) if k[0] == codec]
 
 
 def numpy_dtype(name):
@@ -178,8 +226,10 @@ class DeviceAdapter:
         raise NotImplementedError
 
     # raw (fp16 / fp32) payloads, written with framework ops
-    def raw_encode(self, x, value_dtype, nbytes):
-        """(payload, device view) holding x as value_dtype at byte 64, zero padded; header unwritten."""
+    def raw_encode_into(self, x, value_dtype, payload):
+        """Write x as value_dtype at byte 64 of the uint8 ``payload`` (a framework tensor or a slice of
+        one), zero the padding after it; the header is left unwritten. Returns the payload's device
+        view."""
         raise NotImplementedError
 
     def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):

@@ -176,7 +176,6 @@ class StockCompression:
             coll = backend.stock_backend(process_set)[0]
             if coll is not s.exchange.coll:     # the process set's rank or size changed (elastic)
                 s.exchange.coll = coll
-                s.exchange.codec.rank = coll.rank
         return s
 
     def _compressible(self, info):

@@ -23,8 +23,12 @@ Host arrays (NumPy, torch CPU, TensorFlow CPU) run the Numba CPU kernels; CUDA t
 CUDA kernels on the framework's current stream without synchronising with the host (see
 :meth:`Codec.decode_into` for how errors in device payloads surface).
 """
+import functools
 import math
 import os
+import random
+import threading
+import weakref
 
 import numpy as np
 
@@ -32,7 +36,7 @@ from numba_kernels import wire
 from numba_kernels._scalar import mix64_py
 from numba_kernels.wire import PayloadError
 
-from ._arrays import UnsupportedInputError, adapter_for
+from ._arrays import UnsupportedInputError, adapter_for, device_statuses, status_for, zero_status
 
 __all__ = ["Codec", "QSGD", "OneBit", "FP16", "NoCompression", "Compression", "REGISTRY", "register",
            "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
@@ -146,23 +150,107 @@ def _check_choice(key, v, choices):
     return v
 
 
+_SEED_SALT = 0x6A09E667F3BCC908
+_M64 = (1 << 64) - 1
+
+
+def noise_key(seed, k, rank, name_hash):
+    """The 64-bit key of stochastic rounding: an integer mix of (seed, k, rank, name hash).
+
+    ``k`` counts draws for the same name: a direct :meth:`Codec.encode` passes its call count for that
+    name, the exchange passes the training step (its payload names are stable across steps). The
+    kernels hash this key with the element index into one uniform per element."""
+    h = mix64_py((seed ^ _SEED_SALT) & _M64)
+    h = mix64_py(h ^ (k & _M64))
+    h = mix64_py(h ^ (rank & _M64))
+    return mix64_py(h ^ name_hash)
+
+
+_FRESH = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _FRESH.seed(os.urandom(32)))
+
+
+def fresh_seed():
+    """64 fresh random bits (the base of unseeded stochastic rounding): a generator seeded from OS
+    entropy at import and again in every forked child, so processes never share a stream."""
+    return _FRESH.getrandbits(64)
+
+
+# Direct encode calls with a fixed seed: id(codec) -> {name hash: calls so far}. The counts belong
+# to the caller's use of one codec object, not to its configuration, so they live here (dropped when
+# the object is) and the codec itself stays an immutable value.
+_DIRECT_CALLS = {}
+_direct_lock = threading.Lock()
+
+
+def _direct_count(codec, nh):
+    """How many direct encodes ``codec`` (this object) made for name hash ``nh`` before this one."""
+    with _direct_lock:
+        calls = _DIRECT_CALLS.get(id(codec))
+        if calls is None:
+            calls = _DIRECT_CALLS[id(codec)] = {}
+            weakref.finalize(codec, _DIRECT_CALLS.pop, id(codec), None)
+        k = calls.get(nh, 0)
+        calls[nh] = k + 1
+    return k
+
+
+@functools.lru_cache(maxsize=4096)
+def _prepared(codec, shape, dtype_name, name):
+    """(name hash, header words, layout) of an input: a pure function of its arguments, memoised."""
+    method, bits, mode, norm, bs = codec._fields()
+    header = wire.Header(method, bits, mode, norm, bs, wire.DTYPES[dtype_name], shape,
+                         name_hash=wire.name_hash(name))
+    words = header.words()              # validates rank and dims before any work
+    return header.name_hash, words, codec._layout(header.numel)
+
+
+@functools.lru_cache(maxsize=4096)
+def _validated(codec, header_bytes, nbytes, name):
+    """The header of a payload of ``nbytes`` bytes starting with ``header_bytes``, checked against
+    ``codec`` and ``name`` (PayloadError otherwise). Pure, so memoised: an exchange receives the same
+    headers every step."""
+    h = wire.parse_header(header_bytes, nbytes)
+    codec._check_header(h, name)
+    return h
+
+
+@functools.lru_cache(maxsize=4096)
+def expectation(codec, numel, name):
+    """What a receiver expects of a payload header (``wire.Expect``), for the on-device check."""
+    method, bits, mode, norm, bs = codec._fields()
+    return wire.Expect(method, bits, mode, norm, bs, int(numel), wire.name_hash(name), name is not None)
+
+
 class Codec:
     """Base class: the payload plumbing shared by every codec (see the module docstring).
 
+    A codec is an immutable value: its configuration is set once by ``__init__``, it compares and
+    hashes by that configuration, and it holds no runtime state, so one instance can be shared by
+    any number of optimizers, threads and ranks (``Compression.fp16`` is a global). What a run needs
+    (noise counters, device status words, buffers) lives with whoever runs it: the exchange's
+    per-bucket plans, or for direct :meth:`encode` calls small module-level tables.
+
     Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical order), ``_config()`` (the
-    values of those parameters), ``_fields()`` (the header's method/bits/mode/norm/bucket_size),
-    ``_layout(numel)`` and the host/device encode and decode steps."""
+    values of those parameters), ``_fields()`` (the header's method/bits/mode/norm/bucket_size) and
+    the host/device encode and decode steps."""
 
     name = None
     PARAMS = {}
     _method = None
+    stochastic = False          # whether encode draws noise (then ``noise_key`` keys it)
+    seed = None
 
-    def __init__(self):
-        self._status = {}       # device key -> (adapter, framework int32[2], device array): decode errors
-        self._zero = {}         # device key -> device int32[2] zeros (for decodes checked on the host)
-        self._calls = {}        # name hash -> number of encode calls (seeded stochastic rounding)
-        self._rank = None
-        self._prepared = {}     # (shape, dtype, name) -> (name hash, header words, layout)
+    def _freeze(self, **config):
+        self.__dict__.update(config)
+        self.__dict__["_hash"] = hash((type(self).__name__, tuple(self._config().items())))
+
+    def __setattr__(self, key, value):
+        raise AttributeError(f"{type(self).__name__} is an immutable configuration; build a new codec "
+                             f"(e.g. from_spec(...)) instead of setting {key!r}")
+
+    def __delattr__(self, key):
+        raise AttributeError(f"{type(self).__name__} is an immutable configuration")
 
     # -- configuration -------------------------------------------------------------------------------
     def _config(self):
@@ -177,37 +265,16 @@ class Codec:
         return type(self) is type(other) and self._config() == other._config()
 
     def __hash__(self):
-        return hash((type(self).__name__, tuple(self._config().items())))
+        return self._hash
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
         return f"{type(self).__name__}({args})"
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_status"] = {}
-        state["_zero"] = {}
-        state["_prepared"] = {}
-        return state
-
     @property
     def wants_error_feedback(self):
         """Whether the caller should keep an error-feedback residual for this codec (biased codecs)."""
         return False
-
-    @property
-    def rank(self):
-        """Rank whose noise this codec draws: set by the exchange; defaults to HOROVOD_RANK,
-        OMPI_COMM_WORLD_RANK, PMI_RANK or 0."""
-        return self._rank if self._rank is not None else _env_rank()
-
-    @rank.setter
-    def rank(self, value):
-        self._rank = None if value is None else _check_int("rank", value, 0)
-
-    def reset_counters(self):
-        """Restart the per-name call counters that key seeded stochastic rounding."""
-        self._calls.clear()
 
     # -- wire ----------------------------------------------------------------------------------------
     def _fields(self):
@@ -221,11 +288,6 @@ class Codec:
     def wire_nbytes(self, numel):
         """Size in bytes of the payload of a tensor of ``numel`` elements (header included)."""
         return self._layout(_check_int("numel", numel, 0)).total
-
-    def _header(self, shape, dtype_name, name):
-        method, bits, mode, norm, bs = self._fields()
-        return wire.Header(method, bits, mode, norm, bs, wire.DTYPES[dtype_name], shape,
-                           name_hash=wire.name_hash(name))
 
     def _check_header(self, h, name):
         """Raise PayloadError if header ``h`` is not of this configuration (or not ``name``'s)."""
@@ -249,39 +311,56 @@ class Codec:
         return f"{field}={code}"
 
     def _parse(self, pay, name):
-        h = wire.parse_header(pay, pay.size)
-        self._check_header(h, name)
-        return h
+        """The validated header of host payload ``pay`` (a NumPy uint8 array), for ``name``."""
+        return _validated(self, pay[:wire.HEADER_NBYTES].tobytes(), pay.size, name)
 
     # -- noise ---------------------------------------------------------------------------------------
-    def _key(self, nh):
-        return 0
+    def _direct_key(self, nh, step, rank):
+        """The noise key of a direct :meth:`encode` call (see the codec's docstring on seeds)."""
+        if not self.stochastic:
+            return 0
+        if self.seed is None:
+            return fresh_seed()
+        rank = _env_rank() if rank is None else _check_int("rank", rank, 0)
+        k = _direct_count(self, nh) if step is None else _check_int("step", step, 0)
+        return noise_key(self.seed, k, rank, nh)
 
     # -- public API ----------------------------------------------------------------------------------
-    def encode(self, x, name=None):
+    def encode(self, x, name=None, step=None, rank=None):
         """Encode ``x`` (NumPy array, torch tensor on CPU/CUDA, TensorFlow tensor; float32, float16,
         bfloat16 or float64) into a 1-D uint8 payload of the same kind and device. ``name`` is hashed
-        into the header so that ``decode(..., name=...)`` can refuse another tensor's payload."""
+        into the header so that ``decode(..., name=...)`` can refuse another tensor's payload.
+
+        Seeded stochastic rounding draws with the key :func:`noise_key` (seed, k, rank, name hash):
+        k is this codec object's count of encodes of ``name`` unless ``step`` is given, rank the
+        process's Horovod rank (environment) unless ``rank`` is given. ``step=s, rank=r`` gives the
+        payload the exchange sends for that name at step s from rank r."""
         arrays = adapter_for(x)
         shape, dtype = arrays.describe(x)
-        nh, words, lay = self._prepare(shape, dtype, name)
+        nh, words, lay = _prepared(self, shape, dtype, name)
+        key = self._direct_key(nh, step, rank)
         if arrays.device:
             with arrays.context(x):
-                return self._encode_device(arrays, x, nh, words, lay, arrays.stream(x))
-        return arrays.wrap_payload(self._encode_host(arrays, x, nh, words, lay), x)
+                pt, pdev = arrays.new_bytes(lay.total, x)
+                self._encode_dev(arrays, x, pt, pdev, words, lay, key, arrays.stream(x))
+                return pt
+        pay = np.empty(lay.total, np.uint8)
+        self._encode_host(arrays, x, pay, words, lay, key)
+        return arrays.wrap_payload(pay, x)
 
-    def _prepare(self, shape, dtype, name):
-        """(name hash, header words, layout) for an input, cached: encode's host work stays small."""
-        key = (shape, dtype, name)
-        hit = self._prepared.get(key)
-        if hit is None:
-            header = self._header(shape, dtype, name)
-            words = header.words()              # validates rank and dims before any work
-            hit = (header.name_hash, words, self._layout(header.numel))
-            if len(self._prepared) >= 4096:     # names may carry a step number: keep it bounded
-                self._prepared.clear()
-            self._prepared[key] = hit
-        return hit
+    def encode_into(self, x, payload, words, lay, key, arrays=None):
+        """Encode ``x`` (``lay.numel`` elements) into ``payload``, a uint8 buffer (or a slice of one)
+        of ``lay.total`` bytes of the same kind and device, with header ``words`` and noise ``key``
+        prepared by the caller (:func:`prepared`, :func:`noise_key`): the exchange's hot path, with
+        no allocation and no per-call preparation. ``arrays``: the adapter of ``x``, if known."""
+        arrays = arrays or adapter_for(x)
+        if arrays.device:
+            with arrays.context(x):
+                self._encode_dev(arrays, x, payload, arrays.bytes_dev(payload), words, lay, key,
+                                 arrays.stream(x))
+        else:
+            self._encode_host(arrays, x, arrays.payload_np(payload), words, lay, key)
+        return payload
 
     def decode(self, payload, name=None, shape=None, dtype=None):
         """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
@@ -303,7 +382,7 @@ class Codec:
         self._decode_host(pay, out, False)
         return arrays.wrap_result(out, h.dtype_name, h.shape, payload)
 
-    def decode_into(self, payload, out, accumulate=False, name=None):
+    def decode_into(self, payload, out, accumulate=False, name=None, expect=None, arrays=None):
         """Write (``accumulate=False``) or add (``True``) the decoded values into ``out``, a flat
         float32 array/tensor of the payload's kind with the payload's element count; no temporary of
         that size is allocated (except for TensorFlow, whose tensors are immutable: ``out`` must be a
@@ -311,15 +390,22 @@ class Codec:
 
         Errors. Host payloads raise :class:`PayloadError` before anything is written. For device
         payloads only sizes are checked on the host (a wrong size raises at once); the header is
-        checked on the device by a one-thread kernel on the same stream: if it is wrong (magic,
-        version, configuration, numel, checksums, or the name when ``name`` is given) the decode writes
-        NaN into ``out`` (so a bad payload can never pass silently into a sum) and the reason is kept
-        in a device status word; :meth:`check_device_errors` reads it (synchronising) and raises."""
-        arrays = adapter_for(payload)
+        checked on the device, in the same stream order: if it is wrong (magic, version,
+        configuration, numel, checksums, or the name when ``name`` is given) the decode writes NaN
+        into ``out`` (so a bad payload can never pass silently into a sum) and the reason is kept in a
+        device status word; :meth:`check_device_errors` reads it (synchronising) and raises.
+
+        ``expect`` (a ``wire.Expect`` from :func:`expectation`, given instead of ``name``) and
+        ``arrays`` (the payload's adapter) let a caller that decodes the same layout every step skip
+        the per-call preparation."""
+        arrays = arrays or adapter_for(payload)
         if arrays.device:
-            return self._decode_into_device(arrays, payload, out, accumulate, name)
+            return self._decode_into_device(arrays, payload, out, accumulate, name, expect)
         pay = arrays.payload_np(payload)
         h = self._parse(pay, name)
+        if expect is not None and expect.check_name and h.name_hash != expect.name_hash:
+            raise PayloadError(f"name mismatch: payload has name hash {h.name_hash:#010x}, expected "
+                               f"{expect.name_hash:#010x}: it belongs to another tensor")
         out_np, commit = arrays.out_np(out)
         if out_np.size != h.numel:
             raise PayloadError(f"payload holds {h.numel} elements but out has {out_np.size}")
@@ -332,7 +418,7 @@ class Codec:
         """Raise PayloadError if any device payload decoded by this codec since the last call failed
         its on-device header check (reads the device status words: synchronises). Resets them."""
         problems = []
-        for key, (arrays, status_t, _) in list(self._status.items()):
+        for key, arrays, status_t in device_statuses(self):
             bits = arrays.read_status(status_t)
             if bits:
                 problems.append(f"{key}: {wire.describe_error_bits(bits)}")
@@ -341,95 +427,81 @@ class Codec:
 
     # -- stock Horovod Compressor protocol -----------------------------------------------------------
     def compress(self, tensor):
-        from hvd_quant import _stock
+        from . import _stock        # _stock builds on the exchange, which builds on the codecs
         return _stock.compress(self, tensor)
 
     def decompress(self, tensor, ctx):
-        from hvd_quant import _stock
+        from . import _stock
         return _stock.decompress(self, tensor, ctx)
 
     # -- device plumbing -----------------------------------------------------------------------------
-    def _status_for(self, arrays, like):
-        key = arrays.device_key(like)
-        entry = self._status.get(key)
-        if entry is None:
-            t, dev = arrays.new_status(like)
-            entry = self._status[key] = (arrays, t, dev)
-        return entry
-
-    def _zero_status(self, arrays, like):
-        key = arrays.device_key(like)
-        entry = self._zero.get(key)
-        if entry is None:
-            entry = self._zero[key] = arrays.new_status(like)
-        return entry[1]
-
     def _decode_device(self, arrays, payload, name, shape, dtype):
-        import numba_kernels.cuda as K
         nbytes = arrays.payload_nbytes(payload)
         if shape is None or dtype is None:
             h = wire.parse_header(arrays.read_header(payload), nbytes)     # synchronises (64 bytes)
             self._check_header(h, name)
-            shape, dtype_name, status_dev, check = h.shape, h.dtype_name, None, False
+            shape, dtype_name, expect = h.shape, h.dtype_name, None
         else:
             shape = tuple(int(d) for d in shape)
             dtype_name = _dtype_text(dtype)
-            check = True
+            expect = expectation(self, math.prod(shape), name)
         numel = math.prod(shape)
         if nbytes != self.wire_nbytes(numel):
             raise PayloadError(f"payload has {nbytes} bytes; {numel} elements take {self.wire_nbytes(numel)}")
         with arrays.context(payload):
             stream = arrays.stream(payload)
             pdev = arrays.bytes_dev(payload)
-            if check:
-                _, status_t, status_dev = self._status_for(arrays, payload)
-                self._launch_check(K, pdev, status_dev, numel, name, stream)
+            if expect is not None:
+                status_t, status_dev = status_for(self, arrays, payload)
             else:
-                status_t, status_dev = None, self._zero_status(arrays, payload)
+                status_t, status_dev = None, zero_status(arrays, payload)
             out_t, out_dev = arrays.new_f32(numel, payload)
-            res = self._decode_dev(arrays, payload, pdev, out_t, out_dev, False, stream, status_t, status_dev)
+            res = self._decode_dev(arrays, payload, pdev, out_t, out_dev, False, stream, status_t,
+                                   status_dev, expect)
             return arrays.result(out_t if res is None else res, dtype_name, shape)
 
-    def _decode_into_device(self, arrays, payload, out, accumulate, name):
-        import numba_kernels.cuda as K
+    def _decode_into_device(self, arrays, payload, out, accumulate, name, expect):
         with arrays.context(payload):
             numel = arrays.numel(out)
             nbytes = arrays.payload_nbytes(payload)
             if nbytes != self.wire_nbytes(numel):
                 raise PayloadError(f"payload has {nbytes} bytes; out has {numel} elements, which take "
                                    f"{self.wire_nbytes(numel)}")
+            if expect is None:
+                expect = expectation(self, numel, name)
             stream = arrays.stream(payload)
             pdev = arrays.bytes_dev(payload)
-            _, status_t, status_dev = self._status_for(arrays, payload)
-            self._launch_check(K, pdev, status_dev, numel, name, stream)
-            self._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev)
+            status_t, status_dev = status_for(self, arrays, payload)
+            self._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
+                                  expect)
         return out
 
-    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev):
+    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
+                         expect):
         """Kernel codecs: decode into a device view of ``out`` (or into the adapter's temporary, then
         commit, for frameworks whose tensors are immutable)."""
         out_dev, commit = arrays.out_dev(out)
         self._decode_dev(arrays, payload, pdev, out, out_dev, accumulate and commit is None, stream,
-                         status_t, status_dev)
+                         status_t, status_dev, expect)
         if commit is not None:
             commit(accumulate)
 
-    def _launch_check(self, K, pdev, status_dev, numel, name, stream):
-        method, bits, mode, norm, bs = self._fields()
-        K.check_header_cuda(pdev, status_dev, method, bits, mode, norm, bs, numel, wire.name_hash(name),
-                            name is not None, stream)
-
     # -- subclass steps ------------------------------------------------------------------------------
-    def _encode_host(self, arrays, x, nh, words, lay):
+    def _encode_host(self, arrays, x, pay, words, lay, key):
+        """Write the payload of host input ``x`` into the NumPy uint8 array ``pay``."""
         raise NotImplementedError
 
     def _decode_host(self, pay, out, accumulate):
         raise NotImplementedError
 
-    def _encode_device(self, arrays, x, nh, words, lay, stream):
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream):
+        """Write the payload of device input ``x`` into ``pt`` (framework tensor) / ``pdev`` (its
+        device-array view)."""
         raise NotImplementedError
 
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
+                    expect):
+        """Decode (and, when ``expect`` is given, check on the device) into ``out_dev``."""
         raise NotImplementedError
 
 
@@ -483,9 +555,11 @@ class QSGD(Codec):
       for accuracy studies only.
 
     Noise: ``seed=None`` draws fresh noise on every call. With a fixed ``seed`` the uniforms are a
-    counter-based hash of (seed, k, rank, name hash) and the element index, where k counts this
-    instance's encode calls for that name: the k-th call on the same input gives the same payload in
-    every run, and ranks (``rank``, see :class:`Codec`) draw independent noise.
+    counter-based hash of the key :func:`noise_key` (seed, k, rank, name hash) and the element index.
+    For a direct :meth:`encode`, k counts the encode calls for that name with an equal codec in this
+    process and rank is ``HOROVOD_RANK`` (or ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0): the k-th
+    call on the same input gives the same payload in every run. Inside the exchange, k is the
+    training step and rank the process set rank, so ranks draw independent noise.
 
     Wire: 64-byte header, ceil(numel*bits/8) code bytes (zero padded to 4), 4*ceil(numel/bucket_size)
     scale bytes. A zero bucket decodes to zeros; a bucket holding NaN or Inf decodes to NaN (only
@@ -496,12 +570,12 @@ class QSGD(Codec):
     _method = wire.METHODS["qsgd"]
 
     def __init__(self, bits=4, bucket_size=512, mode="stochastic", norm="max", seed=None):
-        super().__init__()
-        self.bits = _check_int("bits", bits, 2, 16)
-        self.bucket_size = _check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1)
-        self.mode = _check_choice("mode", mode, tuple(wire.MODES))
-        self.norm = _check_choice("norm", norm, tuple(wire.NORMS))
-        self.seed = None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1)
+        mode = _check_choice("mode", mode, tuple(wire.MODES))
+        self._freeze(bits=_check_int("bits", bits, 2, 16),
+                     bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
+                     mode=mode, norm=_check_choice("norm", norm, tuple(wire.NORMS)),
+                     seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1),
+                     stochastic=mode != "deterministic")
 
     @property
     def levels(self):
@@ -528,38 +602,21 @@ class QSGD(Codec):
             return f"norm={_NORM_NAMES.get(code, code)}"
         return super()._field_text(field, code)
 
-    def _key(self, nh):
-        if self.seed is None:
-            return mix64_py(int.from_bytes(os.urandom(8), "little") ^ (self.rank << 32) ^ nh)
-        k = self._calls.get(nh, 0)
-        self._calls[nh] = k + 1
-        h = mix64_py(self.seed ^ 0x6A09E667F3BCC908)
-        h = mix64_py(h ^ k)
-        h = mix64_py(h ^ self.rank)
-        return mix64_py(h ^ nh)
-
-    @property
-    def _stochastic(self):
-        return self.mode != "deterministic"
-
     def _qlayout(self, numel):
         return wire.layout(self._method, numel, self.bits, self.bucket_size, wire.MODES["stochastic"])
 
-    def _encode_host(self, arrays, x, nh, words, lay):
+    def _encode_host(self, arrays, x, pay, words, lay, key):
         import numba_kernels.cpu as K
         xf = arrays.input_f32(x)
-        key = self._key(nh)
-        payload = np.empty(lay.total, np.uint8)
         if self.mode == "fake":
             tmp = np.empty(self._qlayout(xf.size).total, np.uint8)
             K.qsgd_encode_cpu(xf, tmp, words, self.bits, self.bucket_size, True, self.norm == "l2", key)
-            K.qsgd_decode_cpu(tmp, payload[64:64 + 4 * xf.size].view(np.float32), self.bits,
+            K.qsgd_decode_cpu(tmp, pay[64:64 + 4 * xf.size].view(np.float32), self.bits,
                               self.bucket_size, False)
-            K.write_header_cpu(payload, words)
+            K.write_header_cpu(pay, words)
         else:
-            K.qsgd_encode_cpu(xf, payload, words, self.bits, self.bucket_size, self._stochastic,
+            K.qsgd_encode_cpu(xf, pay, words, self.bits, self.bucket_size, self.stochastic,
                               self.norm == "l2", key)
-        return payload
 
     def _decode_host(self, pay, out, accumulate):
         if self.mode == "fake":
@@ -572,40 +629,48 @@ class QSGD(Codec):
         import numba_kernels.cpu as K
         K.qsgd_decode_cpu(pay, out, self.bits, self.bucket_size, accumulate)
 
-    def _encode_device(self, arrays, x, nh, words, lay, stream):
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream):
         import numba_kernels.cuda as K
         _, xdev = arrays.input_f32(x)
-        key = self._key(nh)
-        pt, pdev = arrays.new_bytes(lay.total, x)
         if self.mode == "fake":
             n = xdev.size
             tt, tdev = arrays.new_bytes(self._qlayout(n).total, x)
             K.qsgd_encode_cuda(xdev, tdev, words, self.bits, self.bucket_size, True, self.norm == "l2",
                                key, stream)
             K.qsgd_decode_cuda(tdev, pdev[64:64 + 4 * n].view(np.float32), self.bits, self.bucket_size,
-                               False, stream, self._zero_status(arrays, x))
+                               False, stream, zero_status(arrays, x))
             K.write_header_cuda(pdev, words, stream)
         else:
-            K.qsgd_encode_cuda(xdev, pdev, words, self.bits, self.bucket_size, self._stochastic,
+            K.qsgd_encode_cuda(xdev, pdev, words, self.bits, self.bucket_size, self.stochastic,
                                self.norm == "l2", key, stream)
-        return pt
 
-    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev):
+    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
+                         expect):
         if self.mode == "fake":
-            _raw_decode_dev(arrays, payload, out, "float32", accumulate, status_t)
+            _raw_decode_dev(arrays, payload, pdev, out, "float32", accumulate, stream, status_t,
+                            status_dev, expect)
         else:
-            super()._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev)
+            super()._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
+                                     expect)
 
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
+                    expect):
         if self.mode == "fake":
-            return _raw_decode_dev(arrays, payload, out_t, "float32", accumulate, status_t)
+            return _raw_decode_dev(arrays, payload, pdev, out_t, "float32", accumulate, stream, status_t,
+                                   status_dev, expect)
         import numba_kernels.cuda as K
-        K.qsgd_decode_cuda(pdev, out_dev, self.bits, self.bucket_size, accumulate, stream, status_dev)
+        K.qsgd_decode_cuda(pdev, out_dev, self.bits, self.bucket_size, accumulate, stream, status_dev,
+                           expect)
 
 
-def _raw_decode_dev(arrays, payload, out, value_dtype, accumulate, status_t):
+def _raw_decode_dev(arrays, payload, pdev, out, value_dtype, accumulate, stream, status_t, status_dev,
+                    expect):
     """Raw float values on a device, with framework ops; NaN where the header check failed."""
-    bad = None if status_t is None else arrays.status_bad(status_t)
+    bad = None
+    if expect is not None:
+        import numba_kernels.cuda as K
+        K.check_header_cuda(pdev, status_dev, expect, stream)
+        bad = arrays.status_bad(status_t)
     return arrays.raw_decode_into(payload, 64, arrays.numel(out), value_dtype, out, accumulate, bad)
 
 
@@ -635,12 +700,12 @@ class OneBit(Codec):
     _method = wire.METHODS["onebit"]
 
     def __init__(self, bucket_size=None, scale="two_mean", error_feedback=True):
-        super().__init__()
-        self.bucket_size = None if bucket_size is None else _check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1)
-        self.scale = _check_choice("scale", scale, tuple(wire.ONEBIT_SCALES))
         if not isinstance(error_feedback, (bool, np.bool_)):
             raise ValueError(f"error_feedback must be True or False; got {error_feedback!r}")
-        self.error_feedback = bool(error_feedback)
+        self._freeze(
+            bucket_size=None if bucket_size is None else _check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
+            scale=_check_choice("scale", scale, tuple(wire.ONEBIT_SCALES)),
+            error_feedback=bool(error_feedback))
 
     @property
     def wants_error_feedback(self):
@@ -663,28 +728,24 @@ class OneBit(Codec):
     def _two_mean(self):
         return self.scale == "two_mean"
 
-    def _encode_host(self, arrays, x, nh, words, lay):
+    def _encode_host(self, arrays, x, pay, words, lay, key):
         import numba_kernels.cpu as K
-        xf = arrays.input_f32(x)
-        payload = np.empty(lay.total, np.uint8)
-        K.onebit_encode_cpu(xf, payload, words, self.bucket_size or 0, self._two_mean)
-        return payload
+        K.onebit_encode_cpu(arrays.input_f32(x), pay, words, self.bucket_size or 0, self._two_mean)
 
     def _decode_host(self, pay, out, accumulate):
         import numba_kernels.cpu as K
         K.onebit_decode_cpu(pay, out, self.bucket_size or 0, self._two_mean, accumulate)
 
-    def _encode_device(self, arrays, x, nh, words, lay, stream):
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream):
         import numba_kernels.cuda as K
         _, xdev = arrays.input_f32(x)
-        pt, pdev = arrays.new_bytes(lay.total, x)
         K.onebit_encode_cuda(xdev, pdev, words, self.bucket_size or 0, self._two_mean, stream)
-        return pt
 
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
+                    expect):
         import numba_kernels.cuda as K
         K.onebit_decode_cuda(pdev, out_dev, self.bucket_size or 0, self._two_mean, accumulate, stream,
-                             status_dev)
+                             status_dev, expect)
 
 
 # ---- raw: fp16 and none ---------------------------------------------------------------------------------
@@ -692,17 +753,19 @@ class OneBit(Codec):
 class _Raw(Codec):
     _value_dtype = None
 
+    def __init__(self):
+        self._freeze()
+
     def _fields(self):
         return (self._method, 16 if self._value_dtype == "float16" else 32, 0, 0, 0)
 
-    def _encode_host(self, arrays, x, nh, words, lay):
+    def _encode_host(self, arrays, x, pay, words, lay, key):
         import numba_kernels.cpu as K
         xs = arrays.input_np(x)
-        payload = np.zeros(lay.total, np.uint8)
-        K.write_header_cpu(payload, words)
+        K.write_header_cpu(pay, words)
         w = 2 if self._value_dtype == "float16" else 4
-        payload[64:64 + w * xs.size].view(self._value_dtype)[...] = xs
-        return payload
+        pay[64:64 + w * xs.size].view(self._value_dtype)[...] = xs
+        pay[64 + w * xs.size:] = 0
 
     def _decode_host(self, pay, out, accumulate):
         w = 2 if self._value_dtype == "float16" else 4
@@ -715,17 +778,20 @@ class _Raw(Codec):
         else:
             out[...] = vals
 
-    def _encode_device(self, arrays, x, nh, words, lay, stream):
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream):
         import numba_kernels.cuda as K
-        pt, pdev = arrays.raw_encode(x, self._value_dtype, lay.total)
+        pdev = arrays.raw_encode_into(x, self._value_dtype, pt)
         K.write_header_cuda(pdev, words, stream)
-        return pt
 
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev):
-        return _raw_decode_dev(arrays, payload, out_t, self._value_dtype, accumulate, status_t)
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
+                    expect):
+        return _raw_decode_dev(arrays, payload, pdev, out_t, self._value_dtype, accumulate, stream,
+                               status_t, status_dev, expect)
 
-    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev):
-        _raw_decode_dev(arrays, payload, out, self._value_dtype, accumulate, status_t)
+    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
+                         expect):
+        _raw_decode_dev(arrays, payload, pdev, out, self._value_dtype, accumulate, stream, status_t,
+                        status_dev, expect)
 
 
 @register("fp16", "float16")
@@ -737,9 +803,6 @@ class FP16(_Raw):
     _method = wire.METHODS["fp16"]
     _value_dtype = "float16"
 
-    def __init__(self):
-        super().__init__()
-
 
 @register("none", "nocompression", "fp32")
 class NoCompression(_Raw):
@@ -748,9 +811,6 @@ class NoCompression(_Raw):
     Wire: 64-byte header, numel float32 values."""
     _method = wire.METHODS["none"]
     _value_dtype = "float32"
-
-    def __init__(self):
-        super().__init__()
 
 
 class Compression:

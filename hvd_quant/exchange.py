@@ -88,7 +88,7 @@ class ArrayOps:
     zeros: Callable[[int, Any], Any]                 # (numel, like) -> float32 zeros on like's device
     empty: Callable[[int, Any], Any]                 # (numel, like) -> float32, contents undefined
     slice: Callable[[Any, int, int], Any]            # (buf, start, stop) -> 1-D view
-    cat_bytes: Callable[[Sequence[Any], Any], Any]   # (uint8 tensors, like) -> one uint8 tensor
+    empty_bytes: Callable[[int, Any], Any]           # (nbytes, like) -> uint8, contents undefined
     add_: Callable[[Any, Any], Any]                  # a += b
     scale_: Callable[[Any, Any], Any]                # a *= s; s a float or a 1-element tensor
     rsub_: Callable[[Any, Any], Any]                 # out = a - out   (residual = compensated - decoded)
@@ -97,6 +97,7 @@ class ArrayOps:
     to_bytes: Callable[[Any], bytes]                 # uint8 tensor -> host bytes (handshake only)
     to_like: Callable[[Any, Any], Any]               # move t to like's device (restored residuals)
     clone: Callable[[Any], Any]
+    reusable: bool = False      # buffers may be kept and rewritten across steps (not handed to the framework)
 
 
 def codec_alignment(codec):
@@ -141,6 +142,12 @@ class Traffic:
     def ratio(self):
         """fp32 bytes / bytes sent (how many times fewer bytes); inf when nothing was sent."""
         return self.fp32_bytes / self.sent_bytes if self.sent_bytes else float("inf")
+
+    def add(self, other):
+        self.sent_bytes += other.sent_bytes
+        self.fp32_bytes += other.fp32_bytes
+        self.payload_bytes += other.payload_bytes
+        self.numel += other.numel
 
     def add_allreduce(self, nbytes, numel, size):
         ring = 2.0 * (size - 1) / size if size > 1 else 0.0
@@ -197,15 +204,92 @@ def handshake(coll, ops, record, what, name=HANDSHAKE_NAME):
 # The reductions
 
 
+class _Chunk:
+    """One payload of a plan: elements [a, b) of the flat buffer, ``size`` bytes at byte ``off`` of
+    the buffer it travels in, its header words, layout, and what a receiver expects of its header."""
+    __slots__ = ("a", "b", "off", "size", "words", "lay", "nh", "expect")
+
+    def __init__(self, codec, a, b, off, tag):
+        from .codecs import _prepared, expectation
+        self.a, self.b, self.off = a, b, off
+        self.nh, self.words, self.lay = _prepared(codec, (b - a,), "float32", tag)
+        self.size = self.lay.total if b > a else 0      # an empty chunk sends nothing
+        self.expect = expectation(codec, b - a, tag)
+
+
+class _Plan:
+    """What one exchange name needs every step, built once (and again when the process set's rank
+    or size changes): chunk bounds and layouts, header words and expectations, the adapter of its
+    tensors, the noise base, the traffic of a step, and reusable buffers where the frontend's arrays
+    allow it (``ArrayOps.reusable``)."""
+    __slots__ = ("coll", "numel", "arrays", "send", "own", "reduced", "gather", "send_nbytes",
+                 "gather_nbytes", "fresh", "steps", "traffic", "buffers", "server_key")
+
+    def __init__(self, ex, name, header, numel, like):
+        from .codecs import adapter_for, fresh_seed
+        codec, coll = ex.codec, ex.coll
+        self.coll, self.numel = coll, numel
+        self.arrays = adapter_for(like)
+        bounds = ex.bounds(numel)
+        r, size = coll.rank, coll.size
+        if ex.reduction == "allgather":
+            self.send = [_Chunk(codec, 0, numel, 0, _tag(header, "all"))]
+            self.own = self.send[0]
+            self.reduced = None
+            each = self.send[0].size
+            self.gather = [_Chunk(codec, 0, numel, j * each, _tag(header, "all")) for j in range(size)]
+        else:
+            self.send, off = [], 0
+            for j, (a, b) in enumerate(bounds):
+                self.send.append(_Chunk(codec, a, b, off, _tag(header, f"c{j}")))
+                off += self.send[-1].size
+            a, b = bounds[r]
+            # the payloads of chunk r that every rank sent this one, in rank order
+            self.own = _Chunk(codec, a, b, 0, _tag(header, f"c{r}"))
+            self.reduced = _Chunk(codec, 0, b - a, 0, _tag(header, f"r{r}"))   # in its own buffer
+            self.gather, off = [], 0
+            for j, (a, b) in enumerate(bounds):
+                self.gather.append(_Chunk(codec, a, b, off, _tag(header, f"r{j}")))
+                off += self.gather[-1].size
+        self.send_nbytes = sum(c.size for c in self.send) if ex.reduction == "sra" else self.send[0].size
+        self.gather_nbytes = sum(c.size for c in self.gather)
+        self.fresh = fresh_seed()          # unseeded noise: this plan's base, mixed with the step
+        self.steps = 0
+        self.server_key = f"{name}/server{r}of{size}"     # the chunk this rank owns, this world size
+        t = self.traffic = Traffic()
+        t.numel = numel
+        t.fp32_bytes = (2.0 * (size - 1) / size) * 4 * numel
+        if ex.reduction == "allgather":
+            t.payload_bytes = self.send_nbytes
+            t.sent_bytes = (size - 1) * self.send_nbytes
+        else:
+            each = self.own.size
+            t.payload_bytes = self.send_nbytes + each
+            t.sent_bytes = self.send_nbytes - self.send[r].size + (size - 1) * each
+        self.buffers = {} if ex.ops.reusable else None
+
+    def buffer(self, key, make):
+        """A buffer made by ``make()``: kept and reused across steps where the frontend allows it."""
+        if self.buffers is None:
+            return make()
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = make()
+        return buf
+
+
+def _tag(header, part):
+    """The name put in a payload header: which tensor/bucket and which chunk (stable across steps)."""
+    return f"{header}#{part}"
+
+
 class Pending:
     """One exchange in flight. ``stage``: "first" (alltoall or allgather submitted), "second" (SRA
     allgather submitted), "done"."""
-    __slots__ = ("name", "header", "step", "numel", "like", "bounds", "handle", "stage", "hs", "record",
-                 "result")
+    __slots__ = ("name", "plan", "step", "like", "handle", "stage", "hs", "record", "result", "key")
 
-    def __init__(self, name, header, step, numel, like, bounds):
-        self.name, self.header, self.step, self.numel = name, header, step, numel
-        self.like, self.bounds = like, bounds
+    def __init__(self, name, plan, step, like):
+        self.name, self.plan, self.step, self.like = name, plan, step, like
         self.handle = self.hs = self.record = self.result = None
         self.stage = "first"
 
@@ -213,13 +297,18 @@ class Pending:
 class Exchange:
     """The reductions for one codec, one set of collectives and one array-ops table.
 
-    ``memory`` (a :class:`hvd_quant.memory.Memory`, optional) turns on error feedback: the residual of
-    this rank's own quantization is kept under the exchange's name and, for SRA, the residual of the
-    requantization of the chunk this rank owns under ``<name>/server<r>of<N>`` (the "server" error feedback of
-    1-bit Adam: the requantization's error is carried to the next step too, not lost).
+    Each exchange name gets a plan on its first start (:class:`_Plan`: layouts, header words, noise
+    base, buffers), reused every step. ``memory`` (a :class:`hvd_quant.memory.Memory`, optional)
+    turns on error feedback: the residual of this rank's own quantization is kept under the
+    exchange's name and, for SRA, the residual of the requantization of the chunk this rank owns
+    under ``<name>/server<r>of<N>`` (the "server" error feedback of 1-bit Adam: the requantization's
+    error is carried to the next step too, not lost). ``reuse_result``: :meth:`finish` returns the
+    plan's own result buffer, overwritten by the next step of the same name (for callers that copy
+    the result out, where the frontend's ``ArrayOps.reusable``); otherwise a new buffer each step.
     """
 
-    def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq"):
+    def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq",
+                 reuse_result=False):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.codec = codec
@@ -228,12 +317,11 @@ class Exchange:
         self.reduction = reduction
         self.memory = memory
         self.prefix = prefix
+        self.reuse_result = bool(reuse_result)
         self.align = codec_alignment(codec)
         self.traffic = Traffic()
+        self._plans = {}            # (name, header, numel) -> _Plan
         self._verified = set()      # exchange names whose first payloads were checked on the device
-        # Independent noise across ranks: the codec keys its stochastic rounding on its rank.
-        if hasattr(codec, "rank"):
-            codec.rank = collectives.rank
 
     # -- sizes ------------------------------------------------------------------------------------
     def payload_nbytes(self, numel):
@@ -245,60 +333,78 @@ class Exchange:
         return chunk_bounds(numel, self.coll.size, self.align)
 
     @staticmethod
-    def tag(name, part, step):
-        """The name put in a payload header: which tensor/bucket, which chunk, which step."""
-        return f"{name}#{part}@{step}" if step is not None else f"{name}#{part}"
+    def tag(name, part):
+        """The name a payload header carries: bucket ``name``'s chunk ``part`` ("all" for allgather,
+        "c<j>" for SRA's chunk j, "r<j>" for the reduced chunk j); the same every step."""
+        return _tag(name, part)
+
+    def plan(self, name, numel, like, header=None):
+        """The plan of exchange ``name`` for ``numel`` elements like ``like`` (built on first use)."""
+        header = name if header is None else header
+        key = (name, header, numel)
+        plan = self._plans.get(key)
+        if plan is None or plan.coll is not self.coll:
+            plan = self._plans[key] = _Plan(self, name, header, numel, like)
+        return plan
+
+    def _key(self, plan, step, nh):
+        """The noise key of one payload: (seed, step, rank, payload name); 0 for codecs without noise."""
+        codec = self.codec
+        if not codec.stochastic:
+            return 0
+        from .codecs import noise_key
+        seed = plan.fresh if codec.seed is None else codec.seed
+        return noise_key(seed, step, self.coll.rank, nh)
+
+    def _payloads(self, plan, chunks, nbytes, flat, step, name):
+        """Encode ``flat``'s chunks into one uint8 buffer (each payload at its offset), no copies."""
+        ops, codec, arrays = self.ops, self.codec, plan.arrays
+        buf = plan.buffer(name, lambda: ops.empty_bytes(nbytes, flat))
+        for c in chunks:
+            if c.b > c.a:
+                codec.encode_into(ops.slice(flat, c.a, c.b), ops.slice(buf, c.off, c.off + c.size),
+                                  c.words, c.lay, self._key(plan, step, c.nh), arrays=arrays)
+        return buf
+
+    def _residual(self, plan, key, payload, chunks, flat, numel):
+        """Error feedback: residual[key] = flat - decode(own payloads)."""
+        ops, mem, codec = self.ops, self.memory, self.codec
+        res = mem.buffer(key, numel, flat)
+        for c in chunks:
+            if c.b > c.a:
+                codec.decode_into(ops.slice(payload, c.off, c.off + c.size), ops.slice(res, c.a, c.b),
+                                  expect=c.expect, arrays=plan.arrays)
+        mem.set(key, ops.rsub_(res, flat))
 
     # -- phase 1 ----------------------------------------------------------------------------------
     def start(self, name, flat, step=None, record=None, header=None):
         """Encode ``flat`` (a float32 1-D buffer this exchange may overwrite) and submit the first
         collective, named after ``name`` (what Horovod matches across ranks). ``header`` (default
-        ``name``) is what goes into the payload headers, with the chunk and the step: a receiver
-        expecting another header raises. With ``record`` (see :func:`handshake_record`), a
-        configuration handshake travels with the exchange and is checked before anything is decoded."""
-        ops, coll, codec = self.ops, self.coll, self.codec
+        ``name``) is what goes into the payload headers, with the chunk: a receiver expecting another
+        header raises. ``step`` keys seeded stochastic rounding (default: this plan's own count).
+        With ``record`` (see :func:`handshake_record`), a configuration handshake travels with the
+        exchange and is checked before anything is decoded."""
+        ops, coll = self.ops, self.coll
         numel = ops.numel(flat)
-        p = Pending(name, name if header is None else header, step, numel, flat, self.bounds(numel))
+        plan = self.plan(name, numel, flat, header)
+        if step is None:
+            step = plan.steps
+        plan.steps += 1
+        p = Pending(name, plan, step, flat)
         if record is not None:
             p.record = record
             p.hs = handshake_async(coll, ops, record, f"{self.prefix}.hs.{name}")
-        if step is not None and hasattr(codec, "reset_counters"):
-            # Headers name the step and chunk, so every encode has its own name and seeded noise is
-            # keyed by (seed, rank, name) alone: reproducible after a restore, and the codec's per-name
-            # call counters do not grow without bound.
-            codec.reset_counters()
         mem = self.memory
         if mem is not None:
             flat = mem.compensate(name, flat)
-        payloads = []
-        for j, (a, b) in enumerate(p.bounds):
-            if b > a:
-                part = "all" if self.reduction == "allgather" else f"c{j}"
-                payloads.append(codec.encode(ops.slice(flat, a, b), name=self.tag(p.header, part, step)))
-            else:
-                payloads.append(None)
+        send = self._payloads(plan, plan.send, plan.send_nbytes, flat, step, "send")
         if mem is not None:
-            res = mem.buffer(name, numel, flat)
-            for j, (a, b) in enumerate(p.bounds):
-                if b > a:
-                    codec.decode_into(payloads[j], ops.slice(res, a, b), accumulate=False)
-            mem.set(name, ops.rsub_(res, flat))
-        t = self.traffic
-        t.numel += numel
-        size = coll.size
-        t.fp32_bytes += (2.0 * (size - 1) / size) * 4 * numel
+            self._residual(plan, name, send, plan.send, flat, numel)
+        self.traffic.add(plan.traffic)
         if self.reduction == "allgather":
-            nbytes = self.payload_nbytes(numel)
-            t.payload_bytes += nbytes
-            t.sent_bytes += (size - 1) * nbytes
-            payload = payloads[0] if payloads[0] is not None else ops.cat_bytes([], flat)
-            p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{name}")
+            p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}")
         else:
-            splits = [self.payload_nbytes(b - a) for a, b in p.bounds]
-            t.payload_bytes += sum(splits)
-            t.sent_bytes += sum(splits) - splits[coll.rank]
-            send = ops.cat_bytes([x for x in payloads if x is not None], flat)
-            p.handle = coll.alltoall_async(send, splits, f"{self.prefix}.a2a.{name}")
+            p.handle = coll.alltoall_async(send, [c.size for c in plan.send], f"{self.prefix}.a2a.{name}")
         return p
 
     def _check_hs(self, p):
@@ -306,9 +412,9 @@ class Exchange:
             hs, p.hs = p.hs, None
             check_handshake(self.coll, self.ops, p.record, self.coll.synchronize(hs), f"tensor {p.name!r}")
 
-    def _decode(self, p, src, payload, out, accumulate, tag):
+    def _decode(self, p, src, payload, out, accumulate, expect):
         try:
-            self.codec.decode_into(payload, out, accumulate=accumulate, name=tag)
+            self.codec.decode_into(payload, out, accumulate=accumulate, expect=expect, arrays=p.plan.arrays)
         except ValueError as e:
             raise PayloadMismatchError(
                 f"hvd_quant: the payload rank {src} sent for {p.name!r} was refused ({e}); ranks "
@@ -328,31 +434,23 @@ class Exchange:
         if p.stage != "first" or self.reduction != "sra":
             return
         self._check_hs(p)
-        ops, coll, codec = self.ops, self.coll, self.codec
+        ops, coll, plan = self.ops, self.coll, p.plan
         data = coll.synchronize(p.handle)
-        r, size = coll.rank, coll.size
-        a, b = p.bounds[r]
-        n = b - a
-        each = self.payload_nbytes(n)
-        self._received(p, data, size * each, "the alltoall")
-        payload = ops.cat_bytes([], p.like)
+        own, red = plan.own, plan.reduced
+        n, each = own.b - own.a, own.size
+        self._received(p, data, coll.size * each, "the alltoall")
         if n:
-            acc = ops.zeros(n, p.like)
-            for j in range(size):
-                self._decode(p, j, ops.slice(data, j * each, (j + 1) * each), acc, True,
-                             self.tag(p.header, f"c{r}", p.step))
+            acc = plan.buffer("acc", lambda: ops.empty(n, p.like))
+            for j in range(coll.size):
+                self._decode(p, j, ops.slice(data, j * each, (j + 1) * each), acc, j > 0, own.expect)
             mem = self.memory
-            key = f"{p.name}/server{r}of{size}"     # the chunk this rank owns, for this world size
             if mem is not None:
-                acc = mem.compensate(key, acc)
-            payload = codec.encode(acc, name=self.tag(p.header, f"r{r}", p.step))
+                acc = mem.compensate(plan.server_key, acc)
+            payload = self._payloads(plan, (red,), red.size, acc, p.step, "reduced")
             if mem is not None:
-                res = mem.buffer(key, n, acc)
-                codec.decode_into(payload, res, accumulate=False)
-                mem.set(key, ops.rsub_(res, acc))
-        t = self.traffic
-        t.payload_bytes += each
-        t.sent_bytes += (size - 1) * each
+                self._residual(plan, plan.server_key, payload, (red,), acc, n)
+        else:
+            payload = ops.empty_bytes(0, p.like)
         p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}")
         p.stage = "second"
 
@@ -361,41 +459,33 @@ class Exchange:
         """Wait and decode; returns the float32 **sum** over ranks (flat, ``numel`` elements)."""
         if p.stage == "done":
             return p.result
-        ops, coll = self.ops, self.coll
+        ops, coll, plan = self.ops, self.coll, p.plan
         if self.reduction == "sra":
             self.advance(p)
-            data = coll.synchronize(p.handle)
-            sizes = [self.payload_nbytes(b - a) for a, b in p.bounds]
-            self._received(p, data, sum(sizes), "the allgather")
-            out = ops.empty(p.numel, p.like)
-            off = 0
-            for j, (a, b) in enumerate(p.bounds):
-                if b > a:
-                    self._decode(p, j, ops.slice(data, off, off + sizes[j]), ops.slice(out, a, b), False,
-                                 self.tag(p.header, f"r{j}", p.step))
-                off += sizes[j]
         else:
             self._check_hs(p)
-            data = coll.synchronize(p.handle)
-            each = self.payload_nbytes(p.numel)
-            self._received(p, data, coll.size * each, "the allgather")
-            out = ops.zeros(p.numel, p.like)
-            tag = self.tag(p.header, "all", p.step)
-            if p.numel:
-                for j in range(coll.size):
-                    self._decode(p, j, ops.slice(data, j * each, (j + 1) * each), out, True, tag)
+        data = coll.synchronize(p.handle)
+        self._received(p, data, plan.gather_nbytes, "the allgather")
+        out = (plan.buffer("out", lambda: ops.empty(plan.numel, p.like)) if self.reuse_result
+               else ops.empty(plan.numel, p.like))
+        if self.reduction == "sra":
+            for j, c in enumerate(plan.gather):
+                if c.b > c.a:
+                    self._decode(p, j, ops.slice(data, c.off, c.off + c.size), ops.slice(out, c.a, c.b),
+                                 False, c.expect)
+        elif plan.numel:
+            for j, c in enumerate(plan.gather):
+                self._decode(p, j, ops.slice(data, c.off, c.off + c.size), out, j > 0, c.expect)
         if p.name not in self._verified:
             # Device payloads are checked by a kernel that writes NaN on a bad header; read its status
             # word once per exchange name (one synchronisation, on the first step only) so that a
             # misconfiguration raises instead of showing up as NaN.
             self._verified.add(p.name)
-            check = getattr(self.codec, "check_device_errors", None)
-            if check is not None:
-                try:
-                    check()
-                except ValueError as e:
-                    raise PayloadMismatchError(f"hvd_quant: a payload for {p.name!r} was refused on "
-                                               f"the device: {e}") from e
+            try:
+                self.codec.check_device_errors()
+            except ValueError as e:
+                raise PayloadMismatchError(f"hvd_quant: a payload for {p.name!r} was refused on "
+                                           f"the device: {e}") from e
         p.result, p.stage, p.like, p.handle = out, "done", None, None
         return out
 

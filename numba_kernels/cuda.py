@@ -1064,3 +1064,29 @@ def onebit_decode_cuda(payload, out, bucket_size, two_mean, accumulate, stream=0
     bs = int(bucket_size) or max(n, 1)
     dec = _v3_decode if _v3_supported(1, bs, n) else _v2_decode
     dec(payload, out, 1, bs, DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS, accumulate, lay, stream, status)
+
+
+# ---- explicit expectations (interim: the decode takes the header it expects) -------------------------
+_check_fields = check_header_cuda
+_qsgd_decode_impl = qsgd_decode_cuda
+_onebit_decode_impl = onebit_decode_cuda
+
+
+def check_header_cuda(payload, status, expect, *fields):  # noqa: F811
+    """Validate a device payload's header against ``expect`` (a ``wire.Expect``) on the device."""
+    if isinstance(expect, wire.Expect):
+        return _check_fields(payload, status, *expect, *fields)
+    return _check_fields(payload, status, expect, *fields)
+
+
+def qsgd_decode_cuda(payload, out, bits, bucket_size, accumulate, stream=0, status=None, expect=None):  # noqa: F811
+    if expect is not None:
+        _check_fields(payload, status, *expect, stream)
+    _qsgd_decode_impl(payload, out, bits, bucket_size, accumulate, stream, status)
+
+
+def onebit_decode_cuda(payload, out, bucket_size, two_mean, accumulate, stream=0, status=None,  # noqa: F811
+                       expect=None):
+    if expect is not None:
+        _check_fields(payload, status, *expect, stream)
+    _onebit_decode_impl(payload, out, bucket_size, two_mean, accumulate, stream, status)

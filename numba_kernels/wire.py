@@ -36,13 +36,14 @@ size is a multiple of 4, so payloads concatenated back to back stay 4-byte align
 * none: numel float32 values at 64.
 """
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
 __all__ = [
     "PayloadError", "HEADER_NBYTES", "MAGIC", "VERSION", "MAX_NDIM", "METHODS", "DTYPES", "MODES",
     "NORMS", "ONEBIT_SCALES", "Header", "Layout", "layout", "fnv1a32", "fold16", "name_hash",
-    "config_crc", "parse_header", "ERROR_BITS", "describe_error_bits",
+    "config_crc", "parse_header", "ERROR_BITS", "describe_error_bits", "Expect",
 ]
 
 HEADER_NBYTES = 64
@@ -76,6 +77,18 @@ ERROR_BITS = {
     512: "bad header checksum",
     1024: "bad configuration checksum",
 }
+
+
+class Expect(NamedTuple):
+    """What a receiver expects of a payload's header; the decode kernels check it on the device."""
+    method: int
+    bits: int
+    mode: int
+    norm: int
+    bucket_size: int
+    numel: int
+    name_hash: int
+    check_name: bool
 
 
 class PayloadError(ValueError):

@@ -116,8 +116,6 @@ def _make_adapter():
             return payload.dev.copy_to_host()[:64]
 
         def read_status(self, status):
-            import numba_kernels.cuda as K
-            K.flush_pending()
             st = status.dev.copy_to_host()
             bits = int(st[1])
             if bits:
@@ -128,12 +126,12 @@ def _make_adapter():
         def result(self, f32, dtype_name, shape):
             return SimTensor(f32.dev, shape)
 
-        def raw_encode(self, x, value_dtype, nbytes):
-            p = np.zeros(nbytes, np.uint8)
+        def raw_encode_into(self, x, value_dtype, payload):
+            p = np.zeros(payload.dev.size, np.uint8)
             v = x.dev.copy_to_host().reshape(-1)
             p[64:64 + v.size * np.dtype(value_dtype).itemsize].view(value_dtype)[...] = v
-            d = cuda.to_device(p)
-            return SimTensor(d), d
+            payload.dev.copy_to_device(p)
+            return payload.dev
 
         def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
             w = np.dtype(value_dtype).itemsize

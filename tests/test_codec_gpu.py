@@ -162,8 +162,7 @@ def check_torch_codec_path():
         if not (pc.is_cuda and pc.dtype == torch.uint8
                 and np.array_equal(host.encode(clean.cpu(), name="w").numpy(), pc.cpu().numpy())):
             fails.append(f"{spec}: device payload != host payload")
-        host.reset_counters()
-        dev.reset_counters()
+        host, dev = hq.from_spec(spec), hq.from_spec(spec)     # new objects: their counts restart
         ph = host.encode(x.cpu(), name="w")
         pd = dev.encode(x, name="w")
         yh = host.decode(ph)

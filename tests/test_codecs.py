@@ -8,6 +8,7 @@ import pytest
 
 import hvd_quant as hq
 from hvd_quant import Compression, FP16, NoCompression, OneBit, PayloadError, QSGD, from_spec
+from hvd_quant.codecs import noise_key
 from numba_kernels import wire
 
 U = 2.0 ** -24          # float32 unit roundoff
@@ -347,8 +348,7 @@ def test_seed_reproducible_sequence():
     seq_b = [b.encode(x, name="g").tobytes() for _ in range(3)]
     assert seq_a == seq_b
     assert len(set(seq_a)) == 3                      # the k-th call differs from the (k+1)-th
-    a.reset_counters()
-    assert a.encode(x, name="g").tobytes() == seq_a[0]
+    assert QSGD(seed=42).encode(x, name="g").tobytes() == seq_a[0]     # a new object counts afresh
     assert QSGD(seed=43).encode(x, name="g").tobytes() != seq_a[0]
     # counters are per name: other names do not shift this name's sequence
     c = QSGD(seed=42)
@@ -358,14 +358,27 @@ def test_seed_reproducible_sequence():
 
 def test_ranks_draw_independent_noise(monkeypatch):
     x = rand(1000, 8)
-    r0, r1 = QSGD(seed=42), QSGD(seed=42)
-    r1.rank = 1
-    assert r0.encode(x).tobytes() != r1.encode(x).tobytes()
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    r0 = QSGD(seed=42).encode(x).tobytes()
     monkeypatch.setenv("HOROVOD_RANK", "1")
-    env1 = QSGD(seed=42)
-    assert env1.rank == 1
-    r1.reset_counters()
-    assert env1.encode(x).tobytes() == r1.encode(x).tobytes()
+    r1 = QSGD(seed=42).encode(x).tobytes()
+    assert r0 != r1
+    assert QSGD(seed=42).encode(x).tobytes() == r1
+    # the key is an integer mix of (seed, k, rank, name hash): each input moves it
+    base = noise_key(42, 0, 0, 0)
+    assert len({base, noise_key(43, 0, 0, 0), noise_key(42, 1, 0, 0), noise_key(42, 0, 1, 0),
+                noise_key(42, 0, 0, 1)}) == 5
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS, ids=CODEC_IDS)
+def test_codec_is_an_immutable_value(codec):
+    twin = from_spec(codec.spec())
+    assert twin == codec and hash(twin) == hash(codec) and {codec: 1}[twin] == 1
+    for attr in ("bits", "bucket_size", "mode", "scale", "anything"):
+        with pytest.raises(AttributeError, match="immutable"):
+            setattr(codec, attr, 3)
+    assert from_spec(codec.spec()) == codec       # unchanged
+    assert not any(isinstance(v, (dict, list, set)) for v in vars(codec).values())
 
 
 def test_unseeded_draws_fresh_noise():
@@ -450,9 +463,8 @@ def test_torch_cpu(dtype):
         assert p.numel() == c.wire_nbytes(x.numel())
         y = c.decode(p, name="t")
         assert isinstance(y, torch.Tensor) and y.dtype == dt and y.shape == x.shape
-        # the same bytes as the NumPy path on the same float32 values
-        c.reset_counters()
-        pn = c.encode(x.float().numpy(), name="t")
+        # the same bytes as the NumPy path on the same float32 values (a new object counts afresh)
+        pn = from_spec(c.spec()).encode(x.float().numpy(), name="t")
         assert bytes(p.numpy()[64:]) == bytes(pn[64:])
         acc = torch.ones(x.numel())
         c.decode_into(p, acc, accumulate=True)

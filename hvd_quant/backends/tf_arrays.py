@@ -208,12 +208,15 @@ class TFGpuAdapter(DeviceAdapter):
             f32 = tf.cast(f32, _FROM_NAME[dtype_name])
         return tf.reshape(f32, shape)
 
-    def raw_encode(self, x, value_dtype, nbytes):
+    def raw_encode_into(self, x, value_dtype, payload):
+        # TensorFlow tensors are immutable: the values go in through a device-to-device copy
         vals = tf.reshape(tf.bitcast(tf.cast(tf.reshape(x, [-1]), _FROM_NAME[value_dtype]), tf.uint8), [-1])
-        with tf.device(x.device):
-            t = tf.concat([tf.zeros([64], tf.uint8), vals,
-                           tf.zeros([nbytes - 64 - int(vals.shape[0])], tf.uint8)], axis=0)
-        return t, self._dev(t)
+        pdev = self._dev(payload)
+        n = int(vals.shape[0])
+        tf.test.experimental.sync_devices()
+        pdev[64:64 + n].copy_to_device(self._dev(vals))
+        pdev[64 + n:].copy_to_device(np.zeros(int(pdev.size) - 64 - n, np.uint8))
+        return pdev
 
     def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
         w = 2 if value_dtype == "float16" else 4

@@ -4,13 +4,12 @@ synchronisation), kernels launched on ``torch.cuda.current_stream(device)`` via
 ``numba.cuda.external_stream``. Outputs are allocated by torch's caching allocator (no cudaMalloc, no
 synchronisation). float16 / bfloat16 / float64 inputs are converted to float32 by torch first.
 
-With the v2 CUDA kernels (the default; ``HVD_QUANT_CUDA_KERNELS=v1`` restores the previous path) the
-per-call host work is cut: device-array views are cached by (device, pointer, size, dtype) instead of
-being rebuilt through ``as_cuda_array`` on every call (torch's caching allocator hands the same
-blocks back, so steady-state calls hit the cache; the views hold no reference to the tensor, whose
-memory they describe only while a tensor of that pointer, size and dtype is being used), the current
-stream is read with one call, and with a single visible GPU no device context is pushed and popped
-around each call."""
+The per-call host work is small: device-array views are cached by (device, pointer, size, dtype)
+instead of being rebuilt through ``as_cuda_array`` on every call (torch's caching allocator hands the
+same blocks back, so steady-state calls hit the cache; the views hold no reference to the tensor,
+whose memory they describe only while a tensor of that pointer, size and dtype is being used), the
+current stream is read with one call, and with a single visible GPU no device context is pushed and
+popped around each call."""
 import contextlib
 
 import torch
@@ -83,15 +82,10 @@ class TorchCudaAdapter(DeviceAdapter):
 
     def __init__(self):
         from numba import cuda
-        import numba_kernels.cuda as kernels
         self._cuda = cuda
-        self._kernels = kernels
         self._views = {}
         self._single = None
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-    def _v2(self):
-        return self._kernels.impl() != "v1"
 
     def describe(self, x):
         return _describe(x)
@@ -101,7 +95,7 @@ class TorchCudaAdapter(DeviceAdapter):
 
     def stream(self, x):
         handle = None
-        if self._raw_stream is not None and self._v2():
+        if self._raw_stream is not None:
             try:
                 handle = self._raw_stream(x.device.index)
             except Exception:           # pragma: no cover - private torch API changed
@@ -114,16 +108,13 @@ class TorchCudaAdapter(DeviceAdapter):
         return st
 
     def context(self, x):
-        if self._v2():
-            if self._single is None:
-                self._single = torch.cuda.device_count() == 1
-            if self._single:            # Numba attaches to the device's primary context by itself
-                return contextlib.nullcontext()
+        if self._single is None:
+            self._single = torch.cuda.device_count() == 1
+        if self._single:                # Numba attaches to the device's primary context by itself
+            return contextlib.nullcontext()
         return self._cuda.gpus[x.device.index]
 
     def _dev(self, t):
-        if not self._v2():
-            return self._cuda.as_cuda_array(t, sync=False)
         ptr = t.data_ptr()
         key = (t.device.index, ptr, t.numel(), t.dtype)
         d = self._views.get(key)
@@ -139,7 +130,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return d
 
     def input_f32(self, x):
-        if x.dtype == torch.float32 and x.is_contiguous() and self._v2():
+        if x.dtype == torch.float32 and x.is_contiguous():
             t = x                       # the cached view is 1-D whatever x's shape
         else:
             t = _flat(x).to(torch.float32).contiguous()
@@ -171,7 +162,7 @@ class TorchCudaAdapter(DeviceAdapter):
 
     def bytes_dev(self, payload):
         payload = self._check_payload(payload)
-        return self._dev(payload if self._v2() else payload.detach())
+        return self._dev(payload)
 
     def payload_nbytes(self, payload):
         return payload.numel()
@@ -185,13 +176,12 @@ class TorchCudaAdapter(DeviceAdapter):
             raise UnsupportedInputError("decode_into needs a contiguous float32 CUDA tensor; got "
                                         f"{type(out).__name__} {getattr(out, 'dtype', '')} "
                                         f"{getattr(out, 'device', '')}")
-        return self._dev(out if self._v2() else out.detach().view(-1)), None   # v2: keyed by numel
+        return self._dev(out), None     # the cached view is 1-D, keyed by numel
 
     def read_header(self, payload):
         return payload[:64].cpu().numpy()
 
     def read_status(self, status):
-        self._kernels.flush_pending()
         bits = int(status[1].item())
         if bits:
             status[1].zero_()
@@ -202,15 +192,14 @@ class TorchCudaAdapter(DeviceAdapter):
             f32 = f32.to(_FROM_NAME[dtype_name])
         return f32.reshape(shape)
 
-    def raw_encode(self, x, value_dtype, nbytes):
-        """(payload, device view): x as ``value_dtype`` ('float16' | 'float32') at byte 64, zero
-        padding after; the codec writes the header (a kernel, no host->device copy)."""
-        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    def raw_encode_into(self, x, value_dtype, payload):
+        """x as ``value_dtype`` ('float16' | 'float32') at byte 64 of ``payload``, zero padding after;
+        the codec writes the header (a kernel, no host->device copy)."""
         n = x.numel()
         w = 2 if value_dtype == "float16" else 4
-        out[64:64 + w * n].view(_FROM_NAME[value_dtype]).copy_(_flat(x))
-        out[64 + w * n:].zero_()
-        return out, self._dev(out)
+        payload[64:64 + w * n].view(_FROM_NAME[value_dtype]).copy_(_flat(x))
+        payload[64 + w * n:].zero_()
+        return self._dev(payload)
 
     def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
         """out (+)= values; ``bad`` a 0-d bool device tensor (header check failed) -> NaN."""

@@ -57,13 +57,6 @@ def _flatten(tensors):
     return np.concatenate(parts).astype(np.float32, copy=False)
 
 
-def _cat_bytes(parts, like):
-    parts = [to_numpy(p, np.uint8).reshape(-1) for p in parts]
-    if not parts:
-        return np.empty(0, np.uint8)
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
 def _add_(a, b):
     b = to_numpy(b, np.float32)
     if a.flags.writeable:
@@ -87,7 +80,7 @@ OPS = ArrayOps(
     zeros=lambda numel, like: np.zeros(numel, np.float32),
     empty=lambda numel, like: np.empty(numel, np.float32),
     slice=lambda buf, a, b: buf[a:b],
-    cat_bytes=_cat_bytes,
+    empty_bytes=lambda nbytes, like: np.empty(nbytes, np.uint8),
     add_=_add_,
     scale_=_scale_,
     rsub_=_rsub_,

@@ -128,20 +128,6 @@ def _zeros(n, like):
     return out
 
 
-def _cat_bytes(parts, like):
-    parts = [p for p in parts]
-    if not parts:
-        return _empty(0, np.uint8)
-    if len(parts) == 1:
-        return parts[0]
-    out = _empty(sum(p.size for p in parts), np.uint8)
-    off = 0
-    for p in parts:
-        _copy(out[off:off + p.size], p)
-        off += p.size
-    return out
-
-
 def _add_(a, b):
     if not is_device_array(b):
         b = _cuda().to_device(np.ascontiguousarray(b, np.float32).reshape(-1))
@@ -186,7 +172,7 @@ DEVICE_OPS = ArrayOps(
     zeros=_zeros,
     empty=lambda n, like: _empty(n, np.float32),
     slice=lambda buf, a, b: buf[a:b],
-    cat_bytes=_cat_bytes,
+    empty_bytes=lambda n, like: _empty(n, np.uint8),
     add_=_add_,
     scale_=_scale_,
     rsub_=_rsub_,
@@ -267,8 +253,6 @@ class NumbaDeviceAdapter(DeviceAdapter):
         return payload[:64].copy_to_host()
 
     def read_status(self, status):
-        import numba_kernels.cuda as K
-        K.flush_pending()
         st = status.copy_to_host()
         bits = int(st[1])
         if bits:
@@ -282,12 +266,12 @@ class NumbaDeviceAdapter(DeviceAdapter):
         return f32.reshape(shape)
 
     # fp16 / none payloads: through the host (small codecs; this path is not the fast one)
-    def raw_encode(self, x, value_dtype, nbytes):
+    def raw_encode_into(self, x, value_dtype, payload):
         vals = x.copy_to_host().reshape(-1).astype(value_dtype)
-        p = np.zeros(nbytes, np.uint8)
+        p = np.zeros(int(payload.size), np.uint8)
         p[64:64 + vals.nbytes] = vals.view(np.uint8)
-        d = _cuda().to_device(p)
-        return d, d
+        payload.copy_to_device(p)
+        return payload
 
     def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
         w = np.dtype(value_dtype).itemsize
@@ -296,8 +280,6 @@ class NumbaDeviceAdapter(DeviceAdapter):
         o = out.reshape(-1)
         host = o.copy_to_host() + vals if accumulate else vals
         if bad is not None:
-            import numba_kernels.cuda as K
-            K.flush_pending()
             if int(bad.copy_to_host()[0]) != 0:
                 host = np.full_like(host, np.nan)
         o.copy_to_device(np.ascontiguousarray(host, np.float32))

@@ -23,12 +23,6 @@ def _empty(numel, like):
     return torch.empty(numel, dtype=torch.float32, device=like.device)
 
 
-def _cat_bytes(parts, like):
-    if not parts:
-        return torch.empty(0, dtype=torch.uint8, device=like.device)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 def _rsub_(out, a):
     return torch.sub(a, out, out=out)
 
@@ -42,7 +36,7 @@ OPS = ArrayOps(
     zeros=_zeros,
     empty=_empty,
     slice=lambda buf, a, b: buf[a:b],
-    cat_bytes=_cat_bytes,
+    empty_bytes=lambda nbytes, like: torch.empty(nbytes, dtype=torch.uint8, device=like.device),
     add_=lambda a, b: a.add_(b),
     scale_=lambda a, s: a.mul_(s),
     rsub_=_rsub_,
@@ -51,6 +45,7 @@ OPS = ArrayOps(
     to_bytes=lambda t: t.detach().cpu().numpy().tobytes(),
     to_like=_to_like,
     clone=lambda t: t.detach().clone(),
+    reusable=True,
 )
 
 

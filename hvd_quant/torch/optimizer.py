@@ -200,7 +200,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._exchange.traffic = self._traffic
         else:
             self._exchange.coll = coll
-            self._exchange.codec.rank = coll.rank
 
     # -- hooks --------------------------------------------------------------------------------------
     def _register_hooks(self):

@@ -54,9 +54,9 @@ FP32_EPS = 2.0 ** -23
 
 
 def codec_for(spec, rank):
+    """A codec whose encode draws what rank ``rank`` draws at a step (``encode(..., step, rank)``)."""
     c = hvd_quant.from_spec(spec)
-    c.rank = rank
-    return c
+    return lambda x, name, step: c.encode(x, name=name, step=step, rank=rank), c
 
 
 def inputs(n, case, nan_at=None):
@@ -77,10 +77,10 @@ def replay(spec, reduction, xs, name, step):
     if n == 0:
         return out
     if reduction == "allgather":
-        tag = Exchange.tag(name, "all", step)
+        tag = Exchange.tag(name, "all")
         for j, x in enumerate(xs):
-            c = codec_for(spec, j)
-            c.decode_into(c.encode(x.clone(), name=tag), out, accumulate=True)
+            enc, c = codec_for(spec, j)
+            c.decode_into(enc(x.clone(), tag, step), out, accumulate=True)
         return out
     align = codec_alignment(hvd_quant.from_spec(spec))
     for owner, (a, b) in enumerate(chunk_bounds(n, N, align)):
@@ -88,11 +88,10 @@ def replay(spec, reduction, xs, name, step):
             continue
         acc = torch.zeros(b - a)
         for j, x in enumerate(xs):
-            c = codec_for(spec, j)
-            c.decode_into(c.encode(x[a:b].clone(), name=Exchange.tag(name, f"c{owner}", step)), acc,
-                          accumulate=True)
-        c = codec_for(spec, owner)
-        c.decode_into(c.encode(acc, name=Exchange.tag(name, f"r{owner}", step)), out[a:b])
+            enc, c = codec_for(spec, j)
+            c.decode_into(enc(x[a:b].clone(), Exchange.tag(name, f"c{owner}"), step), acc, accumulate=True)
+        enc, c = codec_for(spec, owner)
+        c.decode_into(enc(acc, Exchange.tag(name, f"r{owner}"), step), out[a:b])
     return out
 
 
