@@ -416,8 +416,8 @@ class Codec:
 
     def _launch_check(self, K, pdev, status_dev, numel, name, stream):
         method, bits, mode, norm, bs = self._fields()
-        K.check_header_cuda(pdev, status_dev, method, bits, mode, norm, bs, numel, wire.name_hash(name),
-                            name is not None, stream)
+        K.check_header_cuda(pdev, status_dev, wire.Expect(method, bits, mode, norm, bs, numel,
+                                                          wire.name_hash(name), name is not None), stream)
 
     # -- subclass steps ------------------------------------------------------------------------------
     def _encode_host(self, arrays, x, nh, words, lay):

@@ -36,13 +36,14 @@ size is a multiple of 4, so payloads concatenated back to back stay 4-byte align
 * none: numel float32 values at 64.
 """
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
 __all__ = [
     "PayloadError", "HEADER_NBYTES", "MAGIC", "VERSION", "MAX_NDIM", "METHODS", "DTYPES", "MODES",
     "NORMS", "ONEBIT_SCALES", "Header", "Layout", "layout", "fnv1a32", "fold16", "name_hash",
-    "config_crc", "parse_header", "ERROR_BITS", "describe_error_bits",
+    "config_crc", "parse_header", "ERROR_BITS", "describe_error_bits", "Expect",
 ]
 
 HEADER_NBYTES = 64
@@ -76,6 +77,21 @@ ERROR_BITS = {
     512: "bad header checksum",
     1024: "bad configuration checksum",
 }
+
+
+class Expect(NamedTuple):
+    """What a receiver expects in a payload header: the decoders' ``expect`` argument.
+
+    The fields are compared with the header's (``ERROR_BITS`` names each mismatch); ``name_hash`` only
+    when ``check_name``. Magic, version and both checksums are always checked."""
+    method: int
+    bits: int
+    mode: int
+    norm: int
+    bucket_size: int
+    numel: int
+    name_hash: int = 0
+    check_name: bool = False
 
 
 class PayloadError(ValueError):

@@ -267,8 +267,6 @@ class NumbaDeviceAdapter(DeviceAdapter):
         return payload[:64].copy_to_host()
 
     def read_status(self, status):
-        import numba_kernels.cuda as K
-        K.flush_pending()
         st = status.copy_to_host()
         bits = int(st[1])
         if bits:
@@ -296,8 +294,6 @@ class NumbaDeviceAdapter(DeviceAdapter):
         o = out.reshape(-1)
         host = o.copy_to_host() + vals if accumulate else vals
         if bad is not None:
-            import numba_kernels.cuda as K
-            K.flush_pending()
             if int(bad.copy_to_host()[0]) != 0:
                 host = np.full_like(host, np.nan)
         o.copy_to_device(np.ascontiguousarray(host, np.float32))
