@@ -302,7 +302,10 @@ class _Encode:
         s[1].value = pp
         s[2].value = pp + self.codes_off
         s[3].value = pp + self.scales_off
-        raw.set_tuple(4, header)
+        hs = self._hdr                      # (a plan passes the same header words every step)
+        if hs is None or hs[1] is not header or hs[0] is not raw:
+            raw.set_tuple(4, header)
+            self._hdr = (raw, header)
         s[-2].value = int(key)
         s[-1].value = _ptr(residual) if resid else px
         st = _stream(stream)
