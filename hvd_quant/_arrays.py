@@ -232,6 +232,10 @@ class DeviceAdapter:
         view."""
         raise NotImplementedError
 
+    def raw_residual(self, x, payload, value_dtype, residual):
+        """residual = x - (the value_dtype values at byte 64 of ``payload``), in float32."""
+        raise NotImplementedError
+
     def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
         """out (+)= the payload's raw values; ``bad``: device flag (see status_bad) -> NaN."""
         raise NotImplementedError

@@ -348,18 +348,23 @@ class Codec:
         self._encode_host(arrays, x, pay, words, lay, key)
         return arrays.wrap_payload(pay, x)
 
-    def encode_into(self, x, payload, words, lay, key, arrays=None):
+    def encode_into(self, x, payload, words, lay, key, arrays=None, residual=None):
         """Encode ``x`` (``lay.numel`` elements) into ``payload``, a uint8 buffer (or a slice of one)
         of ``lay.total`` bytes of the same kind and device, with header ``words`` and noise ``key``
         prepared by the caller (:func:`prepared`, :func:`noise_key`): the exchange's hot path, with
-        no allocation and no per-call preparation. ``arrays``: the adapter of ``x``, if known."""
+        no allocation and no per-call preparation. ``arrays``: the adapter of ``x``, if known.
+
+        ``residual`` (a flat float32 buffer of ``x``'s kind, or None): also write ``x - decode(payload)``
+        there, from the encode itself (error feedback without a second pass); bit-identical to
+        decoding the payload and subtracting."""
         arrays = arrays or adapter_for(x)
         if arrays.device:
             with arrays.context(x):
                 self._encode_dev(arrays, x, payload, arrays.bytes_dev(payload), words, lay, key,
-                                 arrays.stream(x))
+                                 arrays.stream(x), residual)
         else:
-            self._encode_host(arrays, x, arrays.payload_np(payload), words, lay, key)
+            self._encode_host(arrays, x, arrays.payload_np(payload), words, lay, key,
+                              None if residual is None else arrays.out_np(residual)[0])
         return payload
 
     def decode(self, payload, name=None, shape=None, dtype=None):
@@ -487,16 +492,17 @@ class Codec:
             commit(accumulate)
 
     # -- subclass steps ------------------------------------------------------------------------------
-    def _encode_host(self, arrays, x, pay, words, lay, key):
-        """Write the payload of host input ``x`` into the NumPy uint8 array ``pay``."""
+    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
+        """Write the payload of host input ``x`` into the NumPy uint8 array ``pay`` (and, given a
+        float32 NumPy ``residual``, ``x - decode(pay)`` into it)."""
         raise NotImplementedError
 
     def _decode_host(self, pay, out, accumulate):
         raise NotImplementedError
 
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream):
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         """Write the payload of device input ``x`` into ``pt`` (framework tensor) / ``pdev`` (its
-        device-array view)."""
+        device-array view), and the residual into ``residual`` (a flat float32 tensor) if given."""
         raise NotImplementedError
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
@@ -605,18 +611,19 @@ class QSGD(Codec):
     def _qlayout(self, numel):
         return wire.layout(self._method, numel, self.bits, self.bucket_size, wire.MODES["stochastic"])
 
-    def _encode_host(self, arrays, x, pay, words, lay, key):
+    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
         import numba_kernels.cpu as K
         xf = arrays.input_f32(x)
         if self.mode == "fake":
             tmp = np.empty(self._qlayout(xf.size).total, np.uint8)
-            K.qsgd_encode_cpu(xf, tmp, words, self.bits, self.bucket_size, True, self.norm == "l2", key)
+            K.qsgd_encode_cpu(xf, tmp, words, self.bits, self.bucket_size, True, self.norm == "l2", key,
+                              residual=residual)
             K.qsgd_decode_cpu(tmp, pay[64:64 + 4 * xf.size].view(np.float32), self.bits,
                               self.bucket_size, False)
             K.write_header_cpu(pay, words)
         else:
             K.qsgd_encode_cpu(xf, pay, words, self.bits, self.bucket_size, self.stochastic,
-                              self.norm == "l2", key)
+                              self.norm == "l2", key, residual=residual)
 
     def _decode_host(self, pay, out, accumulate):
         if self.mode == "fake":
@@ -629,20 +636,20 @@ class QSGD(Codec):
         import numba_kernels.cpu as K
         K.qsgd_decode_cpu(pay, out, self.bits, self.bucket_size, accumulate)
 
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream):
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         import numba_kernels.cuda as K
         _, xdev = arrays.input_f32(x)
         if self.mode == "fake":
             n = xdev.size
             tt, tdev = arrays.new_bytes(self._qlayout(n).total, x)
             K.qsgd_encode_cuda(xdev, tdev, words, self.bits, self.bucket_size, True, self.norm == "l2",
-                               key, stream)
+                               key, stream, _dev_view(arrays, residual))
             K.qsgd_decode_cuda(tdev, pdev[64:64 + 4 * n].view(np.float32), self.bits, self.bucket_size,
                                False, stream, zero_status(arrays, x))
             K.write_header_cuda(pdev, words, stream)
         else:
             K.qsgd_encode_cuda(xdev, pdev, words, self.bits, self.bucket_size, self.stochastic,
-                               self.norm == "l2", key, stream)
+                               self.norm == "l2", key, stream, _dev_view(arrays, residual))
 
     def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
                          expect):
@@ -661,6 +668,11 @@ class QSGD(Codec):
         import numba_kernels.cuda as K
         K.qsgd_decode_cuda(pdev, out_dev, self.bits, self.bucket_size, accumulate, stream, status_dev,
                            expect)
+
+
+def _dev_view(arrays, t):
+    """The device-array view of a flat float32 tensor (None stays None)."""
+    return None if t is None else arrays.out_dev(t)[0]
 
 
 def _raw_decode_dev(arrays, payload, pdev, out, value_dtype, accumulate, stream, status_t, status_dev,
@@ -728,18 +740,20 @@ class OneBit(Codec):
     def _two_mean(self):
         return self.scale == "two_mean"
 
-    def _encode_host(self, arrays, x, pay, words, lay, key):
+    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
         import numba_kernels.cpu as K
-        K.onebit_encode_cpu(arrays.input_f32(x), pay, words, self.bucket_size or 0, self._two_mean)
+        K.onebit_encode_cpu(arrays.input_f32(x), pay, words, self.bucket_size or 0, self._two_mean,
+                            residual=residual)
 
     def _decode_host(self, pay, out, accumulate):
         import numba_kernels.cpu as K
         K.onebit_decode_cpu(pay, out, self.bucket_size or 0, self._two_mean, accumulate)
 
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream):
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         import numba_kernels.cuda as K
         _, xdev = arrays.input_f32(x)
-        K.onebit_encode_cuda(xdev, pdev, words, self.bucket_size or 0, self._two_mean, stream)
+        K.onebit_encode_cuda(xdev, pdev, words, self.bucket_size or 0, self._two_mean, stream,
+                             _dev_view(arrays, residual))
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
@@ -759,13 +773,16 @@ class _Raw(Codec):
     def _fields(self):
         return (self._method, 16 if self._value_dtype == "float16" else 32, 0, 0, 0)
 
-    def _encode_host(self, arrays, x, pay, words, lay, key):
+    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
         import numba_kernels.cpu as K
         xs = arrays.input_np(x)
         K.write_header_cpu(pay, words)
         w = 2 if self._value_dtype == "float16" else 4
-        pay[64:64 + w * xs.size].view(self._value_dtype)[...] = xs
+        vals = pay[64:64 + w * xs.size].view(self._value_dtype)
+        vals[...] = xs
         pay[64 + w * xs.size:] = 0
+        if residual is not None:
+            np.subtract(xs, vals, out=residual, dtype=np.float32)
 
     def _decode_host(self, pay, out, accumulate):
         w = 2 if self._value_dtype == "float16" else 4
@@ -778,10 +795,12 @@ class _Raw(Codec):
         else:
             out[...] = vals
 
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream):
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         import numba_kernels.cuda as K
         pdev = arrays.raw_encode_into(x, self._value_dtype, pt)
         K.write_header_cuda(pdev, words, stream)
+        if residual is not None:
+            arrays.raw_residual(x, pt, self._value_dtype, residual)
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):

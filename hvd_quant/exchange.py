@@ -356,25 +356,21 @@ class Exchange:
         seed = plan.fresh if codec.seed is None else codec.seed
         return noise_key(seed, step, self.coll.rank, nh)
 
-    def _payloads(self, plan, chunks, nbytes, flat, step, name):
-        """Encode ``flat``'s chunks into one uint8 buffer (each payload at its offset), no copies."""
-        ops, codec, arrays = self.ops, self.codec, plan.arrays
+    def _payloads(self, plan, chunks, nbytes, flat, step, name, residual_key=None):
+        """Encode ``flat``'s chunks into one uint8 buffer (each payload at its offset), no copies.
+        With ``residual_key`` (error feedback), the encode also writes ``flat - decode(payload)``
+        into that residual's buffer, which becomes the new residual."""
+        ops, codec, arrays, mem = self.ops, self.codec, plan.arrays, self.memory
         buf = plan.buffer(name, lambda: ops.empty_bytes(nbytes, flat))
+        res = None if residual_key is None else mem.buffer(residual_key, ops.numel(flat), flat)
         for c in chunks:
             if c.b > c.a:
                 codec.encode_into(ops.slice(flat, c.a, c.b), ops.slice(buf, c.off, c.off + c.size),
-                                  c.words, c.lay, self._key(plan, step, c.nh), arrays=arrays)
+                                  c.words, c.lay, self._key(plan, step, c.nh), arrays=arrays,
+                                  residual=None if res is None else ops.slice(res, c.a, c.b))
+        if res is not None:
+            mem.set(residual_key, res)
         return buf
-
-    def _residual(self, plan, key, payload, chunks, flat, numel):
-        """Error feedback: residual[key] = flat - decode(own payloads)."""
-        ops, mem, codec = self.ops, self.memory, self.codec
-        res = mem.buffer(key, numel, flat)
-        for c in chunks:
-            if c.b > c.a:
-                codec.decode_into(ops.slice(payload, c.off, c.off + c.size), ops.slice(res, c.a, c.b),
-                                  expect=c.expect, arrays=plan.arrays)
-        mem.set(key, ops.rsub_(res, flat))
 
     # -- phase 1 ----------------------------------------------------------------------------------
     def start(self, name, flat, step=None, record=None, header=None):
@@ -397,9 +393,8 @@ class Exchange:
         mem = self.memory
         if mem is not None:
             flat = mem.compensate(name, flat)
-        send = self._payloads(plan, plan.send, plan.send_nbytes, flat, step, "send")
-        if mem is not None:
-            self._residual(plan, name, send, plan.send, flat, numel)
+        send = self._payloads(plan, plan.send, plan.send_nbytes, flat, step, "send",
+                              None if mem is None else name)
         self.traffic.add(plan.traffic)
         if self.reduction == "allgather":
             p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}")
@@ -446,9 +441,8 @@ class Exchange:
             mem = self.memory
             if mem is not None:
                 acc = mem.compensate(plan.server_key, acc)
-            payload = self._payloads(plan, (red,), red.size, acc, p.step, "reduced")
-            if mem is not None:
-                self._residual(plan, plan.server_key, payload, (red,), acc, n)
+            payload = self._payloads(plan, (red,), red.size, acc, p.step, "reduced",
+                                     None if mem is None else plan.server_key)
         else:
             payload = ops.empty_bytes(0, p.like)
         p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}")

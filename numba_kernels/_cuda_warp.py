@@ -1,14 +1,14 @@
-"""v3 CUDA kernels: one warp per bucket (built by :func:`build`, launched from ``numba_kernels.cuda``).
+"""The warp CUDA kernels: one warp per bucket (launched from ``numba_kernels.cuda``).
 
 For bit widths that divide 32 (1, 2, 4, 8, 16) and buckets of 32..FUSE_MAX elements that hold whole
-32-bit code words, on tensors of fewer than 2**31 elements (``supported``); every other case keeps
-the v2 kernels. Same payloads as the reference, bit for bit.
+32-bit code words, on tensors of fewer than 2**31 elements (``supported``); every other case takes
+the general kernels (``_cuda_block``). Same payloads as the reference, bit for bit.
 
 Lane ``l`` of the warp that owns bucket ``b`` handles the bucket's elements ``l, l+32, l+64, ...``:
 the canonical order of every sum (``numba_kernels.reference``), and coalesced 128-byte loads and
 stores for the whole warp.
 
-* encode (``k3_encode_<bits>``): buckets of up to 512 elements are loaded into registers at once
+* encode (``warp_encode``, ``make_encode((bits, red, pack, regk, paired, resid))``): buckets of up to 512 elements are loaded into registers at once
   (``regk`` steps of 32 per lane, all loads in flight; larger buckets are read twice). Pass 1 reduces
   the bucket: max with a xor butterfly of warp shuffles (max is order-free), sums with ``shfl_down``
   at strides 16, 8, 4, 2, 1 (the canonical tree ``p[l] += p[l + stride]``), then broadcast. Pass 2
@@ -20,8 +20,10 @@ stores for the whole warp.
   halving over the word's lanes (``32 // bits - 1`` xor shuffles) leaves each lane one whole word;
   otherwise a xor butterfly of ``log2(32 // bits)`` shuffles ORs each step's codes together (1 bit:
   one ``ballot``). Words are kept in registers and stored after the loop. Block 0 also writes the
-  header. No shared memory, no block barrier (on hardware).
-* decode (``k3_decode_<bits>``): a whole bucket's code words are read coalesced (``dec_steps`` steps
+  header. No shared memory, no block barrier (on hardware). With ``resid`` each lane also writes the
+  residual ``x - (code - s) * unit`` (1 bit: ``x - value of its bit``) of the elements it quantized:
+  it read them itself, so ``residual`` may be ``x``.
+* decode (``warp_decode``, ``make_decode((bits, kind, steps))``): a whole bucket's code words are read coalesced (``dec_steps`` steps
   per lane), then each step takes its word from the lane holding it with one shuffle, shifts out its
   code and writes ``(code - s) * unit`` with a coalesced, unconditional store (a bucket's partial
   last steps, and buckets of more than 512 elements, read their words one per element instead);
@@ -35,11 +37,15 @@ last bucket run with no valid element).
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
-from ._scalar import DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN
+from ._cuda_device import (DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH, SIMULATOR, TWO_MEAN,
+                           add_term, block_bad, draw, finite, max_nan, mix64, mul, onebit_scales,
+                           qsgd_code, qsgd_level, qsgd_round, sqrt32, uniform24)
+from ._scalar import (DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN, F0, FINF, FNAN, U8,
+                      UFF)
 
 SIMBUF = 256                       # shared slots for the simulator's shuffle emulation
 FULL = 0xFFFFFFFF
-ENC_REGS = 40                      # register caps per thread (see build's _limit)
+ENC_REGS = 40                      # register caps per thread (see _limit)
 ENC_REGS_1BIT = 48                 # (1 bit, two_mean: 40 would spill)
 DEC_REGS = 40
 M32 = np.int64(0xFFFFFFFF)
@@ -94,7 +100,7 @@ def dec_steps(bucket_size):
 
 
 def supported(bits, bucket_size, numel, fuse_max):
-    """Whether the v3 kernels handle this configuration (else the caller uses v2's)."""
+    """Whether the warp kernels handle this configuration (else the caller uses the general ones)."""
     if 32 % bits or numel >= 2 ** 31:
         return False
     return 32 <= bucket_size <= fuse_max and bucket_size % (32 // bits) == 0
@@ -178,402 +184,394 @@ def _shuffles(simulator):
     return xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot
 
 
-def build(c):
-    """Kernel factories over ``c``: a namespace holding ``SIMULATOR``, the scalar ops (``qsgd_code``,
-    ``qsgd_level``, ``uniform24``, ``draw``, ``max_nan``, ``finite``, ``mul``, ``sqrt32``), ``add_term`` (one element
-    of a bucket's reduction), ``block_bad`` (the decode's
-    block-level header check) and the kind constants of ``numba_kernels.cuda`` (``MAX``, ``L2``,
-    ``TWO_MEAN``, ``PACK_*``, ``DEC_*``).
-    Returns ``(make_encode((bits, red, pack, regk, paired)), make_decode((bits, kind, regk)))``."""
-    xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot = _shuffles(c.SIMULATOR)
+xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot = _shuffles(SIMULATOR)
 
-    def _limit(regs):
-        # a register cap raises the blocks resident per multiprocessor (65536 registers / 256 threads:
-        # 48 -> 5 blocks, 40 -> 6, 32 -> 8); at these caps ptxas (CUDA 13, sm_90) reports no spills
-        return {} if c.SIMULATOR else {"max_registers": regs}
+def _limit(regs):
+    # a register cap raises the blocks resident per multiprocessor (65536 registers / 256 threads:
+    # 48 -> 5 blocks, 40 -> 6, 32 -> 8); at these caps ptxas (CUDA 13, sm_90) reports no spills
+    return {} if SIMULATOR else {"max_registers": regs}
 
-    qsgd_code, max_nan, finite, mul, sqrt32, block_bad = (c.qsgd_code, c.max_nan, c.finite, c.mul,
-                                                         c.sqrt32, c.block_bad)
-    qsgd_level, uniform24, draw, add_term = c.qsgd_level, c.uniform24, c.draw, c.add_term
-    qsgd_round, mix64 = c.qsgd_round, c.mix64
-    if c.SIMULATOR:
-        fma = cuda.jit(device=True)(fma_exact)
-        mul_rd = cuda.jit(device=True)(mul_rd_exact)
-    else:
-        from numba.cuda import libdevice
 
-        @cuda.jit(device=True)
-        def fma(a, b, c_):
-            return libdevice.fmaf_rn(a, b, c_)
-
-        @cuda.jit(device=True)
-        def mul_rd(a, b):
-            return libdevice.fmul_rd(a, b)
+if SIMULATOR:
+    fma = cuda.jit(device=True)(fma_exact)
+    mul_rd = cuda.jit(device=True)(mul_rd_exact)
+else:
+    from numba.cuda import libdevice
 
     @cuda.jit(device=True)
-    def quotient(a, unit, y):
-        """``a / unit``, IEEE-rounded, from ``y = 1 / unit`` (valid under the conditions of DIV_*)."""
-        q0 = mul(a, y)
-        return fma(fma(-q0, unit, a), y, q0)
+    def fma(a, b, c_):
+        return libdevice.fmaf_rn(a, b, c_)
 
-    F1 = np.float32(1.0)
-    SIMULATOR = c.SIMULATOR
-    GAMMA = np.uint64(0x9E3779B97F4A7C15)
+    @cuda.jit(device=True)
+    def mul_rd(a, b):
+        return libdevice.fmul_rd(a, b)
 
-    MAX, L2, TWO_MEAN = c.MAX, c.L2, c.TWO_MEAN
-    PACK_STOCH, PACK_ONEBIT = c.PACK_STOCH, c.PACK_ONEBIT
-    DEC_QSGD, DEC_TWO_MEAN = c.DEC_QSGD, c.DEC_TWO_MEAN
-    F0 = np.float32(0.0)
-    FINF = np.float32(np.inf)
-    FNAN = np.float32(np.nan)
-    U8 = np.uint64(8)
-    UFF = np.uint64(0xFF)
 
-    def make_encode(spec):
-        # compile-time constants, one kernel per combination. REGK > 0: buckets of at most 32*REGK
-        # elements, kept in registers between the two passes (x is read once, all REGK loads of a
-        # lane in flight together); 0: any bucket size, pass 2 reads x again
-        # PAIRED (stochastic, REGK >= 2, buckets a multiple of 64 elements): a lane's elements at steps
-        # 2t and 2t+1 are i and i + 32 of one aligned group of 64, which share one hash draw
-        BITS, red, pack, REGK, PAIRED = spec
-        NREG = max(REGK, 1)
-        NSLOT = max(1, -(-REGK // (32 // BITS)))   # words kept per lane (REGK path)
-        U8_ = np.uint64(8)
-        U40_ = np.uint64(40)
-        U24M = np.uint64(0xFFFFFF)
-        S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-        SF = np.float32(max(S, 1))
-        EPW = 32 // BITS                      # codes per 32-bit word
-        LOG_EPW = EPW.bit_length() - 1
-        GMASK = EPW - 1
-        HALF = EPW // 2
+@cuda.jit(device=True)
+def quotient(a, unit, y):
+    """``a / unit``, IEEE-rounded, from ``y = 1 / unit`` (valid under the conditions of DIV_*)."""
+    q0 = mul(a, y)
+    return fma(fma(-q0, unit, a), y, q0)
 
-        def make_words(FASTDIV):
-            @cuda.jit(device=True, inline="always")
-            def words(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok, bf, bi, tid):
-                """The REGK path's code words for BITS > 1, REGK >= EPW: for each group of EPW steps,
-                every lane quantizes its EPW elements (codes shifted to their place in the word), then
-                a recursive halving over the EPW lanes of a word (shuffles at distances EPW/2, ..., 1;
-                EPW - 1 in all) leaves lane i with the whole word of step t*EPW + i in ``slots[t]``:
-                one shuffle per word instead of log2(EPW) per element. FASTDIV: |x| / unit through
-                ``y`` and ``thr`` (see DIV_*); else the plain division."""
-                parts = cuda.local.array(HALF, uint32)
-                hi0 = (lane & HALF) != 0
-                z = np.uint64(0)
-                # 1 << sh, through an identity shuffle: opaque to the compiler, which would otherwise
-                # turn the multiply below back into a shift (integer ALU: the encode's busiest pipe)
-                place = np.uint32(bcast_i(np.uint32(1) << np.uint32(sh), lane, bf, bi, tid))
-                for t in range(REGK // EPW):
-                    for u in range(EPW):
-                        k = t * EPW + u
+
+F1 = np.float32(1.0)
+GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+
+def make_encode(spec):
+    # compile-time constants, one kernel per combination. REGK > 0: buckets of at most 32*REGK
+    # elements, kept in registers between the two passes (x is read once, all REGK loads of a
+    # lane in flight together); 0: any bucket size, pass 2 reads x again
+    # PAIRED (stochastic, REGK >= 2, buckets a multiple of 64 elements): a lane's elements at steps
+    # 2t and 2t+1 are i and i + 32 of one aligned group of 64, which share one hash draw
+    BITS, red, pack, REGK, PAIRED, RESID = spec
+    NREG = max(REGK, 1)
+    NSLOT = max(1, -(-REGK // (32 // BITS)))   # words kept per lane (REGK path)
+    U8_ = np.uint64(8)
+    U40_ = np.uint64(40)
+    U24M = np.uint64(0xFFFFFF)
+    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
+    SF = np.float32(max(S, 1))
+    EPW = 32 // BITS                      # codes per 32-bit word
+    LOG_EPW = EPW.bit_length() - 1
+    GMASK = EPW - 1
+    HALF = EPW // 2
+
+    def make_words(FASTDIV):
+        @cuda.jit(device=True, inline="always")
+        def words(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok, bf, bi, tid, residual, ln,
+                  wres):
+            """The REGK path's code words for BITS > 1, REGK >= EPW: for each group of EPW steps,
+            every lane quantizes its EPW elements (codes shifted to their place in the word), then
+            a recursive halving over the EPW lanes of a word (shuffles at distances EPW/2, ..., 1;
+            EPW - 1 in all) leaves lane i with the whole word of step t*EPW + i in ``slots[t]``:
+            one shuffle per word instead of log2(EPW) per element. FASTDIV: |x| / unit through
+            ``y`` and ``thr`` (see DIV_*); else the plain division. RESID and ``wres``: also the
+            residuals of the bucket's ``ln`` elements (what the decode writes: (code - s) * unit)."""
+            parts = cuda.local.array(HALF, uint32)
+            hi0 = (lane & HALF) != 0
+            z = np.uint64(0)
+            # 1 << sh, through an identity shuffle: opaque to the compiler, which would otherwise
+            # turn the multiply below back into a shift (integer ALU: the encode's busiest pipe)
+            place = np.uint32(bcast_i(np.uint32(1) << np.uint32(sh), lane, bf, bi, tid))
+            for t in range(REGK // EPW):
+                for u in range(EPW):
+                    k = t * EPW + u
+                    v = vals[k]
+                    r = np.uint32(0)
+                    if PAIRED:
+                        if k % 2 == 0:
+                            z = mix64(key + np.uint64(pb + np.uint32(k // 2 * 32)) * GAMMA)
+                            r = np.uint32((z >> U8_) & U24M)
+                        else:
+                            r = np.uint32(z >> U40_)
+                    elif pack == PACK_STOCH:
+                        r = np.uint32(uniform24(key, np.uint32(st + np.uint32(k * 32 + lane))))
+                    a = abs(v)
+                    if FASTDIV:
+                        vq = F0
+                        if a > thr:
+                            vq = max(quotient(a, unit, y), DIV_POS)
+                    else:
+                        vq = a / unit
+                    cde = qsgd_round(vq, v < F0, SF, S, pack == PACK_STOCH, r)
+                    if not FASTDIV and not scale_ok:     # (FASTDIV implies a good scale)
+                        cde = np.int64(S)
+                    if RESID and wres:
+                        j = np.int32(k * 32 + lane)
+                        if j < ln:
+                            residual[np.uint32(st + j)] = v - mul(np.float32(np.int32(cde - S)), unit)
+                    w = np.uint32(cde) * place           # (<< sh, as a multiply)
+                    if u < HALF:
+                        parts[u] = w
+                    else:            # the first halving step at once: fewer codes held live
+                        send = parts[u - HALF] if hi0 else w
+                        keep = w if hi0 else parts[u - HALF]
+                        parts[u - HALF] = keep | np.uint32(xor_i(send, HALF, bf, bi, tid))
+                h = EPW >> 2
+                while h:
+                    hi = (lane & h) != 0
+                    for u in range(h):
+                        lo_w = parts[u]
+                        hi_w = parts[u + h]
+                        send = lo_w if hi else hi_w
+                        keep = hi_w if hi else lo_w
+                        parts[u] = keep | np.uint32(xor_i(send, h, bf, bi, tid))
+                    h >>= 1
+                slots[t] = parts[0]
+        return words
+
+    words_fast, words_plain = make_words(True), make_words(False)
+
+    @cuda.jit(**_limit(ENC_REGS if BITS > 1 else ENC_REGS_1BIT))
+    def warp_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key, residual):
+        # indices are 32-bit unsigned (n < 2**31; unsigned: no negative-index wraparound code)
+        tid = cuda.threadIdx.x
+        lane = np.int32(tid & 31)
+        nw = cuda.blockDim.x >> 5
+        bf = cuda.shared.array(SIMBUF, float32)
+        bi = cuda.shared.array(SIMBUF, int64)
+        if cuda.blockIdx.x == 0 and tid < 64:
+            payload[tid] = (header[tid >> 3] >> (U8 * np.uint64(tid & 7))) & UFF
+        sh = np.int32((lane & GMASK) * BITS)
+        g = cuda.blockIdx.x
+        while g < ngroups:                          # uniform over the block
+            b = np.int32(g * nw + (tid >> 5))
+            st = np.uint32(0)
+            ln = np.int32(0)
+            if b < nb:
+                st = np.uint32(b * bs)
+                ln = np.int32(min(bs, n - b * bs))
+            vals = cuda.local.array(NREG, float32)
+            if REGK:
+                for k in range(REGK):                   # every load first, then the sums in order
+                    j = np.int32(k * 32 + lane)
+                    v = F0
+                    if j < ln:
+                        v = x[np.uint32(st + j)]
+                    vals[k] = v
+            # pass 1: the bucket's scale(s), canonical order
+            p = F0
+            q = F0
+            cnt = np.int64(0)
+            for k in range(REGK if REGK else K):
+                j = np.int32(k * 32 + lane)
+                if j < ln:
+                    if REGK:
                         v = vals[k]
+                    else:
+                        v = x[np.uint32(st + j)]
+                    p, q, cnt = add_term(red, v, p, q, cnt)
+            if red == MAX:
+                for m in (16, 8, 4, 2, 1):
+                    p = max_nan(p, xor_f(p, m, bf, bi, tid))
+            else:
+                for d in (16, 8, 4, 2, 1):
+                    op = down_f(p, d, bf, bi, tid)
+                    if red == TWO_MEAN:
+                        oq = down_f(q, d, bf, bi, tid)
+                        oc = down_i(cnt, d, bf, bi, tid)
+                    if lane < d:
+                        p = p + op
+                        if red == TWO_MEAN:
+                            q = q + oq
+                            cnt = cnt + oc
+                p = bcast_f(p, 0, bf, bi, tid)
+                if red == TWO_MEAN:
+                    q = bcast_f(q, 0, bf, bi, tid)
+                    cnt = bcast_i(cnt, 0, bf, bi, tid)
+            scale = p
+            if pack != PACK_ONEBIT:
+                if red == L2:
+                    scale = sqrt32(p)
+                if lane == 0 and b < nb:
+                    scales[np.uint32(b)] = scale
+            hi1 = F0                # 1 bit: the values of bits 1 and 0 (every lane: residuals)
+            lo1 = F0
+            if pack == PACK_ONEBIT and ln > 0:
+                hi1, lo1 = onebit_scales(red, p, q, cnt, ln)
+                if lane == 0:
+                    if red == TWO_MEAN:
+                        scales[np.uint32(2 * b)] = hi1
+                        scales[np.uint32(2 * b + 1)] = lo1
+                    else:
+                        scales[np.uint32(b)] = hi1
+            unit = scale / SF
+            # pass 2: codes, one 32-bit word per group of EPW lanes
+            wb = np.uint32(st >> LOG_EPW)
+            if REGK:
+                # Branch-free: the scale check is hoisted to the bucket (a bad scale gives level 0,
+                # offset s, for every element), elements past the bucket's end are quantized from
+                # 0.0 and their bits cleared at the store; each word is kept by one lane of its
+                # group (the lane with i == k % EPW, in slot k // EPW) and stored after the loop:
+                # a few coalesced stores per lane instead of one per step.
+                scale_ok = scale > F0 and scale < FINF
+                i = lane & GMASK
+                z = np.uint64(0)
+                slots = cuda.local.array(NSLOT, uint32)
+                slots2 = cuda.local.array(NSLOT if SIMULATOR else 1, uint32)
+                if BITS > 1 and REGK >= EPW:
+                    fast = scale_ok and unit >= DIV_UNIT_MIN and unit <= DIV_UNIT_MAX
+                    y = F1
+                    thr = F0
+                    if fast:
+                        y = F1 / unit
+                        thr = mul_rd(mul(unit, DIV_2M50), DIV_2M100)    # RD(unit * 2**-150)
+                    # draw()'s counter for this lane's first pair (PAIRED), then + 32 per pair
+                    pb = np.uint32(((st >> np.uint32(6)) << np.uint32(5)) + np.uint32(lane))
+                    if SIMULATOR:     # both, in every warp: the emulated shuffles need them all
+                        words_fast(vals, slots2, lane, sh, pb, key, st, unit, y, thr, scale_ok,
+                                   bf, bi, tid, residual, ln, fast)
+                        words_plain(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok,
+                                    bf, bi, tid, residual, ln, not fast)
+                        if fast:
+                            for t in range(NSLOT):
+                                slots[t] = slots2[t]
+                    elif fast:
+                        words_fast(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok, bf,
+                                   bi, tid, residual, ln, True)
+                    else:
+                        words_plain(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok,
+                                    bf, bi, tid, residual, ln, True)
+                for k in range(REGK if (BITS == 1 or REGK < EPW) else 0):
+                    v = vals[k]
+                    j = np.int32(k * 32 + lane)
+                    if BITS == 1:
+                        w = ballot(v >= F0, bf, bi, tid)
+                        if RESID and j < ln:
+                            residual[np.uint32(st + j)] = v - (hi1 if v >= F0 else lo1)
+                    else:
+                        e = np.uint32(st + np.uint32(k * 32 + lane))
                         r = np.uint32(0)
                         if PAIRED:
                             if k % 2 == 0:
-                                z = mix64(key + np.uint64(pb + np.uint32(k // 2 * 32)) * GAMMA)
+                                z = draw(key, e)
                                 r = np.uint32((z >> U8_) & U24M)
                             else:
                                 r = np.uint32(z >> U40_)
                         elif pack == PACK_STOCH:
-                            r = np.uint32(uniform24(key, np.uint32(st + np.uint32(k * 32 + lane))))
-                        a = abs(v)
-                        if FASTDIV:
-                            vq = F0
-                            if a > thr:
-                                vq = max(quotient(a, unit, y), DIV_POS)
-                        else:
-                            vq = a / unit
-                        cde = qsgd_round(vq, v < F0, SF, S, pack == PACK_STOCH, r)
-                        if not FASTDIV and not scale_ok:     # (FASTDIV implies a good scale)
+                            r = np.uint32(uniform24(key, e))
+                        cde = qsgd_level(v, unit, SF, S, pack == PACK_STOCH, r)
+                        if not scale_ok:
                             cde = np.int64(S)
-                        w = np.uint32(cde) * place           # (<< sh, as a multiply)
-                        if u < HALF:
-                            parts[u] = w
-                        else:            # the first halving step at once: fewer codes held live
-                            send = parts[u - HALF] if hi0 else w
-                            keep = w if hi0 else parts[u - HALF]
-                            parts[u - HALF] = keep | np.uint32(xor_i(send, HALF, bf, bi, tid))
-                    h = EPW >> 2
-                    while h:
-                        hi = (lane & h) != 0
-                        for u in range(h):
-                            lo_w = parts[u]
-                            hi_w = parts[u + h]
-                            send = lo_w if hi else hi_w
-                            keep = hi_w if hi else lo_w
-                            parts[u] = keep | np.uint32(xor_i(send, h, bf, bi, tid))
-                        h >>= 1
-                    slots[t] = parts[0]
-            return words
+                        if RESID and j < ln:
+                            residual[e] = v - mul(np.float32(np.int32(cde - S)), unit)
+                        w = np.int64(np.uint32(cde) << np.uint32(sh))
+                        m = 1
+                        while m < EPW:
+                            w |= xor_i(w, m, bf, bi, tid)
+                            m <<= 1
+                    if i == k % EPW:
+                        slots[k // EPW] = np.uint32(w & M32)
+                gi = lane >> LOG_EPW                    # this lane's group: word k*BITS + gi of step k
+                for t in range(NSLOT):
+                    k = t * EPW + i
+                    first = np.int32(k * 32 + gi * EPW)  # the word's first element in the bucket
+                    if k < REGK and first < ln:
+                        w32 = slots[t]
+                        if ln - first < EPW:            # the bucket's last, partial word
+                            w32 &= np.uint32((1 << ((ln - first) * BITS)) - 1)
+                        words[np.uint32(wb + np.uint32(k * BITS + gi))] = w32
+            else:
+                for k in range(K):
+                    j = np.int32(k * 32 + lane)
+                    ok = j < ln
+                    e = np.uint32(st + j)
+                    v = F0
+                    if ok:
+                        v = x[e]
+                    if BITS == 1:
+                        w = ballot(ok and v >= F0, bf, bi, tid)
+                        if RESID and ok:
+                            residual[e] = v - (hi1 if v >= F0 else lo1)
+                    else:
+                        cde = np.int64(0)
+                        if ok:
+                            cde = qsgd_code(v, scale, unit, SF, S, pack == PACK_STOCH, key, e)
+                            if RESID:
+                                residual[e] = v - mul(np.float32(np.int32(cde - S)), unit)
+                        w = np.int64(np.uint32(cde) << np.uint32(sh))
+                        m = 1
+                        while m < EPW:
+                            w |= xor_i(w, m, bf, bi, tid)
+                            m <<= 1
+                    if ok and (lane & GMASK) == 0:
+                        words[np.uint32(wb + np.uint32(j >> LOG_EPW))] = np.uint32(w & M32)
+            g += cuda.gridDim.x
 
-        words_fast, words_plain = make_words(True), make_words(False)
+    return warp_encode
 
-        @cuda.jit(**_limit(ENC_REGS if BITS > 1 else ENC_REGS_1BIT))
-        def k3_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key):
-            # indices are 32-bit unsigned (n < 2**31; unsigned: no negative-index wraparound code)
-            tid = cuda.threadIdx.x
-            lane = np.int32(tid & 31)
-            nw = cuda.blockDim.x >> 5
-            bf = cuda.shared.array(SIMBUF, float32)
-            bi = cuda.shared.array(SIMBUF, int64)
-            if cuda.blockIdx.x == 0 and tid < 64:
-                payload[tid] = (header[tid >> 3] >> (U8 * np.uint64(tid & 7))) & UFF
-            sh = np.int32((lane & GMASK) * BITS)
-            g = cuda.blockIdx.x
-            while g < ngroups:                          # uniform over the block
-                b = np.int32(g * nw + (tid >> 5))
-                st = np.uint32(0)
-                ln = np.int32(0)
-                if b < nb:
-                    st = np.uint32(b * bs)
-                    ln = np.int32(min(bs, n - b * bs))
-                vals = cuda.local.array(NREG, float32)
-                if REGK:
-                    for k in range(REGK):                   # every load first, then the sums in order
-                        j = np.int32(k * 32 + lane)
-                        v = F0
-                        if j < ln:
-                            v = x[np.uint32(st + j)]
-                        vals[k] = v
-                # pass 1: the bucket's scale(s), canonical order
-                p = F0
-                q = F0
-                cnt = np.int64(0)
-                for k in range(REGK if REGK else K):
+
+def make_decode(spec):
+    BITS, kind, REGK = spec             # REGK > 0: buckets of REGK steps (bucket_size // 32,
+                                        # a constant trip count: unrolled) take the shuffle path
+    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
+    SF = np.float32(max(S, 1))
+    EPW = 32 // BITS
+    LOG_EPW = EPW.bit_length() - 1
+    GMASK = EPW - 1
+    MASK = np.uint32((1 << BITS) - 1)
+    NHELD = max(1, -(-REGK * BITS // 32))   # code words per lane of a bucket of REGK steps
+
+    @cuda.jit(device=True, inline="always")
+    def put(out, e, cde, hi, lo, accumulate):
+        """Write (or add) element ``e``'s value from its code ``cde``: ``(cde - s) * hi`` for QSGD
+        (hi = lo = unit), ``hi`` or ``lo`` by the code's bit for 1-bit."""
+        if kind == DEC_QSGD:
+            val = mul(np.float32(np.int32(cde - S)), hi)
+        elif cde:
+            val = hi
+        else:
+            val = lo
+        if accumulate:
+            out[e] = out[e] + val
+        else:
+            out[e] = val
+
+    @cuda.jit(**_limit(DEC_REGS))
+    def warp_decode(payload, words, scales, out, status, expect, check, check_name, n, nb, bs, K,
+                  ngroups, accumulate):
+        tid = cuda.threadIdx.x
+        lane = np.int32(tid & 31)
+        nw = cuda.blockDim.x >> 5
+        serr = cuda.shared.array(1, int32)
+        bf = cuda.shared.array(SIMBUF, float32)
+        bi = cuda.shared.array(SIMBUF, int64)
+        bad = block_bad(payload, status, expect, check, check_name, serr)
+        sh = np.uint32((lane & GMASK) * BITS)
+        g = cuda.blockIdx.x
+        gi = lane >> LOG_EPW                # this lane's word within a step's BITS words
+        while g < ngroups:                  # uniform over the block
+            b = np.int32(g * nw + (tid >> 5))
+            st = np.uint32(0)
+            ln = np.int32(0)
+            hi = F0
+            lo = F0
+            if b < nb:
+                st = np.uint32(b * bs)
+                ln = np.int32(min(bs, n - b * bs))
+                if kind == DEC_QSGD:
+                    hi = scales[np.uint32(b)] / SF
+                    lo = hi
+                elif kind == DEC_TWO_MEAN:
+                    hi = scales[np.uint32(2 * b)]
+                    lo = scales[np.uint32(2 * b + 1)]
+                else:
+                    hi = scales[np.uint32(b)]
+                    lo = -hi
+            if bad:                         # every value NaN, whatever its code
+                hi = FNAN
+                lo = FNAN
+            wb = np.uint32(st >> LOG_EPW)
+            if REGK and (SIMULATOR or ln == REGK * 32):    # (a whole bucket: uniform over the warp)
+                # The bucket's code words, read coalesced (word m*32 + l by lane l) before any
+                # store; step k's words k*BITS .. k*BITS + BITS-1 are then taken from their lanes
+                # with one shuffle per element (a load per element waits behind the previous
+                # element's store, which the compiler cannot prove does not alias it), and the
+                # stores are unconditional. (The simulator, whose emulated shuffles need every
+                # warp, takes this path for every bucket, with guarded stores.)
+                nwd = np.int32((ln + EPW - 1) >> LOG_EPW)
+                held = cuda.local.array(NHELD, uint32)
+                for m in range(NHELD):
+                    wi = np.int32(m * 32 + lane)
+                    w = np.uint32(0)
+                    if wi < nwd:
+                        w = words[np.uint32(wb + np.uint32(wi))]
+                    held[m] = w
+                for k in range(REGK):
+                    wd = np.uint32(bcast_i(held[(k * BITS) >> 5], ((k * BITS) & 31) + gi, bf, bi,
+                                           tid))
+                    j = np.int32(k * 32 + lane)
+                    if not SIMULATOR or j < ln:
+                        put(out, np.uint32(st + j), np.int32((wd >> sh) & MASK), hi, lo, accumulate)
+            else:                           # a bucket's last, partial, steps; or REGK == 0
+                for k in range(K):
                     j = np.int32(k * 32 + lane)
                     if j < ln:
-                        if REGK:
-                            v = vals[k]
-                        else:
-                            v = x[np.uint32(st + j)]
-                        p, q, cnt = add_term(red, v, p, q, cnt)
-                if red == MAX:
-                    for m in (16, 8, 4, 2, 1):
-                        p = max_nan(p, xor_f(p, m, bf, bi, tid))
-                else:
-                    for d in (16, 8, 4, 2, 1):
-                        op = down_f(p, d, bf, bi, tid)
-                        if red == TWO_MEAN:
-                            oq = down_f(q, d, bf, bi, tid)
-                            oc = down_i(cnt, d, bf, bi, tid)
-                        if lane < d:
-                            p = p + op
-                            if red == TWO_MEAN:
-                                q = q + oq
-                                cnt = cnt + oc
-                    p = bcast_f(p, 0, bf, bi, tid)
-                    if red == TWO_MEAN:
-                        q = bcast_f(q, 0, bf, bi, tid)
-                        cnt = bcast_i(cnt, 0, bf, bi, tid)
-                scale = p
-                if pack != PACK_ONEBIT:
-                    if red == L2:
-                        scale = sqrt32(p)
-                    if lane == 0 and b < nb:
-                        scales[np.uint32(b)] = scale
-                elif lane == 0 and b < nb:
-                    if red == TWO_MEAN:
-                        nneg = ln - cnt
-                        mp = F0
-                        mn = F0
-                        if cnt > 0:
-                            mp = p / np.float32(cnt)
-                        if nneg > 0:
-                            mn = q / np.float32(nneg)
-                        if not (finite(mp) and finite(mn)):
-                            mp = FNAN
-                            mn = FNAN
-                        scales[np.uint32(2 * b)] = mp
-                        scales[np.uint32(2 * b + 1)] = mn
-                    else:
-                        scales[np.uint32(b)] = p / np.float32(ln)
-                unit = scale / SF
-                # pass 2: codes, one 32-bit word per group of EPW lanes
-                wb = np.uint32(st >> LOG_EPW)
-                if REGK:
-                    # Branch-free: the scale check is hoisted to the bucket (a bad scale gives level 0,
-                    # offset s, for every element), elements past the bucket's end are quantized from
-                    # 0.0 and their bits cleared at the store; each word is kept by one lane of its
-                    # group (the lane with i == k % EPW, in slot k // EPW) and stored after the loop:
-                    # a few coalesced stores per lane instead of one per step.
-                    scale_ok = scale > F0 and scale < FINF
-                    i = lane & GMASK
-                    z = np.uint64(0)
-                    slots = cuda.local.array(NSLOT, uint32)
-                    slots2 = cuda.local.array(NSLOT if SIMULATOR else 1, uint32)
-                    if BITS > 1 and REGK >= EPW:
-                        fast = scale_ok and unit >= DIV_UNIT_MIN and unit <= DIV_UNIT_MAX
-                        y = F1
-                        thr = F0
-                        if fast:
-                            y = F1 / unit
-                            thr = mul_rd(mul(unit, DIV_2M50), DIV_2M100)    # RD(unit * 2**-150)
-                        # draw()'s counter for this lane's first pair (PAIRED), then + 32 per pair
-                        pb = np.uint32(((st >> np.uint32(6)) << np.uint32(5)) + np.uint32(lane))
-                        if SIMULATOR:     # both, in every warp: the emulated shuffles need them all
-                            words_fast(vals, slots2, lane, sh, pb, key, st, unit, y, thr, scale_ok,
-                                       bf, bi, tid)
-                            words_plain(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok,
-                                        bf, bi, tid)
-                            if fast:
-                                for t in range(NSLOT):
-                                    slots[t] = slots2[t]
-                        elif fast:
-                            words_fast(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok, bf,
-                                       bi, tid)
-                        else:
-                            words_plain(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok,
-                                        bf, bi, tid)
-                    for k in range(REGK if (BITS == 1 or REGK < EPW) else 0):
-                        v = vals[k]
-                        if BITS == 1:
-                            w = ballot(v >= F0, bf, bi, tid)
-                        else:
-                            e = np.uint32(st + np.uint32(k * 32 + lane))
-                            r = np.uint32(0)
-                            if PAIRED:
-                                if k % 2 == 0:
-                                    z = draw(key, e)
-                                    r = np.uint32((z >> U8_) & U24M)
-                                else:
-                                    r = np.uint32(z >> U40_)
-                            elif pack == PACK_STOCH:
-                                r = np.uint32(uniform24(key, e))
-                            cde = qsgd_level(v, unit, SF, S, pack == PACK_STOCH, r)
-                            if not scale_ok:
-                                cde = np.int64(S)
-                            w = np.int64(np.uint32(cde) << np.uint32(sh))
-                            m = 1
-                            while m < EPW:
-                                w |= xor_i(w, m, bf, bi, tid)
-                                m <<= 1
-                        if i == k % EPW:
-                            slots[k // EPW] = np.uint32(w & M32)
-                    gi = lane >> LOG_EPW                    # this lane's group: word k*BITS + gi of step k
-                    for t in range(NSLOT):
-                        k = t * EPW + i
-                        first = np.int32(k * 32 + gi * EPW)  # the word's first element in the bucket
-                        if k < REGK and first < ln:
-                            w32 = slots[t]
-                            if ln - first < EPW:            # the bucket's last, partial word
-                                w32 &= np.uint32((1 << ((ln - first) * BITS)) - 1)
-                            words[np.uint32(wb + np.uint32(k * BITS + gi))] = w32
-                else:
-                    for k in range(K):
-                        j = np.int32(k * 32 + lane)
-                        ok = j < ln
-                        e = np.uint32(st + j)
-                        v = F0
-                        if ok:
-                            v = x[e]
-                        if BITS == 1:
-                            w = ballot(ok and v >= F0, bf, bi, tid)
-                        else:
-                            cde = np.int64(0)
-                            if ok:
-                                cde = qsgd_code(v, scale, unit, SF, S, pack == PACK_STOCH, key, e)
-                            w = np.int64(np.uint32(cde) << np.uint32(sh))
-                            m = 1
-                            while m < EPW:
-                                w |= xor_i(w, m, bf, bi, tid)
-                                m <<= 1
-                        if ok and (lane & GMASK) == 0:
-                            words[np.uint32(wb + np.uint32(j >> LOG_EPW))] = np.uint32(w & M32)
-                g += cuda.gridDim.x
+                        put(out, np.uint32(st + j),
+                            np.int32((words[np.uint32(wb + np.uint32(j >> LOG_EPW))] >> sh) & MASK),
+                            hi, lo, accumulate)
+            g += cuda.gridDim.x
 
-        return k3_encode
+    return warp_decode
 
-    def make_decode(spec):
-        BITS, kind, REGK = spec             # REGK > 0: buckets of REGK steps (bucket_size // 32,
-                                            # a constant trip count: unrolled) take the shuffle path
-        S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-        SF = np.float32(max(S, 1))
-        EPW = 32 // BITS
-        LOG_EPW = EPW.bit_length() - 1
-        GMASK = EPW - 1
-        MASK = np.uint32((1 << BITS) - 1)
-        NHELD = max(1, -(-REGK * BITS // 32))   # code words per lane of a bucket of REGK steps
-
-        @cuda.jit(device=True, inline="always")
-        def put(out, e, cde, hi, lo, accumulate):
-            """Write (or add) element ``e``'s value from its code ``cde``: ``(cde - s) * hi`` for QSGD
-            (hi = lo = unit), ``hi`` or ``lo`` by the code's bit for 1-bit."""
-            if kind == DEC_QSGD:
-                val = mul(np.float32(np.int32(cde - S)), hi)
-            elif cde:
-                val = hi
-            else:
-                val = lo
-            if accumulate:
-                out[e] = out[e] + val
-            else:
-                out[e] = val
-
-        @cuda.jit(**_limit(DEC_REGS))
-        def k3_decode(payload, words, scales, out, status, expect, check, check_name, n, nb, bs, K,
-                      ngroups, accumulate):
-            tid = cuda.threadIdx.x
-            lane = np.int32(tid & 31)
-            nw = cuda.blockDim.x >> 5
-            serr = cuda.shared.array(1, int32)
-            bf = cuda.shared.array(SIMBUF, float32)
-            bi = cuda.shared.array(SIMBUF, int64)
-            bad = block_bad(payload, status, expect, check, check_name, serr)
-            sh = np.uint32((lane & GMASK) * BITS)
-            g = cuda.blockIdx.x
-            gi = lane >> LOG_EPW                # this lane's word within a step's BITS words
-            while g < ngroups:                  # uniform over the block
-                b = np.int32(g * nw + (tid >> 5))
-                st = np.uint32(0)
-                ln = np.int32(0)
-                hi = F0
-                lo = F0
-                if b < nb:
-                    st = np.uint32(b * bs)
-                    ln = np.int32(min(bs, n - b * bs))
-                    if kind == DEC_QSGD:
-                        hi = scales[np.uint32(b)] / SF
-                        lo = hi
-                    elif kind == DEC_TWO_MEAN:
-                        hi = scales[np.uint32(2 * b)]
-                        lo = scales[np.uint32(2 * b + 1)]
-                    else:
-                        hi = scales[np.uint32(b)]
-                        lo = -hi
-                if bad:                         # every value NaN, whatever its code
-                    hi = FNAN
-                    lo = FNAN
-                wb = np.uint32(st >> LOG_EPW)
-                if REGK and (SIMULATOR or ln == REGK * 32):    # (a whole bucket: uniform over the warp)
-                    # The bucket's code words, read coalesced (word m*32 + l by lane l) before any
-                    # store; step k's words k*BITS .. k*BITS + BITS-1 are then taken from their lanes
-                    # with one shuffle per element (a load per element waits behind the previous
-                    # element's store, which the compiler cannot prove does not alias it), and the
-                    # stores are unconditional. (The simulator, whose emulated shuffles need every
-                    # warp, takes this path for every bucket, with guarded stores.)
-                    nwd = np.int32((ln + EPW - 1) >> LOG_EPW)
-                    held = cuda.local.array(NHELD, uint32)
-                    for m in range(NHELD):
-                        wi = np.int32(m * 32 + lane)
-                        w = np.uint32(0)
-                        if wi < nwd:
-                            w = words[np.uint32(wb + np.uint32(wi))]
-                        held[m] = w
-                    for k in range(REGK):
-                        wd = np.uint32(bcast_i(held[(k * BITS) >> 5], ((k * BITS) & 31) + gi, bf, bi,
-                                               tid))
-                        j = np.int32(k * 32 + lane)
-                        if not SIMULATOR or j < ln:
-                            put(out, np.uint32(st + j), np.int32((wd >> sh) & MASK), hi, lo, accumulate)
-                else:                           # a bucket's last, partial, steps; or REGK == 0
-                    for k in range(K):
-                        j = np.int32(k * 32 + lane)
-                        if j < ln:
-                            put(out, np.uint32(st + j),
-                                np.int32((words[np.uint32(wb + np.uint32(j >> LOG_EPW))] >> sh) & MASK),
-                                hi, lo, accumulate)
-                g += cuda.gridDim.x
-
-        return k3_decode
-
-    return make_encode, make_decode

@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .wire import VERSION
+
 # splitmix64 (Steele, Lea, Flood 2014): golden-ratio increment and the finalizer's multipliers.
 GAMMA = np.uint64(0x9E3779B97F4A7C15)
 M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -29,6 +31,11 @@ U32 = np.uint64(32)
 U24M = np.uint64(0xFFFFFF)
 U8 = np.uint64(8)
 UFF = np.uint64(0xFF)
+U16 = np.uint64(16)
+U16M = np.uint64(0xFFFF)
+M32U = np.uint64(0xFFFFFFFF)
+FNV_OFFSET = np.uint64(0x811C9DC5)
+FNV_PRIME = np.uint64(0x01000193)
 
 F0 = np.float32(0.0)
 FHALF = np.float32(0.5)
@@ -157,10 +164,60 @@ def build(jit, fmul):
         return fmul(a, b)
 
     @jit
+    def fnv(payload, a, b, h):
+        for k in range(a, b):
+            h = ((h ^ np.uint64(payload[k])) * FNV_PRIME) & M32U
+        return h
+
+    @jit
+    def header_errors(payload, method, bits, mode, norm, bucket_size, numel, name_hash, check_name):
+        """Error bits (``wire.ERROR_BITS``) of the 64-byte header at the start of ``payload`` against
+        the expected fields: ``reference.header_errors_ref``, compiled."""
+        err = 0
+        if payload[0] != 72 or payload[1] != 86 or payload[2] != 68 or payload[3] != 81:   # b"HVDQ"
+            err |= 1
+        if payload[4] != VERSION:
+            err |= 2
+        if payload[5] != method:
+            err |= 4
+        if payload[6] != bits:
+            err |= 8
+        if payload[7] != mode:
+            err |= 16
+        if payload[8] != norm:
+            err |= 32
+        bsz = 0
+        for k in range(4):
+            bsz |= np.int64(payload[12 + k]) << (8 * k)
+        if bsz != bucket_size:
+            err |= 64
+        n = np.uint64(0)
+        for k in range(8):
+            n |= np.uint64(payload[16 + k]) << (U8 * np.uint64(k))
+        if n != np.uint64(numel):
+            err |= 128
+        if check_name:
+            nh = 0
+            for k in range(4):
+                nh |= np.int64(payload[56 + k]) << (8 * k)
+            if nh != name_hash:
+                err |= 256
+        h = fnv(payload, 0, 62, FNV_OFFSET)
+        h = ((h >> U16) ^ h) & U16M
+        if h != (np.uint64(payload[62]) | (np.uint64(payload[63]) << U8)):
+            err |= 512
+        h = fnv(payload, 4, 9, FNV_OFFSET)
+        h = fnv(payload, 12, 16, h)
+        h = ((h >> U16) ^ h) & U16M
+        if h != (np.uint64(payload[60]) | (np.uint64(payload[61]) << U8)):
+            err |= 1024
+        return err
+
+    @jit
     def sqrt32(a):
         return np.float32(math.sqrt(a))
 
-    return SimpleNamespace(mix64=mix64, draw=draw, uniform24=uniform24, qsgd_code=qsgd_code,
+    return SimpleNamespace(header_errors=header_errors, fnv=fnv, mix64=mix64, draw=draw, uniform24=uniform24, qsgd_code=qsgd_code,
                            qsgd_code_r=qsgd_code_r, qsgd_level=qsgd_level, qsgd_round=qsgd_round,
                            max_nan=max_nan,
                            finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32)

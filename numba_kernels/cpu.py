@@ -1,6 +1,9 @@
 """Numba CPU kernels (``*_cpu``): ``njit(parallel=True, cache=True)``, bit-identical to ``*_ref``.
 
-(Each kernel also has a serial twin, used when the input is a single chunk or Numba has one thread.)
+Each kernel also has a serial twin, used when the input is a single chunk or Numba has one thread (a
+parallel region costs tens of microseconds to start). Launches are prepared once per configuration
+(``prepare_*``: layout, chunking and kernel choice computed once; the plain ``*_cpu`` launchers keep
+them in a small cache keyed by ints), so a call costs little more than Numba's dispatch.
 
 Work is split into chunks of whole buckets whose first element is a multiple of 8 (so every chunk
 writes whole code bytes and no two threads touch one byte); ``prange`` runs over the chunks. Within a
@@ -17,35 +20,23 @@ import numpy as np
 from numba import njit, prange
 
 from . import wire
-from ._scalar import F0, FNAN, U8, UFF, build
+from ._scalar import F0, FNAN, GAMMA, U8, U24M, U40, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
-           "write_header_cpu", "chunk_buckets"]
+           "write_header_cpu", "chunk_buckets", "prepare_qsgd_encode", "prepare_qsgd_decode",
+           "prepare_onebit_encode", "prepare_onebit_decode", "header_errors_cpu"]
 
 
 
-def _invalidate_stale_cache():
-    """Numba's on-disk cache only watches this file; the kernels also inline ``_scalar.py``. Drop this
-    module's cache files when that changed (a stamp of its contents is kept beside the cache)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    cache = os.path.join(here, "__pycache__")
-    try:
-        with open(os.path.join(here, "_scalar.py"), "rb") as f:
-            stamp = hashlib.sha256(f.read()).hexdigest()
-        path = os.path.join(cache, "cpu_scalar.stamp")
-        old = open(path).read() if os.path.exists(path) else None
-        if old != stamp:
-            for name in os.listdir(cache) if os.path.isdir(cache) else ():
-                if name.startswith("cpu.") and name.endswith((".nbi", ".nbc")):
-                    os.remove(os.path.join(cache, name))
-            os.makedirs(cache, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(stamp)
-    except OSError:          # read-only install: Numba then caches elsewhere (or not at all)
-        pass
+def _scalar_stamp():
+    """A short hash of ``_scalar.py``, folded into every cached kernel's qualified name: Numba's on-disk
+    cache only watches this file's timestamp, and the kernels inline ``_scalar.py``, so a change there
+    must select other cache entries (nothing is written here; Numba's cache honours NUMBA_CACHE_DIR)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scalar.py"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
 
 
-_invalidate_stale_cache()
+_STAMP = _scalar_stamp()
 
 _inline = njit(inline="always", error_model="numpy")
 
@@ -56,30 +47,37 @@ def _fmul(a, b):
 
 
 _ops = build(_inline, _fmul)
-_qsgd_code = _ops.qsgd_code
+_qsgd_code_r = _ops.qsgd_code_r
+_mix64 = _ops.mix64
 _max_nan = _ops.max_nan
 _finite = _ops.finite
 _sqrt32 = _ops.sqrt32
+_hdr_err = _ops.header_errors
 
 _KERNEL = dict(cache=True, error_model="numpy", nogil=True)
 _TARGET_CHUNK = 16384       # elements per parallel task
 
 
+def _renamed(fn, suffix):
+    """``fn`` under another qualified name (Numba's cache files are named after it)."""
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__,
+                              fn.__closure__)
+    twin.__qualname__ = fn.__qualname__ + suffix
+    twin.__module__ = fn.__module__
+    return twin
+
+
 class _Kernel:
     """A kernel compiled twice from one Python function: ``parallel=True`` for inputs of several
-    chunks, serial for one chunk (a parallel region costs tens of microseconds to start, more on a
-    busy machine). The serial twin gets its own qualified name so the two on-disk caches never mix."""
+    chunks, serial for one chunk. Both carry the hash of ``_scalar.py`` in their qualified names, so
+    their on-disk caches never mix with each other or with a build from another ``_scalar.py``."""
 
     def __init__(self, fn):
-        self.parallel = njit(parallel=True, **_KERNEL)(fn)
-        twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
-                                  fn.__closure__)
-        twin.__qualname__ = fn.__qualname__ + "_serial"
-        twin.__module__ = fn.__module__
-        self.serial = njit(parallel=False, **_KERNEL)(twin)
+        self.parallel = njit(parallel=True, **_KERNEL)(_renamed(fn, "_par_" + _STAMP))
+        self.serial = njit(parallel=False, **_KERNEL)(_renamed(fn, "_ser_" + _STAMP))
 
-    def __call__(self, nchunks, *args):
-        return (self.parallel if nchunks > 1 and numba.get_num_threads() > 1 else self.serial)(*args)
+    def pick(self, nchunks):
+        return self.parallel if nchunks > 1 and numba.get_num_threads() > 1 else self.serial
 
 
 def _kernel(fn):
@@ -143,10 +141,27 @@ def _write_header(payload, header):
         payload[k] = np.uint8((header[k >> 3] >> (U8 * np.uint64(k & 7))) & UFF)
 
 
+@_inline
+def _uniforms(key, e0, e1, r):
+    """r[i - e0] = the 24 random bits of element i in [e0, e1) (``_scalar.uniform24``), one splitmix64
+    draw per pair i, i + 32 of each aligned group of 64."""
+    for g in range(e0 >> 6, (e1 + 63) >> 6):
+        base = g << 6
+        for l in range(32):
+            z = _mix64(key + np.uint64(g * 32 + l) * GAMMA)
+            i = base + l
+            if i >= e0 and i < e1:
+                r[i - e0] = np.uint32((z >> U8) & U24M)
+            i += 32
+            if i >= e0 and i < e1:
+                r[i - e0] = np.uint32(z >> U40)
+
+
 @_kernel
-def _qsgd_encode(x, payload, scales, header, codes_off, codes_end, scales_off, bits, bs, stochastic,
-                 norm_l2, key, kchunk):
+def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bits, bs, stochastic,
+                 norm_l2, key, kchunk, residual, has_res):
     numel = x.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
     _write_header(payload, header)
     for k in range(codes_end, scales_off):
         payload[k] = 0
@@ -174,6 +189,9 @@ def _qsgd_encode(x, payload, scales, header, codes_off, codes_end, scales_off, b
         # elements (exactly ``bits`` bytes) at a time
         e0 = b0 * bs
         e1 = min(numel, b1 * bs)
+        r = np.zeros(e1 - e0 if stochastic else 0, np.uint32)
+        if stochastic:
+            _uniforms(key, e0, e1, r)
         codes = np.zeros(((e1 - e0 + 7) // 8) * 8, np.int64)
         for b in range(b0, b1):
             scale = scales[b]
@@ -181,7 +199,13 @@ def _qsgd_encode(x, payload, scales, header, codes_off, codes_end, scales_off, b
             st = b * bs
             en = min(numel, st + bs)
             for i in range(st, en):
-                codes[i - e0] = _qsgd_code(x[i], scale, unit, sf, s, stochastic, key, i)
+                ri = r[i - e0] if stochastic else np.uint32(0)
+                codes[i - e0] = _qsgd_code_r(x[i], scale, unit, sf, s, stochastic, ri)
+            if has_res:
+                # what the decode writes: float32(code - s) * unit (x[i] is read before residual[i]
+                # is written: residual may be x)
+                for i in range(st, en):
+                    residual[i] = x[i] - np.float32(codes[i - e0] - s) * unit
         for g in range(codes.size // 8):
             lo = np.uint64(0)
             hi = np.uint64(0)
@@ -204,8 +228,9 @@ def _qsgd_encode(x, payload, scales, header, codes_off, codes_end, scales_off, b
 
 
 @_kernel
-def _qsgd_decode(payload, scales, out, codes_off, bits, bs, accumulate, kchunk):
+def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bits, bs, accumulate, kchunk):
     numel = out.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
     nb = (numel + bs - 1) // bs
     nchunks = (nb + kchunk - 1) // kchunk
     s = (1 << (bits - 1)) - 1
@@ -243,8 +268,10 @@ def _qsgd_decode(payload, scales, out, codes_off, bits, bs, accumulate, kchunk):
 
 
 @_kernel
-def _onebit_encode(x, payload, scales, header, codes_off, codes_end, scales_off, bs, two_mean, kchunk):
+def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean, kchunk,
+                   residual, has_res):
     numel = x.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
     _write_header(payload, header)
     for k in range(codes_end, scales_off):
         payload[k] = 0
@@ -286,11 +313,26 @@ def _onebit_encode(x, payload, scales, header, codes_off, codes_end, scales_off,
                 nacc = 0
         if nacc > 0:
             payload[pos] = np.uint8(acc)
+        if has_res:
+            # what the decode writes for the bit (x >= 0) of each element
+            for b in range(b0, b1):
+                st = b * bs
+                en = min(numel, st + bs)
+                if two_mean:
+                    hi = scales[2 * b]
+                    lo = scales[2 * b + 1]
+                else:
+                    hi = scales[b]
+                    lo = -hi
+                for i in range(st, en):
+                    v = x[i]
+                    residual[i] = v - (hi if v >= F0 else lo)
 
 
 @_kernel
-def _onebit_decode(payload, scales, out, codes_off, bs, two_mean, accumulate, kchunk):
+def _onebit_decode(payload, out, codes_off, scales_off, nscales, bs, two_mean, accumulate, kchunk):
     numel = out.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
     nb = (numel + bs - 1) // bs
     nchunks = (nb + kchunk - 1) // kchunk
     for c in prange(nchunks):
@@ -315,70 +357,215 @@ def _onebit_decode(payload, scales, out, codes_off, bs, two_mean, accumulate, kc
                 out[i] = val
 
 
-@njit(cache=True)
 def _write_header_only(payload, header):
     _write_header(payload, header)
 
 
+def _header_errors(payload, method, bits, mode, norm, bucket_size, numel, name_hash, check_name):
+    return _hdr_err(payload, method, bits, mode, norm, bucket_size, numel, name_hash, check_name)
+
+
+_header_errors = njit(cache=True)(_renamed(_header_errors, "_" + _STAMP))
+_write_header_only = njit(cache=True)(_renamed(_write_header_only, "_" + _STAMP))
+
+
 # ---- launchers (same signatures as numba_kernels.reference) ----------------------------------------
 
-def _check(x, payload, lay):
-    if payload.size != lay.total:
-        raise ValueError(f"payload has {payload.size} bytes, layout needs {lay.total} ({lay})")
-
-
-def _scales_view(payload, lay, per=1):
-    return payload[lay.scales_offset:lay.scales_offset + 4 * lay.nscales].view(np.float32)
+_U64 = np.uint64
 
 
 def _words(header):
-    return tuple(np.uint64(int(w)) for w in header)
+    if type(header) is tuple and len(header) == 8 and type(header[0]) is _U64:
+        return header
+    return tuple(_U64(int(w)) for w in header)
+
+
+def _flat(a):
+    return a if a.ndim == 1 else a.reshape(-1)
+
+
+def _check_size(payload, total):
+    if payload.size != total:
+        raise wire.PayloadError(f"payload has {payload.size} bytes, the layout needs {total}")
+
+
+def header_errors_cpu(payload, expect):
+    """Error bits (``wire.ERROR_BITS``) of ``payload``'s header against ``expect`` (a ``wire.Expect``)."""
+    m, b, mo, no, bs, n, nh, cn = expect
+    return int(_header_errors(payload, m, b, mo, no, bs, n, nh, bool(cn)))
+
+
+def _check_expect(payload, expect):
+    if expect is not None:
+        err = header_errors_cpu(payload, expect)
+        if err:
+            raise wire.PayloadError(wire.describe_error_bits(err))
+
+
+class _PreparedBase:
+    __slots__ = ("numel", "total", "k", "nchunks", "_serial", "_kernel")
+
+    def _setup(self, kernel, lay, bs):
+        self.numel = lay.numel
+        self.total = lay.total
+        self.k = chunk_buckets(bs, lay.numel)
+        self.nchunks = -(-lay.nbuckets // self.k)
+        self._kernel = kernel
+        self._serial = kernel.serial if self.nchunks <= 1 else None
+
+    def _pick(self):
+        return self._serial if self._serial is not None else self._kernel.pick(self.nchunks)
+
+
+class QsgdEncodeCPU(_PreparedBase):
+    """``prepare_qsgd_encode(...)(x, payload, header, key, stream=None, residual=None)``."""
+    __slots__ = ("args",)
+
+    def __init__(self, numel, bits, bucket_size, stochastic, norm_l2):
+        lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
+        self._setup(_qsgd_encode, lay, bucket_size)
+        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
+                     lay.nscales, int(bits), int(bucket_size), bool(stochastic), bool(norm_l2))
+
+    def __call__(self, x, payload, header, key, stream=None, residual=None):
+        x = _flat(x)
+        if x.size != self.numel:
+            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
+        _check_size(payload, self.total)
+        if residual is None:
+            res, has = x, False
+        else:
+            res, has = _flat(residual), True
+            if res.size != self.numel:
+                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
+        self._pick()(x, payload, _words(header), *self.args, _U64(key), self.k, res, has)
+
+
+class QsgdDecodeCPU(_PreparedBase):
+    """``prepare_qsgd_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
+    __slots__ = ("args",)
+
+    def __init__(self, numel, bits, bucket_size, accumulate):
+        lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
+        self._setup(_qsgd_decode, lay, bucket_size)
+        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bits), int(bucket_size),
+                     bool(accumulate))
+
+    def __call__(self, payload, out, stream=None, status=None, expect=None):
+        out = _flat(out)
+        if out.size != self.numel:
+            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
+        _check_size(payload, self.total)
+        _check_expect(payload, expect)
+        if self.numel:
+            self._pick()(payload, out, *self.args, self.k)
+
+
+class OnebitEncodeCPU(_PreparedBase):
+    """``prepare_onebit_encode(...)(x, payload, header, stream=None, residual=None)``."""
+    __slots__ = ("args",)
+
+    def __init__(self, numel, bucket_size, two_mean):
+        mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+        lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode)
+        bs = int(bucket_size) or max(numel, 1)
+        self._setup(_onebit_encode, lay, bs)
+        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
+                     lay.nscales, bs, bool(two_mean))
+
+    def __call__(self, x, payload, header, stream=None, residual=None):
+        x = _flat(x)
+        if x.size != self.numel:
+            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
+        _check_size(payload, self.total)
+        if residual is None:
+            res, has = x, False
+        else:
+            res, has = _flat(residual), True
+            if res.size != self.numel:
+                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
+        self._pick()(x, payload, _words(header), *self.args, self.k, res, has)
+
+
+class OnebitDecodeCPU(_PreparedBase):
+    """``prepare_onebit_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
+    __slots__ = ("args",)
+
+    def __init__(self, numel, bucket_size, two_mean, accumulate):
+        mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+        lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode)
+        bs = int(bucket_size) or max(numel, 1)
+        self._setup(_onebit_decode, lay, bs)
+        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(two_mean),
+                     bool(accumulate))
+
+    def __call__(self, payload, out, stream=None, status=None, expect=None):
+        out = _flat(out)
+        if out.size != self.numel:
+            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
+        _check_size(payload, self.total)
+        _check_expect(payload, expect)
+        if self.numel:
+            self._pick()(payload, out, *self.args, self.k)
+
+
+def prepare_qsgd_encode(numel, bits, bucket_size, stochastic, norm_l2):
+    return QsgdEncodeCPU(int(numel), int(bits), int(bucket_size), bool(stochastic), bool(norm_l2))
+
+
+def prepare_qsgd_decode(numel, bits, bucket_size, accumulate):
+    return QsgdDecodeCPU(int(numel), int(bits), int(bucket_size), bool(accumulate))
+
+
+def prepare_onebit_encode(numel, bucket_size, two_mean):
+    return OnebitEncodeCPU(int(numel), int(bucket_size or 0), bool(two_mean))
+
+
+def prepare_onebit_decode(numel, bucket_size, two_mean, accumulate):
+    return OnebitDecodeCPU(int(numel), int(bucket_size or 0), bool(two_mean), bool(accumulate))
+
+
+_CACHE = {}
+_CACHE_MAX = 4096
+
+
+def _cached(key, make, *args):
+    p = _CACHE.get(key)
+    if p is None:
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.clear()
+        p = _CACHE[key] = make(*args)
+    return p
 
 
 def write_header_cpu(payload, header, stream=None):
     _write_header_only(payload, _words(header))
 
 
-def qsgd_encode_cpu(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=None):
+def qsgd_encode_cpu(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=None,
+                    residual=None):
     """Bucketed QSGD encode of float32 ``x`` into ``payload`` (see ``qsgd_encode_ref``)."""
-    lay = wire.layout(wire.METHODS["qsgd"], x.size, bits, bucket_size)
-    _check(x, payload, lay)
-    k = chunk_buckets(int(bucket_size), x.size)
-    _qsgd_encode(-(-lay.nbuckets // k), x.reshape(-1), payload, _scales_view(payload, lay), _words(header), lay.codes_offset,
-                 lay.codes_offset + lay.codes_nbytes, lay.scales_offset, int(bits), int(bucket_size),
-                 bool(stochastic), bool(norm_l2), np.uint64(int(key)), k)
+    n = x.size
+    _cached((0, n, bits, bucket_size, stochastic, norm_l2), prepare_qsgd_encode, n, bits, bucket_size,
+            stochastic, norm_l2)(x, payload, header, key, stream, residual)
 
 
-def qsgd_decode_cpu(payload, out, bits, bucket_size, accumulate, stream=None, status=None):
+def qsgd_decode_cpu(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
     """out (+)= dequantized QSGD payload (see ``qsgd_decode_ref``)."""
-    lay = wire.layout(wire.METHODS["qsgd"], out.size, bits, bucket_size)
-    _check(out, payload, lay)
-    if out.size == 0:
-        return
-    k = chunk_buckets(int(bucket_size), out.size)
-    _qsgd_decode(-(-lay.nbuckets // k), payload, _scales_view(payload, lay), out.reshape(-1),
-                 lay.codes_offset, int(bits), int(bucket_size), bool(accumulate), k)
+    n = out.size
+    _cached((1, n, bits, bucket_size, accumulate), prepare_qsgd_decode, n, bits, bucket_size,
+            accumulate)(payload, out, stream, status, expect)
 
 
-def onebit_encode_cpu(x, payload, header, bucket_size, two_mean, stream=None):
+def onebit_encode_cpu(x, payload, header, bucket_size, two_mean, stream=None, residual=None):
     """1-bit encode (see ``onebit_encode_ref``); ``bucket_size`` 0 = one bucket per tensor."""
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    lay = wire.layout(wire.METHODS["onebit"], x.size, 1, bucket_size, mode)
-    _check(x, payload, lay)
-    bs = int(bucket_size) or max(x.size, 1)
-    k = chunk_buckets(bs, x.size)
-    _onebit_encode(-(-lay.nbuckets // k), x.reshape(-1), payload, _scales_view(payload, lay),
-                   _words(header), lay.codes_offset, lay.codes_offset + lay.codes_nbytes,
-                   lay.scales_offset, bs, bool(two_mean), k)
+    n = x.size
+    _cached((2, n, bucket_size, two_mean), prepare_onebit_encode, n, bucket_size, two_mean)(
+        x, payload, header, stream, residual)
 
 
-def onebit_decode_cpu(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None):
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    lay = wire.layout(wire.METHODS["onebit"], out.size, 1, bucket_size, mode)
-    _check(out, payload, lay)
-    if out.size == 0:
-        return
-    bs = int(bucket_size) or max(out.size, 1)
-    k = chunk_buckets(bs, out.size)
-    _onebit_decode(-(-lay.nbuckets // k), payload, _scales_view(payload, lay), out.reshape(-1),
-                   lay.codes_offset, bs, bool(two_mean), bool(accumulate), k)
+def onebit_decode_cpu(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None,
+                      expect=None):
+    n = out.size
+    _cached((3, n, bucket_size, two_mean, accumulate), prepare_onebit_decode, n, bucket_size, two_mean,
+            accumulate)(payload, out, stream, status, expect)

@@ -3,6 +3,12 @@
 Same signatures as the kernel launchers in ``numba_kernels.cpu`` / ``numba_kernels.cuda``
 (``stream`` and ``status`` are accepted and ignored). Written for clarity and vectorised; not fast.
 
+Encoders take ``residual`` (error feedback): when given (float32, ``x.size`` elements, possibly ``x``
+itself), ``residual[i] = x[i] - d[i]`` where ``d`` is exactly what the matching decoder writes for the
+payload just encoded (float32 subtraction). Decoders take ``expect`` (a ``wire.Expect``): when given,
+a header that fails the check raises ``PayloadError`` (``wire.describe_error_bits``) before anything
+is written.
+
 Canonical float32 summation (every sum: l2, two_mean, mean_abs): 32 lanes; lane ``l`` adds the terms of
 bucket elements ``l, l+32, l+64, ...`` sequentially in float32 starting from +0.0; then for stride in
 16, 8, 4, 2, 1: ``p[l] += p[l + stride]`` for ``l < stride``; the sum is ``p[0]``. (Max is order-free.)
@@ -14,7 +20,7 @@ from ._scalar import F0, F2_24, FHALF, FINF, GAMMA, U40, mix64_np
 
 __all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_ref",
            "onebit_encode_ref", "onebit_decode_ref", "write_header_ref", "uniform24_ref",
-           "header_errors_ref", "levels"]
+           "header_errors_ref", "check_expect_ref", "levels"]
 
 
 def levels(bits):
@@ -147,7 +153,28 @@ def _scales_of(payload, lay):
     return raw.view("<f4").astype(np.float32)
 
 
-def qsgd_encode_ref(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=None):
+def check_expect_ref(payload, expect):
+    """Raise ``PayloadError`` when ``payload``'s header fails the check against ``expect`` (a
+    ``wire.Expect``; None: no check)."""
+    if expect is not None:
+        err = header_errors_ref(payload, *expect)
+        if err:
+            raise wire.PayloadError(wire.describe_error_bits(err))
+
+
+def _residual(x, payload, residual, decode):
+    """residual = x - (what ``decode(payload, d)`` writes), float32; ``residual`` may be ``x``."""
+    if residual is None:
+        return
+    d = np.empty(x.size, np.float32)
+    decode(payload, d)
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = (x - d).astype(np.float32)
+    residual.reshape(-1)[...] = r
+
+
+def qsgd_encode_ref(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=None,
+                    residual=None):
     """Bucketed QSGD of float32 ``x`` into ``payload`` (header words, codes, padding, scales)."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     lay = wire.layout(wire.METHODS["qsgd"], x.size, bits, bucket_size)
@@ -156,10 +183,12 @@ def qsgd_encode_ref(x, payload, header, bits, bucket_size, stochastic, norm_l2, 
     codes = _qsgd_codes(x, scales, bits, bucket_size, stochastic, key)
     write_header_ref(payload, header)
     _write_body(payload, lay, _pack(codes, bits), scales)
+    _residual(x, payload, residual, lambda p, d: qsgd_decode_ref(p, d, bits, bucket_size, False))
 
 
-def qsgd_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, status=None):
-    """out (+)= dequantized values of a QSGD payload (no header checks: the caller validated it)."""
+def qsgd_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
+    """out (+)= dequantized values of a QSGD payload (header checked against ``expect`` if given)."""
+    check_expect_ref(payload, expect)
     n = out.size
     lay = wire.layout(wire.METHODS["qsgd"], n, bits, bucket_size)
     s = levels(bits)
@@ -173,7 +202,7 @@ def qsgd_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, st
         out[...] = val
 
 
-def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None):
+def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None, residual=None):
     """1-bit SGD: bit = (x >= 0) (NaN -> 0); scales two_mean (2 per bucket) or mean_abs (1 per bucket).
 
     ``bucket_size`` 0: one bucket for the whole tensor."""
@@ -185,9 +214,13 @@ def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None):
     scales = bucket_scales_ref(x, bs, "two_mean" if two_mean else "mean_abs")
     write_header_ref(payload, header)
     _write_body(payload, lay, _pack((x >= F0).astype(np.int64), 1), scales)
+    _residual(x, payload, residual, lambda p, d: onebit_decode_ref(p, d, bucket_size, two_mean, False))
 
 
-def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None):
+def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None,
+                      expect=None):
+    """out (+)= 1-bit decoded values (header checked against ``expect`` if given)."""
+    check_expect_ref(payload, expect)
     n = out.size
     mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
     lay = wire.layout(wire.METHODS["onebit"], n, 1, bucket_size, mode)

@@ -80,15 +80,18 @@ ERROR_BITS = {
 
 
 class Expect(NamedTuple):
-    """What a receiver expects of a payload's header; the decode kernels check it on the device."""
+    """What a receiver expects in a payload header: the decoders' ``expect`` argument.
+
+    The fields are compared with the header's (``ERROR_BITS`` names each mismatch); ``name_hash`` only
+    when ``check_name``. Magic, version and both checksums are always checked."""
     method: int
     bits: int
     mode: int
     norm: int
     bucket_size: int
     numel: int
-    name_hash: int
-    check_name: bool
+    name_hash: int = 0
+    check_name: bool = False
 
 
 class PayloadError(ValueError):

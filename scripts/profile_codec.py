@@ -1,18 +1,26 @@
-"""Three 4-bit QSGD encode + decode_into calls on 100M float32 (bucket 512) on the GPU: a small
-program for Nsight Compute, e.g. (docs/BENCHMARKS.md)
+"""Three 4-bit QSGD encode + decode calls on 100M float32 (bucket 512) on the GPU through the prepared
+kernel launches: a small program for Nsight Compute, e.g. (docs/BENCHMARKS.md)
 
-    ncu --clock-control none -k regex:k3_ -s 2 -c 2 --section SpeedOfLight --section Occupancy \
+    ncu --clock-control none -k regex:warp_ -s 2 -c 2 --section SpeedOfLight --section Occupancy \
         --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section LaunchStats python3 scripts/profile_codec.py
+
+(``scripts/bench_launchers.py`` times the launchers.)
 """
-import torch
+import numpy as np
+from numba import cuda
 
-import hvd_quant as hq
+import numba_kernels.cuda as K
+from numba_kernels import wire
 
-x = torch.randn(100_000_000, device="cuda")
-o = torch.empty_like(x)
-c = hq.QSGD(bits=4, bucket_size=512)
+n, bits, bs = 100_000_000, 4, 512
+x = cuda.to_device(np.random.default_rng(0).standard_normal(n).astype(np.float32))
+p = cuda.device_array(wire.layout(2, n, bits, bs).total, np.uint8)
+o = cuda.device_array(n, np.float32)
+h = wire.Header(2, bits, 0, 0, bs, 0, (n,)).words()
+enc = K.prepare_qsgd_encode(n, bits, bs, True, False)
+dec = K.prepare_qsgd_decode(n, bits, bs, False)
 for _ in range(3):
-    p = c.encode(x)
-    c.decode_into(p, o)
-torch.cuda.synchronize()
+    enc(x, p, h, 1, 0)
+    dec(p, o, 0, None, None)
+cuda.synchronize()

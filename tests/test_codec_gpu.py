@@ -1,12 +1,12 @@
 """On a real GPU: CUDA kernels == NumPy reference, the torch-CUDA codec path, no recompilation, no
 torch-level host synchronisation in encode / decode_into. Skipped without CUDA.
 
-Every check runs for each CUDA kernel implementation (``v1``: the first kernels and launch path,
-``HVD_QUANT_CUDA_KERNELS=v1``; ``v2``: the fused block kernels; ``v3``: one warp per bucket where it
-applies, v2's kernels elsewhere, the default), switched in-process with ``numba_kernels.cuda.set_impl``.
+The cases cover both CUDA kernel paths (warp and general: ``numba_kernels.cuda.kernel_path``), each
+configuration taking the one it selects; encodes also write the residual (in place) and decodes
+check the header (``expect``) in the kernel.
 
 Also runnable without pytest on a GPU machine: ``python tests/test_codec_gpu.py`` prints one line per
-check and implementation and exits non-zero on a failure (``--impl v2`` checks only one).
+check and exits non-zero on a failure.
 """
 import sys
 from pathlib import Path
@@ -37,7 +37,6 @@ def _nan_eq(a, b):
         np.where(np.isnan(a), 0, a).view(np.uint32), np.where(np.isnan(b), 0, b).view(np.uint32)))
 
 
-IMPLS = ("v1", "v2", "v3")
 
 
 def check_kernels_match_reference():
@@ -66,14 +65,19 @@ def check_kernels_match_reference():
                         h = wire.Header(2, bits, 0 if st else 1, int(l2), bs, 0, (n,)).words()
                         lay = wire.layout(2, n, bits, bs)
                         want = np.zeros(lay.total, np.uint8)
+                        rref = np.empty(n, np.float32)
                         with np.errstate(all="ignore"):
-                            R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, key)
+                            R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, key, residual=rref)
                         d = cuda.to_device(np.full(lay.total, 0xA5, np.uint8))
-                        K.qsgd_encode_cuda(xd, d, h, bits, bs, st, l2, key)
+                        resid = (n + bits + bs) % 3 == 0        # a third of the cases: in place
+                        xr = cuda.to_device(x) if resid else None
+                        K.qsgd_encode_cuda(xr if resid else xd, d, h, bits, bs, st, l2, key, 0, xr)
                         got = d.copy_to_host()
                         sc = slice(lay.scales_offset, lay.total)
                         ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and _nan_eq(
                             want[sc].view(np.float32), got[sc].view(np.float32))
+                        if resid and not _nan_eq(rref, xr.copy_to_host()):
+                            fails.append(f"qsgd residual n={n} bs={bs} bits={bits} st={st} l2={l2}")
                         a = np.ones(n, np.float32)
                         with np.errstate(all="ignore"):
                             R.qsgd_decode_ref(want, a, bits, bs, True)
@@ -88,10 +92,14 @@ def check_kernels_match_reference():
                     h = wire.Header(3, 1, mode, 0, bs1, 0, (n,)).words()
                     lay = wire.layout(3, n, 1, bs1, mode)
                     want = np.zeros(lay.total, np.uint8)
+                    rref = np.empty(n, np.float32)
                     with np.errstate(all="ignore"):
-                        R.onebit_encode_ref(x, want, h, bs1, tm)
+                        R.onebit_encode_ref(x, want, h, bs1, tm, residual=rref)
                     d = cuda.to_device(np.full(lay.total, 0xA5, np.uint8))
-                    K.onebit_encode_cuda(xd, d, h, bs1, tm)
+                    rd = cuda.device_array(n, np.float32)
+                    K.onebit_encode_cuda(xd, d, h, bs1, tm, 0, rd)
+                    if not _nan_eq(rref, rd.copy_to_host()):
+                        fails.append(f"onebit residual n={n} bs={bs1} two_mean={tm}")
                     got = d.copy_to_host()
                     sc = slice(lay.scales_offset, lay.total)
                     ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and _nan_eq(
@@ -120,7 +128,7 @@ def check_kernels_match_reference():
         K.qsgd_decode_cuda(d, o, bits, bs, False)
         if not (np.array_equal(want, d.copy_to_host()) and _nan_eq(a, o.copy_to_host())):
             fails.append(f"qsgd n={n} bs={bs} bits={bits} st={st} l2={l2}")
-    # header check + decode (v2: one kernel), good and bad, status words as the reference says
+    # header check inside the decode (expect) and standalone, good and bad, status as the reference says
     h = wire.Header(2, 4, 0, 0, 64, 0, (100_003,), name_hash=wire.name_hash("w"))
     lay = wire.layout(2, 100_003, 4, 64)
     p = np.zeros(lay.total, np.uint8)
@@ -128,18 +136,21 @@ def check_kernels_match_reference():
     for exp in ((2, 4, 0, 0, 64, 100_003, wire.name_hash("w"), True),
                 (2, 8, 1, 1, 128, 100_004, wire.name_hash("v"), True),
                 (2, 4, 0, 0, 64, 100_003, 0, False)):
-        status = cuda.to_device(np.array([0, 4096], np.int32))
-        dq = cuda.to_device(p)
-        K.check_header_cuda(dq, status, *exp)
-        o = cuda.to_device(np.zeros(100_003, np.float32))
-        K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)
-        want = R.header_errors_ref(p, *exp)
-        st = status.copy_to_host()
-        y = o.copy_to_host()
-        if not (int(st[0]) == want and int(st[1]) == want | 4096
-                and (bool(np.isnan(y).all()) if want else not np.isnan(y).any())):
-            fails.append(f"header check {exp}: status {st.tolist()}, want {want}")
-    K.flush_pending()
+        for how in ("expect", "check"):
+            status = cuda.to_device(np.array([0, 4096], np.int32))
+            dq = cuda.to_device(p)
+            o = cuda.to_device(np.zeros(100_003, np.float32))
+            if how == "check":
+                K.check_header_cuda(dq, status, wire.Expect(*exp))
+                K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)
+            else:
+                K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status, wire.Expect(*exp))
+            want = R.header_errors_ref(p, *exp)
+            st = status.copy_to_host()
+            y = o.copy_to_host()
+            if not (int(st[0]) == want and int(st[1]) == want | 4096
+                    and (bool(np.isnan(y).all()) if want else not np.isnan(y).any())):
+                fails.append(f"header {how} {exp}: status {st.tolist()}, want {want}")
     return fails
 
 
@@ -208,7 +219,6 @@ def check_torch_codec_path():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     counts = {k: len(v.overloads) for k, v in K.kernels.items()}
-    fails += _check_fast_path(K)
     c = hq.QSGD(bits=4, bucket_size=512)
     big = torch.randn(1 << 20, device="cuda")
     out = torch.empty_like(big)
@@ -216,27 +226,18 @@ def check_torch_codec_path():
         c.decode_into(c.encode(big), out)
     hq.OneBit(bucket_size=512).decode_into(hq.OneBit(bucket_size=512).encode(big), out)
     after = {k: len(v.overloads) for k, v in K.kernels.items()}
-    if after != counts:
+    # new configurations build new kernels; no kernel may gain a second signature
+    if any(after[k] != counts[k] for k in counts) or any(v != 1 for v in after.values()):
         fails.append(f"recompiled: {counts} -> {after}")
     print("compiled signatures per kernel:", after)
     return fails
-
-
-def _check_fast_path(K):
-    """v2/v3 launch compiled kernels directly after their first launch; report whether it is active."""
-    if K.impl() == "v1":
-        return []
-    print(f"{K.impl()} direct launches: {'on' if K._FAST else 'off'}; kernels launched directly: {len(K._COMPILED)}")
-    return []
 
 
 CHECKS = {"kernels_match_reference": check_kernels_match_reference,
           "torch_codec_path": check_torch_codec_path}
 
 
-def run_check(name, impl):
-    import numba_kernels.cuda as K
-    K.set_impl(impl)
+def run_check(name):
     return CHECKS[name]()
 
 
@@ -244,32 +245,26 @@ if pytest is not None:
     @pytest.mark.gpu
     @pytest.mark.torch
     @pytest.mark.skipif(not _cuda_ok(), reason="needs a CUDA GPU")
-    @pytest.mark.parametrize("impl", IMPLS)
     @pytest.mark.parametrize("name", sorted(CHECKS))
-    def test_gpu(name, impl):
-        fails = run_check(name, impl)
+    def test_gpu(name):
+        fails = run_check(name)
         assert not fails, fails[:20]
 
 
 if __name__ == "__main__":
-    import argparse
     import time
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", choices=IMPLS, action="append", help="implementation(s) to check (default all)")
-    impls = ap.parse_args().impl or list(IMPLS)
     bad = 0
-    for impl in impls:
-        for name in CHECKS:
-            t0 = time.time()
-            try:
-                fails = run_check(name, impl)
-            except Exception as e:      # a crash is a failure of this check, the others still run
-                import traceback
-                traceback.print_exc()
-                fails = [f"raised {type(e).__name__}: {e}"]
-            bad += len(fails)
-            print(f"[{impl}] {name}: {'OK' if not fails else 'FAILED'} ({time.time() - t0:.1f} s)")
-            for f in fails[:30]:
-                print("   ", f)
+    for name in CHECKS:
+        t0 = time.time()
+        try:
+            fails = run_check(name)
+        except Exception as e:      # a crash is a failure of this check, the others still run
+            import traceback
+            traceback.print_exc()
+            fails = [f"raised {type(e).__name__}: {e}"]
+        bad += len(fails)
+        print(f"{name}: {'OK' if not fails else 'FAILED'} ({time.time() - t0:.1f} s)")
+        for f in fails[:30]:
+            print("   ", f)
     print("ALL OK" if not bad else f"{bad} FAILURE(S)")
     sys.exit(1 if bad else 0)

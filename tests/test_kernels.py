@@ -3,6 +3,8 @@
 * CPU (``*_cpu``, Numba ``njit(parallel=True)``) == ``*_ref`` byte for byte (payload) and bit for bit
   (decoded float32), at sizes on either side of the group (8), lane (32) and bucket sizes, for every
   bit width, both roundings and both norms; stochastic cases use the same key, hence the same uniforms.
+  The encoders' residuals (in place and into another array) equal the reference's bit for bit, and
+  the decoders' ``expect`` raises before writing.
 * CUDA (``*_cuda``) runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (it must be set before
   ``numba.cuda`` is imported) on small sizes; each case is reported back and checked here by name.
   On a GPU machine ``HVDQ_REAL_CUDA=1`` runs the same child on the real device.
@@ -33,6 +35,13 @@ def bits_equal(a, b):
     return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
 
 
+def nan_bits_equal(a, b):
+    """Equal bit for bit, except that NaNs need only be NaN in both (their payload bits may differ)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return bool(np.array_equal(np.isnan(a), np.isnan(b))
+                and bits_equal(np.where(np.isnan(a), 0, a), np.where(np.isnan(b), 0, b)))
+
+
 def qsgd_case(n, bs, bits, stochastic, l2, x=None):
     x = make_x(n, n * 7919 + bs * 31 + bits) if x is None else x
     h = wire.Header(2, bits, 0 if stochastic else 1, int(l2), bs, 0, (n,), name_hash=7).words()
@@ -59,9 +68,15 @@ def test_qsgd_cpu_equals_reference(cpu, n, bs, bits, stochastic, l2):
     x, h, lay = qsgd_case(n, bs, bits, stochastic, l2)
     want = np.zeros(lay.total, np.uint8)
     got = np.full(lay.total, 0xA5, np.uint8)          # garbage: every byte must be written
-    R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY)
-    cpu.qsgd_encode_cpu(x, got, h, bits, bs, stochastic, l2, KEY)
+    rref = np.full(n, np.nan, np.float32)
+    R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY, residual=rref)
+    xin = x.copy()                                    # residual in place: x becomes x - decode(payload)
+    cpu.qsgd_encode_cpu(xin, got, h, bits, bs, stochastic, l2, KEY, residual=xin)
     assert np.array_equal(want, got), f"first differing byte {np.flatnonzero(want != got)[:5]} of {lay}"
+    assert bits_equal(rref, xin)
+    d = np.empty(n, np.float32)
+    R.qsgd_decode_ref(want, d, bits, bs, False)
+    assert bits_equal(rref, x - d)                    # the reference's residual is x minus its decode
     base = make_x(n, 99)
     for accumulate in (False, True):
         a, b = base.copy(), base.copy()
@@ -79,10 +94,12 @@ def test_qsgd_cpu_equals_reference_special_values(cpu, n, bs, bits, stochastic, 
     x, h, lay = qsgd_case(n, bs, bits, stochastic, l2, x=make_x(n, n + bs, special=True))
     want = np.zeros(lay.total, np.uint8)
     got = np.full(lay.total, 0xA5, np.uint8)
+    rref, rcpu = np.empty(n, np.float32), np.empty(n, np.float32)
     with np.errstate(all="ignore"):
-        R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY)
-    cpu.qsgd_encode_cpu(x, got, h, bits, bs, stochastic, l2, KEY)
+        R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY, residual=rref)
+    cpu.qsgd_encode_cpu(x, got, h, bits, bs, stochastic, l2, KEY, residual=rcpu)
     assert np.array_equal(want, got)
+    assert nan_bits_equal(rref, rcpu)
     a, b = np.empty(n, np.float32), np.empty(n, np.float32)
     R.qsgd_decode_ref(want, a, bits, bs, False)
     cpu.qsgd_decode_cpu(want, b, bits, bs, False)
@@ -106,10 +123,13 @@ def test_onebit_cpu_equals_reference(cpu, n, bs, two_mean, special):
     x, h, lay = onebit_case(n, bs, two_mean, special)
     want = np.zeros(lay.total, np.uint8)
     got = np.full(lay.total, 0xA5, np.uint8)
+    rref = np.empty(n, np.float32)
     with np.errstate(all="ignore"):
-        R.onebit_encode_ref(x, want, h, bs, two_mean)
-    cpu.onebit_encode_cpu(x, got, h, bs, two_mean)
+        R.onebit_encode_ref(x, want, h, bs, two_mean, residual=rref)
+    xin = x.copy()
+    cpu.onebit_encode_cpu(xin, got, h, bs, two_mean, residual=xin)
     assert np.array_equal(want, got)
+    assert nan_bits_equal(rref, xin)
     base = make_x(n, 5)
     for accumulate in (False, True):
         a, b = base.copy(), base.copy()
@@ -229,6 +249,58 @@ def test_fast_quotient_identity():
     assert (bad_q, bad_pos) == (0, 0)
 
 
+@pytest.mark.parametrize("where", ["ref", "cpu"])
+def test_decode_expect_raises_before_writing(cpu, where):
+    """A header that fails the check against ``expect`` raises PayloadError naming the fault, and
+    ``out`` is untouched; a matching ``expect`` decodes as without one."""
+    dec = {"ref": (R.qsgd_decode_ref, R.onebit_decode_ref), "cpu": (cpu.qsgd_decode_cpu, cpu.onebit_decode_cpu)}[where]
+    x, h, lay = qsgd_case(100, 64, 4, True, False)
+    p = np.zeros(lay.total, np.uint8)
+    R.qsgd_encode_ref(x, p, h, 4, 64, True, False, KEY)
+    good = wire.Expect(2, 4, 0, 0, 64, 100, 7, True)
+    a, b = np.zeros(100, np.float32), np.zeros(100, np.float32)
+    R.qsgd_decode_ref(p, a, 4, 64, False)
+    dec[0](p, b, 4, 64, False, None, None, good)
+    assert bits_equal(a, b)
+    for exp, words in ((good._replace(bits=8), "bits differ"), (good._replace(name_hash=8), "name hash"),
+                       (good._replace(numel=101), "numel differs")):
+        out = np.full(100, 5.0, np.float32)
+        with pytest.raises(wire.PayloadError, match=words):
+            dec[0](p, out, 4, 64, False, None, None, exp)
+        assert (out == 5.0).all()
+    q = p.copy()
+    q[30] ^= 1
+    with pytest.raises(wire.PayloadError, match="bad header checksum"):
+        dec[0](q, np.zeros(100, np.float32), 4, 64, False, None, None, good)
+    x1, h1, lay1 = onebit_case(100, 0, True)
+    p1 = np.zeros(lay1.total, np.uint8)
+    R.onebit_encode_ref(x1, p1, h1, 0, True)
+    e1 = wire.Expect(3, 1, 0, 0, 0, 100)
+    dec[1](p1, np.zeros(100, np.float32), 0, True, False, None, None, e1)
+    with pytest.raises(wire.PayloadError, match="mode differs"):
+        dec[1](p1, np.zeros(100, np.float32), 0, True, False, None, None, e1._replace(mode=1))
+
+
+def test_cpu_import_writes_nothing_in_the_package(tmp_path):
+    """Importing numba_kernels.cpu (and compiling) writes nothing next to the sources but Python's
+    own bytecode; with NUMBA_CACHE_DIR, Numba's cache goes there."""
+    pkg = ROOT / "numba_kernels"
+    before = {p: p.stat().st_mtime_ns for p in pkg.rglob("*") if "__pycache__" not in p.parts}
+    cache_before = {p.name for p in (pkg / "__pycache__").glob("*")} if (pkg / "__pycache__").exists() else set()
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = ("import numpy as np, numba_kernels.cpu as C; p = np.zeros(64 + 4 + 4, np.uint8); "
+            "C.qsgd_decode_cpu(p, np.zeros(1, np.float32), 4, 8, False)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    after = {p: p.stat().st_mtime_ns for p in pkg.rglob("*") if "__pycache__" not in p.parts}
+    assert after == before
+    cache_after = {p.name for p in (pkg / "__pycache__").glob("*")} if (pkg / "__pycache__").exists() else set()
+    assert {n for n in cache_after - cache_before if not n.endswith(".pyc")} == set()
+    assert any(tmp_path.rglob("*.nbi"))
+
+
 def test_header_check_reference():
     h = wire.Header(2, 4, 0, 0, 512, 0, (10, 3), name_hash=wire.name_hash("w"))
     lay = wire.layout(2, 30, 4, 512)
@@ -275,15 +347,17 @@ def _child():
         for special in (False, True):
             x, h, lay = qsgd_case(n, bs, bits, st, l2, x=make_x(n, n + bs, special) if special else None)
             want = np.zeros(lay.total, np.uint8)
+            rref = np.empty(n, np.float32)
             with np.errstate(all="ignore"):
-                R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, KEY)
+                R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, KEY, residual=rref)
             d = dev(np.full(lay.total, 0xA5, np.uint8))
-            K.qsgd_encode_cuda(dev(x), d, h, bits, bs, st, l2, KEY)
+            xd = dev(x)
+            K.qsgd_encode_cuda(xd, d, h, bits, bs, st, l2, KEY, residual=xd)     # residual in place
             got = d.copy_to_host()
             # NaN scales may differ in NaN payload bits only (CUDA makes canonical NaNs)
             sc = slice(lay.scales_offset, lay.total)
             ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
-                want[sc].view(np.float32), got[sc].view(np.float32))
+                want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, xd.copy_to_host())
             base = make_x(n, 5)
             a = base.copy()
             R.qsgd_decode_ref(want, a, bits, bs, True)
@@ -294,14 +368,16 @@ def _child():
     for n, bs, tm in SIM_ONEBIT:
         x, h, lay = onebit_case(n, bs, tm, special=n > 50)
         want = np.zeros(lay.total, np.uint8)
+        rref = np.empty(n, np.float32)
         with np.errstate(all="ignore"):
-            R.onebit_encode_ref(x, want, h, bs, tm)
+            R.onebit_encode_ref(x, want, h, bs, tm, residual=rref)
         d = dev(np.full(lay.total, 0xA5, np.uint8))
-        K.onebit_encode_cuda(dev(x), d, h, bs, tm)
+        rd = dev(np.full(n, 7.0, np.float32))
+        K.onebit_encode_cuda(dev(x), d, h, bs, tm, residual=rd)
         got = d.copy_to_host()
         sc = slice(lay.scales_offset, lay.total)
         ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
-            want[sc].view(np.float32), got[sc].view(np.float32))
+            want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, rd.copy_to_host())
         a = make_x(n, 5)
         o = dev(a.copy())
         with np.errstate(all="ignore"):
@@ -323,15 +399,21 @@ def _child():
                     "no-name-check": (2, 4, 0, 0, 64, 100, 0, False)}
     for vname, q in variants.items():
         for ename, exp in expectations.items():
-            status = dev(np.zeros(2, np.int32))
-            dq = dev(q)
-            K.check_header_cuda(dq, status, *exp)
-            o = dev(np.zeros(100, np.float32))
-            K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)
-            st = status.copy_to_host()
             want = R.header_errors_ref(q, *exp)
-            nan_ok = bool(np.isnan(o.copy_to_host()).all()) if want else not np.isnan(o.copy_to_host()).any()
-            out[f"check-{vname}-{ename}"] = [int(st[0]) == want and int(st[1]) == want, nan_ok]
+            # standalone check kernel, then a decode that reads status[0]; and the check in the decode
+            for how in ("check", "expect"):
+                status = dev(np.zeros(2, np.int32))
+                dq = dev(q)
+                o = dev(np.zeros(100, np.float32))
+                if how == "check":
+                    K.check_header_cuda(dq, status, wire.Expect(*exp))
+                    K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)
+                else:
+                    K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status, wire.Expect(*exp))
+                st = status.copy_to_host()
+                y = o.copy_to_host()
+                nan_ok = bool(np.isnan(y).all()) if want else not np.isnan(y).any()
+                out[f"{how}-{vname}-{ename}"] = [int(st[0]) == want and int(st[1]) == want, nan_ok]
     json.dump(out, sys.stdout)
 
 
@@ -353,7 +435,8 @@ def cuda_results():
 
 CUDA_NAMES = ([f"qsgd-{_ids(*c)}{s}" for c in SIM_QSGD for s in ("", "-special")]
               + [f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}" for n, bs, tm in SIM_ONEBIT]
-              + [f"check-{v}-{e}" for v in ("good", "magic", "version", "shape", "hdr_crc", "cfg_crc")
+              + [f"{how}-{v}-{e}" for how in ("check", "expect")
+                 for v in ("good", "magic", "version", "shape", "hdr_crc", "cfg_crc")
                  for e in ("as-sent", "other-config", "no-name-check")])
 
 

@@ -218,6 +218,10 @@ class TFGpuAdapter(DeviceAdapter):
         pdev[64 + n:].copy_to_device(np.zeros(int(pdev.size) - 64 - n, np.uint8))
         return pdev
 
+    def raw_residual(self, x, payload, value_dtype, residual):
+        raise UnsupportedInputError("TensorFlow tensors are immutable: error feedback on TensorFlow GPU "
+                                    "tensors runs in the device exchange (hvd_quant/tensorflow/_device.py)")
+
     def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
         w = 2 if value_dtype == "float16" else 4
         raw = tf.reshape(payload[offset:offset + w * numel], [numel, w])

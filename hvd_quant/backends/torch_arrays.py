@@ -201,6 +201,12 @@ class TorchCudaAdapter(DeviceAdapter):
         payload[64 + w * n:].zero_()
         return self._dev(payload)
 
+    def raw_residual(self, x, payload, value_dtype, residual):
+        n = x.numel()
+        w = 2 if value_dtype == "float16" else 4
+        vals = payload[64:64 + w * n].view(_FROM_NAME[value_dtype])
+        torch.sub(_flat(x).float(), vals.float(), out=residual.view(-1))
+
     def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
         """out (+)= values; ``bad`` a 0-d bool device tensor (header check failed) -> NaN."""
         w = 2 if value_dtype == "float16" else 4

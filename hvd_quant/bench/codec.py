@@ -26,8 +26,8 @@ rate: 1.0 = memory-bound), ``torch-ops / ours`` (higher is better).
 (``--tiny-numel``, 4096 elements), many calls back to back then one synchronisation: the per-call
 host cost (Python + kernel launches), which the large-tensor GPU times do not show.
 
-On CUDA the kernels are those selected by ``HVD_QUANT_CUDA_KERNELS`` (``v3``, the default, ``v2`` or ``v1``);
-the table's heading says which.
+On CUDA each configuration takes the kernel path ``numba_kernels.cuda.kernel_path`` selects (``warp``
+or ``block``, the general path); the table's heading says which for the benchmarked bucket size.
 """
 import argparse
 import json
@@ -268,10 +268,10 @@ def run_device(args, device, threads=None):
     return rows
 
 
-def kernels_impl():
-    """The CUDA kernel implementation the codecs use ('v3', 'v2' or 'v1', from HVD_QUANT_CUDA_KERNELS)."""
+def kernel_paths(bucket_size, numel):
+    """The CUDA kernel paths of 4-bit QSGD and 1-bit at this bucket size ('warp' or 'block')."""
     import numba_kernels.cuda as K
-    return K.impl()
+    return f"qsgd-4 {K.kernel_path(4, bucket_size, numel)}, onebit {K.kernel_path(1, bucket_size, numel)}"
 
 
 def traffic_limit(copy_ms, row):
@@ -287,7 +287,7 @@ def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
     cp = rows[0]["encdec"]
     head = f"{device}, numel={numel:,}" + (f", threads={threads}" if threads else "")
     if impl:
-        head += f", CUDA kernels {impl}"
+        head += f", CUDA kernel paths: {impl}"
     print(f"\n### {head}\n")
     cols = ["codec", "B/elem", "encode ms", "decode ms", "enc+dec ms", "enc+dec / copy",
             "enc+dec / limit", "torch-ops enc+dec ms", "torch-ops / ours", "host ms/call", "first enc s",
@@ -333,9 +333,9 @@ def main(argv=None):
     if device == "cuda":
         import torch
         import numba
-        impl = kernels_impl()
+        impl = kernel_paths(args.bucket_size, n)
         print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, numba {numba.__version__}, "
-              f"CUDA kernels {impl} (HVD_QUANT_CUDA_KERNELS)")
+              f"CUDA kernel paths: {impl}")
     out = []
     for t in ([int(t) for t in args.threads.split(",")] if (args.threads and device == "cpu") else [None]):
         rows = run_device(args, device, t)

@@ -273,6 +273,12 @@ class NumbaDeviceAdapter(DeviceAdapter):
         payload.copy_to_device(p)
         return payload
 
+    def raw_residual(self, x, payload, value_dtype, residual):
+        n = int(x.size)
+        w = np.dtype(value_dtype).itemsize
+        vals = payload[64:64 + w * n].copy_to_host().view(value_dtype).astype(np.float32)
+        residual.copy_to_device(x.copy_to_host().reshape(-1).astype(np.float32) - vals)
+
     def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
         w = np.dtype(value_dtype).itemsize
         raw = payload[offset:offset + w * numel].copy_to_host()

@@ -1,0 +1,338 @@
+"""The general CUDA kernels: any bit width, any bucket size (launched from ``numba_kernels.cuda``).
+
+Used wherever the warp kernels (``_cuda_warp``) do not apply: bit widths not dividing 32, buckets of
+fewer than 32 elements or not holding whole code words, buckets above ``FUSE_MAX`` elements
+(OneBit's default one bucket per tensor included), tensors of 2**31 elements or more.
+
+* ``block_encode`` (``make_encode((bits, red, pack, resid))``), one launch for buckets of at most
+  ``FUSE_MAX`` elements ("fused"): a block owns G whole buckets (G*bs*bits a multiple of 32, so its
+  codes are whole 32-bit words). Phase 1: warp w computes the scales of buckets w, w+NW, ... in the
+  canonical order (lane l adds elements l, l+32, ... sequentially, then the shared-memory tree
+  16..1), keeps scale and unit = scale/s in shared memory and writes the scales. Phase 2: one thread
+  per 32-bit word of codes: it quantizes the elements that touch its word (x is re-read from L1/L2)
+  and stores the word; the padding words come out zero. Block 0 also writes the header. Larger
+  buckets take ``reduce`` (one warp per bucket: the scales), then ``block_encode`` in pack-only mode
+  (``fused=False``): block ``blk`` packs the G words ``[blk*G, blk*G + G)`` (G a multiple of ``bits``:
+  every block starts on an element boundary).
+  With ``resid`` the encode also writes ``residual[i] = x[i] - d[i]`` (d: what the decode writes).
+  An element whose bits straddle two words is read by both words' threads and its residual written
+  by the thread of its last word after a block barrier, so ``residual`` may be ``x`` (in place).
+* ``block_decode`` (``make_decode((bits, kind))``): grid-stride over chunks of K*BLOCK elements: the
+  block first fills a shared table of unit = scale/s for the chunk's buckets (one IEEE division per
+  bucket, not per element), then thread t writes elements base + k*BLOCK + t (coalesced stores),
+  each read from the 32-bit code words. The header check runs in the decode (``block_bad``).
+* ``k_header`` writes a header; ``k_check`` checks one (raw payloads: fp16, none, fake).
+"""
+import numpy as np
+from numba import cuda, float32, int32, int64
+
+from ._cuda_device import (BLOCK, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH, SHARED,
+                           SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of, finite, hdr_err,
+                           max_nan, mul, onebit_scales, qsgd_code, sqrt32)
+from ._scalar import F0, FNAN, U8, UFF
+
+FUSE_MAX = 8192                     # buckets above this take reduce + pack-only
+ENC_ELEMS = 256 if SIMULATOR else 4096   # elements per block targeted by the fused encode
+MAXG = 1024                         # buckets per encode block (shared memory: 2 floats per bucket)
+PACK_WORDS = 2 * BLOCK              # about this many words per block in pack-only mode
+DEC_K = 2 if SIMULATOR else 8       # elements per thread per decode chunk
+DEC_CHUNK = DEC_K * BLOCK
+DEC_TABLE = DEC_CHUNK + 8           # units of the buckets one chunk touches (bs=1: one per element)
+M32 = np.int64(0xFFFFFFFF)
+
+
+def make_reduce(spec):
+    red, = spec
+
+    @cuda.jit
+    def reduce(x, scales, numel, bs, nb):
+        """One group of 32 threads per bucket: its scale(s), canonical order."""
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        b = np.int64(cuda.blockIdx.x) * (cuda.blockDim.x // 32) + tid // 32
+        sp = cuda.shared.array(SHARED, float32)
+        sq = cuda.shared.array(SHARED, float32)
+        sc = cuda.shared.array(SHARED, int64)
+        p = F0
+        q = F0
+        cnt = 0
+        st = b * bs
+        en = min(numel, st + bs)
+        if b < nb:
+            i = st + lane
+            while i < en:
+                p, q, cnt = add_term(red, x[i], p, q, cnt)
+                i += 32
+        sp[tid] = p
+        sq[tid] = q
+        sc[tid] = cnt
+        cuda.syncthreads()
+        stride = 16
+        while stride > 0:
+            if lane < stride:
+                if red == MAX:
+                    sp[tid] = max_nan(sp[tid], sp[tid + stride])
+                else:
+                    sp[tid] = sp[tid] + sp[tid + stride]
+                    sq[tid] = sq[tid] + sq[tid + stride]
+                    sc[tid] = sc[tid] + sc[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        if lane == 0 and b < nb:
+            p = sp[tid]
+            if red == MAX:
+                scales[b] = p
+            elif red == L2:
+                scales[b] = sqrt32(p)
+            else:
+                hi, lo = onebit_scales(red, p, sq[tid], sc[tid], en - st)
+                if red == TWO_MEAN:
+                    scales[2 * b] = hi
+                    scales[2 * b + 1] = lo
+                else:
+                    scales[b] = hi
+    return reduce
+
+
+def make_encode(spec):
+    BITS, red, pack, RESID = spec
+    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
+    SF = np.float32(max(S, 1))
+    PER = 32 // BITS + 2           # at most this many elements touch one 32-bit word
+    ONEBIT = pack == PACK_ONEBIT
+    STOCH = pack == PACK_STOCH
+
+    @cuda.jit
+    def block_encode(x, payload, words, scales, header, n, nb, bs, inv_bs, G, fused, key, residual):
+        tid = cuda.threadIdx.x
+        blk = cuda.blockIdx.x
+        nthr = cuda.blockDim.x
+        lane = tid % 32
+        warp = tid // 32
+        nw = nthr // 32
+        sp = cuda.shared.array(SHARED, float32)
+        sq = cuda.shared.array(SHARED, float32)
+        sc = cuda.shared.array(SHARED, int64)
+        ssc = cuda.shared.array(MAXG, float32)
+        sunit = cuda.shared.array(MAXG, float32)
+        rv = cuda.local.array(PER, float32)
+        ri = cuda.local.array(PER, int64)
+        b0 = np.int64(blk) * G
+        b1 = min(nb, b0 + G)
+        nbl = b1 - b0
+        if nbl < 0:
+            nbl = 0
+        if fused:
+            # phase 1: the scales of this block's buckets; every warp runs the same number of rounds
+            rounds = (nbl + nw - 1) // nw
+            for rd in range(rounds):
+                lb = rd * nw + warp
+                p = F0
+                q = F0
+                cnt = 0
+                st = (b0 + lb) * bs
+                en = min(n, st + bs)
+                if lb < nbl:
+                    i = st + lane
+                    while i < en:
+                        p, q, cnt = add_term(red, x[i], p, q, cnt)
+                        i += 32
+                sp[tid] = p
+                sq[tid] = q
+                sc[tid] = cnt
+                cuda.syncthreads()
+                stride = 16
+                while stride > 0:
+                    if lane < stride:
+                        if red == MAX:
+                            sp[tid] = max_nan(sp[tid], sp[tid + stride])
+                        else:
+                            sp[tid] = sp[tid] + sp[tid + stride]
+                            sq[tid] = sq[tid] + sq[tid + stride]
+                            sc[tid] = sc[tid] + sc[tid + stride]
+                    cuda.syncthreads()
+                    stride //= 2
+                if lane == 0 and lb < nbl:
+                    b = b0 + lb
+                    p = sp[tid]
+                    if red == MAX or red == L2:
+                        if red == L2:
+                            p = sqrt32(p)
+                        scales[b] = p
+                        ssc[lb] = p
+                        sunit[lb] = p / SF
+                    else:
+                        hi, lo = onebit_scales(red, p, sq[tid], sc[tid], en - st)
+                        if red == TWO_MEAN:
+                            scales[2 * b] = hi
+                            scales[2 * b + 1] = lo
+                        else:
+                            scales[b] = hi
+                        ssc[lb] = hi
+                        sunit[lb] = lo
+                cuda.syncthreads()     # the next round reuses sp/sq/sc; phase 2 reads ssc/sunit
+        # phase 2: 32-bit code words [w0, w1) of this block (the last block also writes the padding)
+        if fused:
+            w0 = (b0 * bs * BITS) // 32
+            if b1 >= nb:
+                w1 = np.int64(words.size)
+            else:
+                w1 = (b1 * bs * BITS) // 32
+        else:
+            # pack-only: words are assigned to blocks directly, G per block (not buckets: b0 is unused)
+            w0 = np.int64(blk) * G
+            w1 = min(np.int64(words.size), w0 + G)
+        rounds = (w1 - w0 + nthr - 1) // nthr
+        if rounds < 0:
+            rounds = 0
+        for rd in range(rounds):        # uniform over the block (RESID: a barrier per round)
+            w = w0 + rd * nthr + tid
+            nres = 0
+            if w < w1:
+                bit0 = w * 32
+                e = bit0 // BITS
+                e_end = min(n, (bit0 + 32 + BITS - 1) // BITS)
+                acc = np.int64(0)
+                if e < e_end:
+                    b = bucket_of(e, bs, inv_bs)
+                    bend = (b + 1) * bs
+                    if fused:
+                        scale = ssc[b - b0]
+                        unit = sunit[b - b0]
+                    elif ONEBIT:
+                        if red == TWO_MEAN:
+                            scale = scales[2 * b]
+                            unit = scales[2 * b + 1]
+                        else:
+                            scale = scales[b]
+                            unit = -scale
+                    else:
+                        scale = scales[b]
+                        unit = scale / SF
+                    for _ in range(PER):
+                        if e < e_end:
+                            if e >= bend:
+                                b += 1
+                                bend += bs
+                                if fused:
+                                    scale = ssc[b - b0]
+                                    unit = sunit[b - b0]
+                                elif ONEBIT:
+                                    if red == TWO_MEAN:
+                                        scale = scales[2 * b]
+                                        unit = scales[2 * b + 1]
+                                    else:
+                                        scale = scales[b]
+                                        unit = -scale
+                                else:
+                                    scale = scales[b]
+                                    unit = scale / SF
+                            xv = x[e]
+                            if ONEBIT:
+                                c = np.int64(0)
+                                d = unit               # (1-bit: scale = value of 1, unit = of 0)
+                                if xv >= F0:
+                                    c = np.int64(1)
+                                    d = scale
+                            else:
+                                c = qsgd_code(xv, scale, unit, SF, S, STOCH, key, e)
+                                d = mul(np.float32(np.int32(c - S)), unit)
+                            sh = e * BITS - bit0
+                            if sh >= 0:
+                                acc |= c << sh
+                            else:
+                                acc |= c >> (-sh)
+                            if RESID and (e + 1) * BITS <= bit0 + 32:    # its last bit is here
+                                rv[nres] = xv - d
+                                ri[nres] = e
+                                nres += 1
+                            e += 1
+                words[w] = np.uint32(acc & M32)
+            if RESID:
+                cuda.syncthreads()      # every read of x in this round comes before any write
+                for k in range(nres):
+                    residual[ri[k]] = rv[k]
+        if blk == 0 and tid < 64:
+            payload[tid] = (header[tid >> 3] >> (U8 * np.uint64(tid & 7))) & UFF
+
+    return block_encode
+
+
+def make_decode(spec):
+    BITS, kind = spec
+    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
+    SF = np.float32(max(S, 1))
+    MASK = np.int64((1 << BITS) - 1)
+
+    @cuda.jit
+    def block_decode(payload, words, scales, out, status, expect, check, check_name, n, bs, inv_bs,
+                     accumulate, nchunks):
+        tid = cuda.threadIdx.x
+        nthr = cuda.blockDim.x
+        serr = cuda.shared.array(1, int32)
+        sunit = cuda.shared.array(DEC_TABLE, float32)
+        bad = block_bad(payload, status, expect, check, check_name, serr)
+        chunk = np.int64(cuda.blockIdx.x)
+        per = np.int64(nthr) * DEC_K
+        while chunk < nchunks:
+            base = chunk * per
+            last = min(n, base + per) - 1
+            bl0 = bucket_of(base, bs, inv_bs)
+            if kind == DEC_QSGD:
+                nbl = bucket_of(last, bs, inv_bs) - bl0 + 1
+                j = tid
+                while j < nbl:
+                    sunit[j] = scales[bl0 + j] / SF
+                    j += nthr
+                cuda.syncthreads()
+            for k in range(DEC_K):
+                i = base + k * nthr + tid
+                if i < n:
+                    bitpos = i * BITS
+                    wi = bitpos >> 5
+                    sh = bitpos & 31
+                    v = np.int64(words[wi]) >> sh
+                    if sh + BITS > 32:
+                        v |= np.int64(words[wi + 1]) << (32 - sh)
+                    code = v & MASK
+                    b = bucket_of(i, bs, inv_bs)
+                    if kind == DEC_QSGD:
+                        val = mul(np.float32(np.int32(code - S)), sunit[b - bl0])
+                    elif kind == DEC_TWO_MEAN:
+                        if code:
+                            val = scales[2 * b]
+                        else:
+                            val = scales[2 * b + 1]
+                    else:
+                        val = scales[b]
+                        if not code:
+                            val = -val
+                    if bad:
+                        val = FNAN
+                    if accumulate:
+                        out[i] = out[i] + val
+                    else:
+                        out[i] = val
+            if kind == DEC_QSGD:
+                cuda.syncthreads()     # the next chunk overwrites the table
+            chunk += cuda.gridDim.x
+
+    return block_decode
+
+
+@cuda.jit
+def k_header(payload, header):
+    tid = cuda.threadIdx.x
+    if tid < 64:
+        payload[tid] = (header[tid >> 3] >> (U8 * np.uint64(tid & 7))) & UFF
+
+
+@cuda.jit
+def k_check(payload, status, expect, check_name):
+    """One thread compares the payload header with what the receiver expects: the error bits
+    (``wire.ERROR_BITS``) go to ``status[0]`` (this payload) and are ORed into ``status[1]`` (sticky)."""
+    if cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x != 0:
+        return
+    err = hdr_err(payload, expect, check_name)
+    status[0] = err
+    status[1] = status[1] | err

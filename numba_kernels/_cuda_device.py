@@ -1,0 +1,113 @@
+"""Device functions and constants shared by the CUDA kernels (``_cuda_warp``, ``_cuda_block``).
+
+Import lazily (through ``numba_kernels.cuda``): importing this imports ``numba.cuda``, and
+``NUMBA_ENABLE_CUDASIM`` must be set before that happens.
+"""
+import numba
+import numpy as np
+from numba import cuda
+
+from ._scalar import F0, FNAN, build
+
+SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+# Threads per block. 256 on hardware; the simulator runs a Python thread per CUDA thread, so smaller.
+BLOCK = 64 if SIMULATOR else 256
+SHARED = 256            # shared arrays are sized for the largest block
+
+if SIMULATOR:
+    def _fmul_impl(a, b):
+        return a * b
+else:
+    from numba.cuda import libdevice
+
+    def _fmul_impl(a, b):
+        return libdevice.fmul_rn(a, b)
+
+fmul = cuda.jit(device=True)(_fmul_impl)
+ops = build(cuda.jit(device=True), fmul)
+qsgd_code = ops.qsgd_code
+qsgd_level = ops.qsgd_level
+qsgd_round = ops.qsgd_round
+uniform24 = ops.uniform24
+draw = ops.draw
+mix64 = ops.mix64
+max_nan = ops.max_nan
+finite = ops.finite
+bucket_of = ops.bucket_of
+mul = ops.mul
+sqrt32 = ops.sqrt32
+header_errors = ops.header_errors
+
+# reductions (scales)
+MAX, L2, TWO_MEAN, MEAN_ABS = 0, 1, 2, 3
+# code kinds of an encode
+PACK_DET, PACK_STOCH, PACK_ONEBIT = 0, 1, 2
+# decode kinds
+DEC_QSGD, DEC_TWO_MEAN, DEC_MEAN_ABS = 0, 1, 2
+
+
+@cuda.jit(device=True)
+def add_term(kind, v, p, q, cnt):
+    """One element ``v`` added to a lane's running reduction of kind ``kind`` (p: max, sum of squares,
+    sum of the non-negatives or sum of |v|; q: sum of the negatives; cnt: count of the non-negatives).
+    Lanes add their elements in order: the canonical summation order (``numba_kernels.reference``)."""
+    if kind == MAX:
+        p = max_nan(p, abs(v))
+    elif kind == L2:
+        p = p + mul(v, v)
+    elif kind == TWO_MEAN:
+        if v >= F0:
+            p = p + v
+            cnt += 1
+        else:
+            q = q + v
+    else:
+        p = p + abs(v)
+    return p, q, cnt
+
+
+@cuda.jit(device=True)
+def hdr_err(payload, expect, check_name):
+    """Error bits of a payload header against ``expect`` (method, bits, mode, norm, bucket_size, numel,
+    name_hash): ``reference.header_errors_ref``."""
+    return header_errors(payload, expect[0], expect[1], expect[2], expect[3], expect[4], expect[5],
+                         expect[6], check_name)
+
+
+@cuda.jit(device=True)
+def block_bad(payload, status, expect, check, check_name, serr):
+    """Whether this block decodes a bad payload: thread 0 runs the header check (``check``; block 0
+    also stores the error bits in ``status``, as the check kernel does) or reads ``status[0]``; ``serr``
+    is a shared int32[1]. Every thread of the block must call it (it ends with a block barrier)."""
+    if cuda.threadIdx.x == 0:
+        if check:
+            err = hdr_err(payload, expect, check_name)
+            if cuda.blockIdx.x == 0:
+                status[0] = err
+                status[1] = status[1] | err
+        else:
+            err = status[0]
+        serr[0] = err
+    cuda.syncthreads()
+    return serr[0] != 0
+
+
+@cuda.jit(device=True)
+def onebit_scales(red, p, q, cnt, ln):
+    """(hi, lo): the values a 1-bit bucket decodes to for bits 1 and 0, from its lane sums (p: sum of
+    the non-negatives or of |x|, q: sum of the negatives, cnt: count of the non-negatives, ln: bucket
+    length); two_mean stores (hi, lo), mean_abs stores hi (lo = -hi)."""
+    if red == TWO_MEAN:
+        nneg = ln - cnt
+        mp = F0
+        mn = F0
+        if cnt > 0:
+            mp = p / np.float32(cnt)
+        if nneg > 0:
+            mn = q / np.float32(nneg)
+        if not (finite(mp) and finite(mn)):
+            mp = FNAN
+            mn = FNAN
+        return mp, mn
+    m = p / np.float32(ln)
+    return m, -m

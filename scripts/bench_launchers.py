@@ -1,0 +1,97 @@
+"""Launcher micro-benchmark on a GPU: host time of a prepared (and a plain) encode + decode of 4096
+floats, and device time of encode + decode on 100M floats (CUDA events) for 4-bit (warp path),
+3-bit, 5-bit and a 16384-element bucket (general path).
+
+    python3 scripts/bench_launchers.py            # this tree
+    python3 scripts/bench_launchers.py --impl v1  # an older tree with HVD_QUANT_CUDA_KERNELS paths
+"""
+import argparse
+import time
+
+import numpy as np
+from numba import cuda
+
+from numba_kernels import wire
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--impl", default=None)
+ap.add_argument("--numel", type=int, default=100_000_000)
+args = ap.parse_args()
+import numba_kernels.cuda as K  # noqa: E402
+if args.impl:
+    K.set_impl(args.impl)
+
+
+def host_us(n=4096, bits=4, bs=512, reps=2000):
+    x = cuda.to_device(np.random.default_rng(0).standard_normal(n).astype(np.float32))
+    lay = wire.layout(2, n, bits, bs)
+    p = cuda.device_array(lay.total, np.uint8)
+    o = cuda.device_array(n, np.float32)
+    h = wire.Header(2, bits, 0, 0, bs, 0, (n,)).words()
+    st = cuda.to_device(np.zeros(2, np.int32))
+    out = {}
+    if hasattr(K, "prepare_qsgd_encode"):
+        e = K.prepare_qsgd_encode(n, bits, bs, True, False)
+        d = K.prepare_qsgd_decode(n, bits, bs, False)
+        exp = wire.Expect(2, bits, 0, 0, bs, n)
+        xp, pp, op, sp = (a.__cuda_array_interface__["data"][0] for a in (x, p, o, st))
+        for _ in range(20):
+            e(xp, pp, h, 1, 0)
+            d(pp, op, 0, sp, exp)
+        cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            e(xp, pp, h, 1, 0)
+            d(pp, op, 0, sp, exp)
+        out["prepared, int pointers"] = (time.perf_counter() - t) / reps * 1e6
+        cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            e(x, p, h, 1, 0)
+            d(p, o, 0, st, exp)
+        out["prepared, device arrays"] = (time.perf_counter() - t) / reps * 1e6
+        cuda.synchronize()
+    for _ in range(20):
+        K.qsgd_encode_cuda(x, p, h, bits, bs, True, False, 1)
+        K.qsgd_decode_cuda(p, o, bits, bs, False)
+    cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        K.qsgd_encode_cuda(x, p, h, bits, bs, True, False, 1)
+        K.qsgd_decode_cuda(p, o, bits, bs, False)
+    out["plain launchers"] = (time.perf_counter() - t) / reps * 1e6
+    cuda.synchronize()
+    return out
+
+
+def device_ms(n, bits, bs, reps=10):
+    x = cuda.to_device(np.random.default_rng(0).standard_normal(n).astype(np.float32))
+    lay = wire.layout(2, n, bits, bs)
+    p = cuda.device_array(lay.total, np.uint8)
+    o = cuda.device_array(n, np.float32)
+    h = wire.Header(2, bits, 0, 0, bs, 0, (n,)).words()
+    K.qsgd_encode_cuda(x, p, h, bits, bs, True, False, 1)
+    K.qsgd_decode_cuda(p, o, bits, bs, False)
+    cuda.synchronize()
+    e0, e1, e2 = cuda.event(), cuda.event(), cuda.event()
+    best = [1e9, 1e9]
+    for _ in range(reps):
+        e0.record()
+        K.qsgd_encode_cuda(x, p, h, bits, bs, True, False, 1)
+        e1.record()
+        K.qsgd_decode_cuda(p, o, bits, bs, False)
+        e2.record()
+        e2.synchronize()
+        best[0] = min(best[0], cuda.event_elapsed_time(e0, e1))
+        best[1] = min(best[1], cuda.event_elapsed_time(e1, e2))
+    return best
+
+
+print("device:", cuda.get_current_device().name, "impl:", args.impl or "this tree")
+for k, v in host_us().items():
+    print(f"host us per encode+decode of 4096 floats ({k}): {v:.2f}")
+for bits, bs in ((4, 512), (3, 512), (5, 512), (4, 16384)):
+    enc, dec = device_ms(args.numel, bits, bs)
+    path = K.kernel_path(bits, bs, args.numel) if hasattr(K, "kernel_path") else args.impl
+    print(f"{args.numel} floats bits={bits} bs={bs} [{path}]: encode {enc:.3f} ms decode {dec:.3f} ms "
+          f"total {enc + dec:.3f} ms")
