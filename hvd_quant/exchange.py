@@ -214,9 +214,9 @@ class Exchange:
     """The reductions for one codec, one set of collectives and one array-ops table.
 
     ``memory`` (a :class:`hvd_quant.memory.Memory`, optional) turns on error feedback: the residual of
-    this rank's own quantization is kept under the exchange's name and, for SRA, the residual of the
-    requantization of the chunk this rank owns under ``<name>/server<r>of<N>`` (the "server" error feedback of
-    1-bit Adam: the requantization's error is carried to the next step too, not lost).
+    this rank's own quantization is kept under ``(Memory.WORKER, name)`` and, for SRA, the residual of
+    the requantization of the chunk this rank owns under ``(Memory.SERVER, (name, r, N))`` (the "server"
+    error feedback of 1-bit Adam: the requantization's error is carried to the next step too, not lost).
     """
 
     def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq"):
@@ -269,7 +269,7 @@ class Exchange:
             codec.reset_counters()
         mem = self.memory
         if mem is not None:
-            flat = mem.compensate(name, flat)
+            flat = mem.compensate(mem.WORKER, name, flat)
         payloads = []
         for j, (a, b) in enumerate(p.bounds):
             if b > a:
@@ -278,11 +278,11 @@ class Exchange:
             else:
                 payloads.append(None)
         if mem is not None:
-            res = mem.buffer(name, numel, flat)
+            res = mem.buffer(mem.WORKER, name, numel, flat)
             for j, (a, b) in enumerate(p.bounds):
                 if b > a:
                     codec.decode_into(payloads[j], ops.slice(res, a, b), accumulate=False)
-            mem.set(name, ops.rsub_(res, flat))
+            mem.set(mem.WORKER, name, ops.rsub_(res, flat))
         t = self.traffic
         t.numel += numel
         size = coll.size
@@ -342,14 +342,14 @@ class Exchange:
                 self._decode(p, j, ops.slice(data, j * each, (j + 1) * each), acc, True,
                              self.tag(p.header, f"c{r}", p.step))
             mem = self.memory
-            key = f"{p.name}/server{r}of{size}"     # the chunk this rank owns, for this world size
+            key = (p.name, r, size)     # the chunk this rank owns, for this world size
             if mem is not None:
-                acc = mem.compensate(key, acc)
+                acc = mem.compensate(mem.SERVER, key, acc)
             payload = codec.encode(acc, name=self.tag(p.header, f"r{r}", p.step))
             if mem is not None:
-                res = mem.buffer(key, n, acc)
+                res = mem.buffer(mem.SERVER, key, n, acc)
                 codec.decode_into(payload, res, accumulate=False)
-                mem.set(key, ops.rsub_(res, acc))
+                mem.set(mem.SERVER, key, ops.rsub_(res, acc))
         t = self.traffic
         t.payload_bytes += each
         t.sent_bytes += (size - 1) * each

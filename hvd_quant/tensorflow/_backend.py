@@ -112,15 +112,8 @@ def hvd_op(op):
 def core_op(op):
     """horovod.tensorflow op constant (or a core op name) -> core op name; Adasum & co. raise."""
     import horovod.tensorflow as hvd
-    if op is None or op == AVERAGE or (not isinstance(op, str) and op == hvd.Average):
-        return AVERAGE
-    if op == SUM or (not isinstance(op, str) and op == hvd.Sum):
-        return SUM
-    if not isinstance(op, str) and op == hvd.Adasum:
-        raise ValueError("hvd_quant: op=hvd.Adasum is not supported: Adasum combines gradients "
-                         "pairwise with dot products, which quantized payloads do not provide. "
-                         "Use op=hvd.Average or op=hvd.Sum.")
-    raise ValueError(f"hvd_quant: unsupported op {op!r}; use hvd.Average or hvd.Sum")
+    from ..plan import core_op as plan_core_op
+    return plan_core_op(op, hvd.Average, hvd.Sum, hvd.Adasum)
 
 
 _BAD = re.compile(r"[^A-Za-z0-9_.\-]")
