@@ -120,7 +120,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = self._grad_plan.buckets
         self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
         self._p_bucket = {p: k for k, ps in enumerate(self._bucket_params) for p in ps}
-        self._ready = [0] * len(self._buckets)
+        self._arrived = [0] * len(self._buckets)
         self._pending = [None] * len(self._buckets)
 
     def _connect(self):
@@ -176,9 +176,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if k is None or self._in_warmup():
             self._launch_plain(p)
             return
-        self._ready[k] += 1
+        self._arrived[k] += 1
         params = self._bucket_params[k]
-        if self._ready[k] == len(params):
+        if self._arrived[k] == len(params):
             b = self._buckets[k]
             flat = _backend.OPS.flatten([q.grad.to_dense() if q.grad.is_sparse else q.grad for q in params])
             self._pending[k] = self._exchange.start(b.name, flat, step=self._step, header=b.header)
@@ -233,7 +233,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad.copy_(out)
         self._handles.clear()
         self._launched.clear()
-        self._ready = [0] * len(self._buckets)
+        self._arrived = [0] * len(self._buckets)
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._step += 1
@@ -297,7 +297,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ours = state_dict.pop(_STATE_KEY, None)
         self._handles = {}
         self._launched = set()
-        self._ready = [0] * len(self._buckets)
+        self._arrived = [0] * len(self._buckets)
         self._pending = [None] * len(self._buckets)
         self._synchronized = False
         self._should_synchronize = True
