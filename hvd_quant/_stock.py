@@ -28,14 +28,10 @@ Frameworks. ``compress`` dispatches on the tensor's type through :data:`FRONTEND
 ``placeholder(t)``, ``restore(flat, info)``, ``as_float(t)``, ``sendable(t)`` and ``cast_back(t, info)``
 (see ``hvd_quant/torch/_backend.py``). Optionally ``stock_compress(stock_compression, tensor)``: return
 ``(tensor, ctx)`` to take over ``compress`` or None to let the generic path run; a ctx with a
-``stock_decompress(summed)`` method then finishes in ``decompress``. TensorFlow registers
-``hvd_quant.tensorflow._graph``, whose hook builds the exchange into the graph for symbolic tensors
-(with :meth:`StockCompression.session`, :meth:`~StockCompression.compressible`,
-:meth:`~StockCompression.record`, :func:`header` and :func:`uncompressed`) and hands eager tensors to
-:meth:`StockCompression.compress_on` with its eager backend.
-
-Configuration (what is compressed, the handshake summary, error feedback) is a
-:class:`hvd_quant.plan.Config`, the same as the frontends' optimizers use.
+``stock_decompress(summed)`` method then finishes in ``decompress``. TensorFlow's hook
+(``hvd_quant/tensorflow/_graph.py``) builds symbolic tensors' exchanges into the graph with the public
+methods here and hands eager ones to :meth:`StockCompression.compress_on`. The configuration is a
+:class:`hvd_quant.plan.Config`, as in the frontends' optimizers.
 """
 import importlib
 import sys
@@ -46,7 +42,7 @@ from .exchange import Exchange, Traffic, handshake_record
 from .memory import Memory
 
 __all__ = ["StockCompression", "compress", "decompress", "FRONTENDS", "register_frontend",
-           "stock_compression", "header", "uncompressed", "PASSTHROUGH"]
+           "stock_compression", "header", "uncompressed", "take_traffic", "PASSTHROUGH"]
 
 # Registration point for frameworks: top-level module of type(tensor) -> backend module path.
 FRONTENDS = {
@@ -170,11 +166,9 @@ class StockCompression:
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
                                       predivide=None)
-        self.codec = self.config.codec
-        self.reduction = reduction
-        self.min_compress_numel = self.config.min_compress_numel
-        self.compress_1d = self.config.compress_1d
-        self.error_feedback = self.config.error_feedback
+        c = self.config
+        self.codec, self.reduction, self.error_feedback = c.codec, c.reduction, c.error_feedback
+        self.min_compress_numel, self.compress_1d = c.min_compress_numel, c.compress_1d
         self._sessions = {}
         self._pending = {}      # exchange name -> Pending, all sessions
         self._steps = {}        # exchange name -> how many exchanges of that name were started
@@ -316,6 +310,15 @@ def stock_compression(codec):
         except TypeError:       # not weak-referenceable: keep it for the process's lifetime
             pass
     return sc
+
+
+def take_traffic(compression):
+    """:class:`~hvd_quant.exchange.Traffic` of ``compression`` (a StockCompression, or a codec used as
+    one) since the last call."""
+    sc = compression if isinstance(compression, StockCompression) else stock_compression(compression)
+    t = sc.traffic
+    sc.reset_traffic()
+    return t
 
 
 def compress(codec, tensor):

@@ -14,12 +14,10 @@ Two namespaces, named explicitly by every call:
   (the "server" error feedback of 1-bit Adam), keyed by ``(exchange name, rank, world size)``: the
   chunk a rank owns depends on both.
 
-The exchange (``hvd_quant/exchange.py``) calls :meth:`Memory.compensate`, :meth:`Memory.buffer` and
-:meth:`Memory.set`. Residuals are framework tensors on the gradient's device; :meth:`state_dict`
-returns copies and :meth:`load_state_dict` restores them bit-exactly, moved to the gradient's device
-on first use. The frontends checkpoint worker residuals per parameter name and server residuals per
-bucket (``hvd_quant.plan.save_residuals``). Always on for ``OneBit(error_feedback=True)``; optional
-for QSGD.
+The exchange calls :meth:`~Memory.compensate`, :meth:`~Memory.buffer` and :meth:`~Memory.set`.
+Residuals are framework tensors on the gradient's device; :meth:`~Memory.state_dict` copies them and
+:meth:`~Memory.load_state_dict` restores them bit-exactly (``hvd_quant.plan.save_residuals`` gives the
+frontends' checkpoint form). Always on for ``OneBit(error_feedback=True)``; optional for QSGD.
 """
 
 __all__ = ["Memory"]
@@ -36,9 +34,6 @@ class Memory:
     def __init__(self, ops):
         self.ops = ops
         self._residuals = {ns: {} for ns in self.NAMESPACES}
-
-    def __len__(self):
-        return sum(len(d) for d in self._residuals.values())
 
     def _ns(self, ns):
         try:

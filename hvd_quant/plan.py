@@ -1,28 +1,22 @@
 """The plan of a compressed gradient reduction, written once for every frontend (no framework here).
 
 The PyTorch optimizer, the TensorFlow reducer and the stock ``compression=`` path describe their
-gradients as :class:`Tensor` records (name, shape, floating or not) and get the rest from here:
+gradients as :class:`Tensor` records (name, shape, floating or not) and take the rest from here:
 
-1. **Configuration** (:func:`configure` -> :class:`Config`): the codec resolved from ``compression=``
-   with the framework's ``Compression`` namespace, the reduction, the size rules, error feedback (the
-   codec's wish by default) and the core op; arguments refused with the messages Horovod users know.
-   :func:`core_op` maps a framework's Horovod op constants to the core's ``AVERAGE`` / ``SUM``.
-2. **Which tensors are compressed** (:meth:`Config.compressible`): floating point, static shape, at
-   least ``min_compress_numel`` elements, not 1-D unless ``compress_1d``, and a codec that is not a
-   passthrough. The others go through Horovod's own allreduce.
-3. **Buckets** (:func:`make_plan`): explicit ``groups`` (lists of tensor indices, or a count: split
-   evenly in order), then greedy fusion (:func:`fuse`) of what is left, in **reverse** order (the order
-   backward produces gradients), into buckets of at most ``bucket_bytes`` of float32 (a larger tensor
-   is a bucket alone). A bucket's ``header`` comes from its members' names alone
-   (:func:`bucket_header`), so payload headers, seeded noise and checkpoints agree on every rank and
-   in every process; its ``name`` (the exchange's: Horovod op names, residual keys) adds the frontend's
-   prefix.
-4. **Handshake record** (:attr:`Plan.record`): the configuration summary and the layout (bucket names,
-   members, shapes; uncompressed tensors) as :func:`hvd_quant.exchange.handshake_record`: ranks whose
-   plans differ in anything raise ``ConfigMismatchError``.
-5. **Residual checkpoints** (:func:`save_residuals`, :func:`restore_residuals`): a
-   :class:`~hvd_quant.memory.Memory`'s worker residuals per tensor name (so another ``bucket_bytes``
-   still loads them) and its server residuals per ``(bucket header, rank, size)``.
+1. :func:`configure` -> :class:`Config`: the codec (``compression=`` resolved with the framework's
+   ``Compression`` namespace), the reduction, size rules, error feedback (the codec's wish by default)
+   and the core op (:func:`core_op` maps a framework's Horovod op constants); bad arguments raise.
+2. :meth:`Config.compressible`: floating point, static shape, at least ``min_compress_numel``
+   elements, not 1-D unless ``compress_1d``, a codec that is not a passthrough.
+3. :func:`make_plan`: explicit ``groups`` (lists of tensor indices, or a count: split evenly), then
+   greedy fusion (:func:`fuse`) of the rest in **reverse** order (the order backward produces them)
+   into buckets of at most ``bucket_bytes`` of float32. A bucket's ``header`` comes from its members'
+   names alone (the same on every rank and in every process: payload headers, seeded noise,
+   checkpoints); its ``name`` (the exchange's) adds the frontend's prefix. :attr:`Plan.record` is the
+   handshake record of the summary and the layout: ranks whose plans differ raise.
+4. :func:`save_residuals` / :func:`restore_residuals`: a :class:`~hvd_quant.memory.Memory`'s worker
+   residuals per tensor name (another ``bucket_bytes`` still loads them) and server residuals per
+   ``(bucket header, rank, size)``.
 """
 import math
 import zlib
@@ -36,10 +30,6 @@ from .memory import Memory
 __all__ = ["Config", "Tensor", "Bucket", "Plan", "configure", "core_op", "check_reduction",
            "check_groups", "check_backward_passes", "fuse", "split_even", "bucket_header", "digest",
            "make_plan", "save_residuals", "restore_residuals"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Arguments
 
 
 def core_op(op, average, sum_, adasum):
@@ -73,16 +63,15 @@ def check_backward_passes(passes):
 
 
 def check_groups(groups, what):
-    """``groups``: None, a positive count or a list (tuple) of lists; ``what`` names the members."""
+    """None, a positive count or a list of lists (of ``what``)."""
     if groups is not None and not (isinstance(groups, (list, tuple)) or int(groups) > 0):
         raise ValueError(f"groups should be a non-negative integer or a list of list of {what}.")
 
 
 @dataclass(frozen=True)
 class Config:
-    """What every rank must agree on. Fields set to None do not apply (the stock path has no buckets,
-    warm-up or op of its own) and are left out of :meth:`summary`; ``extra`` holds a frontend's own
-    ``(label, value)`` pairs (e.g. ``backward_passes``)."""
+    """What every rank must agree on. None: does not apply (the stock path has no buckets, warm-up or
+    op), left out of :meth:`summary`; ``extra``: a frontend's own ``(label, value)`` pairs."""
     codec: Any
     reduction: str = "sra"
     bucket_bytes: Optional[int] = 4 << 20
@@ -95,7 +84,7 @@ class Config:
     extra: tuple = ()
 
     def summary(self):
-        """One readable line (it travels in the handshake and is printed when ranks differ)."""
+        """One line; it travels in the handshake and is printed when ranks differ."""
         pairs = [(f.name, getattr(self, f.name)) for f in fields(self)[1:-1]] + list(self.extra)
         return " ".join([self.codec.spec()] + [f"{k}={v}" for k, v in pairs if v is not None])
 
@@ -119,9 +108,8 @@ class Config:
 def configure(compression, namespace=None, *, reduction="sra", bucket_bytes=4 << 20,
               min_compress_numel=1024, compress_1d=False, warmup_steps=0, error_feedback=None,
               op=AVERAGE, predivide=1.0, extra=()):
-    """A checked :class:`Config`: ``compression`` resolved with the framework's ``Compression``
-    ``namespace`` (:func:`hvd_quant.codecs.resolve_codec`), ``op`` a core op (see :func:`core_op`),
-    ``error_feedback`` None for the codec's wish."""
+    """A checked :class:`Config`; ``namespace``: the framework's ``Compression``, ``op``: a core op,
+    ``error_feedback``: None for the codec's wish."""
     check_reduction(reduction)
     if predivide is not None and predivide != 1.0 and op != AVERAGE:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -136,14 +124,9 @@ def configure(compression, namespace=None, *, reduction="sra", bucket_bytes=4 <<
                   predivide=None if predivide is None else float(predivide), extra=tuple(extra))
 
 
-# --------------------------------------------------------------------------------------------------
-# Buckets
-
-
 @dataclass(frozen=True)
 class Tensor:
-    """A gradient as the plan sees it: ``shape`` a tuple of ints (None where not static), ``floating``
-    true for dense floating-point tensors."""
+    """A gradient: ``shape`` None where not static; ``floating``: dense floating point."""
     name: str
     shape: Optional[tuple]
     floating: bool
@@ -151,8 +134,7 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Tensors exchanged as one flat float32 buffer: tensor ``k`` of the bucket is
-    ``flat[offsets[k]:offsets[k + 1]]`` reshaped to ``shapes[k]``."""
+    """Tensor ``k`` of the bucket is ``flat[offsets[k]:offsets[k + 1]]`` reshaped to ``shapes[k]``."""
     index: int
     name: str           # the exchange's name: prefix + header
     header: str         # from the members' names alone (payload headers, seeded noise, checkpoints)
@@ -173,14 +155,13 @@ class Bucket:
 @dataclass(frozen=True)
 class Plan:
     config: Config
-    tensors: tuple      # as given (None entries: absent gradients, in no bucket and not plain)
+    tensors: tuple      # as given (None: an absent gradient, neither compressed nor plain)
     buckets: tuple
     plain: tuple        # indices of the tensors sent uncompressed, in order
     record: bytes       # the handshake record of this plan
 
     @property
-    def compressed(self):
-        """Indices of the compressed tensors, in bucket order."""
+    def compressed(self):       # indices, in bucket order
         return tuple(i for b in self.buckets for i in b.members)
 
     @property
@@ -190,7 +171,7 @@ class Plan:
 
 def fuse(idxs, numels, bucket_bytes):
     """Greedy, in the given order: groups of at most ``bucket_bytes`` of float32 (a bigger tensor
-    alone); one group when ``bucket_bytes`` is 0 or None."""
+    alone); one group for 0 or None."""
     groups, current, size = [], [], 0
     limit = max(1, int(bucket_bytes) // 4) if bucket_bytes else None
     for i in idxs:
@@ -206,8 +187,7 @@ def fuse(idxs, numels, bucket_bytes):
 
 
 def split_even(items, n):
-    """``items`` in ``n`` contiguous parts whose lengths differ by at most one, longer ones first
-    (Horovod's ``split_list``, which ``num_groups`` / ``groups=<int>`` follow)."""
+    """``items`` in ``n`` contiguous parts, longer ones first (Horovod's ``split_list``)."""
     d, r = divmod(len(items), n)
     return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
 
@@ -217,8 +197,7 @@ def digest(names):
 
 
 def bucket_header(names):
-    """A bucket's header from its members' names: the name itself for one tensor, else the first and
-    last names, the count and a checksum of all of them."""
+    """One name itself; else the first and last names, the count and a checksum of all."""
     names = list(names)
     if len(names) == 1:
         return names[0]
@@ -226,10 +205,8 @@ def bucket_header(names):
 
 
 def make_plan(config, tensors, groups=None, prefix="hvdq"):
-    """Plan ``tensors`` (:class:`Tensor` records in parameter order; None for absent gradients).
-    ``groups``: None (fuse by ``bucket_bytes``), a count (split the compressed tensors evenly, in
-    order) or lists of tensor indices (each list one bucket of its compressible members; the rest
-    fused by ``bucket_bytes``)."""
+    """``tensors``: :class:`Tensor` records (None: no gradient) in parameter order. ``groups``: None,
+    a count, or lists of tensor indices (one bucket each, of their compressible members)."""
     tensors = tuple(tensors)
     comp = [i for i, t in enumerate(tensors) if t is not None and config.compressible(t.shape, t.floating)]
     is_comp = set(comp)
@@ -263,15 +240,9 @@ def make_plan(config, tensors, groups=None, prefix="hvdq"):
     return Plan(config, tensors, tuple(buckets), plain, handshake_record(summary, layout))
 
 
-# --------------------------------------------------------------------------------------------------
-# Residual checkpoints
-
-
 def save_residuals(memory, buckets, copy):
-    """``(worker, server)`` checkpoint dicts of ``memory``'s residuals for ``buckets``: worker
-    residuals ``{tensor name: residual shaped like the tensor}``, server residuals
-    ``{(bucket header, rank, size): flat residual}``. ``copy(t)`` returns an independent float32 copy
-    of a flat residual (or slice) that has a ``reshape`` method (a clone, a host array)."""
+    """``({tensor name: residual shaped like it}, {(bucket header, rank, size): flat residual})`` for
+    ``buckets``; ``copy(t)``: an independent float32 copy (with ``reshape``) of a flat residual."""
     worker, server = {}, {}
     for b in buckets:
         flat = memory.get(Memory.WORKER, b.name)
@@ -287,10 +258,8 @@ def save_residuals(memory, buckets, copy):
 
 
 def restore_residuals(memory, buckets, worker, server, join):
-    """Move what belongs to ``buckets`` out of the checkpoint dicts ``worker`` and ``server`` (as
-    :func:`save_residuals` makes them; consumed entries are removed, the rest is left) into
-    ``memory``. A bucket's worker residual is restored when every member's is there. ``join(list of
-    arrays)`` -> one flat float32 residual in the frontend's tensor type."""
+    """Move the entries of ``buckets`` out of :func:`save_residuals`'s dicts into ``memory`` (a
+    bucket's worker residual once every member's is there); ``join(arrays)``: one flat float32."""
     for b in buckets:
         if all(n in worker for n in b.names):
             flat = join([worker.pop(n) for n in b.names])

@@ -63,15 +63,9 @@ class _Trace:
     __slots__ = ("plan", "key", "names", "plain_nbytes", "plain_numel", "device")
 
 
-def _host(a):
-    """A residual as a float32 NumPy array (device arrays of the device exchange are copied)."""
-    if hasattr(a, "copy_to_host"):
-        a = a.copy_to_host()
-    return np.asarray(a, np.float32)
-
-
 def _host_copy(a):
-    return np.array(_host(a), np.float32, copy=True)
+    """A residual as a new float32 NumPy array (device arrays of the device exchange copied over)."""
+    return a.copy_to_host().astype(np.float32) if hasattr(a, "copy_to_host") else np.array(a, np.float32)
 
 
 def _join(arrays):
@@ -118,7 +112,6 @@ class GradientReducer(_Trackable):
                  process_set=None, device_dense="", device_sparse="", device_exchange=False):
         import horovod.tensorflow as hvd
         from horovod.tensorflow.compression import Compression
-        _plan.check_reduction(reduction)
         op = _backend.core_op(op)
         _plan.check_groups(groups, "tf.Variable")
         self.config = _plan.configure(

@@ -122,6 +122,21 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
     return install_reducer(tape, reducer)
 
 
+# Horovod's optimizer arguments that the wrappers pass through unchanged.
+_HOROVOD_OPTIMIZER_ARGS = ("name", "device_dense", "device_sparse", "sparse_as_dense",
+                           "backward_passes_per_step", "gradient_predivide_factor",
+                           "average_aggregated_gradients", "process_set", "scale_local_gradients")
+
+
+def _wrap_optimizer(factory, args, **extra):
+    """Horovod's optimizer wrapper ``factory`` with no compression of its own, and our reducer."""
+    kw = _reducer_args(args, args["backward_passes_per_step"])
+    opt = factory(args["optimizer"], compression=_HvdCompression.none, groups=kw["groups"],
+                  op=_backend.hvd_op(_backend.core_op(args["op"])),
+                  **{k: args[k] for k in _HOROVOD_OPTIMIZER_ARGS}, **extra)
+    return install_reducer(opt, GradientReducer(**kw))
+
+
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='', device_sparse='',
                          compression=None, sparse_as_dense=False, backward_passes_per_step=1,
                          op=hvd.Average, gradient_predivide_factor=1.0,
@@ -134,15 +149,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     ``tf.compat.v1.train.Optimizer`` or a Keras optimizer (which goes to the Keras wrapper, as in
     Horovod). Extra arguments as :func:`DistributedGradientTape`; the reducer is
     ``opt.hvd_quant_reducer`` and is tracked by the optimizer's checkpoint as ``hvd_quant``."""
-    kw = _reducer_args(locals(), backward_passes_per_step)
-    opt = hvd.DistributedOptimizer(
-        optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
-        device_sparse=device_sparse, compression=_HvdCompression.none,
-        sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
-        op=_backend.hvd_op(_backend.core_op(op)), gradient_predivide_factor=gradient_predivide_factor,
-        average_aggregated_gradients=average_aggregated_gradients, groups=kw["groups"],
-        process_set=process_set, scale_local_gradients=scale_local_gradients)
-    return install_reducer(opt, GradientReducer(**kw))
+    return _wrap_optimizer(hvd.DistributedOptimizer, locals(), use_locking=use_locking)
 
 
 def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
@@ -156,15 +163,7 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
     """``horovod.tensorflow.keras.DistributedOptimizer`` with a compressed gradient exchange
     (exported as ``hvd_quant.tensorflow.keras.DistributedOptimizer``); use it with ``model.fit``."""
     import horovod.tensorflow.keras as hvdk
-    kw = _reducer_args(locals(), backward_passes_per_step)
-    opt = hvdk.DistributedOptimizer(
-        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
-        compression=_HvdCompression.none, sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor, op=_backend.hvd_op(_backend.core_op(op)),
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients, groups=kw["groups"],
-        process_set=process_set, scale_local_gradients=scale_local_gradients)
-    return install_reducer(opt, GradientReducer(**kw))
+    return _wrap_optimizer(hvdk.DistributedOptimizer, locals())
 
 
 def bytes_sent_per_step(obj):
@@ -175,10 +174,7 @@ def bytes_sent_per_step(obj):
     try:
         t = reducer_of(obj).bytes_per_step()
     except TypeError:
-        comp = getattr(obj, "_compression", obj)
-        sc = comp if isinstance(comp, _stock.StockCompression) else _stock.stock_compression(comp)
-        t = sc.traffic
-        sc.reset_traffic()
+        t = _stock.take_traffic(getattr(obj, "_compression", obj))
     return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}
 
 
