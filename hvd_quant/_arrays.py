@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["adapter_for", "register_backend", "status_for", "zero_status", "device_statuses", "BACKENDS", "UnsupportedInputError", "HostAdapter",
+__all__ = ["adapter_for", "register_backend", "status_for", "device_statuses", "BACKENDS", "UnsupportedInputError", "HostAdapter",
            "DeviceAdapter", "FLOAT_DTYPES", "numpy_dtype", "check_float"]
 
 # top-level module of type(obj) -> adapter module (each exposes ``adapter(obj)``)
@@ -73,7 +73,6 @@ def adapter_for(obj):
 # ``Codec.check_device_errors``; the exchange's plans keep their own.
 
 _STATUS = {}            # (codec, device key) -> (adapter, status tensor, device array)
-_ZERO = {}              # device key -> (tensor, device array) of zeros: decodes checked on the host
 _status_lock = threading.Lock()
 
 
@@ -88,15 +87,6 @@ def status_for(codec, arrays, like):
                 t, dev = arrays.new_status(like)
                 entry = _STATUS[key] = (arrays, t, dev)
     return entry[1], entry[2]
-
-
-def zero_status(arrays, like):
-    """A device int32[2] of zeros on ``like``'s device (a decode whose header was checked on the host)."""
-    key = arrays.device_key(like)
-    entry = _ZERO.get(key)
-    if entry is None:
-        entry = _ZERO[key] = arrays.new_status(like)
-    return entry[1]
 
 
 def device_statuses(codec):
@@ -127,6 +117,7 @@ class HostAdapter:
     """Host memory: everything becomes a NumPy array. Subclasses convert to and from their framework."""
     device = False
     kind = "numpy"
+    views = True        # out_np gives out's own memory (TensorFlow: a temporary, then a commit)
 
     # -- inputs ------------------------------------------------------------------------------------
     def describe(self, x):
@@ -140,6 +131,14 @@ class HostAdapter:
     def input_np(self, x):
         """``x`` as a flat NumPy array of its own dtype (used by the raw fp16/none codecs)."""
         raise NotImplementedError
+
+    def numel(self, t):
+        """Element count of a flat array/tensor of this kind."""
+        n = getattr(t, "numel", None)
+        return int(n()) if callable(n) else int(np.prod(np.shape(t), dtype=np.int64))
+
+    def payload_nbytes(self, payload):
+        return self.numel(payload)
 
     # -- payloads ----------------------------------------------------------------------------------
     def payload_np(self, payload):
@@ -165,6 +164,7 @@ class DeviceAdapter:
     """Device memory: Numba device-array views of framework tensors, kernels on the framework's stream."""
     device = True
     kind = "device"
+    views = True        # out_dev gives out's own memory (TensorFlow: a temporary, then a commit)
 
     def describe(self, x):
         raise NotImplementedError
@@ -182,7 +182,12 @@ class DeviceAdapter:
         raise NotImplementedError
 
     def input_f32(self, x):
-        """(keepalive, flat float32 device array) of ``x``."""
+        """(float32 tensor holding x's values, its device handle). A device handle is what the
+        prepared kernel launches take: a device pointer (int) or a Numba device array."""
+        raise NotImplementedError
+
+    def numba(self, t):
+        """A Numba device-array view of a flat tensor (for launches through Numba's dispatcher)."""
         raise NotImplementedError
 
     def new_bytes(self, nbytes, like):

@@ -27,23 +27,27 @@ Frameworks. ``compress`` dispatches on the tensor's type through :data:`FRONTEND
 ``(Collectives, ArrayOps)`` and ``stock_adapter()`` -> an object with ``describe(t)``,
 ``placeholder(t)``, ``restore(flat, info)``, ``as_float(t)``, ``sendable(t)`` and ``cast_back(t, info)``
 (see ``hvd_quant/torch/_backend.py``). Optionally ``stock_compress(stock_compression, tensor)``: return
-``(tensor, ctx)`` to take over ``compress`` (TensorFlow does for symbolic tensors) or None to let the
-generic path run; a ctx with a ``stock_decompress(summed)`` method then finishes in ``decompress``.
+``(tensor, ctx)`` to take over ``compress`` or None to let the generic path run; a ctx with a
+``stock_decompress(summed)`` method then finishes in ``decompress``. TensorFlow's hook
+(``hvd_quant/tensorflow/_graph.py``) builds symbolic tensors' exchanges into the graph with the public
+methods here and hands eager ones to :meth:`StockCompression.compress_on`. The configuration is a
+:class:`hvd_quant.plan.Config`, as in the frontends' optimizers.
 """
 import importlib
 import sys
 import weakref
 
-from .exchange import (Exchange, Traffic, handshake_record, is_passthrough_codec, REDUCTIONS)
+from . import plan as _plan
+from .exchange import Exchange, Traffic, handshake_record
 from .memory import Memory
 
 __all__ = ["StockCompression", "compress", "decompress", "FRONTENDS", "register_frontend",
-           "stock_compression"]
+           "stock_compression", "header", "uncompressed", "take_traffic", "PASSTHROUGH"]
 
 # Registration point for frameworks: top-level module of type(tensor) -> backend module path.
 FRONTENDS = {
     "torch": "hvd_quant.torch._backend",
-    "tensorflow": "hvd_quant.tensorflow._backend",
+    "tensorflow": "hvd_quant.tensorflow._graph",
 }
 
 
@@ -75,6 +79,21 @@ class _Cast:
 
     def __init__(self, adapter, info):
         self.adapter, self.info = adapter, info
+
+
+def uncompressed(adapter, tensor, info):
+    """``(tensor Horovod allreduces, ctx)`` for a tensor sent uncompressed: itself, or a float32 copy
+    where Horovod cannot reduce its dtype (bfloat16), cast back in ``decompress``."""
+    sendable = adapter.sendable(tensor)
+    if sendable is tensor:
+        return tensor, PASSTHROUGH
+    return sendable, _Cast(adapter, info)
+
+
+def header(name, shape):
+    """The payload header of tensor ``name``: the shape goes into it (not into the collective's name,
+    which must match across ranks for a mismatch to be reported instead of stalling)."""
+    return f"{name}[{'x'.join(map(str, shape))}]"
 
 
 class _Ctx:
@@ -143,14 +162,13 @@ class StockCompression:
 
     def __init__(self, codec, reduction="sra", min_compress_numel=1024, compress_1d=False,
                  error_feedback=None):
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.codec = codec
-        self.reduction = reduction
-        self.min_compress_numel = int(min_compress_numel)
-        self.compress_1d = bool(compress_1d)
-        self.error_feedback = (bool(getattr(codec, "wants_error_feedback", False))
-                               if error_feedback is None else bool(error_feedback))
+        self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=None,
+                                      min_compress_numel=min_compress_numel, compress_1d=compress_1d,
+                                      warmup_steps=None, error_feedback=error_feedback, op=None,
+                                      predivide=None)
+        c = self.config
+        self.codec, self.reduction, self.error_feedback = c.codec, c.reduction, c.error_feedback
+        self.min_compress_numel, self.compress_1d = c.min_compress_numel, c.compress_1d
         self._sessions = {}
         self._pending = {}      # exchange name -> Pending, all sessions
         self._steps = {}        # exchange name -> how many exchanges of that name were started
@@ -159,11 +177,15 @@ class StockCompression:
 
     # -- configuration ----------------------------------------------------------------------------
     def summary(self):
-        return (f"{self.codec.spec()} reduction={self.reduction} min_compress_numel="
-                f"{self.min_compress_numel} compress_1d={self.compress_1d} "
-                f"error_feedback={self.error_feedback}")
+        return self.config.summary()
 
-    def _session(self, backend, process_set):
+    def record(self, name, shape):
+        """The handshake record of the first exchange of tensor ``name``."""
+        return handshake_record(self.summary(), (name, tuple(shape)))
+
+    def session(self, backend, process_set):
+        """The session (``.exchange``, ``.memory``, ``.ops``, ``.adapter``) of ``backend`` and
+        ``process_set``, created on first use and rebound when the process set's rank or size changed."""
         key = (backend.__name__, getattr(process_set, "process_set_id", 0))
         s = self._sessions.get(key)
         if s is None:
@@ -178,30 +200,31 @@ class StockCompression:
                 s.exchange.coll = coll
         return s
 
-    def _compressible(self, info):
-        return (info.is_float and info.numel >= self.min_compress_numel
-                and (self.compress_1d or len(info.shape) > 1)
-                and not is_passthrough_codec(self.codec))
+    def compressible(self, info):
+        """Whether a tensor ``adapter.describe`` described is compressed (:class:`hvd_quant.plan.Config`)."""
+        return self.config.compressible(info.shape, info.is_float)
 
     # -- Horovod Compressor protocol --------------------------------------------------------------
     def compress(self, tensor):
         backend = _backend_for(tensor)
-        hook = getattr(backend, "stock_compress", None)   # a frontend's graph mode (TensorFlow)
+        hook = getattr(backend, "stock_compress", None)   # a frontend's own path (TensorFlow)
         if hook is not None:
             out = hook(self, tensor)
             if out is not None:
                 return out
+        return self.compress_on(backend, tensor)
+
+    def compress_on(self, backend, tensor):
+        """``compress`` through ``backend`` (a module as in :data:`FRONTENDS`) with its hook skipped."""
         adapter = backend.stock_adapter()
         info = adapter.describe(tensor)
         name, ps = _frame_context(tensor)
-        session = self._session(backend, ps)
-        if not self._compressible(info):
-            sendable = adapter.sendable(tensor)
-            session.exchange.traffic.add_allreduce(info.numel * adapter.describe(sendable).itemsize, info.numel,
-                                                   session.exchange.coll.size)
-            if sendable is tensor:
-                return tensor, PASSTHROUGH
-            return sendable, _Cast(adapter, info)   # a dtype Horovod cannot reduce: float32 on the wire
+        session = self.session(backend, ps)
+        if not self.compressible(info):
+            out = uncompressed(adapter, tensor, info)
+            session.exchange.traffic.add_allreduce(info.numel * adapter.describe(out[0]).itemsize,
+                                                   info.numel, session.exchange.coll.size)
+            return out
         if name is None:
             if not self._pending:
                 self._anon = 0
@@ -212,14 +235,10 @@ class StockCompression:
                                f"decompress; names must be unique among tensors in flight")
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        # The shape goes into the payload headers (not the collective's name, which must match
-        # across ranks for a mismatch to be reported instead of stalling).
-        header = f"{name}[{'x'.join(map(str, info.shape))}]"
-        record = None
-        if step == 0:
-            record = handshake_record(self.summary(), (name,))
+        record = self.record(name, info.shape) if step == 0 else None
         flat = session.ops.flatten([tensor])
-        pending = session.exchange.start(name, flat, step=step, record=record, header=header)
+        pending = session.exchange.start(name, flat, step=step, record=record,
+                                         header=header(name, info.shape))
         self._pending[name] = (session, pending)
         return adapter.placeholder(tensor), _Ctx(session, pending, info, session.exchange.coll.size)
 
@@ -256,15 +275,21 @@ class StockCompression:
             s.exchange.traffic.reset()
 
     def state_dict(self):
-        """``{"residuals": {session key: {name: tensor}}, "steps": {name: count}}``."""
-        residuals = dict(self._restored)
-        residuals.update({_key_str(k): s.memory.state_dict()
-                          for k, s in self._sessions.items() if s.memory is not None})
-        return {"residuals": residuals, "steps": dict(self._steps)}
+        """``{"residuals": {session key: {name: tensor}}, "server_residuals": {session key:
+        {(name, rank, size): tensor}}, "steps": {name: count}}`` (worker and server residuals as in
+        :class:`hvd_quant.memory.Memory`)."""
+        states = dict(self._restored)
+        states.update({_key_str(k): s.memory.state_dict()
+                       for k, s in self._sessions.items() if s.memory is not None})
+        return {"residuals": {k: dict(v.get(Memory.WORKER, {})) for k, v in states.items()},
+                "server_residuals": {k: dict(v.get(Memory.SERVER, {})) for k, v in states.items()},
+                "steps": dict(self._steps)}
 
     def load_state_dict(self, state):
         self._steps = dict(state.get("steps", {}))
-        self._restored = dict(state.get("residuals", {}))
+        server = state.get("server_residuals", {})
+        self._restored = {k: {Memory.WORKER: v, Memory.SERVER: server.get(k, {})}
+                          for k, v in state.get("residuals", {}).items()}
         for k, s in self._sessions.items():
             if s.memory is not None:
                 s.memory.load_state_dict(self._restored.pop(_key_str(k), {}))
@@ -284,6 +309,15 @@ def stock_compression(codec):
         except TypeError:       # not weak-referenceable: keep it for the process's lifetime
             pass
     return sc
+
+
+def take_traffic(compression):
+    """:class:`~hvd_quant.exchange.Traffic` of ``compression`` (a StockCompression, or a codec used as
+    one) since the last call."""
+    sc = compression if isinstance(compression, StockCompression) else stock_compression(compression)
+    t = sc.traffic
+    sc.reset_traffic()
+    return t
 
 
 def compress(codec, tensor):

@@ -36,7 +36,7 @@ from numba_kernels import wire
 from numba_kernels._scalar import mix64_py
 from numba_kernels.wire import PayloadError
 
-from ._arrays import UnsupportedInputError, adapter_for, device_statuses, status_for, zero_status
+from ._arrays import UnsupportedInputError, adapter_for, device_statuses, status_for
 
 __all__ = ["Codec", "QSGD", "OneBit", "FP16", "NoCompression", "Compression", "REGISTRY", "register",
            "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
@@ -154,16 +154,21 @@ _SEED_SALT = 0x6A09E667F3BCC908
 _M64 = (1 << 64) - 1
 
 
-def noise_key(seed, k, rank, name_hash):
-    """The 64-bit key of stochastic rounding: an integer mix of (seed, k, rank, name hash).
-
-    ``k`` counts draws for the same name: a direct :meth:`Codec.encode` passes its call count for that
-    name, the exchange passes the training step (its payload names are stable across steps). The
-    kernels hash this key with the element index into one uniform per element."""
+def noise_base(seed, rank, name_hash):
+    """The part of :func:`noise_key` that stays fixed for one name on one rank (computed once)."""
     h = mix64_py((seed ^ _SEED_SALT) & _M64)
-    h = mix64_py(h ^ (k & _M64))
     h = mix64_py(h ^ (rank & _M64))
     return mix64_py(h ^ name_hash)
+
+
+def noise_key(seed, k, rank, name_hash):
+    """The 64-bit key of stochastic rounding: an integer mix of (seed, rank, name hash, k).
+
+    ``k`` counts draws for the same name: a direct :meth:`Codec.encode` passes its call count for that
+    name, the exchange passes the training step (its payload names are stable across steps, so it
+    keeps :func:`noise_base` and mixes in the step alone). The kernels hash this key with the element
+    index into one uniform per element."""
+    return mix64_py(noise_base(seed, rank, name_hash) ^ (k & _M64))
 
 
 _FRESH = random.Random(os.urandom(32))
@@ -203,6 +208,13 @@ def _prepared(codec, shape, dtype_name, name):
                          name_hash=wire.name_hash(name))
     words = header.words()              # validates rank and dims before any work
     return header.name_hash, words, codec._layout(header.numel)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_of(codec, numel):
+    """The payload layout of ``numel`` elements (``wire.layout``; memoised, layouts are never modified)."""
+    method, bits, mode, _, bs = codec._fields()
+    return wire.layout(method, numel, bits, bs, mode)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -282,8 +294,7 @@ class Codec:
         raise NotImplementedError
 
     def _layout(self, numel):
-        method, bits, mode, _, bs = self._fields()
-        return wire.layout(method, numel, bits, bs, mode)
+        return _layout_of(self, numel)
 
     def wire_nbytes(self, numel):
         """Size in bytes of the payload of a tensor of ``numel`` elements (header included)."""
@@ -358,6 +369,10 @@ class Codec:
         there, from the encode itself (error feedback without a second pass); bit-identical to
         decoding the payload and subtracting."""
         arrays = arrays or adapter_for(x)
+        if arrays.numel(x) != lay.numel or arrays.payload_nbytes(payload) != lay.total:
+            raise PayloadError(f"encode_into: x has {arrays.numel(x)} elements and the payload "
+                               f"{arrays.payload_nbytes(payload)} bytes; the layout is for {lay.numel} "
+                               f"elements in {lay.total} bytes")
         if arrays.device:
             with arrays.context(x):
                 self._encode_dev(arrays, x, payload, arrays.bytes_dev(payload), words, lay, key,
@@ -366,6 +381,65 @@ class Codec:
             self._encode_host(arrays, x, arrays.payload_np(payload), words, lay, key,
                               None if residual is None else arrays.out_np(residual)[0])
         return payload
+
+    def bind_encode(self, arrays, lay, words, like):
+        """``f(x, payload, key, residual=None)``: :meth:`encode_into` for inputs of ``lay.numel``
+        elements like ``like`` with header ``words``, everything else resolved now (the kernel's
+        prepared launch, the adapter). Sizes are the caller's promise: the exchange's plans hold them.
+        Device tensors: one device per process (Horovod's model), on the framework's current stream."""
+        launch = self._bound_kernel(arrays, lay.numel, None) if lay.numel else None
+        if launch is None:
+            return lambda x, payload, key, residual=None: self.encode_into(
+                x, payload, words, lay, key, arrays=arrays, residual=residual)
+        if arrays.device:
+            f32, pay, out_dev, stream = arrays.input_f32, arrays.bytes_dev, arrays.out_dev, arrays.stream
+
+            def encode(x, payload, key, residual=None):
+                launch(f32(x)[1], pay(payload), words, key, stream(x),
+                       None if residual is None else out_dev(residual)[0])
+        else:
+            f32, pay, out_np = arrays.input_f32, arrays.payload_np, arrays.out_np
+
+            def encode(x, payload, key, residual=None):
+                launch(f32(x), pay(payload), words, key, None,
+                       None if residual is None else out_np(residual)[0])
+        return encode
+
+    def bind_decode(self, arrays, numel, accumulate, expect, like):
+        """``f(payload, out)``: :meth:`decode_into` of payloads of ``numel`` elements checked against
+        ``expect``, resolved now as :meth:`bind_encode` does (device: the check runs in the decode
+        kernel and reports through a status word of this codec on ``like``'s device)."""
+        launch = self._bound_kernel(arrays, numel, bool(accumulate)) if numel else None
+        if launch is None:
+            return lambda payload, out: self.decode_into(payload, out, accumulate=accumulate, expect=expect,
+                                                         arrays=arrays)
+        if arrays.device:
+            _, status = status_for(self, arrays, like)
+            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
+
+            def decode(payload, out):
+                launch(pay(payload), out_dev(out)[0], stream(out), status, expect)
+        else:
+            total = self._layout(numel).total
+            payload_np, out_np = arrays.payload_np, arrays.out_np
+
+            def decode(payload, out):
+                p = payload_np(payload)
+                if p.size != total:
+                    raise PayloadError(f"payload has {p.size} bytes; {numel} elements take {total}")
+                h = _validated(self, p[:wire.HEADER_NBYTES].tobytes(), total, None)
+                if h.numel != numel or (expect.check_name and h.name_hash != expect.name_hash):
+                    raise PayloadError(f"payload holds {h.numel} elements with name hash "
+                                       f"{h.name_hash:#010x}; expected {numel} with "
+                                       f"{expect.name_hash:#010x}: it belongs to another tensor")
+                launch(p, out_np(out)[0])
+        return decode
+
+    def _bound_kernel(self, arrays, numel, accumulate):
+        """The prepared kernel launch behind :meth:`bind_encode` (``accumulate`` None) or
+        :meth:`bind_decode`, or None where the generic path serves (raw codecs, fake mode, TensorFlow
+        tensors, which are immutable)."""
+        return None
 
     def decode(self, payload, name=None, shape=None, dtype=None):
         """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
@@ -459,7 +533,7 @@ class Codec:
             if expect is not None:
                 status_t, status_dev = status_for(self, arrays, payload)
             else:
-                status_t, status_dev = None, zero_status(arrays, payload)
+                status_t = status_dev = None        # checked on the host already
             out_t, out_dev = arrays.new_f32(numel, payload)
             res = self._decode_dev(arrays, payload, pdev, out_t, out_dev, False, stream, status_t,
                                    status_dev, expect)
@@ -637,19 +711,36 @@ class QSGD(Codec):
         K.qsgd_decode_cpu(pay, out, self.bits, self.bucket_size, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        import numba_kernels.cuda as K
-        _, xdev = arrays.input_f32(x)
-        if self.mode == "fake":
-            n = xdev.size
-            tt, tdev = arrays.new_bytes(self._qlayout(n).total, x)
-            K.qsgd_encode_cuda(xdev, tdev, words, self.bits, self.bucket_size, True, self.norm == "l2",
-                               key, stream, _dev_view(arrays, residual))
-            K.qsgd_decode_cuda(tdev, pdev[64:64 + 4 * n].view(np.float32), self.bits, self.bucket_size,
-                               False, stream, zero_status(arrays, x))
-            K.write_header_cuda(pdev, words, stream)
+        xt, xdev = arrays.input_f32(x)
+        if self.mode == "fake":     # through Numba's dispatcher: an accuracy-study mode, not a hot path
+            import numba_kernels.cuda as K
+            n = lay.numel
+            tt, _ = arrays.new_bytes(self._qlayout(n).total, x)
+            tn, pn = arrays.numba(tt), arrays.numba(pt)
+            K.qsgd_encode_cuda(arrays.numba(xt), tn, words, self.bits, self.bucket_size, True,
+                               self.norm == "l2", key, stream, None if residual is None else arrays.numba(residual))
+            K.qsgd_decode_cuda(tn, pn[64:64 + 4 * n].view(np.float32), self.bits, self.bucket_size,
+                               False, stream)
+            K.write_header_cuda(pn, words, stream)
         else:
-            K.qsgd_encode_cuda(xdev, pdev, words, self.bits, self.bucket_size, self.stochastic,
-                               self.norm == "l2", key, stream, _dev_view(arrays, residual))
+            _cuda_encoder(self, lay.numel)(xdev, pdev, words, key, stream, _dev_view(arrays, residual))
+
+    def _bound_kernel(self, arrays, numel, accumulate):
+        if self.mode == "fake" or not arrays.views:
+            return None
+        if arrays.device:
+            return _cuda_encoder(self, numel) if accumulate is None else _cuda_decoder(self, numel, accumulate)
+        import numba_kernels.cpu as K
+        if accumulate is None:
+            return K.prepare_qsgd_encode(numel, self.bits, self.bucket_size, self.stochastic,
+                                         self.norm == "l2")
+        return K.prepare_qsgd_decode(numel, self.bits, self.bucket_size, accumulate)
+
+    def _cuda_prepare_encode(self, K, numel):
+        return K.prepare_qsgd_encode(numel, self.bits, self.bucket_size, self.stochastic, self.norm == "l2")
+
+    def _cuda_prepare_decode(self, K, numel, accumulate):
+        return K.prepare_qsgd_decode(numel, self.bits, self.bucket_size, accumulate)
 
     def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
                          expect):
@@ -665,9 +756,20 @@ class QSGD(Codec):
         if self.mode == "fake":
             return _raw_decode_dev(arrays, payload, pdev, out_t, "float32", accumulate, stream, status_t,
                                    status_dev, expect)
-        import numba_kernels.cuda as K
-        K.qsgd_decode_cuda(pdev, out_dev, self.bits, self.bucket_size, accumulate, stream, status_dev,
-                           expect)
+        _cuda_decoder(self, arrays.numel(out_t), accumulate)(pdev, out_dev, stream, status_dev, expect)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cuda_encoder(codec, numel):
+    """The codec's prepared CUDA encode of ``numel`` elements (built once; kernels compile on first use)."""
+    import numba_kernels.cuda as K
+    return codec._cuda_prepare_encode(K, numel)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cuda_decoder(codec, numel, accumulate):
+    import numba_kernels.cuda as K
+    return codec._cuda_prepare_decode(K, numel, bool(accumulate))
 
 
 def _dev_view(arrays, t):
@@ -681,7 +783,7 @@ def _raw_decode_dev(arrays, payload, pdev, out, value_dtype, accumulate, stream,
     bad = None
     if expect is not None:
         import numba_kernels.cuda as K
-        K.check_header_cuda(pdev, status_dev, expect, stream)
+        K.check_header_cuda(arrays.numba(payload), arrays.numba(status_t), expect, stream)
         bad = arrays.status_bad(status_t)
     return arrays.raw_decode_into(payload, 64, arrays.numel(out), value_dtype, out, accumulate, bad)
 
@@ -750,16 +852,29 @@ class OneBit(Codec):
         K.onebit_decode_cpu(pay, out, self.bucket_size or 0, self._two_mean, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        import numba_kernels.cuda as K
         _, xdev = arrays.input_f32(x)
-        K.onebit_encode_cuda(xdev, pdev, words, self.bucket_size or 0, self._two_mean, stream,
-                             _dev_view(arrays, residual))
+        _cuda_encoder(self, lay.numel)(xdev, pdev, words, 0, stream, _dev_view(arrays, residual))
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
-        import numba_kernels.cuda as K
-        K.onebit_decode_cuda(pdev, out_dev, self.bucket_size or 0, self._two_mean, accumulate, stream,
-                             status_dev, expect)
+        _cuda_decoder(self, arrays.numel(out_t), accumulate)(pdev, out_dev, stream, status_dev, expect)
+
+    def _bound_kernel(self, arrays, numel, accumulate):
+        if not arrays.views:
+            return None
+        if arrays.device:
+            return _cuda_encoder(self, numel) if accumulate is None else _cuda_decoder(self, numel, accumulate)
+        import numba_kernels.cpu as K
+        if accumulate is None:
+            enc = K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
+            return lambda x, payload, header, key, stream, residual: enc(x, payload, header, stream, residual)
+        return K.prepare_onebit_decode(numel, self.bucket_size or 0, self._two_mean, accumulate)
+
+    def _cuda_prepare_encode(self, K, numel):
+        return K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
+
+    def _cuda_prepare_decode(self, K, numel, accumulate):
+        return K.prepare_onebit_decode(numel, self.bucket_size or 0, self._two_mean, accumulate)
 
 
 # ---- raw: fp16 and none ---------------------------------------------------------------------------------
@@ -797,8 +912,8 @@ class _Raw(Codec):
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         import numba_kernels.cuda as K
-        pdev = arrays.raw_encode_into(x, self._value_dtype, pt)
-        K.write_header_cuda(pdev, words, stream)
+        arrays.raw_encode_into(x, self._value_dtype, pt)
+        K.write_header_cuda(arrays.numba(pt), words, stream)
         if residual is not None:
             arrays.raw_residual(x, pt, self._value_dtype, residual)
 

@@ -32,6 +32,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from numba_kernels._scalar import mix64_py
+
+from ._arrays import adapter_for
+from .codecs import _M64, _prepared, expectation, fresh_seed, noise_base
+
 __all__ = [
     "AVERAGE", "SUM", "REDUCTIONS", "Collectives", "ArrayOps", "Exchange", "Pending", "Traffic",
     "ConfigMismatchError", "PayloadMismatchError", "chunk_bounds", "codec_alignment",
@@ -206,15 +211,28 @@ def handshake(coll, ops, record, what, name=HANDSHAKE_NAME):
 
 class _Chunk:
     """One payload of a plan: elements [a, b) of the flat buffer, ``size`` bytes at byte ``off`` of
-    the buffer it travels in, its header words, layout, and what a receiver expects of its header."""
-    __slots__ = ("a", "b", "off", "size", "words", "lay", "nh", "expect")
+    the buffer it travels in, its header words, layout, what a receiver expects of its header, the
+    fixed part of its noise key, and its launches, bound once (``encode(x, payload, key, residual)``,
+    ``decode(payload, out)`` writing, ``accumulate(payload, out)`` adding)."""
+    __slots__ = ("a", "b", "off", "size", "words", "lay", "nh", "expect", "noise", "encode", "decode",
+                 "accumulate")
 
-    def __init__(self, codec, a, b, off, tag):
-        from .codecs import _prepared, expectation
+    def __init__(self, ex, plan, a, b, off, tag, like):
+        codec = ex.codec
         self.a, self.b, self.off = a, b, off
         self.nh, self.words, self.lay = _prepared(codec, (b - a,), "float32", tag)
         self.size = self.lay.total if b > a else 0      # an empty chunk sends nothing
         self.expect = expectation(codec, b - a, tag)
+        seed = plan.fresh if codec.seed is None else codec.seed
+        self.noise = noise_base(seed, ex.coll.rank, self.nh) if codec.stochastic else None
+        arrays = plan.arrays
+        self.encode = codec.bind_encode(arrays, self.lay, self.words, like)
+        self.decode = codec.bind_decode(arrays, b - a, False, self.expect, like)
+        self.accumulate = codec.bind_decode(arrays, b - a, True, self.expect, like)
+
+    def key(self, step):
+        """The noise key of this payload at ``step`` (``codecs.noise_key``); 0 without noise."""
+        return 0 if self.noise is None else mix64_py(self.noise ^ (step & _M64))
 
 
 class _Plan:
@@ -226,36 +244,36 @@ class _Plan:
                  "gather_nbytes", "fresh", "steps", "traffic", "buffers", "server_key")
 
     def __init__(self, ex, name, header, numel, like):
-        from .codecs import adapter_for, fresh_seed
         codec, coll = ex.codec, ex.coll
         self.coll, self.numel = coll, numel
         self.arrays = adapter_for(like)
+        self.fresh = fresh_seed()          # unseeded noise: this plan's base, mixed with the step
         bounds = ex.bounds(numel)
         r, size = coll.rank, coll.size
         if ex.reduction == "allgather":
-            self.send = [_Chunk(codec, 0, numel, 0, _tag(header, "all"))]
+            self.send = [_Chunk(ex, self, 0, numel, 0, _tag(header, "all"), like)]
             self.own = self.send[0]
             self.reduced = None
             each = self.send[0].size
-            self.gather = [_Chunk(codec, 0, numel, j * each, _tag(header, "all")) for j in range(size)]
+            self.gather = [_Chunk(ex, self, 0, numel, j * each, _tag(header, "all"), like)
+                           for j in range(size)]
         else:
             self.send, off = [], 0
             for j, (a, b) in enumerate(bounds):
-                self.send.append(_Chunk(codec, a, b, off, _tag(header, f"c{j}")))
+                self.send.append(_Chunk(ex, self, a, b, off, _tag(header, f"c{j}"), like))
                 off += self.send[-1].size
             a, b = bounds[r]
             # the payloads of chunk r that every rank sent this one, in rank order
-            self.own = _Chunk(codec, a, b, 0, _tag(header, f"c{r}"))
-            self.reduced = _Chunk(codec, 0, b - a, 0, _tag(header, f"r{r}"))   # in its own buffer
+            self.own = _Chunk(ex, self, a, b, 0, _tag(header, f"c{r}"), like)
+            self.reduced = _Chunk(ex, self, 0, b - a, 0, _tag(header, f"r{r}"), like)   # its own buffer
             self.gather, off = [], 0
             for j, (a, b) in enumerate(bounds):
-                self.gather.append(_Chunk(codec, a, b, off, _tag(header, f"r{j}")))
+                self.gather.append(_Chunk(ex, self, a, b, off, _tag(header, f"r{j}"), like))
                 off += self.gather[-1].size
         self.send_nbytes = sum(c.size for c in self.send) if ex.reduction == "sra" else self.send[0].size
         self.gather_nbytes = sum(c.size for c in self.gather)
-        self.fresh = fresh_seed()          # unseeded noise: this plan's base, mixed with the step
         self.steps = 0
-        self.server_key = f"{name}/server{r}of{size}"     # the chunk this rank owns, this world size
+        self.server_key = (name, r, size)     # the chunk this rank owns, at this world size
         t = self.traffic = Traffic()
         t.numel = numel
         t.fp32_bytes = (2.0 * (size - 1) / size) * 4 * numel
@@ -299,10 +317,10 @@ class Exchange:
 
     Each exchange name gets a plan on its first start (:class:`_Plan`: layouts, header words, noise
     base, buffers), reused every step. ``memory`` (a :class:`hvd_quant.memory.Memory`, optional)
-    turns on error feedback: the residual of this rank's own quantization is kept under the
-    exchange's name and, for SRA, the residual of the requantization of the chunk this rank owns
-    under ``<name>/server<r>of<N>`` (the "server" error feedback of 1-bit Adam: the requantization's
-    error is carried to the next step too, not lost). ``reuse_result``: :meth:`finish` returns the
+    turns on error feedback: the residual of this rank's own quantization is kept under
+    ``(Memory.WORKER, name)`` and, for SRA, the residual of the requantization of the chunk this rank
+    owns under ``(Memory.SERVER, (name, r, N))`` (the "server" error feedback of 1-bit Adam: the
+    requantization's error is carried to the next step too, not lost). ``reuse_result``: :meth:`finish` returns the
     plan's own result buffer, overwritten by the next step of the same name (for callers that copy
     the result out, where the frontend's ``ArrayOps.reusable``); otherwise a new buffer each step.
     """
@@ -347,29 +365,24 @@ class Exchange:
             plan = self._plans[key] = _Plan(self, name, header, numel, like)
         return plan
 
-    def _key(self, plan, step, nh):
-        """The noise key of one payload: (seed, step, rank, payload name); 0 for codecs without noise."""
-        codec = self.codec
-        if not codec.stochastic:
-            return 0
-        from .codecs import noise_key
-        seed = plan.fresh if codec.seed is None else codec.seed
-        return noise_key(seed, step, self.coll.rank, nh)
-
-    def _payloads(self, plan, chunks, nbytes, flat, step, name, residual_key=None):
+    def _payloads(self, plan, chunks, nbytes, flat, step, name, residual=None):
         """Encode ``flat``'s chunks into one uint8 buffer (each payload at its offset), no copies.
-        With ``residual_key`` (error feedback), the encode also writes ``flat - decode(payload)``
-        into that residual's buffer, which becomes the new residual."""
-        ops, codec, arrays, mem = self.ops, self.codec, plan.arrays, self.memory
+        With ``residual`` (error feedback: a (namespace, key) of the memory), the encode also writes
+        ``flat - decode(payload)`` into that residual's buffer, which becomes the new residual."""
+        ops, mem = self.ops, self.memory
+        numel = ops.numel(flat)
         buf = plan.buffer(name, lambda: ops.empty_bytes(nbytes, flat))
-        res = None if residual_key is None else mem.buffer(residual_key, ops.numel(flat), flat)
+        res = None if residual is None else mem.buffer(*residual, numel, flat)
         for c in chunks:
-            if c.b > c.a:
-                codec.encode_into(ops.slice(flat, c.a, c.b), ops.slice(buf, c.off, c.off + c.size),
-                                  c.words, c.lay, self._key(plan, step, c.nh), arrays=arrays,
-                                  residual=None if res is None else ops.slice(res, c.a, c.b))
+            if c.b == c.a:
+                continue
+            if c.a == 0 and c.b == numel and c.size == nbytes:      # one payload: no slicing
+                c.encode(flat, buf, c.key(step), res)
+            else:
+                c.encode(ops.slice(flat, c.a, c.b), ops.slice(buf, c.off, c.off + c.size), c.key(step),
+                         None if res is None else ops.slice(res, c.a, c.b))
         if res is not None:
-            mem.set(residual_key, res)
+            mem.set(*residual, res)
         return buf
 
     # -- phase 1 ----------------------------------------------------------------------------------
@@ -392,9 +405,9 @@ class Exchange:
             p.hs = handshake_async(coll, ops, record, f"{self.prefix}.hs.{name}")
         mem = self.memory
         if mem is not None:
-            flat = mem.compensate(name, flat)
+            flat = mem.compensate(mem.WORKER, name, flat)
         send = self._payloads(plan, plan.send, plan.send_nbytes, flat, step, "send",
-                              None if mem is None else name)
+                              None if mem is None else (mem.WORKER, name))
         self.traffic.add(plan.traffic)
         if self.reduction == "allgather":
             p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}")
@@ -407,9 +420,10 @@ class Exchange:
             hs, p.hs = p.hs, None
             check_handshake(self.coll, self.ops, p.record, self.coll.synchronize(hs), f"tensor {p.name!r}")
 
-    def _decode(self, p, src, payload, out, accumulate, expect):
+    def _decode(self, p, src, decode, payload, out):
+        """``decode(payload, out)`` (a chunk's bound decode) of the payload rank ``src`` sent."""
         try:
-            self.codec.decode_into(payload, out, accumulate=accumulate, expect=expect, arrays=p.plan.arrays)
+            decode(payload, out)
         except ValueError as e:
             raise PayloadMismatchError(
                 f"hvd_quant: the payload rank {src} sent for {p.name!r} was refused ({e}); ranks "
@@ -437,12 +451,13 @@ class Exchange:
         if n:
             acc = plan.buffer("acc", lambda: ops.empty(n, p.like))
             for j in range(coll.size):
-                self._decode(p, j, ops.slice(data, j * each, (j + 1) * each), acc, j > 0, own.expect)
+                self._decode(p, j, own.accumulate if j else own.decode, ops.slice(data, j * each, (j + 1) * each),
+                             acc)
             mem = self.memory
             if mem is not None:
-                acc = mem.compensate(plan.server_key, acc)
+                acc = mem.compensate(mem.SERVER, plan.server_key, acc)
             payload = self._payloads(plan, (red,), red.size, acc, p.step, "reduced",
-                                     None if mem is None else plan.server_key)
+                                     None if mem is None else (mem.SERVER, plan.server_key))
         else:
             payload = ops.empty_bytes(0, p.like)
         p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}")
@@ -465,11 +480,11 @@ class Exchange:
         if self.reduction == "sra":
             for j, c in enumerate(plan.gather):
                 if c.b > c.a:
-                    self._decode(p, j, ops.slice(data, c.off, c.off + c.size), ops.slice(out, c.a, c.b),
-                                 False, c.expect)
+                    self._decode(p, j, c.decode, ops.slice(data, c.off, c.off + c.size),
+                                 ops.slice(out, c.a, c.b))
         elif plan.numel:
             for j, c in enumerate(plan.gather):
-                self._decode(p, j, ops.slice(data, c.off, c.off + c.size), out, j > 0, c.expect)
+                self._decode(p, j, c.accumulate if j else c.decode, ops.slice(data, c.off, c.off + c.size), out)
         if p.name not in self._verified:
             # Device payloads are checked by a kernel that writes NaN on a bad header; read its status
             # word once per exchange name (one synchronisation, on the first step only) so that a

@@ -1,74 +1,92 @@
-"""Error-feedback memory: the quantization residual of each tensor, kept by name.
+"""Error-feedback memory: the quantization residuals of a rank, kept by namespace and key.
 
 Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SignSGD) adds back what the last
 quantization lost before quantizing again, so the error does not accumulate over steps:
 
-    1. compensated = gradient + residual[name]
+    1. compensated = gradient + residual[key]
     2. payload     = encode(compensated)
-    3. residual[name] = compensated - decode(payload)      # from this rank's own payload
+    3. residual[key] = compensated - decode(payload)      # from this rank's own payload
 
-The exchange (``hvd_quant/exchange.py``) calls :meth:`Memory.compensate`, :meth:`Memory.buffer` and
-:meth:`Memory.set`. Residuals are framework tensors on the gradient's device; :meth:`state_dict`
-returns copies (saved with the optimizer, ``hvd.elastic.TorchState`` included) and
-:meth:`load_state_dict` restores them bit-exactly, moved to the gradient's device on first use.
-Always on for ``OneBit(error_feedback=True)``; optional for QSGD.
+Two namespaces, named explicitly by every call:
+
+* :attr:`Memory.WORKER` -- a rank's own quantization residual, keyed by exchange (bucket) name;
+* :attr:`Memory.SERVER` -- with SRA, the residual of requantizing the reduced chunk this rank owns
+  (the "server" error feedback of 1-bit Adam), keyed by ``(exchange name, rank, world size)``: the
+  chunk a rank owns depends on both.
+
+The exchange calls :meth:`~Memory.compensate`, :meth:`~Memory.buffer` and :meth:`~Memory.set`.
+Residuals are framework tensors on the gradient's device; :meth:`~Memory.state_dict` copies them and
+:meth:`~Memory.load_state_dict` restores them bit-exactly (``hvd_quant.plan.save_residuals`` gives the
+frontends' checkpoint form). Always on for ``OneBit(error_feedback=True)``; optional for QSGD.
 """
 
 __all__ = ["Memory"]
 
 
 class Memory:
-    """Residuals keyed by tensor (or bucket) name. ``ops`` is the frontend's
+    """Residuals by namespace (:attr:`WORKER`, :attr:`SERVER`) and key. ``ops`` is the frontend's
     :class:`hvd_quant.exchange.ArrayOps` table."""
+
+    WORKER = "worker"
+    SERVER = "server"
+    NAMESPACES = (WORKER, SERVER)
 
     def __init__(self, ops):
         self.ops = ops
-        self._residuals = {}
+        self._residuals = {ns: {} for ns in self.NAMESPACES}
 
-    def __contains__(self, name):
-        return name in self._residuals
+    def _ns(self, ns):
+        try:
+            return self._residuals[ns]
+        except KeyError:
+            raise ValueError(f"hvd_quant: unknown residual namespace {ns!r}; use Memory.WORKER or "
+                             f"Memory.SERVER") from None
 
-    def __len__(self):
-        return len(self._residuals)
+    def names(self, ns):
+        return list(self._ns(ns))
 
-    def names(self):
-        return list(self._residuals)
+    def items(self, ns):
+        return list(self._ns(ns).items())
 
-    def get(self, name, default=None):
-        return self._residuals.get(name, default)
+    def get(self, ns, key, default=None):
+        return self._ns(ns).get(key, default)
 
-    def _fetch(self, name, numel, like):
-        res = self._residuals.get(name)
+    def _fetch(self, ns, key, numel, like):
+        res = self._ns(ns).get(key)
         if res is None:
             return None
         if self.ops.numel(res) != numel:
-            raise ValueError(f"hvd_quant: the error-feedback residual for {name!r} has "
+            raise ValueError(f"hvd_quant: the error-feedback residual for {key!r} ({ns}) has "
                              f"{self.ops.numel(res)} elements, the tensor {numel}: the model or the "
                              f"bucketing changed since it was saved")
         res = self.ops.to_like(res, like)
-        self._residuals[name] = res
+        self._residuals[ns][key] = res
         return res
 
-    def compensate(self, name, flat):
+    def compensate(self, ns, key, flat):
         """Step 1: ``flat + residual`` (in place where the framework allows; use the return value)."""
-        res = self._fetch(name, self.ops.numel(flat), flat)
+        res = self._fetch(ns, key, self.ops.numel(flat), flat)
         return flat if res is None else self.ops.add_(flat, res)
 
-    def buffer(self, name, numel, like):
+    def buffer(self, ns, key, numel, like):
         """A float32 buffer of ``numel`` elements to decode into for step 3 (the old residual, reused)."""
-        res = self._fetch(name, numel, like)
+        res = self._fetch(ns, key, numel, like)
         return self.ops.empty(numel, like) if res is None else res
 
-    def set(self, name, residual):
+    def set(self, ns, key, residual):
         """Step 3: store ``compensated - decoded``."""
-        self._residuals[name] = residual
+        self._ns(ns)[key] = residual
 
     def clear(self):
-        self._residuals.clear()
+        for d in self._residuals.values():
+            d.clear()
 
     def state_dict(self):
-        """``{name: residual copy}``; tensors, so ``torch.save`` and ``copy.deepcopy`` keep them exactly."""
-        return {k: self.ops.clone(v) for k, v in self._residuals.items()}
+        """``{Memory.WORKER: {key: copy}, Memory.SERVER: {key: copy}}``; tensors, so ``torch.save``
+        and ``copy.deepcopy`` keep them exactly."""
+        return {ns: {k: self.ops.clone(v) for k, v in d.items()} for ns, d in self._residuals.items()}
 
     def load_state_dict(self, state):
-        self._residuals = {k: self.ops.clone(v) for k, v in dict(state).items()}
+        state = dict(state)
+        self._residuals = {ns: {k: self.ops.clone(v) for k, v in dict(state.get(ns, {})).items()}
+                           for ns in self.NAMESPACES}

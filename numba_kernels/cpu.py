@@ -402,6 +402,9 @@ def _check_expect(payload, expect):
             raise wire.PayloadError(wire.describe_error_bits(err))
 
 
+_NO_RESIDUAL = np.empty(0, np.float32)     # the kernels write a residual only when told to
+
+
 class _PreparedBase:
     __slots__ = ("numel", "total", "k", "nchunks", "_serial", "_kernel")
 
@@ -433,7 +436,7 @@ class QsgdEncodeCPU(_PreparedBase):
             raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
         _check_size(payload, self.total)
         if residual is None:
-            res, has = x, False
+            res, has = _NO_RESIDUAL, False
         else:
             res, has = _flat(residual), True
             if res.size != self.numel:
@@ -479,7 +482,7 @@ class OnebitEncodeCPU(_PreparedBase):
             raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
         _check_size(payload, self.total)
         if residual is None:
-            res, has = x, False
+            res, has = _NO_RESIDUAL, False
         else:
             res, has = _flat(residual), True
             if res.size != self.numel:

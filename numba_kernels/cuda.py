@@ -107,10 +107,28 @@ def kernel_path(bits, bucket_size, numel):
 
 # ---- direct launches (hardware) -------------------------------------------------------------------------
 
-if not SIMULATOR:
-    from cuda.bindings import driver as _drv
-    _SUCCESS = _drv.CUresult.CUDA_SUCCESS
-    _INVALID_CONTEXT = _drv.CUresult.CUDA_ERROR_INVALID_CONTEXT
+_SUCCESS, _INVALID_CONTEXT = 0, 201     # CUDA_SUCCESS, CUDA_ERROR_INVALID_CONTEXT
+
+
+def _driver_launch():
+    """The driver's ``cuLaunchKernel`` through ctypes, its argument types declared once: about a
+    microsecond a call, where a binding that converts its arguments per call costs several."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:                                   # pragma: no cover - CUDA works, so the driver is there
+        raise RuntimeError("hvd_quant: the CUDA driver library (libcuda) could not be loaded")
+    fn = lib.cuLaunchKernel
+    u = ctypes.c_uint
+    fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_cu_launch = None if SIMULATOR else _driver_launch()
 
 
 def _ctype(ty):
@@ -159,13 +177,13 @@ class _Raw:
             o.value = int(v)
 
     def launch(self, grid, block, stream):
-        err, = _drv.cuLaunchKernel(self.handle, grid, 1, 1, block, 1, 1, 0, stream, self.addr, 0)
+        err = _cu_launch(self.handle, grid, 1, 1, block, 1, 1, 0, stream or None, self.addr, None)
         if err != _SUCCESS:
             if err == _INVALID_CONTEXT:         # a thread that never used CUDA: make Numba's current
                 cuda.current_context()
-                err, = _drv.cuLaunchKernel(self.handle, grid, 1, 1, block, 1, 1, 0, stream, self.addr, 0)
+                err = _cu_launch(self.handle, grid, 1, 1, block, 1, 1, 0, stream or None, self.addr, None)
             if err != _SUCCESS:
-                raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+                raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
 
 
 def _ptr(a):
@@ -517,8 +535,14 @@ def _nb_stream(stream):
     if not stream:
         return 0
     if type(stream) is int:
-        return cuda.external_stream(stream)
+        s = _EXTERNAL.get(stream)
+        if s is None:
+            s = _EXTERNAL[stream] = cuda.external_stream(stream)
+        return s
     return stream
+
+
+_EXTERNAL = {}          # raw CUstream handle -> its Numba stream object
 
 
 def qsgd_encode_cuda(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=0,

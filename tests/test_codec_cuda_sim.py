@@ -105,6 +105,9 @@ def _make_adapter():
         def bytes_dev(self, payload):
             return payload.dev
 
+        def numba(self, t):
+            return t.dev
+
         def payload_nbytes(self, payload):
             return payload.dev.size
 

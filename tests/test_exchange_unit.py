@@ -108,13 +108,15 @@ def test_sra_error_feedback_keeps_worker_and_server_residuals():
     xs = [torch.randn(1000) for _ in range(3)]
     run(world, [spec] * 3, xs, "sra", memories=mems)
     for r, mem in enumerate(mems):
-        assert sorted(mem.names()) == sorted(["t", f"t/server{r}of3"])
-        assert mem.get("t").numel() == 1000
+        assert mem.names(Memory.WORKER) == ["t"] and mem.names(Memory.SERVER) == [("t", r, 3)]
+        assert mem.get(Memory.WORKER, "t").numel() == 1000
+        a, b = chunk_bounds(1000, 3, 64)[r]
+        assert mem.get(Memory.SERVER, ("t", r, 3)).numel() == b - a
         # residual = compensated - decoded(own payload): re-derive it for the first chunk
         c = hvd_quant.from_spec(spec)
         a, b = chunk_bounds(1000, 3, 64)[0]
         dec = c.decode(c.encode(xs[r][a:b].clone(), name="x"))
-        assert torch.allclose(mem.get("t")[a:b], xs[r][a:b] - dec.reshape(-1))
+        assert torch.allclose(mem.get(Memory.WORKER, "t")[a:b], xs[r][a:b] - dec.reshape(-1))
 
 
 def test_error_feedback_sums_to_the_truth_over_steps():
@@ -175,15 +177,24 @@ def test_handshake_names_every_rank_configuration():
         check_handshake(world.coll(0), OPS, a, torch.cat([OPS.from_bytes(a), OPS.from_bytes(b)]), "t")
 
 
-def test_memory_state_roundtrip_is_exact():
+@pytest.mark.parametrize("ns,key", [pytest.param(Memory.WORKER, "w", id="worker"),
+                                    pytest.param(Memory.SERVER, ("w", 1, 2), id="server")])
+def test_memory_state_roundtrip_is_exact(ns, key):
     mem = Memory(OPS)
     x = torch.randn(100)
-    mem.set("w", x.clone())
+    mem.set(ns, key, x.clone())
     state = mem.state_dict()
     mem2 = Memory(OPS)
     mem2.load_state_dict(state)
-    assert torch.equal(mem2.get("w"), x)
-    state["w"].add_(1)     # a copy: the memory is not aliased to the saved state
-    assert torch.equal(mem2.get("w"), x)
+    assert torch.equal(mem2.get(ns, key), x)
+    other = Memory.SERVER if ns == Memory.WORKER else Memory.WORKER
+    assert mem2.names(other) == [] and mem2.get(other, key) is None     # namespaces are apart
+    state[ns][key].add_(1)     # a copy: the memory is not aliased to the saved state
+    assert torch.equal(mem2.get(ns, key), x)
     with pytest.raises(ValueError, match="elements"):
-        mem2.compensate("w", torch.zeros(99))
+        mem2.compensate(ns, key, torch.zeros(99))
+
+
+def test_memory_refuses_unknown_namespace():
+    with pytest.raises(ValueError, match="namespace"):
+        Memory(OPS).get("/server", "w")

@@ -57,7 +57,7 @@ def test_resolve_codec_and_ops():
 def test_state_roundtrip_through_checkpoint(tmp_path):
     r = GradientReducer(compression=hvd_quant.OneBit(bucket_size=64))
     r.load_state_dict({"step": 5, "residuals": {"dense/kernel:0": np.arange(12, dtype=np.float32).reshape(3, 4)},
-                       "server_residuals": {"dense/kernel:0/server0of2": np.ones(8, np.float32)},
+                       "server_residuals": {("dense/kernel:0", 0, 2): np.ones(8, np.float32)},
                        "exchange_steps": {"dense/kernel:0": 5}})
     path = tf.train.Checkpoint(hvd_quant=r).save(os.path.join(tmp_path, "ck"))
     r2 = GradientReducer(compression=hvd_quant.OneBit(bucket_size=64))
@@ -65,7 +65,7 @@ def test_state_roundtrip_through_checkpoint(tmp_path):
     st = r2.state_dict()
     assert st["step"] == 5 and int(r2.step.numpy()) == 5
     assert np.array_equal(st["residuals"]["dense/kernel:0"], np.arange(12, dtype=np.float32).reshape(3, 4))
-    assert np.array_equal(st["server_residuals"]["dense/kernel:0/server0of2"], np.ones(8, np.float32))
+    assert np.array_equal(st["server_residuals"][("dense/kernel:0", 0, 2)], np.ones(8, np.float32))
     assert st["exchange_steps"] == {"dense/kernel:0": 5}
 
 

@@ -41,6 +41,7 @@ def _immutable_error(out):
 
 class TFHostAdapter(HostAdapter):
     kind = "tensorflow"
+    views = False
 
     def describe(self, x):
         return _describe(x)
@@ -126,6 +127,7 @@ class _DLPackView:
 
 class TFGpuAdapter(DeviceAdapter):
     kind = "tensorflow"
+    views = False
 
     def __init__(self):
         from numba import cuda
@@ -173,6 +175,9 @@ class TFGpuAdapter(DeviceAdapter):
 
     def bytes_dev(self, payload):
         return self._dev(payload)
+
+    def numba(self, t):
+        return self._dev(t)
 
     def payload_nbytes(self, payload):
         return int(payload.shape[0])

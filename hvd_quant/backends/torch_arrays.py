@@ -77,8 +77,11 @@ _VIEW_CACHE_MAX = 1024
 
 
 class TorchCudaAdapter(DeviceAdapter):
+    """Kernels get raw device pointers (``Tensor.data_ptr()``) and the raw handle of torch's current
+    stream: what the prepared launches of ``numba_kernels.cuda`` take, with nothing built per call.
+    :meth:`numba` gives a Numba device-array view for the few launches that go through Numba's
+    dispatcher (header write and check of the raw codecs, fake mode)."""
     kind = "torch"
-    _streams = {}
 
     def __init__(self):
         from numba import cuda
@@ -94,18 +97,12 @@ class TorchCudaAdapter(DeviceAdapter):
         return ("torch", x.device.index)
 
     def stream(self, x):
-        handle = None
         if self._raw_stream is not None:
             try:
-                handle = self._raw_stream(x.device.index)
+                return self._raw_stream(x.device.index)
             except Exception:           # pragma: no cover - private torch API changed
                 self._raw_stream = None
-        if handle is None:
-            handle = torch.cuda.current_stream(x.device).cuda_stream
-        st = self._streams.get(handle)
-        if st is None:
-            st = self._streams[handle] = self._cuda.external_stream(handle)
-        return st
+        return torch.cuda.current_stream(x.device).cuda_stream
 
     def context(self, x):
         if self._single is None:
@@ -115,6 +112,9 @@ class TorchCudaAdapter(DeviceAdapter):
         return self._cuda.gpus[x.device.index]
 
     def _dev(self, t):
+        return t.data_ptr()
+
+    def numba(self, t):
         ptr = t.data_ptr()
         key = (t.device.index, ptr, t.numel(), t.dtype)
         d = self._views.get(key)
@@ -131,7 +131,7 @@ class TorchCudaAdapter(DeviceAdapter):
 
     def input_f32(self, x):
         if x.dtype == torch.float32 and x.is_contiguous():
-            t = x                       # the cached view is 1-D whatever x's shape
+            t = x
         else:
             t = _flat(x).to(torch.float32).contiguous()
         return t, self._dev(t)
@@ -176,7 +176,7 @@ class TorchCudaAdapter(DeviceAdapter):
             raise UnsupportedInputError("decode_into needs a contiguous float32 CUDA tensor; got "
                                         f"{type(out).__name__} {getattr(out, 'dtype', '')} "
                                         f"{getattr(out, 'device', '')}")
-        return self._dev(out), None     # the cached view is 1-D, keyed by numel
+        return self._dev(out), None
 
     def read_header(self, payload):
         return payload[:64].cpu().numpy()

@@ -20,8 +20,9 @@ holds. Inside ``tf.function`` the frontend does not use this table at all: the c
 graph ops between ``tf.numpy_function`` steps of the same core (``hvd_quant/tensorflow/_graph.py``).
 
 The module also serves ``hvd_quant._stock`` (stock Horovod with an hvd_quant codec as
-``compression=``): :func:`stock_backend`, :func:`stock_adapter` for eager tensors, and
-:func:`stock_compress` which takes over for symbolic tensors (graph mode, see ``_graph.py``).
+``compression=``): :func:`stock_backend` and :func:`stock_adapter` for eager tensors (``_graph.py``,
+the module ``_stock`` dispatches TensorFlow tensors to, hands them here; it builds symbolic ones
+into the graph).
 """
 import concurrent.futures
 import re
@@ -33,7 +34,7 @@ import tensorflow as tf
 from ..exchange import AVERAGE, SUM, ArrayOps, Collectives
 
 __all__ = ["OPS", "collectives", "hvd_op", "core_op", "op_name", "stock_backend", "stock_adapter",
-           "stock_compress", "to_numpy"]
+           "to_numpy"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,15 +106,8 @@ def hvd_op(op):
 def core_op(op):
     """horovod.tensorflow op constant (or a core op name) -> core op name; Adasum & co. raise."""
     import horovod.tensorflow as hvd
-    if op is None or op == AVERAGE or (not isinstance(op, str) and op == hvd.Average):
-        return AVERAGE
-    if op == SUM or (not isinstance(op, str) and op == hvd.Sum):
-        return SUM
-    if not isinstance(op, str) and op == hvd.Adasum:
-        raise ValueError("hvd_quant: op=hvd.Adasum is not supported: Adasum combines gradients "
-                         "pairwise with dot products, which quantized payloads do not provide. "
-                         "Use op=hvd.Average or op=hvd.Sum.")
-    raise ValueError(f"hvd_quant: unsupported op {op!r}; use hvd.Average or hvd.Sum")
+    from ..plan import core_op as plan_core_op
+    return plan_core_op(op, hvd.Average, hvd.Sum, hvd.Adasum)
 
 
 _BAD = re.compile(r"[^A-Za-z0-9_.\-]")
@@ -299,12 +293,3 @@ _ADAPTER = _StockAdapter()
 
 def stock_adapter():
     return _ADAPTER
-
-
-def stock_compress(sc, tensor):
-    """hvd_quant._stock hook: None for eager tensors (the generic path serves them), the in-graph
-    exchange for symbolic tensors (``tf.function``, Horovod's own ``tf.function`` around gradients)."""
-    if tf.executing_eagerly() and hasattr(tensor, "numpy"):
-        return None
-    from . import _graph
-    return _graph.stock_compress_graph(sc, tensor)

@@ -241,6 +241,9 @@ class NumbaDeviceAdapter(DeviceAdapter):
     def payload_nbytes(self, payload):
         return int(payload.size)
 
+    def numba(self, t):
+        return t
+
     def numel(self, t):
         return int(t.size)
 

@@ -24,6 +24,12 @@ of a fixed-size record under ``hvdq.hs.<name>``, inside a ``tf.cond`` that later
 exchange's collectives wait for it, so ranks configured differently raise
 :class:`~hvd_quant.exchange.ConfigMismatchError` on every rank instead of stalling.
 
+Stock path. ``hvd_quant._stock`` dispatches TensorFlow tensors to this module: :func:`stock_compress`
+hands eager tensors to ``StockCompression.compress_on`` with the eager tables of ``_backend.py`` and
+builds the exchange of a symbolic one into the graph, through ``StockCompression``'s public surface
+(``session``, ``compressible``, ``record``, ``_stock.header``, ``_stock.uncompressed``). This module
+itself is the backend of those graph sessions (:func:`stock_backend`: the recording collectives).
+
 Names (stock path). Horovod passes ``name=None`` for gradients, so ``compress`` looks for, in order:
 the ``name`` given to ``hvd.allreduce``; the variable of the gradient (Horovod's
 ``allreduce_grads(grads, vars)`` frame, ``vars[i].name``); the symbolic tensor's name. All three are
@@ -41,7 +47,7 @@ from ..exchange import Collectives, check_handshake, handshake_record
 from . import _backend
 from ._backend import OPS, op_name
 
-__all__ = ["GraphExchange", "graph_collectives", "horovod_context", "stock_compress_graph",
+__all__ = ["GraphExchange", "graph_collectives", "horovod_context", "stock_compress",
            "stock_backend", "stock_adapter"]
 
 
@@ -298,7 +304,7 @@ class GraphExchange:
 
 
 def stock_backend(process_set=None):
-    """This module doubles as an hvd_quant._stock backend: (recording Collectives, ArrayOps)."""
+    """This module is the hvd_quant._stock backend of graph sessions: (recording Collectives, ArrayOps)."""
     return graph_collectives(process_set), OPS
 
 
@@ -356,7 +362,7 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def _engine(sc, process_set):
-    session = sc._session(sys.modules[__name__], process_set)
+    session = sc.session(sys.modules[__name__], process_set)
     with _ENGINES_LOCK:
         eng = _ENGINES.get(session)
         if eng is None:
@@ -379,24 +385,23 @@ class _GraphCtx:
         return out if self.info.dtype == tf.float32 else tf.cast(out, self.info.dtype)
 
 
-def stock_compress_graph(sc, tensor):
-    """StockCompression.compress for a symbolic tensor: build the exchange, return the placeholder."""
-    import horovod.tensorflow as hvd
+def stock_compress(sc, tensor):
+    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path with the eager
+    tables (``_backend.py``); for a symbolic one (``tf.function``, Horovod's own ``tf.function`` around
+    gradients) the exchange is built into the graph and the placeholder returned."""
     from .. import _stock
-    info = _backend._Info(tensor)
+    if tf.executing_eagerly() and hasattr(tensor, "numpy"):
+        return sc.compress_on(_backend, tensor)
+    import horovod.tensorflow as hvd
+    adapter = _backend.stock_adapter()
+    info = adapter.describe(tensor)
     hctx = horovod_context(tensor)
     ps = hctx.process_set if hasattr(hctx.process_set, "process_set_id") else hvd.global_process_set
-    adapter = _backend.stock_adapter()
-    if not sc._compressible(info):
-        sendable = adapter.sendable(tensor)
-        if sendable is tensor:
-            return tensor, _stock.PASSTHROUGH
-        return sendable, _stock._Cast(adapter, info)   # bfloat16: float32 on the wire
+    if not sc.compressible(info):
+        return _stock.uncompressed(adapter, tensor, info)
     eng = _engine(sc, ps)
-    base = hctx.name or hctx.variable or tensor.name
-    key = eng.unique_key(base)
-    header = f"{key}[{'x'.join(map(str, info.shape))}]"
-    ok = eng.handshake(key, handshake_record(sc.summary(), (key, info.shape)), f"tensor {key!r}")
+    key = eng.unique_key(hctx.name or hctx.variable or tensor.name)
+    ok = eng.handshake(key, sc.record(key, info.shape), f"tensor {key!r}")
     flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-    result = eng.build(key, flat, header=header, deps=[ok])
+    result = eng.build(key, flat, header=_stock.header(key, info.shape), deps=[ok])
     return adapter.placeholder(tensor), _GraphCtx(result, info, eng.exchange.coll.size)

@@ -4,7 +4,8 @@ Horovod's TensorFlow wrappers (``DistributedGradientTape``, ``DistributedOptimiz
 ``DistributedOptimizer``) all reduce gradients through one function, ``_allreduce_grads(grads, vars)``.
 hvd_quant's wrappers are Horovod's own, with that function replaced by a :class:`GradientReducer`:
 
-1. **Plan** (when tracing): gradients that are dense, floating point, of static shape, not 1-D
+1. **Plan** (when tracing, ``hvd_quant.plan``, shared with PyTorch): gradients that are dense,
+   floating point, of static shape, not 1-D
    (unless ``compress_1d``) and with at least ``min_compress_numel`` elements are fused, in reverse
    variable order (the order backward produces them), into buckets of at most ``bucket_bytes`` of
    float32 (a larger tensor is a bucket alone), or as ``groups`` says. The others (biases, norms,
@@ -24,20 +25,19 @@ Error feedback (on by default for ``OneBit``; ``error_feedback=True`` for QSGD) 
 quantization residual per bucket in the core's :class:`~hvd_quant.memory.Memory`. The reducer is a
 TensorFlow ``Trackable``: ``tf.train.Checkpoint(..., hvd_quant=reducer)`` saves, per rank, the step
 and the residuals keyed by **variable name** (``"dense/kernel:0"``; SRA's per-chunk "server"
-residuals by bucket) as one serialized string, and restores them bit-exactly, before or after the
-first step. The Keras and legacy optimizers track their reducer as the dependency ``hvd_quant``, so
+residuals by ``(bucket header, rank, size)``) as one serialized string, and restores them bit-exactly,
+before or after the first step. The Keras and legacy optimizers track their reducer as the dependency ``hvd_quant``, so
 checkpoints of the optimizer carry it.
 """
 import io
 import json
 import threading
-import zlib
 
 import numpy as np
 import tensorflow as tf
 
-from ..exchange import (AVERAGE, HANDSHAKE_NAME, REDUCTIONS, Exchange, Traffic, handshake_record,
-                        is_passthrough_codec)
+from .. import plan as _plan
+from ..exchange import HANDSHAKE_NAME, Exchange, Traffic
 from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
 from . import _backend
@@ -58,54 +58,28 @@ def resolve_codec(compression):
     return _resolve_codec(compression, Compression)
 
 
-class _Bucket:
-    __slots__ = ("name", "header", "idxs", "names", "shapes", "dtypes", "numels", "offsets", "numel")
-
-    def __init__(self, name, idxs, names, grads):
-        self.name, self.idxs = name, list(idxs)
-        self.names = [names[i] for i in idxs]
-        # Named after its variables only (module doc, "Names"): the payload headers, the keys of
-        # seeded stochastic rounding and the Horovod op names are then the same on every rank and in
-        # every process, however many reducers each one created.
-        self.header = (self.names[0] if len(self.names) == 1 else
-                       f"{self.names[0]}..{self.names[-1]}({len(self.names)},{_digest(self.names)})")
-        self.shapes = [tuple(int(d) for d in grads[i].shape) for i in idxs]
-        self.dtypes = [grads[i].dtype for i in idxs]
-        self.numels = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
-        self.offsets = [int(x) for x in np.concatenate([[0], np.cumsum(self.numels)])]
-        self.numel = self.offsets[-1]
+class _Trace:
+    """The plan of one traced signature and what the graph needs beside it."""
+    __slots__ = ("plan", "key", "names", "plain_nbytes", "plain_numel", "device")
 
 
-class _Plan:
-    __slots__ = ("key", "buckets", "comp", "plain", "names", "record", "plain_nbytes", "plain_numel",
-                 "device")
+def _host_copy(a):
+    """A residual as a new float32 NumPy array (device arrays of the device exchange copied over)."""
+    return a.copy_to_host().astype(np.float32) if hasattr(a, "copy_to_host") else np.array(a, np.float32)
 
 
-def _host(a):
-    """A residual as a float32 NumPy array (device arrays of the device exchange are copied)."""
-    if hasattr(a, "copy_to_host"):
-        a = a.copy_to_host()
-    return np.asarray(a, np.float32)
+def _join(arrays):
+    return np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in arrays])
 
 
-def _digest(names):
-    return f"{zlib.crc32(repr(list(names)).encode()) & 0xffffffff:08x}"
-
-
-def _fuse(idxs, numels, bucket_bytes):
-    """Greedy, in the given order: groups of at most bucket_bytes of float32 (a bigger tensor alone)."""
-    groups, current, size = [], [], 0
-    limit = max(1, int(bucket_bytes) // 4) if bucket_bytes else None
-    for i in idxs:
-        n = numels[i]
-        if limit is not None and current and size + n > limit:
-            groups.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += n
-    if current:
-        groups.append(current)
-    return groups
+def _describe(name, g):
+    """A gradient as the plan sees it (None stays None: no gradient)."""
+    if g is None:
+        return None
+    shape = g.shape
+    static = shape.rank is not None and shape.is_fully_defined()
+    return _plan.Tensor(name, tuple(shape.as_list()) if shape.rank is not None else None,
+                        isinstance(g, tf.Tensor) and g.dtype in _FLOATS and static)
 
 
 def _unique(names):
@@ -137,22 +111,15 @@ class GradientReducer(_Trackable):
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=None, device_dense="", device_sparse="", device_exchange=False):
         import horovod.tensorflow as hvd
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.op = _backend.core_op(op)
-        if gradient_predivide_factor != 1.0 and self.op != AVERAGE:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-        if groups is not None and not (isinstance(groups, (list, tuple)) or int(groups) > 0):
-            raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
-        self.codec = resolve_codec(compression)
-        self.reduction = reduction
-        self.bucket_bytes = int(bucket_bytes) if bucket_bytes else 0
-        self.min_compress_numel = int(min_compress_numel)
-        self.warmup_steps = int(warmup_steps)
-        self.compress_1d = bool(compress_1d)
-        self.error_feedback = (bool(getattr(self.codec, "wants_error_feedback", False))
-                               if error_feedback is None else bool(error_feedback))
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        from horovod.tensorflow.compression import Compression
+        op = _backend.core_op(op)
+        _plan.check_groups(groups, "tf.Variable")
+        self.config = _plan.configure(
+            compression, Compression, reduction=reduction, bucket_bytes=bucket_bytes,
+            min_compress_numel=min_compress_numel, compress_1d=compress_1d, warmup_steps=warmup_steps,
+            error_feedback=error_feedback, op=op, predivide=gradient_predivide_factor)
+        self.op, self.codec, self.reduction = op, self.config.codec, reduction
+        self.warmup_steps, self.error_feedback = self.config.warmup_steps, self.config.error_feedback
         self.groups = groups
         self.sparse_as_dense = bool(sparse_as_dense)
         self.process_set = hvd.global_process_set if process_set is None else process_set
@@ -165,7 +132,7 @@ class GradientReducer(_Trackable):
         self.device_memory = None
         with tf.init_scope():
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
-        self._plans = {}
+        self._traces = {}
         self._engine = None
         self._lock = threading.RLock()
         self._restored = {}            # var name -> residual, until its bucket is planned
@@ -181,10 +148,7 @@ class GradientReducer(_Trackable):
         return self._step
 
     def summary(self):
-        return (f"{self.codec.spec()} reduction={self.reduction} bucket_bytes={self.bucket_bytes} "
-                f"min_compress_numel={self.min_compress_numel} compress_1d={self.compress_1d} "
-                f"warmup_steps={self.warmup_steps} error_feedback={self.error_feedback} op={self.op} "
-                f"predivide={self.gradient_predivide_factor}")
+        return self.config.summary()
 
     def _connect(self):
         ps = self.process_set
@@ -207,72 +171,38 @@ class GradientReducer(_Trackable):
         return self._engine
 
     # -- plan -----------------------------------------------------------------------------------------
-    def _compressible(self, g):
-        if not isinstance(g, tf.Tensor) or g.dtype not in _FLOATS:
-            return False
-        shape = g.shape
-        if shape.rank is None or not shape.is_fully_defined():
-            return False
-        return ((shape.rank > 1 or self.compress_1d)
-                and int(np.prod(shape.as_list(), dtype=np.int64)) >= self.min_compress_numel
-                and not is_passthrough_codec(self.codec))
-
     @staticmethod
     def _names(grads, variables):
         return tuple(_unique([getattr(v, "name", None) or f"grad_{i}" for i, v in enumerate(variables)]
                              if variables is not None else [f"grad_{i}" for i in range(len(grads))]))
 
-    def _plan_for(self, grads, variables, names):
+    def _trace_for(self, grads, variables, names):
         sig = tuple((n, None if g is None else (type(g).__name__, g.dtype.name, str(g.shape)))
                     for n, g in zip(names, grads))
-        plan = self._plans.get(sig)
-        if plan is not None:
-            return plan
-        comp = [i for i, g in enumerate(grads) if g is not None and self._compressible(g)]
-        plain = [i for i, g in enumerate(grads) if g is not None and i not in set(comp)]
-        numels = {i: int(np.prod(grads[i].shape.as_list(), dtype=np.int64)) for i in comp}
+        trace = self._traces.get(sig)
+        if trace is not None:
+            return trace
         groups = self.groups
-        if isinstance(groups, (list, tuple)) and variables is not None:
-            index = {variables[i].ref(): i for i in comp}
-            seen, members = set(), []
-            for grp in groups:
-                m = [index[v.ref()] for v in grp if v.ref() in index]
-                seen.update(m)
-                if m:
-                    members.append(m)
-            members += _fuse([i for i in reversed(comp) if i not in seen], numels, self.bucket_bytes)
-        elif groups and not isinstance(groups, (list, tuple)):
-            from horovod.common.util import split_list
-            members = [g for g in split_list(comp, int(groups)) if g]
-        else:
-            members = _fuse(list(reversed(comp)), numels, self.bucket_bytes)
-        plan = _Plan()
-        plan.names = names
-        plan.device = self.device_exchange and any(
-            self._device_of(grads[i]) is not None for i in comp)
-        plan.buckets = []
-        for m in members:
-            b = _Bucket(None, m, names, grads)
-            b.name = f"{self._prefix}.{b.header}"
-            plan.buckets.append(b)
-        plan.comp = [i for b in plan.buckets for i in b.idxs]
-        plan.plain = plain
-        dense_plain = [i for i in plain if isinstance(grads[i], tf.Tensor) and grads[i].shape.is_fully_defined()]
-        plan.plain_numel = sum(int(np.prod(grads[i].shape.as_list(), dtype=np.int64)) for i in dense_plain)
-        plan.plain_nbytes = sum(int(np.prod(grads[i].shape.as_list(), dtype=np.int64)) *
-                                _backend.sendable_dtype(grads[i].dtype).size for i in dense_plain)
-        layout = (tuple((b.name, tuple(b.names), tuple(b.shapes)) for b in plan.buckets),
-                  tuple((names[i], str(grads[i].shape)) for i in plain))
+        if isinstance(groups, (list, tuple)):
+            index = {v.ref(): i for i, v in enumerate(variables or ())}
+            groups = [[index[v.ref()] for v in grp if v.ref() in index] for grp in groups] \
+                if variables is not None else None
+        plan = _plan.make_plan(self.config, [_describe(n, g) for n, g in zip(names, grads)], groups,
+                               prefix=self._prefix)
+        trace = _Trace()
+        trace.plan, trace.names = plan, names
+        trace.device = self.device_exchange and any(
+            self._device_of(grads[i]) is not None for i in plan.compressed)
+        dense = [(grads[i], int(np.prod(grads[i].shape.as_list(), dtype=np.int64))) for i in plan.plain
+                 if isinstance(grads[i], tf.Tensor) and grads[i].shape.is_fully_defined()]
+        trace.plain_numel = sum(n for _, n in dense)
+        trace.plain_nbytes = sum(n * _backend.sendable_dtype(g.dtype).size for g, n in dense)
         # One handshake per plan, named after every variable it reduces: ranks configured differently
         # meet in it and raise (ranks with differently named variables would not meet in Horovod anyway).
-        plan.key = f"{HANDSHAKE_NAME}.tf.{_digest(names)}"
-        plan.record = handshake_record(
-            f"{self.summary()} buckets={len(plan.buckets)} "
-            f"compressed_numel={sum(b.numel for b in plan.buckets)} grads={len(comp) + len(plain)}",
-            layout)
-        self._plans[sig] = plan
-        self._apply_restored([plan])
-        return plan
+        trace.key = f"{HANDSHAKE_NAME}.tf.{_plan.digest(names)}"
+        self._traces[sig] = trace
+        self._apply_restored([trace])
+        return trace
 
     # -- reduction ------------------------------------------------------------------------------------
     def __call__(self, grads, vars=None, use_generic_names=False):  # noqa: A002 - Horovod's signature
@@ -288,8 +218,7 @@ class GradientReducer(_Trackable):
 
     def _allreduce(self, g, name):
         import horovod.tensorflow as hvd
-        pre, post = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
-                     if self.op == AVERAGE else (1.0, 1.0))
+        pre, post = self.config.allreduce_factors()
         hop = _backend.hvd_op(self.op)
         nm = op_name(f"{self._prefix}.p.{name}")
         if isinstance(g, tf.Tensor) and _backend.sendable_dtype(g.dtype) != g.dtype:
@@ -311,19 +240,19 @@ class GradientReducer(_Trackable):
         return None if "CPU" in dev.upper() else "/GPU:0"
 
     def _compressed(self, engine, plan, grads):
-        size = engine.exchange.coll.size
+        scale = self.config.result_scale(engine.exchange.coll.size)
         out = {}
         for b in plan.buckets:
-            parts = [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in b.idxs]
+            parts = [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in b.members]
             flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
             total = engine.build(b.name, flat, header=b.header, device=self._device_of(flat))
-            if self.op == AVERAGE:
-                total = total * (1.0 / size)
-            pieces = tf.split(total, b.numels) if len(b.idxs) > 1 else [total]
-            for i, piece, shape, dtype in zip(b.idxs, pieces, b.shapes, b.dtypes):
+            if scale != 1.0:
+                total = total * scale
+            pieces = tf.split(total, list(b.numels)) if len(b.members) > 1 else [total]
+            for i, piece, shape in zip(b.members, pieces, b.shapes):
                 piece = tf.reshape(piece, shape)
-                out[i] = piece if dtype == tf.float32 else tf.cast(piece, dtype)
-        return [out[i] for i in plan.comp]
+                out[i] = piece if grads[i].dtype == tf.float32 else tf.cast(piece, grads[i].dtype)
+        return [out[i] for i in plan.compressed]
 
     def _reduce(self, grads, variables, names=None):
         grads = list(grads)
@@ -336,41 +265,42 @@ class GradientReducer(_Trackable):
             return grads
         with self._lock:
             engine = self._connect()
-            plan = self._plan_for(grads, variables, list(names))
-        ok = engine.handshake(plan.key, plan.record, "hvd_quant.tensorflow gradient reduction",
-                              name=plan.key)
+            trace = self._trace_for(grads, variables, list(names))
+        plan = trace.plan
+        ok = engine.handshake(trace.key, plan.record, "hvd_quant.tensorflow gradient reduction",
+                              name=trace.key)
         out = list(grads)
         with tf.control_dependencies([ok]):
             for i in plan.plain:
-                out[i] = self._allreduce(grads[i], plan.names[i])
-            comp_numel = sum(b.numel for b in plan.buckets)
+                out[i] = self._allreduce(grads[i], trace.names[i])
+            comp_numel = plan.compressed_numel
             comp_bytes = sum(n * _backend.sendable_dtype(grads[i].dtype).size
-                             for b in plan.buckets for i, n in zip(b.idxs, b.numels))
-            if plan.comp and self.warmup_steps > 0:
+                             for b in plan.buckets for i, n in zip(b.members, b.numels))
+            if plan.compressed and self.warmup_steps > 0:
                 warm = self._step < self.warmup_steps
                 reduced = tf.cond(
-                    warm, lambda: [self._allreduce(grads[i], plan.names[i]) for i in plan.comp],
+                    warm, lambda: [self._allreduce(grads[i], trace.names[i]) for i in plan.compressed],
                     lambda: self._compressed(engine, plan, grads))
                 extra_bytes = tf.where(warm, np.int64(comp_bytes), np.int64(0))
                 extra_numel = tf.where(warm, np.int64(comp_numel), np.int64(0))
             else:
-                reduced = self._compressed(engine, plan, grads) if plan.comp else []
+                reduced = self._compressed(engine, plan, grads) if plan.compressed else []
                 extra_bytes = extra_numel = tf.constant(0, tf.int64)
-            for i, r in zip(plan.comp, reduced):
+            for i, r in zip(plan.compressed, reduced):
                 out[i] = r
             tail = [t for t in out if isinstance(t, tf.Tensor)]
             with tf.control_dependencies(tail):
                 self._step.assign_add(1)
-                self._account_op(engine, plan, extra_bytes, extra_numel)
+                self._account_op(engine, trace, extra_bytes, extra_numel)
         return out
 
-    def _account_op(self, engine, plan, extra_bytes, extra_numel):
+    def _account_op(self, engine, trace, extra_bytes, extra_numel):
         size = engine.exchange.coll.size
 
         def account(nbytes, numel):
             with engine.lock:
                 t = engine.exchange.traffic
-                t.add_allreduce(plan.plain_nbytes + int(nbytes), plan.plain_numel + int(numel), size)
+                t.add_allreduce(trace.plain_nbytes + int(nbytes), trace.plain_numel + int(numel), size)
                 self.last_traffic = t.copy()
                 t.reset()
             return np.int64(0)
@@ -387,25 +317,19 @@ class GradientReducer(_Trackable):
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self):
         """``{"step", "codec", "reduction", "residuals": {var name: array}, "server_residuals":
-        {key: array}, "exchange_steps": {bucket: count}}`` (NumPy copies; this rank's). The exchange
-        counters key the stochastic rounding, so a restored run draws the same noise."""
+        {(bucket header, rank, size): array}, "exchange_steps": {bucket: count}}`` (NumPy copies;
+        this rank's). The exchange counters key the stochastic rounding, so a restored run draws the
+        same noise."""
         residuals, server = {}, {}
         with self._lock:
             for memory in (m for m in (self.memory, self.device_memory) if m is not None):
-                for plan in self._plans.values():
-                    for b in plan.buckets:
-                        flat = memory.get(b.name)
-                        if flat is None:
-                            continue
-                        flat = _host(flat)
-                        for k, name in enumerate(b.names):
-                            residuals[name] = flat[b.offsets[k]:b.offsets[k + 1]].reshape(b.shapes[k]).copy()
-                for key in memory.names():
-                    if "/server" in key:
-                        server[self._rel(key)] = np.array(_host(memory.get(key)), np.float32, copy=True)
+                for trace in self._traces.values():
+                    worker, own = _plan.save_residuals(memory, trace.plan.buckets, _host_copy)
+                    residuals.update(worker)
+                    server.update(own)
             residuals.update({k: v for k, v in self._restored.items() if k not in residuals})
             for k, v in self._restored_server.items():
-                server.setdefault(self._rel(k), v)
+                server.setdefault(k, v)
             steps = {self._rel(k): v for k, v in
                      (self._engine.steps if self._engine is not None else self._restored_steps).items()}
         return {"step": int(self._step.numpy()), "codec": self.codec.spec(),
@@ -413,6 +337,8 @@ class GradientReducer(_Trackable):
                 "exchange_steps": steps}
 
     def load_state_dict(self, state):
+        """Restore what :meth:`state_dict` returned. Server residuals keyed otherwise than by
+        ``(bucket header, rank, size)`` (checkpoints made before residual namespaces) are ignored."""
         with self._lock:
             self._step.assign(int(state.get("step", 0)))
             steps = {self._abs(k): int(v) for k, v in state.get("exchange_steps", {}).items()}
@@ -427,12 +353,13 @@ class GradientReducer(_Trackable):
             if self.device_memory is not None:
                 self.device_memory.clear()
             self._restored = {k: np.array(v, np.float32) for k, v in state.get("residuals", {}).items()}
-            self._restored_server = {self._abs(k): np.array(v, np.float32).reshape(-1)
-                                     for k, v in state.get("server_residuals", {}).items()}
-            self._apply_restored(self._plans.values())
+            self._restored_server = {tuple(k): np.array(v, np.float32).reshape(-1)
+                                     for k, v in state.get("server_residuals", {}).items()
+                                     if isinstance(k, tuple) and len(k) == 3}
+            self._apply_restored(self._traces.values())
 
-    # Bucket names start with this instance's prefix (``hvdq.tf<k>``); the state stores them without
-    # it, so a checkpoint restores into another instance (another process, another order).
+    # Exchange names start with this instance's prefix (``hvdq.tf``); the state stores the exchange
+    # counters without it, so a checkpoint restores into another instance (another process, another order).
     def _rel(self, key):
         p = self._prefix + "."
         return key[len(p):] if key.startswith(p) else key
@@ -440,22 +367,15 @@ class GradientReducer(_Trackable):
     def _abs(self, key):
         return f"{self._prefix}.{key}"
 
-    def _apply_restored(self, plans):
+    def _apply_restored(self, traces):
         if self.memory is None or not (self._restored or self._restored_server):
             return
-        for plan in plans:
+        for trace in traces:
             # residuals are kept on the host until the exchange fetches them (Memory moves them to
             # the gradient's device with ops.to_like); a device-exchange plan keeps them in its memory
-            memory = self.device_memory if plan.device else self.memory
-            for b in plan.buckets:
-                if all(n in self._restored for n in b.names):
-                    flat = np.concatenate([self._restored.pop(n).reshape(-1) for n in b.names])
-                    if flat.size != b.numel:
-                        raise ValueError(f"hvd_quant: restored residuals of bucket {b.name} have "
-                                         f"{flat.size} elements, the bucket {b.numel}")
-                    memory.set(b.name, flat.astype(np.float32))
-                for key in [k for k in self._restored_server if k.startswith(b.name + "/server")]:
-                    memory.set(key, self._restored_server.pop(key))
+            memory = self.device_memory if trace.device else self.memory
+            _plan.restore_residuals(memory, trace.plan.buckets, self._restored, self._restored_server,
+                                    _join)
 
     def reset_residuals(self):
         """Forget every error-feedback residual (e.g. after restoring another rank's checkpoint)."""
@@ -474,10 +394,10 @@ class GradientReducer(_Trackable):
         for k, (name, v) in enumerate(sorted(st["residuals"].items())):
             arrays[f"r{k}"] = v
             rnames.append(name)
-        for k, (name, v) in enumerate(sorted(st["server_residuals"].items())):
+        for k, (key, v) in enumerate(sorted(st["server_residuals"].items())):
             arrays[f"s{k}"] = v
-            snames.append(name)
-        meta = {"format": 1, "step": st["step"], "codec": st["codec"], "reduction": st["reduction"],
+            snames.append(list(key))
+        meta = {"format": 2, "step": st["step"], "codec": st["codec"], "reduction": st["reduction"],
                 "residuals": rnames, "server_residuals": snames, "exchange_steps": st["exchange_steps"]}
         buf = io.BytesIO()
         np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
@@ -488,7 +408,8 @@ class GradientReducer(_Trackable):
             meta = json.loads(z["meta"].tobytes().decode())
             state = {"step": meta["step"], "exchange_steps": meta.get("exchange_steps", {}),
                      "residuals": {n: z[f"r{k}"] for k, n in enumerate(meta["residuals"])},
-                     "server_residuals": {n: z[f"s{k}"] for k, n in enumerate(meta["server_residuals"])}}
+                     "server_residuals": {tuple(n): z[f"s{k}"] for k, n in enumerate(meta["server_residuals"])
+                                          if meta.get("format") == 2}}
         self.load_state_dict(state)
 
     def _serialize_to_tensors(self):

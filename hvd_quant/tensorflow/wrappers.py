@@ -10,7 +10,7 @@ import threading
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compression as _HvdCompression
 
-from ..exchange import REDUCTIONS
+from .. import plan as _plan
 from . import _backend
 from .reducer import GradientReducer, resolve_codec
 
@@ -48,28 +48,31 @@ def reducer_of(obj):
     return r
 
 
-def _groups(num_groups, groups):
-    if num_groups != 0 and groups is None:
-        groups = num_groups
-    return groups
+# GradientReducer's arguments, which every wrapper takes under the same names.
+_REDUCER_ARGS = ("compression", "op", "reduction", "bucket_bytes", "min_compress_numel", "warmup_steps",
+                 "error_feedback", "compress_1d", "gradient_predivide_factor", "groups",
+                 "sparse_as_dense", "process_set", "device_dense", "device_sparse", "device_exchange")
 
 
-def _check(reduction, backward_passes_per_step=1):
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
+def _reducer_args(args, backward_passes_per_step=1):
+    """The GradientReducer arguments among a wrapper's ``locals()``, checked; ``num_groups`` folded
+    into ``groups`` as Horovod does."""
+    _plan.check_reduction(args["reduction"])
+    _plan.check_backward_passes(backward_passes_per_step)
+    kw = {k: args[k] for k in _REDUCER_ARGS}
+    if args["num_groups"] != 0 and kw["groups"] is None:
+        kw["groups"] = args["num_groups"]
+    return kw
 
 
-def _tape_key(compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps,
-              error_feedback, compress_1d, gradient_predivide_factor, groups, sparse_as_dense,
-              process_set, device_dense, device_sparse, device_exchange=False):
-    comp = compression if isinstance(compression, str) or compression is None else id(compression)
-    if isinstance(groups, (list, tuple)):
-        groups = tuple(tuple(v.ref() for v in g) for g in groups)
-    return (comp, _backend.core_op(op), reduction, bucket_bytes, min_compress_numel, warmup_steps,
-            error_feedback, compress_1d, gradient_predivide_factor, groups, sparse_as_dense,
-            process_set.process_set_id, device_dense, device_sparse, bool(device_exchange))
+def _tape_key(kw):
+    key = dict(kw, op=_backend.core_op(kw["op"]), process_set=kw["process_set"].process_set_id,
+               device_exchange=bool(kw["device_exchange"]))
+    comp = kw["compression"]
+    key["compression"] = comp if isinstance(comp, str) or comp is None else id(comp)
+    if isinstance(kw["groups"], (list, tuple)):
+        key["groups"] = tuple(tuple(v.ref() for v in g) for g in kw["groups"])
+    return tuple(key[k] for k in _REDUCER_ARGS)
 
 
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=None,
@@ -103,43 +106,35 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
         tape = hvd_quant.tensorflow.DistributedGradientTape(tape, compression=hvd_quant.QSGD(bits=4))
         grads = tape.gradient(loss, model.trainable_variables)
     """
-    _check(reduction)
-    groups = _groups(num_groups, groups)
+    kw = _reducer_args(locals())
     tape = hvd.DistributedGradientTape(
         gradtape, device_dense=device_dense, device_sparse=device_sparse,
         compression=_HvdCompression.none, sparse_as_dense=sparse_as_dense,
         op=_backend.hvd_op(_backend.core_op(op)), gradient_predivide_factor=gradient_predivide_factor,
-        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+        groups=kw["groups"], process_set=process_set, scale_local_gradients=scale_local_gradients)
     if reducer is None:
-        key = _tape_key(compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps,
-                        error_feedback, compress_1d, gradient_predivide_factor, groups,
-                        sparse_as_dense, process_set, device_dense, device_sparse, device_exchange)
+        key = _tape_key(kw)
         with _TAPE_LOCK:
             entry = _TAPE_REDUCERS.get(key)
             if entry is None:
-                entry = _TAPE_REDUCERS[key] = (compression, GradientReducer(
-                    compression=compression, op=op, reduction=reduction, bucket_bytes=bucket_bytes,
-                    min_compress_numel=min_compress_numel, warmup_steps=warmup_steps,
-                    error_feedback=error_feedback, compress_1d=compress_1d,
-                    gradient_predivide_factor=gradient_predivide_factor, groups=groups,
-                    sparse_as_dense=sparse_as_dense, process_set=process_set,
-                    device_dense=device_dense, device_sparse=device_sparse,
-                    device_exchange=device_exchange))
+                entry = _TAPE_REDUCERS[key] = (compression, GradientReducer(**kw))
             reducer = entry[1]
     return install_reducer(tape, reducer)
 
 
-def _make_reducer(compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps,
-                  error_feedback, compress_1d, gradient_predivide_factor, groups, sparse_as_dense,
-                  process_set, device_dense, device_sparse, device_exchange=False):
-    return GradientReducer(compression=compression, op=op, reduction=reduction,
-                           bucket_bytes=bucket_bytes, min_compress_numel=min_compress_numel,
-                           warmup_steps=warmup_steps, error_feedback=error_feedback,
-                           compress_1d=compress_1d,
-                           gradient_predivide_factor=gradient_predivide_factor, groups=groups,
-                           sparse_as_dense=sparse_as_dense, process_set=process_set,
-                           device_dense=device_dense, device_sparse=device_sparse,
-                           device_exchange=device_exchange)
+# Horovod's optimizer arguments that the wrappers pass through unchanged.
+_HOROVOD_OPTIMIZER_ARGS = ("name", "device_dense", "device_sparse", "sparse_as_dense",
+                           "backward_passes_per_step", "gradient_predivide_factor",
+                           "average_aggregated_gradients", "process_set", "scale_local_gradients")
+
+
+def _wrap_optimizer(factory, args, **extra):
+    """Horovod's optimizer wrapper ``factory`` with no compression of its own, and our reducer."""
+    kw = _reducer_args(args, args["backward_passes_per_step"])
+    opt = factory(args["optimizer"], compression=_HvdCompression.none, groups=kw["groups"],
+                  op=_backend.hvd_op(_backend.core_op(args["op"])),
+                  **{k: args[k] for k in _HOROVOD_OPTIMIZER_ARGS}, **extra)
+    return install_reducer(opt, GradientReducer(**kw))
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='', device_sparse='',
@@ -154,20 +149,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     ``tf.compat.v1.train.Optimizer`` or a Keras optimizer (which goes to the Keras wrapper, as in
     Horovod). Extra arguments as :func:`DistributedGradientTape`; the reducer is
     ``opt.hvd_quant_reducer`` and is tracked by the optimizer's checkpoint as ``hvd_quant``."""
-    _check(reduction, backward_passes_per_step)
-    groups = _groups(num_groups, groups)
-    hop = _backend.hvd_op(_backend.core_op(op))
-    opt = hvd.DistributedOptimizer(
-        optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
-        device_sparse=device_sparse, compression=_HvdCompression.none,
-        sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step, op=hop,
-        gradient_predivide_factor=gradient_predivide_factor,
-        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
-        process_set=process_set, scale_local_gradients=scale_local_gradients)
-    return install_reducer(opt, _make_reducer(
-        compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps, error_feedback,
-        compress_1d, gradient_predivide_factor, groups, sparse_as_dense, process_set, device_dense,
-        device_sparse, device_exchange))
+    return _wrap_optimizer(hvd.DistributedOptimizer, locals(), use_locking=use_locking)
 
 
 def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
@@ -181,20 +163,7 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
     """``horovod.tensorflow.keras.DistributedOptimizer`` with a compressed gradient exchange
     (exported as ``hvd_quant.tensorflow.keras.DistributedOptimizer``); use it with ``model.fit``."""
     import horovod.tensorflow.keras as hvdk
-    _check(reduction, backward_passes_per_step)
-    groups = _groups(num_groups, groups)
-    hop = _backend.hvd_op(_backend.core_op(op))
-    opt = hvdk.DistributedOptimizer(
-        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
-        compression=_HvdCompression.none, sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor, op=hop,
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
-        process_set=process_set, scale_local_gradients=scale_local_gradients)
-    return install_reducer(opt, _make_reducer(
-        compression, op, reduction, bucket_bytes, min_compress_numel, warmup_steps, error_feedback,
-        compress_1d, gradient_predivide_factor, groups, sparse_as_dense, process_set, device_dense,
-        device_sparse, device_exchange))
+    return _wrap_optimizer(hvdk.DistributedOptimizer, locals())
 
 
 def bytes_sent_per_step(obj):
@@ -205,10 +174,7 @@ def bytes_sent_per_step(obj):
     try:
         t = reducer_of(obj).bytes_per_step()
     except TypeError:
-        comp = getattr(obj, "_compression", obj)
-        sc = comp if isinstance(comp, _stock.StockCompression) else _stock.stock_compression(comp)
-        t = sc.traffic
-        sc.reset_traffic()
+        t = _stock.take_traffic(getattr(obj, "_compression", obj))
     return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}
 
 

@@ -15,11 +15,7 @@ def bytes_sent_per_step(optimizer):
     rank sent, beside what an fp32 ring allreduce of the same gradients would have sent. Works for
     ``hvd_quant.torch.DistributedOptimizer`` and for stock Horovod optimizers whose ``compression=`` is
     an hvd_quant codec or :class:`hvd_quant.StockCompression` (for those: since the last call)."""
+    from .. import _stock
     t = optimizer.bytes_per_step() if hasattr(optimizer, "bytes_per_step") else None
-    if t is None:
-        from .. import _stock
-        comp = getattr(optimizer, "_compression", None)
-        sc = comp if isinstance(comp, _stock.StockCompression) else _stock.stock_compression(comp)
-        t = sc.traffic
-        sc.reset_traffic()
+    t = t if t is not None else _stock.take_traffic(getattr(optimizer, "_compression", None))
     return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}

@@ -58,15 +58,8 @@ def hvd_op(op):
 def core_op(op):
     """horovod.torch op constant (or a core op name) -> core op name; Adasum raises."""
     import horovod.torch as hvd
-    if op is None or op == hvd.Average or op == AVERAGE:
-        return AVERAGE
-    if op == hvd.Sum or op == SUM:
-        return SUM
-    if op == hvd.Adasum:
-        raise ValueError("hvd_quant: op=hvd.Adasum is not supported: Adasum combines gradients "
-                         "pairwise with dot products, which quantized payloads do not provide. "
-                         "Use op=hvd.Average or op=hvd.Sum.")
-    raise ValueError(f"hvd_quant: unsupported op {op!r}; use hvd.Average or hvd.Sum")
+    from ..plan import core_op as plan_core_op
+    return plan_core_op(op, hvd.Average, hvd.Sum, hvd.Adasum)
 
 
 def _alltoall_result(handle):

@@ -4,10 +4,11 @@ The wrapper follows ``horovod.torch.DistributedOptimizer`` (same arguments, same
 the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / ``step()`` /
 ``zero_grad()`` rules) and changes what happens to a gradient once it is ready:
 
-1. At construction the gradients are planned: tensors that are 1-D or have fewer than
-   ``min_compress_numel`` elements go through plain ``hvd.allreduce`` (Horovod fuses them itself);
-   the others are fused into buckets of at most ``bucket_bytes`` of float32, in reverse parameter
-   order (the order backward produces them), or as ``groups`` says. Every rank checks, through one
+1. At construction the gradients are planned (``hvd_quant.plan``, shared with TensorFlow): tensors
+   that are 1-D or have fewer than ``min_compress_numel`` elements go through plain ``hvd.allreduce``
+   (Horovod fuses them itself); the others are fused into buckets of at most ``bucket_bytes`` of
+   float32, in reverse parameter order (the order backward produces them), or as ``groups`` says.
+   Every rank checks, through one
    blocking allgather under a fixed name, that every rank made the same plan with the same codec:
    ranks configured differently raise :class:`hvd_quant.exchange.ConfigMismatchError` at once.
 2. A gradient hook counts the ready gradients of each bucket; when the last one arrives the bucket is
@@ -19,8 +20,9 @@ the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / `
 For the first ``warmup_steps`` steps every gradient goes through plain full-precision allreduce.
 Error-feedback residuals (always for codecs that want it, e.g. ``OneBit(error_feedback=True)``;
 ``error_feedback=True`` adds it to QSGD) are saved by ``state_dict()`` under ``"hvd_quant"``, keyed by
-parameter name, and restored by ``load_state_dict()`` -- so ``hvd.elastic.TorchState``, which saves and
-restores the optimizer's state dict, carries them.
+parameter name (SRA's "server" residuals per ``(bucket, rank, size)``), and restored by
+``load_state_dict()`` -- so ``hvd.elastic.TorchState``, which saves and restores the optimizer's state
+dict, carries them.
 """
 import itertools
 import os
@@ -30,10 +32,9 @@ from contextlib import contextmanager
 import torch
 
 import horovod.torch as hvd
-from horovod.common.util import split_list
 
-from ..exchange import (AVERAGE, Exchange, HANDSHAKE_NAME, REDUCTIONS, Traffic, handshake,
-                        handshake_record, is_passthrough_codec)
+from .. import plan as _plan
+from ..exchange import Exchange, HANDSHAKE_NAME, Traffic, handshake
 from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
 from . import _backend
@@ -51,39 +52,9 @@ def resolve_codec(compression):
     return _resolve_codec(compression, Compression)
 
 
-class _Bucket:
-    __slots__ = ("index", "name", "params", "names", "shapes", "offsets", "numel", "ready", "pending")
-
-    def __init__(self, index, name, params, names):
-        self.index, self.name, self.params, self.names = index, name, params, names
-        self.shapes = [tuple(p.shape) for p in params]
-        numels = [p.numel() for p in params]
-        self.offsets = [sum(numels[:i]) for i in range(len(numels) + 1)]
-        self.numel = self.offsets[-1]
-        self.ready = 0
-        self.pending = None
-
-
-def _fuse(params, bucket_bytes):
-    """Greedy, in the given order: groups of at most bucket_bytes of float32 (a bigger tensor alone)."""
-    groups, current, size = [], [], 0
-    limit = max(1, int(bucket_bytes) // 4) if bucket_bytes else None
-    for p in params:
-        n = p.numel()
-        if limit is not None and current and size + n > limit:
-            groups.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += n
-    if current:
-        groups.append(current)
-    return groups
-
-
 class _DistributedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, codec, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set, reduction,
-                 bucket_bytes, min_compress_numel, warmup_steps, error_feedback, compress_1d):
+    def __init__(self, params, named_parameters, config, backward_passes_per_step, groups,
+                 sparse_as_dense, process_set):
         super(self.__class__, self).__init__(params)
 
         if named_parameters is not None:
@@ -109,18 +80,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
-        self.op = op
-        self.gradient_predivide_factor = gradient_predivide_factor
+        self.config = config
+        self.op = config.op
+        self.gradient_predivide_factor = config.predivide
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        self.codec = codec
-        self.reduction = reduction
-        self.bucket_bytes = bucket_bytes
-        self.min_compress_numel = min_compress_numel
-        self.warmup_steps = warmup_steps
-        self.compress_1d = compress_1d
-        self.error_feedback = (bool(getattr(codec, "wants_error_feedback", False))
-                               if error_feedback is None else bool(error_feedback))
+        self.codec = config.codec
+        self.reduction = config.reduction
+        self.warmup_steps = config.warmup_steps
+        self.error_feedback = config.error_feedback
 
         self._prefix = f"hvdq{next(_instances)}"
         self._memory = Memory(_backend.OPS) if self.error_feedback else None
@@ -134,57 +102,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._step = 0               # completed synchronizations: warmup and the noise key
         self._traffic = Traffic()    # this step so far
         self.last_traffic = Traffic()  # the last completed step
-        self._plan(groups)
+        self._make_plan(groups)
 
         if self.process_set.included() and (hvd.size() > 1 or os.environ.get('HOROVOD_ELASTIC') == '1'):
             self._connect()
             self._register_hooks()
 
     # -- plan ---------------------------------------------------------------------------------------
-    def _compressible(self, p):
-        return (p.dim() > 1 or self.compress_1d) and p.numel() >= self.min_compress_numel \
-            and p.is_floating_point() and not is_passthrough_codec(self.codec)
-
-    def _plan(self, groups):
-        plist = [p for g in self.param_groups for p in g['params'] if p.requires_grad]
-        comp = [p for p in plist if self._compressible(p)]
-        self._plain = [p for p in plist if not self._compressible(p)]
-        if isinstance(groups, list):
-            ids = {id(p) for p in comp}
-            seen = set()
-            member_groups = []
-            for grp in groups:
-                members = [p for p in grp if id(p) in ids]
-                seen.update(id(p) for p in members)
-                if members:
-                    member_groups.append(members)
-            rest = [p for p in reversed(comp) if id(p) not in seen]
-            member_groups += _fuse(rest, self.bucket_bytes)
-        elif groups:
-            member_groups = [g for g in split_list(comp, int(groups)) if g]
-        else:
-            member_groups = _fuse(list(reversed(comp)), self.bucket_bytes)
-        self._buckets = []
-        self._p_bucket = {}
-        for i, members in enumerate(member_groups):
-            b = _Bucket(i, f"{self._prefix}.b{i}", members,
-                        [self._parameter_names[p] for p in members])
-            self._buckets.append(b)
-            for p in members:
-                self._p_bucket[p] = b
-
-    def _summary(self):
-        return (f"{self.codec.spec()} reduction={self.reduction} bucket_bytes={self.bucket_bytes} "
-                f"min_compress_numel={self.min_compress_numel} compress_1d={self.compress_1d} "
-                f"warmup_steps={self.warmup_steps} error_feedback={self.error_feedback} op={self.op} "
-                f"predivide={self.gradient_predivide_factor} "
-                f"backward_passes={self.backward_passes_per_step} buckets={len(self._buckets)} "
-                f"compressed_numel={sum(b.numel for b in self._buckets)} params="
-                f"{len(self._plain) + len(self._p_bucket)}")
-
-    def _layout(self):
-        return (tuple((b.name, tuple(b.names), tuple(b.shapes)) for b in self._buckets),
-                tuple((self._parameter_names[p], tuple(p.shape)) for p in self._plain))
+    def _make_plan(self, groups):
+        params = [p for g in self.param_groups for p in g['params'] if p.requires_grad]
+        index = {id(p): i for i, p in enumerate(params)}
+        if isinstance(groups, (list, tuple)):
+            groups = [[index[id(p)] for p in grp if id(p) in index] for grp in groups]
+        tensors = [_plan.Tensor(self._parameter_names[p], tuple(p.shape), p.is_floating_point())
+                   for p in params]
+        self._grad_plan = _plan.make_plan(self.config, tensors, groups, prefix=self._prefix)
+        self._buckets = self._grad_plan.buckets
+        self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
+        self._p_bucket = {p: k for k, ps in enumerate(self._bucket_params) for p in ps}
+        self._arrived = [0] * len(self._buckets)
+        self._pending = [None] * len(self._buckets)
 
     def _connect(self):
         """(Re)bind to the process set's current rank and size and check every rank agrees."""
@@ -192,7 +129,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._exchange is not None and self._exchange.coll is coll:
             return
         if coll.size > 1:
-            handshake(coll, _backend.OPS, handshake_record(self._summary(), self._layout()),
+            handshake(coll, _backend.OPS, self._grad_plan.record,
                       "hvd_quant.torch.DistributedOptimizer", name=HANDSHAKE_NAME)
         if self._exchange is None:
             self._exchange = Exchange(self.codec, coll, _backend.OPS, reduction=self.reduction,
@@ -234,15 +171,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
-        bucket = self._p_bucket.get(p)
-        if bucket is None or self._in_warmup():
+        k = self._p_bucket.get(p)
+        if k is None or self._in_warmup():
             self._launch_plain(p)
             return
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            grads = [q.grad.to_dense() if q.grad.is_sparse else q.grad for q in bucket.params]
-            flat = _backend.OPS.flatten(grads)
-            bucket.pending = self._exchange.start(bucket.name, flat, step=self._step)
+        self._arrived[k] += 1
+        params = self._bucket_params[k]
+        if self._arrived[k] == len(params):
+            b = self._buckets[k]
+            flat = _backend.OPS.flatten([q.grad.to_dense() if q.grad.is_sparse else q.grad for q in params])
+            self._pending[k] = self._exchange.start(b.name, flat, step=self._step, header=b.header)
 
     def _launch_plain(self, p):
         name = self._parameter_names.get(p)
@@ -255,10 +193,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             tensor = tensor.to_dense()
         if _backend.sendable_dtype(tensor.dtype) != tensor.dtype:
             tensor = tensor.to(torch.float32)       # bfloat16: Horovod cannot reduce it
-        if self.op == AVERAGE:
-            pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        else:
-            pre = post = 1.0
+        pre, post = self.config.allreduce_factors()
         self._traffic.add_allreduce(tensor.numel() * tensor.element_size(), tensor.numel(),
                                     self._exchange.coll.size)
         handle = self._exchange.coll.allreduce_async(tensor, name, self.op, pre, post)
@@ -271,19 +206,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         for p in sorted(self._requires_update - self._launched, key=self._parameter_names.get):
             self._ready(p)
-        pending = [b for b in self._buckets if b.pending is not None]
-        flats = self._exchange.finish_all([b.pending for b in pending])
-        scale = 1.0 / self._exchange.coll.size if self.op == AVERAGE else 1.0
-        for b, flat in zip(pending, flats):
+        started = [k for k, pending in enumerate(self._pending) if pending is not None]
+        flats = self._exchange.finish_all([self._pending[k] for k in started])
+        scale = self.config.result_scale(self._exchange.coll.size)
+        for k, flat in zip(started, flats):
             if scale != 1.0:
                 flat = _backend.OPS.scale_(flat, scale)
-            for i, p in enumerate(b.params):
+            b = self._buckets[k]
+            for i, p in enumerate(self._bucket_params[k]):
                 piece = flat[b.offsets[i]:b.offsets[i + 1]].view(b.shapes[i])
                 if p.grad.is_sparse:
                     p.grad.zero_().add_(piece.to(p.grad.dtype).to_sparse())
                 else:
                     p.grad.copy_(piece)
-            b.pending = None
+            self._pending[k] = None
         for p, h in self._handles.items():
             if callable(h):
                 p.grad.zero_().add_(h())
@@ -296,8 +232,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad.copy_(out)
         self._handles.clear()
         self._launched.clear()
-        for b in self._buckets:
-            b.ready = 0
+        self._arrived = [0] * len(self._buckets)
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._step += 1
@@ -349,14 +284,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state = super(self.__class__, self).state_dict(*args, **kwargs)
         residuals, server = {}, {}
         if self._memory is not None:
-            for b in self._buckets:
-                flat = self._memory.get(b.name)
-                if flat is not None:
-                    for i, name in enumerate(b.names):
-                        residuals[name] = flat[b.offsets[i]:b.offsets[i + 1]].view(b.shapes[i]).clone()
-            for key in self._memory.names():
-                if "/server" in key:
-                    server[key] = self._memory.get(key).clone()
+            residuals, server = _plan.save_residuals(self._memory, self._buckets,
+                                                     lambda t: t.detach().clone())
         state[_STATE_KEY] = {"step": self._step, "codec": self.codec.spec(),
                              "reduction": self.reduction, "residuals": residuals,
                              "server_residuals": server}
@@ -367,8 +296,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ours = state_dict.pop(_STATE_KEY, None)
         self._handles = {}
         self._launched = set()
-        for b in self._buckets:
-            b.ready, b.pending = 0, None
+        self._arrived = [0] * len(self._buckets)
+        self._pending = [None] * len(self._buckets)
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:
@@ -380,14 +309,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._memory is None:
             return
         self._memory.clear()
-        residuals = ours.get("residuals", {})
-        device = next((p.device for b in self._buckets for p in b.params), torch.device("cpu"))
-        for b in self._buckets:
-            if all(n in residuals for n in b.names):
-                flat = torch.cat([residuals[n].reshape(-1).to(device, torch.float32) for n in b.names])
-                self._memory.set(b.name, flat)
-        for key, value in ours.get("server_residuals", {}).items():
-            self._memory.set(key, value.detach().clone().to(device))
+        device = next((ps[0].device for ps in self._bucket_params), torch.device("cpu"))
+        _plan.restore_residuals(
+            self._memory, self._buckets, dict(ours.get("residuals", {})),
+            {k: v for k, v in ours.get("server_residuals", {}).items() if isinstance(k, tuple)},
+            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
         if self._exchange is not None:
             self._connect()
 
@@ -429,24 +355,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
             compression=hvd_quant.QSGD(bits=4))
     """
-    core = _backend.core_op(op)
-    if gradient_predivide_factor != 1.0 and core != AVERAGE:
-        raise ValueError('gradient_predivide_factor not supported with op != Average')
     if num_groups != 0:
         warnings.warn('Parameter `num_groups` has been replaced by `groups` and will be removed.',
                       DeprecationWarning)
         if groups is None:
             groups = num_groups
-    if groups is not None and not (isinstance(groups, list) or groups > 0):
-        raise ValueError('groups should be a non-negative integer or a list of list of torch.Tensor.')
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    codec = resolve_codec(compression)
+    _plan.check_groups(groups, "torch.Tensor")
+    _plan.check_backward_passes(backward_passes_per_step)
+    from horovod.torch.compression import Compression
+    config = _plan.configure(
+        compression, Compression, reduction=reduction, bucket_bytes=bucket_bytes,
+        min_compress_numel=min_compress_numel, compress_1d=compress_1d, warmup_steps=warmup_steps,
+        error_feedback=error_feedback, op=_backend.core_op(op), predivide=gradient_predivide_factor,
+        extra=(("backward_passes", backward_passes_per_step),))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, codec, backward_passes_per_step, core,
-               gradient_predivide_factor, groups, sparse_as_dense, process_set, reduction,
-               bucket_bytes, int(min_compress_numel), int(warmup_steps), error_feedback,
-               bool(compress_1d))
+    return cls(optimizer.param_groups, named_parameters, config, backward_passes_per_step, groups,
+               sparse_as_dense, process_set)

@@ -1,0 +1,271 @@
+"""The plan of a compressed gradient reduction, written once for every frontend (no framework here).
+
+The PyTorch optimizer, the TensorFlow reducer and the stock ``compression=`` path describe their
+gradients as :class:`Tensor` records (name, shape, floating or not) and take the rest from here:
+
+1. :func:`configure` -> :class:`Config`: the codec (``compression=`` resolved with the framework's
+   ``Compression`` namespace), the reduction, size rules, error feedback (the codec's wish by default)
+   and the core op (:func:`core_op` maps a framework's Horovod op constants); bad arguments raise.
+2. :meth:`Config.compressible`: floating point, static shape, at least ``min_compress_numel``
+   elements, not 1-D unless ``compress_1d``, a codec that is not a passthrough.
+3. :func:`make_plan`: explicit ``groups`` (lists of tensor indices, or a count: split evenly), then
+   greedy fusion (:func:`fuse`) of the rest in **reverse** order (the order backward produces them)
+   into buckets of at most ``bucket_bytes`` of float32. A bucket's ``header`` comes from its members'
+   names alone (the same on every rank and in every process: payload headers, seeded noise,
+   checkpoints); its ``name`` (the exchange's) adds the frontend's prefix. :attr:`Plan.record` is the
+   handshake record of the summary and the layout: ranks whose plans differ raise.
+4. :func:`save_residuals` / :func:`restore_residuals`: a :class:`~hvd_quant.memory.Memory`'s worker
+   residuals per tensor name (another ``bucket_bytes`` still loads them) and server residuals per
+   ``(bucket header, rank, size)``.
+"""
+import math
+import zlib
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from .codecs import resolve_codec
+from .exchange import AVERAGE, REDUCTIONS, SUM, handshake_record, is_passthrough_codec
+from .memory import Memory
+
+__all__ = ["Config", "Tensor", "Bucket", "Plan", "configure", "core_op", "check_reduction",
+           "check_groups", "check_backward_passes", "fuse", "split_even", "bucket_header", "digest",
+           "make_plan", "save_residuals", "restore_residuals"]
+
+
+def core_op(op, average, sum_, adasum):
+    """A framework's Horovod op constant (``average``, ``sum_``, ``adasum``: its own) or a core op
+    name -> :data:`~hvd_quant.exchange.AVERAGE` / :data:`~hvd_quant.exchange.SUM`; None is Average.
+    Adasum and anything else raise ValueError."""
+    if op is None:
+        return AVERAGE
+    if isinstance(op, str):
+        if op in (AVERAGE, SUM):
+            return op
+    elif op == average:
+        return AVERAGE
+    elif op == sum_:
+        return SUM
+    elif op == adasum:
+        raise ValueError("hvd_quant: op=hvd.Adasum is not supported: Adasum combines gradients "
+                         "pairwise with dot products, which quantized payloads do not provide. "
+                         "Use op=hvd.Average or op=hvd.Sum.")
+    raise ValueError(f"hvd_quant: unsupported op {op!r}; use hvd.Average or hvd.Sum")
+
+
+def check_reduction(reduction):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def check_backward_passes(passes):
+    if passes <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+
+
+def check_groups(groups, what):
+    """None, a positive count or a list of lists (of ``what``)."""
+    if groups is not None and not (isinstance(groups, (list, tuple)) or int(groups) > 0):
+        raise ValueError(f"groups should be a non-negative integer or a list of list of {what}.")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What every rank must agree on. None: does not apply (the stock path has no buckets, warm-up or
+    op), left out of :meth:`summary`; ``extra``: a frontend's own ``(label, value)`` pairs."""
+    codec: Any
+    reduction: str = "sra"
+    bucket_bytes: Optional[int] = 4 << 20
+    min_compress_numel: int = 1024
+    compress_1d: bool = False
+    warmup_steps: Optional[int] = 0
+    error_feedback: bool = False
+    op: Optional[str] = AVERAGE
+    predivide: Optional[float] = 1.0
+    extra: tuple = ()
+
+    def summary(self):
+        """One line; it travels in the handshake and is printed when ranks differ."""
+        pairs = [(f.name, getattr(self, f.name)) for f in fields(self)[1:-1]] + list(self.extra)
+        return " ".join([self.codec.spec()] + [f"{k}={v}" for k, v in pairs if v is not None])
+
+    def compressible(self, shape, floating):
+        """Whether a tensor of ``shape`` (a tuple; None if not static) is compressed."""
+        if not floating or shape is None or is_passthrough_codec(self.codec):
+            return False
+        return (len(shape) > 1 or self.compress_1d) and math.prod(shape) >= self.min_compress_numel
+
+    def allreduce_factors(self):
+        """(prescale, postscale) for the uncompressed allreduce: Horovod's predivide rule."""
+        if self.op == AVERAGE and self.predivide is not None:
+            return 1.0 / self.predivide, self.predivide
+        return 1.0, 1.0
+
+    def result_scale(self, size):
+        """Factor for the exchange's sum over ``size`` ranks (1/N for Average)."""
+        return 1.0 / size if self.op == AVERAGE else 1.0
+
+
+def configure(compression, namespace=None, *, reduction="sra", bucket_bytes=4 << 20,
+              min_compress_numel=1024, compress_1d=False, warmup_steps=0, error_feedback=None,
+              op=AVERAGE, predivide=1.0, extra=()):
+    """A checked :class:`Config`; ``namespace``: the framework's ``Compression``, ``op``: a core op,
+    ``error_feedback``: None for the codec's wish."""
+    check_reduction(reduction)
+    if predivide is not None and predivide != 1.0 and op != AVERAGE:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    codec = resolve_codec(compression, namespace)
+    if error_feedback is None:
+        error_feedback = getattr(codec, "wants_error_feedback", False)
+    return Config(codec=codec, reduction=reduction,
+                  bucket_bytes=None if bucket_bytes is None else int(bucket_bytes or 0),
+                  min_compress_numel=int(min_compress_numel), compress_1d=bool(compress_1d),
+                  warmup_steps=None if warmup_steps is None else int(warmup_steps),
+                  error_feedback=bool(error_feedback), op=op,
+                  predivide=None if predivide is None else float(predivide), extra=tuple(extra))
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A gradient: ``shape`` None where not static; ``floating``: dense floating point."""
+    name: str
+    shape: Optional[tuple]
+    floating: bool
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensor ``k`` of the bucket is ``flat[offsets[k]:offsets[k + 1]]`` reshaped to ``shapes[k]``."""
+    index: int
+    name: str           # the exchange's name: prefix + header
+    header: str         # from the members' names alone (payload headers, seeded noise, checkpoints)
+    members: tuple      # indices into the planned tensors, in bucket order
+    names: tuple
+    shapes: tuple
+    offsets: tuple
+
+    @property
+    def numel(self):
+        return self.offsets[-1]
+
+    @property
+    def numels(self):
+        return tuple(b - a for a, b in zip(self.offsets, self.offsets[1:]))
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: Config
+    tensors: tuple      # as given (None: an absent gradient, neither compressed nor plain)
+    buckets: tuple
+    plain: tuple        # indices of the tensors sent uncompressed, in order
+    record: bytes       # the handshake record of this plan
+
+    @property
+    def compressed(self):       # indices, in bucket order
+        return tuple(i for b in self.buckets for i in b.members)
+
+    @property
+    def compressed_numel(self):
+        return sum(b.numel for b in self.buckets)
+
+
+def fuse(idxs, numels, bucket_bytes):
+    """Greedy, in the given order: groups of at most ``bucket_bytes`` of float32 (a bigger tensor
+    alone); one group for 0 or None."""
+    groups, current, size = [], [], 0
+    limit = max(1, int(bucket_bytes) // 4) if bucket_bytes else None
+    for i in idxs:
+        n = numels[i]
+        if limit is not None and current and size + n > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def split_even(items, n):
+    """``items`` in ``n`` contiguous parts, longer ones first (Horovod's ``split_list``)."""
+    d, r = divmod(len(items), n)
+    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+def digest(names):
+    return f"{zlib.crc32(repr(list(names)).encode()) & 0xffffffff:08x}"
+
+
+def bucket_header(names):
+    """One name itself; else the first and last names, the count and a checksum of all."""
+    names = list(names)
+    if len(names) == 1:
+        return names[0]
+    return f"{names[0]}..{names[-1]}({len(names)},{digest(names)})"
+
+
+def make_plan(config, tensors, groups=None, prefix="hvdq"):
+    """``tensors``: :class:`Tensor` records (None: no gradient) in parameter order. ``groups``: None,
+    a count, or lists of tensor indices (one bucket each, of their compressible members)."""
+    tensors = tuple(tensors)
+    comp = [i for i, t in enumerate(tensors) if t is not None and config.compressible(t.shape, t.floating)]
+    is_comp = set(comp)
+    plain = tuple(i for i, t in enumerate(tensors) if t is not None and i not in is_comp)
+    numels = {i: math.prod(tensors[i].shape) for i in comp}
+    if isinstance(groups, (list, tuple)):
+        seen, members = set(), []
+        for grp in groups:
+            m = [i for i in grp if i in is_comp and i not in seen]
+            seen.update(m)
+            if m:
+                members.append(m)
+        members += fuse([i for i in reversed(comp) if i not in seen], numels, config.bucket_bytes)
+    elif groups:
+        members = [g for g in split_even(comp, int(groups)) if g]
+    else:
+        members = fuse(list(reversed(comp)), numels, config.bucket_bytes)
+    buckets = []
+    for k, m in enumerate(members):
+        names = tuple(tensors[i].name for i in m)
+        offsets = [0]
+        for i in m:
+            offsets.append(offsets[-1] + numels[i])
+        header = bucket_header(names)
+        buckets.append(Bucket(k, f"{prefix}.{header}", header, tuple(m), names,
+                              tuple(tuple(tensors[i].shape) for i in m), tuple(offsets)))
+    summary = (f"{config.summary()} buckets={len(buckets)} "
+               f"compressed_numel={sum(b.numel for b in buckets)} tensors={len(comp) + len(plain)}")
+    layout = (tuple((b.name, b.names, b.shapes) for b in buckets),
+              tuple((tensors[i].name, tensors[i].shape) for i in plain))
+    return Plan(config, tensors, tuple(buckets), plain, handshake_record(summary, layout))
+
+
+def save_residuals(memory, buckets, copy):
+    """``({tensor name: residual shaped like it}, {(bucket header, rank, size): flat residual})`` for
+    ``buckets``; ``copy(t)``: an independent float32 copy (with ``reshape``) of a flat residual."""
+    worker, server = {}, {}
+    for b in buckets:
+        flat = memory.get(Memory.WORKER, b.name)
+        if flat is not None:
+            for k, name in enumerate(b.names):
+                worker[name] = copy(flat[b.offsets[k]:b.offsets[k + 1]]).reshape(b.shapes[k])
+    by_name = {b.name: b for b in buckets}
+    for (name, rank, size), residual in memory.items(Memory.SERVER):
+        b = by_name.get(name)
+        if b is not None:
+            server[(b.header, rank, size)] = copy(residual)
+    return worker, server
+
+
+def restore_residuals(memory, buckets, worker, server, join):
+    """Move the entries of ``buckets`` out of :func:`save_residuals`'s dicts into ``memory`` (a
+    bucket's worker residual once every member's is there); ``join(arrays)``: one flat float32."""
+    for b in buckets:
+        if all(n in worker for n in b.names):
+            flat = join([worker.pop(n) for n in b.names])
+            if memory.ops.numel(flat) != b.numel:
+                raise ValueError(f"hvd_quant: restored residuals of bucket {b.name} have "
+                                 f"{memory.ops.numel(flat)} elements, the bucket {b.numel}")
+            memory.set(Memory.WORKER, b.name, flat)
+        for key in [k for k in server if k[0] == b.header]:
+            memory.set(Memory.SERVER, (b.name,) + tuple(key[1:]), join([server.pop(key)]))

@@ -1,0 +1,309 @@
+"""hvd_quant.plan in one process, no framework: which tensors are compressed, fusion boundaries,
+explicit groups, bucket names, the handshake record, op mapping, argument checks and residual
+checkpoints. Everything here is exact (integers, names, bytes, bit patterns): no tolerance applies."""
+import numpy as np
+import pytest
+
+import hvd_quant
+from hvd_quant import plan
+from hvd_quant.exchange import AVERAGE, SUM, ArrayOps, handshake_record
+from hvd_quant.memory import Memory
+
+T = plan.Tensor
+
+# Stand-ins for a framework's Horovod op constants (horovod.torch / horovod.tensorflow use 0, 1, 2).
+AVG_C, SUM_C, ADASUM_C = 0, 1, 2
+
+NUMPY_OPS = ArrayOps(
+    flatten=lambda ts: np.concatenate([np.asarray(t, np.float32).reshape(-1) for t in ts]),
+    zeros=lambda n, like: np.zeros(n, np.float32), empty=lambda n, like: np.empty(n, np.float32),
+    slice=lambda buf, a, b: buf[a:b], empty_bytes=lambda n, like: np.empty(n, np.uint8),
+    add_=lambda a, b: np.add(a, b, out=a), scale_=lambda a, s: np.multiply(a, s, out=a),
+    rsub_=lambda out, a: np.subtract(a, out, out=out), numel=lambda t: int(np.size(t)),
+    from_bytes=lambda b: np.frombuffer(b, np.uint8).copy(), to_bytes=lambda t: bytes(t),
+    to_like=lambda t, like: t, clone=lambda t: np.array(t, copy=True))
+
+
+def cfg(**kw):
+    kw.setdefault("compression", "qsgd:bits=4,bucket_size=512")
+    return plan.configure(kw.pop("compression"), **kw)
+
+
+def fp(name, *shape):
+    return T(name, tuple(shape), True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fusion and grouping
+
+
+@pytest.mark.parametrize("numels,bucket_bytes,expected", [
+    pytest.param([256, 256], 2048, [[0, 1]], id="exact-fit"),
+    pytest.param([256, 257], 2048, [[0], [1]], id="one-element-over"),
+    pytest.param([10, 1000, 10], 400, [[0], [1], [2]], id="larger-tensor-alone"),
+    pytest.param([10, 20, 30, 40], 240, [[0, 1, 2], [3]], id="greedy-in-order"),
+    pytest.param([5, 5, 5], 0, [[0, 1, 2]], id="zero-means-one-bucket"),
+    pytest.param([5, 5, 5], None, [[0, 1, 2]], id="none-means-one-bucket"),
+    pytest.param([1, 1], 3, [[0], [1]], id="under-one-float-means-one-element"),
+    pytest.param([], 2048, [], id="empty"),
+])
+def test_fuse_boundaries(numels, bucket_bytes, expected):
+    assert plan.fuse(range(len(numels)), dict(enumerate(numels)), bucket_bytes) == expected
+
+
+@pytest.mark.parametrize("n,parts", [(0, 2), (5, 2), (6, 3), (7, 3), (2, 4)])
+def test_split_even_matches_horovods_split_list(n, parts):
+    util = pytest.importorskip("horovod.common.util")
+    assert plan.split_even(list(range(n)), parts) == util.split_list(list(range(n)), parts)
+
+
+@pytest.mark.parametrize("tensor,config,expected", [
+    pytest.param(fp("w", 32, 32), {}, True, id="2d-large"),
+    pytest.param(fp("w", 32, 31), {"min_compress_numel": 1024}, False, id="below-min-numel"),
+    pytest.param(fp("w", 1024), {}, False, id="1d"),
+    pytest.param(fp("w", 1024), {"compress_1d": True}, True, id="1d-with-compress_1d"),
+    pytest.param(T("w", (32, 32), False), {}, False, id="not-floating"),
+    pytest.param(T("w", None, True), {}, False, id="unknown-shape"),
+    pytest.param(fp("w", 32, 32), {"compression": None}, False, id="passthrough-codec"),
+    pytest.param(fp("w", 32, 32), {"compression": "none"}, False, id="none-spec"),
+    pytest.param(fp("w", 32, 32), {"compression": "fp16"}, True, id="fp16-is-compressed"),
+])
+def test_compressible(tensor, config, expected):
+    c = cfg(**config)
+    p = plan.make_plan(c, [tensor])
+    assert c.compressible(tensor.shape, tensor.floating) is expected
+    assert (p.compressed == (0,)) is expected and (p.plain == (0,)) is (not expected)
+
+
+def test_plan_fuses_in_reverse_order_with_offsets():
+    tensors = [fp("a", 64, 16), fp("bias", 16), fp("b", 32, 32), None, fp("c", 16, 16)]
+    p = plan.make_plan(cfg(bucket_bytes=5 * 1024, min_compress_numel=1), tensors, prefix="px")
+    assert [b.members for b in p.buckets] == [(4, 2), (0,)]
+    assert p.plain == (1,) and p.compressed == (4, 2, 0)        # None: in neither
+    b = p.buckets[0]
+    assert b.names == ("c", "b") and b.shapes == ((16, 16), (32, 32))
+    assert b.offsets == (0, 256, 1280) and b.numel == 1280 and b.numels == (256, 1024)
+    assert p.compressed_numel == 1280 + 1024
+    assert [b.index for b in p.buckets] == [0, 1]
+
+
+@pytest.mark.parametrize("groups,expected", [
+    pytest.param([[0, 2]], [(0, 2), (4, 3)], id="one-group-rest-fused-reversed"),
+    pytest.param([[2, 0], [4]], [(2, 0), (4,), (3,)], id="order-within-group-kept"),
+    pytest.param([[1, 0]], [(0,), (4, 3, 2)], id="plain-member-dropped"),
+    pytest.param([[0], [0, 2]], [(0,), (2,), (4, 3)], id="tensor-in-two-groups-first-wins"),
+    pytest.param([[1]], [(4, 3, 2, 0)], id="group-of-plain-only-vanishes"),
+    pytest.param(2, [(0, 2), (3, 4)], id="count-splits-evenly-in-order"),
+    pytest.param(3, [(0, 2), (3,), (4,)], id="count-longer-parts-first"),
+    pytest.param(10, [(0,), (2,), (3,), (4,)], id="count-above-tensors"),
+])
+def test_groups(groups, expected):
+    tensors = [fp("a", 8, 8), fp("bias", 8), fp("b", 8, 8), fp("c", 8, 8), fp("d", 8, 8)]
+    p = plan.make_plan(cfg(bucket_bytes=0, min_compress_numel=1), tensors, groups)
+    assert [b.members for b in p.buckets] == expected
+
+
+def test_bucket_names_come_from_member_names():
+    one = plan.make_plan(cfg(), [fp("w", 32, 32)], prefix="hvdq7").buckets[0]
+    assert one.header == "w" and one.name == "hvdq7.w"
+    tensors = [fp("x.weight", 32, 32), fp("y.weight", 32, 32), fp("z.weight", 32, 32)]
+    a = plan.make_plan(cfg(), tensors, prefix="hvdq0").buckets[0]
+    b = plan.make_plan(cfg(), tensors, prefix="hvdq1").buckets[0]
+    assert a.header == b.header == f"z.weight..x.weight(3,{plan.digest(['z.weight', 'y.weight', 'x.weight'])})"
+    assert (a.name, b.name) == ("hvdq0." + a.header, "hvdq1." + b.header)
+    renamed = plan.make_plan(cfg(), [fp("x.weight", 32, 32), fp("q.weight", 32, 32),
+                                     fp("z.weight", 32, 32)]).buckets[0]
+    assert renamed.header != a.header          # a middle member's name changes the checksum
+
+
+# --------------------------------------------------------------------------------------------------
+# Configuration summary and handshake record
+
+BASE = dict(compression="qsgd:bits=4,bucket_size=512", reduction="sra", bucket_bytes=4 << 20,
+            min_compress_numel=1024, compress_1d=False, warmup_steps=0, error_feedback=None,
+            op=AVERAGE, predivide=1.0, extra=(("backward_passes", 1),))
+TENSORS = [fp("a", 64, 64), fp("bias", 64), fp("b", 128, 64), fp("c", 32, 32)]
+
+
+def record(config=None, tensors=TENSORS, groups=None, prefix="hvdq"):
+    return plan.make_plan(plan.configure(**dict(BASE, **(config or {}))), tensors, groups, prefix).record
+
+
+def test_record_is_identical_for_identical_configs():
+    assert record() == record()                     # separate codec objects, equal configuration
+    assert len(record()) == len(handshake_record("x"))
+    assert plan.configure(**BASE) == plan.configure(**BASE)
+
+
+@pytest.mark.parametrize("change", [
+    pytest.param({"compression": "qsgd:bits=8,bucket_size=512"}, id="codec-bits"),
+    pytest.param({"compression": "qsgd:bits=4,bucket_size=128"}, id="codec-bucket_size"),
+    pytest.param({"compression": "onebit"}, id="codec-method"),
+    pytest.param({"reduction": "allgather"}, id="reduction"),
+    pytest.param({"bucket_bytes": 1 << 20}, id="bucket_bytes"),
+    pytest.param({"min_compress_numel": 1000}, id="min_compress_numel"),
+    pytest.param({"compress_1d": True}, id="compress_1d"),
+    pytest.param({"warmup_steps": 1}, id="warmup_steps"),
+    pytest.param({"error_feedback": True}, id="error_feedback"),
+    pytest.param({"op": SUM, "predivide": 1.0}, id="op"),
+    pytest.param({"predivide": 2.0}, id="predivide"),
+    pytest.param({"extra": (("backward_passes", 2),)}, id="extra"),
+])
+def test_record_differs_when_a_config_field_differs(change):
+    assert record(change) != record()
+
+
+@pytest.mark.parametrize("kw", [
+    pytest.param({"tensors": [fp("A", 64, 64)] + TENSORS[1:]}, id="a-name"),
+    pytest.param({"tensors": [fp("a", 32, 128)] + TENSORS[1:]}, id="a-shape-same-numel"),
+    pytest.param({"tensors": TENSORS[:1] + [fp("bias", 65)] + TENSORS[2:]}, id="a-plain-shape"),
+    pytest.param({"tensors": TENSORS[1:] + TENSORS[:1]}, id="the-order"),
+    pytest.param({"groups": [[0, 2]]}, id="groups"),
+    pytest.param({"prefix": "hvdq1"}, id="exchange-prefix"),
+])
+def test_record_differs_when_the_layout_differs(kw):
+    assert record(**kw) != record()
+
+
+def test_summary_names_every_field_that_applies():
+    assert plan.configure(**BASE).summary() == (
+        "qsgd:bits=4,bucket_size=512,mode=stochastic,norm=max reduction=sra bucket_bytes=4194304 "
+        "min_compress_numel=1024 compress_1d=False warmup_steps=0 error_feedback=False op=average "
+        "predivide=1.0 backward_passes=1")
+    codec = hvd_quant.OneBit()
+    stock = plan.configure(codec, bucket_bytes=None, warmup_steps=None, op=None, predivide=None)
+    assert stock.summary() == (f"{codec.spec()} reduction=sra min_compress_numel=1024 "
+                               "compress_1d=False error_feedback=True")
+
+
+# --------------------------------------------------------------------------------------------------
+# Ops and argument checks
+
+
+@pytest.mark.parametrize("op,expected", [
+    pytest.param(None, AVERAGE, id="none-is-average"),
+    pytest.param(AVG_C, AVERAGE, id="hvd.Average"),
+    pytest.param(SUM_C, SUM, id="hvd.Sum"),
+    pytest.param(AVERAGE, AVERAGE, id="core-average"),
+    pytest.param(SUM, SUM, id="core-sum"),
+])
+def test_core_op(op, expected):
+    assert plan.core_op(op, AVG_C, SUM_C, ADASUM_C) == expected
+
+
+@pytest.mark.parametrize("op,message", [
+    pytest.param(ADASUM_C, "op=hvd.Adasum is not supported: Adasum combines gradients pairwise",
+                 id="adasum"),
+    pytest.param(7, "unsupported op 7; use hvd.Average or hvd.Sum", id="unknown-constant"),
+    pytest.param("min", "unsupported op 'min'; use hvd.Average or hvd.Sum", id="unknown-string"),
+    pytest.param("0", "unsupported op '0'", id="string-never-equals-a-constant"),
+])
+def test_core_op_refuses(op, message):
+    with pytest.raises(ValueError, match=message):
+        plan.core_op(op, AVG_C, SUM_C, ADASUM_C)
+
+
+@pytest.mark.parametrize("call,message", [
+    pytest.param(lambda: plan.configure("qsgd", reduction="ring"), "reduction must be one of",
+                 id="reduction"),
+    pytest.param(lambda: plan.configure("qsgd", op=SUM, predivide=2.0),
+                 "gradient_predivide_factor not supported with op != Average", id="predivide-with-sum"),
+    pytest.param(lambda: plan.check_groups(0, "torch.Tensor"),
+                 "groups should be a non-negative integer or a list of list of torch.Tensor", id="groups-0"),
+    pytest.param(lambda: plan.check_groups(-1, "tf.Variable"), "list of list of tf.Variable",
+                 id="groups-negative"),
+    pytest.param(lambda: plan.check_backward_passes(0), "backward_passes_per_step must be > 0",
+                 id="backward-passes"),
+])
+def test_arguments_refused(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("compression,error_feedback,expected", [
+    pytest.param("onebit", None, True, id="onebit-wants-it"),
+    pytest.param("qsgd", None, False, id="qsgd-does-not"),
+    pytest.param("qsgd", True, True, id="asked-for"),
+    pytest.param("onebit", False, False, id="refused"),
+])
+def test_error_feedback_default_is_the_codecs_wish(compression, error_feedback, expected):
+    assert plan.configure(compression, error_feedback=error_feedback).error_feedback is expected
+
+
+@pytest.mark.parametrize("op,predivide,factors,scale", [
+    pytest.param(AVERAGE, 1.0, (1.0, 1.0), 0.25, id="average"),
+    pytest.param(AVERAGE, 4.0, (0.25, 4.0), 0.25, id="average-predivide"),
+    pytest.param(SUM, 1.0, (1.0, 1.0), 1.0, id="sum"),
+])
+def test_scale_factors(op, predivide, factors, scale):
+    c = plan.configure("qsgd", op=op, predivide=predivide)
+    assert c.allreduce_factors() == factors and c.result_scale(4) == scale
+
+
+# --------------------------------------------------------------------------------------------------
+# Residual checkpoints
+
+
+def _memory_of(p, seed):
+    rng = np.random.default_rng(seed)
+    mem = Memory(NUMPY_OPS)
+    for b in p.buckets:
+        mem.set(Memory.WORKER, b.name, rng.standard_normal(b.numel).astype(np.float32))
+        mem.set(Memory.SERVER, (b.name, 1, 3), rng.standard_normal(b.numel // 3).astype(np.float32))
+    return mem
+
+
+def _copy(a):
+    return np.array(a, np.float32, copy=True)
+
+
+def _join(arrays):
+    return np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in arrays])
+
+
+TENSORS_EF = [fp("a", 16, 16), fp("b", 32, 8), fp("c", 8, 8), fp("d", 24, 8)]
+
+
+def test_residuals_save_per_name_and_restore_bit_exactly():
+    p = plan.make_plan(cfg(bucket_bytes=2048, min_compress_numel=1), TENSORS_EF, prefix="hvdq3")
+    mem = _memory_of(p, 0)
+    worker, server = plan.save_residuals(mem, p.buckets, _copy)
+    assert sorted(worker) == ["a", "b", "c", "d"]
+    assert all(worker[t.name].shape == t.shape for t in TENSORS_EF)
+    assert sorted(server) == sorted((b.header, 1, 3) for b in p.buckets)
+    # Into another instance (another prefix): the same bits.
+    q = plan.make_plan(cfg(bucket_bytes=2048, min_compress_numel=1), TENSORS_EF, prefix="hvdq9")
+    mem2 = Memory(NUMPY_OPS)
+    w, s = dict(worker), dict(server)
+    plan.restore_residuals(mem2, q.buckets, w, s, _join)
+    assert w == {} and s == {}
+    for bp, bq in zip(p.buckets, q.buckets):
+        assert mem2.get(Memory.WORKER, bq.name).tobytes() == mem.get(Memory.WORKER, bp.name).tobytes()
+        assert (mem2.get(Memory.SERVER, (bq.name, 1, 3)).tobytes()
+                == mem.get(Memory.SERVER, (bp.name, 1, 3)).tobytes())
+
+
+def test_worker_residuals_survive_another_bucketing():
+    p = plan.make_plan(cfg(bucket_bytes=2048, min_compress_numel=1), TENSORS_EF)
+    worker, server = plan.save_residuals(_memory_of(p, 1), p.buckets, _copy)
+    q = plan.make_plan(cfg(bucket_bytes=0, min_compress_numel=1), TENSORS_EF)
+    mem = Memory(NUMPY_OPS)
+    s = dict(server)
+    plan.restore_residuals(mem, q.buckets, dict(worker), s, _join)
+    (b,) = q.buckets
+    flat = mem.get(Memory.WORKER, b.name)
+    for k, name in enumerate(b.names):
+        assert flat[b.offsets[k]:b.offsets[k + 1]].tobytes() == worker[name].tobytes()
+    assert s == server          # the server residuals belong to buckets that no longer exist: left
+
+
+def test_incomplete_bucket_is_not_restored_and_wrong_size_raises():
+    p = plan.make_plan(cfg(bucket_bytes=0, min_compress_numel=1), TENSORS_EF)
+    worker, _ = plan.save_residuals(_memory_of(p, 2), p.buckets, _copy)
+    mem = Memory(NUMPY_OPS)
+    partial = {k: v for k, v in worker.items() if k != "c"}
+    plan.restore_residuals(mem, p.buckets, partial, {}, _join)
+    assert mem.names(Memory.WORKER) == [] and sorted(partial) == ["a", "b", "d"]
+    worker["c"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match="elements"):
+        plan.restore_residuals(mem, p.buckets, worker, {}, _join)
