@@ -29,6 +29,21 @@ Decoders take ``expect`` (a ``wire.Expect``): the header check then runs inside 
 bad payload decodes to NaN, its error bits go to ``status[0]`` and are ORed into ``status[1]``); with
 ``expect=None`` and a ``status``, the decode writes NaN where ``status[0] != 0`` (the result of an
 earlier ``check_header_cuda``). Encoders take ``residual``: see ``numba_kernels.reference``.
+
+Fused operations (several payloads per launch; definitions in ``numba_kernels.reference``), all on the
+general path's kernels whatever the configuration:
+
+* ``*_decode_sum_cuda`` / ``prepare_*_decode_sum`` ``(payloads, n, out, stream, status, expect)``:
+  one launch of ``block_decode_multi`` (each thread keeps its elements' partial sums in registers
+  over the n payloads); any bad payload makes the whole ``out`` NaN (status: the OR of the errors).
+* ``*_decode_chunks_cuda`` / ``prepare_*_decode_chunks`` ``(gathered, out, stream, status,
+  name_hashes, expect)``: one launch of ``block_decode_multi``; a bad chunk decodes to NaN; at most
+  MAXCH chunks.
+* ``*_reduce_requantize_cuda`` / ``prepare_*_reduce_requantize`` ``(payloads, n, residual,
+  out_payload, header, key, stream, status, expect)``: one launch of the general encode (buckets up
+  to FUSE_MAX; above, the scales' reduce and the pack: two) whose values are the payloads' sum plus
+  ``residual``, recomputed where the encode reads them (no float32 array in global memory); a bad
+  payload makes the sum NaN.
 """
 import ctypes
 import math
@@ -532,6 +547,8 @@ class _ReduceRequantize(_Encode):
         s[5 + nargs].value = int(key)
         s[6 + nargs].value = pr
         st = _stream(stream)
+        new_exp = self._exp is None or self._exp[0] is not raw or self._exp[1] is not expect
+        self._exp = (raw, expect)
         for r, i0 in ((self._reduce, 5), (raw, 7 + nargs)):
             if r is None:
                 continue
@@ -539,7 +556,8 @@ class _ReduceRequantize(_Encode):
             for i in range(3):
                 t[i0 + i].value = pin
             t[i0 + 3].value = pst
-            r.set_tuple(i0 + 4, exp)
+            if new_exp:
+                r.set_tuple(i0 + 4, exp)
             t[i0 + 5].value = check
             t[i0 + 6].value = check_name
             t[i0 + 7].value = int(n)

@@ -22,10 +22,9 @@ import pytest
 from numba_kernels import reference as R, wire
 
 sys.path.insert(0, os.path.dirname(__file__))
-from data import make_x  # noqa: E402
+from data import KEY_FUSED as KEY, chunk_payloads, make_x, onebit_payloads, qsgd_payloads  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KEY = 0x0DDB_1A5E_5BAD_5EED
 
 
 def bits_equal(a, b):
@@ -43,53 +42,6 @@ def payload_equal(want, got, lay):
     sc = slice(lay.scales_offset, lay.total)
     return bool(np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset])
                 and nan_bits_equal(want[sc].view(np.float32), got[sc].view(np.float32)))
-
-
-# ---- inputs ------------------------------------------------------------------------------------------
-
-def qsgd_payloads(n, numel, bits, bs, stochastic, l2, special=False, seed=0, name="w"):
-    """``n`` QSGD payloads of ``numel`` elements, back to back, and their Expect."""
-    mode = 0 if stochastic else 1
-    h = wire.Header(2, bits, mode, int(l2), bs, 0, (numel,), name_hash=wire.name_hash(name)).words()
-    lay = wire.layout(2, numel, bits, bs)
-    buf = np.zeros(n * lay.total, np.uint8)
-    for k in range(n):
-        x = make_x(numel, seed * 101 + k * 7 + numel, special=special and k == n - 1)
-        with np.errstate(all="ignore"):
-            R.qsgd_encode_ref(x, buf[k * lay.total:(k + 1) * lay.total], h, bits, bs, stochastic, l2,
-                              KEY + k)
-    return buf, h, lay, wire.Expect(2, bits, mode, int(l2), bs, numel, wire.name_hash(name), True)
-
-
-def onebit_payloads(n, numel, bs, two_mean, special=False, seed=0, name="w"):
-    mode = 0 if two_mean else 1
-    h = wire.Header(3, 1, mode, 0, bs, 0, (numel,), name_hash=wire.name_hash(name)).words()
-    lay = wire.layout(3, numel, 1, bs, mode)
-    buf = np.zeros(n * lay.total, np.uint8)
-    for k in range(n):
-        x = make_x(numel, seed * 101 + k * 7 + numel, special=special and k == n - 1)
-        with np.errstate(all="ignore"):
-            R.onebit_encode_ref(x, buf[k * lay.total:(k + 1) * lay.total], h, bs, two_mean)
-    return buf, h, lay, wire.Expect(3, 1, mode, 0, bs, numel, wire.name_hash(name), True)
-
-
-def chunk_payloads(numel, chunk, bits, bs, stochastic, l2, two_mean=None, special=False):
-    """The gathered payloads of ``numel`` elements split into chunks of ``chunk`` (name r<j>), the
-    name hashes and the configuration's Expect (QSGD; 1-bit when ``two_mean`` is not None)."""
-    parts, hashes = [], []
-    for j, (a, b) in enumerate(R.chunk_ranges(numel, bs, chunk)):
-        if two_mean is None:
-            p, _, _, e = qsgd_payloads(1, b - a, bits, bs, stochastic, l2, special and j == 0, j, f"r{j}")
-        else:
-            p, _, _, e = onebit_payloads(1, b - a, bs, two_mean, special and j == 0, j, f"r{j}")
-        parts.append(p)
-        hashes.append(e.name_hash)
-    g = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-    if two_mean is None:
-        exp = wire.Expect(2, bits, 0 if stochastic else 1, int(l2), bs, 0)
-    else:
-        exp = wire.Expect(3, 1, 0 if two_mean else 1, 0, bs, 0)
-    return g, np.array(hashes, np.uint32), exp
 
 
 # ---- the references' identities -----------------------------------------------------------------------
