@@ -140,6 +140,11 @@ class HostAdapter:
     def payload_nbytes(self, payload):
         return self.numel(payload)
 
+    def constant_u32(self, values, like):
+        """(keepalive, handle) of a small uint32 array (host: the NumPy array itself)."""
+        a = np.asarray(values, np.uint32)
+        return a, a
+
     # -- payloads ----------------------------------------------------------------------------------
     def payload_np(self, payload):
         """A payload (1-D uint8 of this kind) as a NumPy uint8 array (no copy where possible)."""
@@ -189,6 +194,16 @@ class DeviceAdapter:
     def numba(self, t):
         """A Numba device-array view of a flat tensor (for launches through Numba's dispatcher)."""
         raise NotImplementedError
+
+    def constant_u32(self, values, like):
+        """(keepalive, device handle) of a small uint32 array on ``like``'s device, made once."""
+        d = self.numba_module().to_device(np.asarray(values, np.uint32))
+        return d, d
+
+    @staticmethod
+    def numba_module():
+        from numba import cuda
+        return cuda
 
     def new_bytes(self, nbytes, like):
         """(framework uint8 tensor, device array) freshly allocated on like's device."""

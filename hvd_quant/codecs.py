@@ -435,6 +435,67 @@ class Codec:
                 launch(p, out_np(out)[0])
         return decode
 
+    # -- fused launches: one per exchange phase ------------------------------------------------------
+    def bind_decode_sum(self, arrays, numel, expect, like):
+        """``f(payloads, n, out)``: ``out`` = the sum, in order, of the ``n`` payloads of ``numel``
+        elements held back to back in ``payloads``, each checked against ``expect``: one launch (the
+        allgather's decode). None where this codec has no fused kernel (the caller loops)."""
+        launch = _fused(self, arrays.device, "sum", numel, 0) if numel and arrays.views else None
+        if launch is None:
+            return None
+        if arrays.device:
+            _, status = status_for(self, arrays, like)
+            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
+            return lambda payloads, n, out: launch(pay(payloads), n, out_dev(out)[0], stream(out), status,
+                                                   expect)
+        pay, out_np = arrays.payload_np, arrays.out_np
+        return lambda payloads, n, out: launch(pay(payloads), n, out_np(out)[0], None, None, expect)
+
+    def bind_reduce_requantize(self, arrays, lay, words, expect, like):
+        """``f(payloads, n, residual, out_payload, key)``: SRA's middle phase in one launch: sum the
+        ``n`` received payloads of ``lay.numel`` elements (checked against ``expect``), add
+        ``residual`` if given, encode the result into ``out_payload`` with header ``words`` and noise
+        ``key``, and overwrite ``residual`` with what that encode lost. None where unfused."""
+        launch = _fused(self, arrays.device, "reduce", lay.numel, 0) if lay.numel and arrays.views else None
+        if launch is None:
+            return None
+        if arrays.device:
+            _, status = status_for(self, arrays, like)
+            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
+
+            def reduce(payloads, n, residual, out_payload, key):
+                launch(pay(payloads), n, None if residual is None else out_dev(residual)[0], pay(out_payload),
+                       words, key, stream(out_payload), status, expect)
+            return reduce
+        pay, out_np = arrays.payload_np, arrays.out_np
+
+        def reduce(payloads, n, residual, out_payload, key):
+            launch(pay(payloads), n, None if residual is None else out_np(residual)[0], pay(out_payload),
+                   words, key, None, None, expect)
+        return reduce
+
+    def bind_decode_chunks(self, arrays, numel, chunk, name_hashes, expect, like):
+        """``f(gathered, out)``: SRA's last phase in one launch: chunk j of ``out`` (elements
+        [j*chunk, (j+1)*chunk)) decoded from the j-th payload of ``gathered``, each checked against
+        ``expect`` and its own name hash. ``name_hashes``: the chunks' hashes, on ``like``'s device,
+        built once by the caller. None where unfused."""
+        launch = (_fused(self, arrays.device, "chunks", numel, chunk)
+                  if numel and arrays.views and getattr(self, "bucket_size", None) else None)
+        if launch is None:
+            return None
+        if arrays.device:
+            _, status = status_for(self, arrays, like)
+            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
+            return lambda gathered, out: launch(pay(gathered), out_dev(out)[0], stream(out), status, name_hashes,
+                                                expect)
+        pay, out_np = arrays.payload_np, arrays.out_np
+        return lambda gathered, out: launch(pay(gathered), out_np(out)[0], None, None, name_hashes, expect)
+
+    def _fused_prepare(self, K, kind, numel, chunk):
+        """The kernel module ``K``'s prepared fused launch ``kind`` ("sum", "reduce", "chunks"), or
+        None (codecs without fused kernels)."""
+        return None
+
     def _bound_kernel(self, arrays, numel, accumulate):
         """The prepared kernel launch behind :meth:`bind_encode` (``accumulate`` None) or
         :meth:`bind_decode`, or None where the generic path serves (raw codecs, fake mode, TensorFlow
@@ -736,6 +797,16 @@ class QSGD(Codec):
                                          self.norm == "l2")
         return K.prepare_qsgd_decode(numel, self.bits, self.bucket_size, accumulate)
 
+    def _fused_prepare(self, K, kind, numel, chunk):
+        if self.mode == "fake":
+            return None
+        if kind == "sum":
+            return K.prepare_qsgd_decode_sum(numel, self.bits, self.bucket_size)
+        if kind == "chunks":
+            return K.prepare_qsgd_decode_chunks(numel, self.bits, self.bucket_size, chunk)
+        return K.prepare_qsgd_reduce_requantize(numel, self.bits, self.bucket_size, self.stochastic,
+                                                self.norm == "l2")
+
     def _cuda_prepare_encode(self, K, numel):
         return K.prepare_qsgd_encode(numel, self.bits, self.bucket_size, self.stochastic, self.norm == "l2")
 
@@ -757,6 +828,16 @@ class QSGD(Codec):
             return _raw_decode_dev(arrays, payload, pdev, out_t, "float32", accumulate, stream, status_t,
                                    status_dev, expect)
         _cuda_decoder(self, arrays.numel(out_t), accumulate)(pdev, out_dev, stream, status_dev, expect)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fused(codec, device, kind, numel, chunk):
+    """The codec's prepared fused launch (``Codec._fused_prepare``) on the CPU or a CUDA device."""
+    if device:
+        import numba_kernels.cuda as K
+    else:
+        import numba_kernels.cpu as K
+    return codec._fused_prepare(K, kind, numel, chunk)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -869,6 +950,14 @@ class OneBit(Codec):
             enc = K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
             return lambda x, payload, header, key, stream, residual: enc(x, payload, header, stream, residual)
         return K.prepare_onebit_decode(numel, self.bucket_size or 0, self._two_mean, accumulate)
+
+    def _fused_prepare(self, K, kind, numel, chunk):
+        bs = self.bucket_size or 0
+        if kind == "sum":
+            return K.prepare_onebit_decode_sum(numel, bs, self._two_mean)
+        if kind == "chunks":
+            return K.prepare_onebit_decode_chunks(numel, bs, self._two_mean, chunk)
+        return K.prepare_onebit_reduce_requantize(numel, bs, self._two_mean)
 
     def _cuda_prepare_encode(self, K, numel):
         return K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)

@@ -241,7 +241,8 @@ class _Plan:
     tensors, the noise base, the traffic of a step, and reusable buffers where the frontend's arrays
     allow it (``ArrayOps.reusable``)."""
     __slots__ = ("coll", "numel", "arrays", "send", "own", "reduced", "gather", "send_nbytes",
-                 "gather_nbytes", "fresh", "steps", "traffic", "buffers", "server_key")
+                 "gather_nbytes", "fresh", "steps", "traffic", "buffers", "server_key", "decode_sum",
+                 "reduce", "decode_chunks", "keep")
 
     def __init__(self, ex, name, header, numel, like):
         codec, coll = ex.codec, ex.coll
@@ -272,6 +273,19 @@ class _Plan:
                 off += self.gather[-1].size
         self.send_nbytes = sum(c.size for c in self.send) if ex.reduction == "sra" else self.send[0].size
         self.gather_nbytes = sum(c.size for c in self.gather)
+        # One launch per phase where the codec has fused kernels (None: the phases loop over payloads)
+        self.decode_sum = self.reduce = self.decode_chunks = self.keep = None
+        arrays = self.arrays
+        if ex.reduction == "allgather":
+            self.decode_sum = codec.bind_decode_sum(arrays, numel, self.own.expect, like)
+        else:
+            red = self.reduced
+            self.reduce = codec.bind_reduce_requantize(arrays, red.lay, red.words, self.own.expect, like)
+            full = [c for c in self.gather if c.b > c.a]
+            if full:
+                self.keep, hashes = arrays.constant_u32([c.nh for c in full], like)
+                per = -(-(-(-numel // ex.align)) // size) * ex.align      # chunk_bounds' chunk length
+                self.decode_chunks = codec.bind_decode_chunks(arrays, numel, per, hashes, full[0].expect, like)
         self.steps = 0
         self.server_key = (name, r, size)     # the chunk this rank owns, at this world size
         t = self.traffic = Traffic()
@@ -420,13 +434,14 @@ class Exchange:
             hs, p.hs = p.hs, None
             check_handshake(self.coll, self.ops, p.record, self.coll.synchronize(hs), f"tensor {p.name!r}")
 
-    def _decode(self, p, src, decode, payload, out):
-        """``decode(payload, out)`` (a chunk's bound decode) of the payload rank ``src`` sent."""
+    def _decode(self, p, src, decode, *args):
+        """``decode(*args)`` (a bound decode) of what rank ``src`` sent (None: several ranks)."""
         try:
-            decode(payload, out)
+            decode(*args)
         except ValueError as e:
+            who = "a payload" if src is None else f"the payload rank {src} sent"
             raise PayloadMismatchError(
-                f"hvd_quant: the payload rank {src} sent for {p.name!r} was refused ({e}); ranks "
+                f"hvd_quant: {who} for {p.name!r} was refused ({e}); ranks "
                 f"disagree on the tensor, its size or the codec ({self.codec.spec()})") from e
 
     def _received(self, p, data, expected, what):
@@ -448,12 +463,19 @@ class Exchange:
         own, red = plan.own, plan.reduced
         n, each = own.b - own.a, own.size
         self._received(p, data, coll.size * each, "the alltoall")
-        if n:
+        mem = self.memory
+        if n and plan.reduce is not None:
+            # one launch: sum the received payloads, add the residual, requantize, new residual
+            res = None if mem is None else mem.current(mem.SERVER, plan.server_key, n, p.like)
+            payload = plan.buffer("reduced", lambda: ops.empty_bytes(red.size, p.like))
+            self._decode(p, None, plan.reduce, data, coll.size, res, payload, red.key(p.step))
+            if mem is not None:
+                mem.set(mem.SERVER, plan.server_key, res)
+        elif n:
             acc = plan.buffer("acc", lambda: ops.empty(n, p.like))
             for j in range(coll.size):
                 self._decode(p, j, own.accumulate if j else own.decode, ops.slice(data, j * each, (j + 1) * each),
                              acc)
-            mem = self.memory
             if mem is not None:
                 acc = mem.compensate(mem.SERVER, plan.server_key, acc)
             payload = self._payloads(plan, (red,), red.size, acc, p.step, "reduced",
@@ -477,7 +499,11 @@ class Exchange:
         self._received(p, data, plan.gather_nbytes, "the allgather")
         out = (plan.buffer("out", lambda: ops.empty(plan.numel, p.like)) if self.reuse_result
                else ops.empty(plan.numel, p.like))
-        if self.reduction == "sra":
+        if plan.decode_chunks is not None:
+            self._decode(p, None, plan.decode_chunks, data, out)
+        elif plan.decode_sum is not None:
+            self._decode(p, None, plan.decode_sum, data, coll.size, out)
+        elif self.reduction == "sra":
             for j, c in enumerate(plan.gather):
                 if c.b > c.a:
                     self._decode(p, j, c.decode, ops.slice(data, c.off, c.off + c.size),

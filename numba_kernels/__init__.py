@@ -15,7 +15,9 @@ import importlib
 from . import wire
 from .wire import PayloadError
 from .reference import (qsgd_encode_ref, qsgd_decode_ref, onebit_encode_ref, onebit_decode_ref,
-                        write_header_ref, bucket_scales_ref, lane_sum_ref, header_errors_ref, levels)
+                        write_header_ref, bucket_scales_ref, lane_sum_ref, header_errors_ref, levels,
+                        qsgd_decode_sum_ref, onebit_decode_sum_ref, qsgd_reduce_requantize_ref,
+                        onebit_reduce_requantize_ref, qsgd_decode_chunks_ref, onebit_decode_chunks_ref)
 
 __all__ = ["wire", "PayloadError", "levels", "bucket_scales_ref", "lane_sum_ref", "header_errors_ref",
            "qsgd_encode_ref", "qsgd_decode_ref", "onebit_encode_ref", "onebit_decode_ref",
@@ -23,7 +25,14 @@ __all__ = ["wire", "PayloadError", "levels", "bucket_scales_ref", "lane_sum_ref"
            "qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
            "write_header_cpu",
            "qsgd_encode_cuda", "qsgd_decode_cuda", "onebit_encode_cuda", "onebit_decode_cuda",
-           "write_header_cuda", "check_header_cuda"]
+           "write_header_cuda", "check_header_cuda",
+           # fused: several payloads per launch (SRA's phases 2 and 3, allgather's sum)
+           "qsgd_decode_sum_ref", "onebit_decode_sum_ref", "qsgd_reduce_requantize_ref",
+           "onebit_reduce_requantize_ref", "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref",
+           "qsgd_decode_sum_cpu", "onebit_decode_sum_cpu", "qsgd_reduce_requantize_cpu",
+           "onebit_reduce_requantize_cpu", "qsgd_decode_chunks_cpu", "onebit_decode_chunks_cpu",
+           "qsgd_decode_sum_cuda", "onebit_decode_sum_cuda", "qsgd_reduce_requantize_cuda",
+           "onebit_reduce_requantize_cuda", "qsgd_decode_chunks_cuda", "onebit_decode_chunks_cuda"]
 
 _LAZY = {name: "cpu" for name in __all__ if name.endswith("_cpu")}
 _LAZY.update({name: "cuda" for name in __all__ if name.endswith("_cuda")})

@@ -26,9 +26,10 @@ fewer than 32 elements or not holding whole code words, buckets above ``FUSE_MAX
 import numpy as np
 from numba import cuda, float32, int32, int64
 
-from ._cuda_device import (BLOCK, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH, SHARED,
-                           SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of, finite, hdr_err,
-                           max_nan, mul, onebit_scales, qsgd_code, sqrt32)
+from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT,
+                           PACK_STOCH, SHARED, SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of,
+                           finite, hdr_err, header_errors, max_nan, mul, onebit_scales, qsgd_code,
+                           sqrt32)
 from ._scalar import F0, FNAN, U8, UFF
 
 FUSE_MAX = 8192                     # buckets above this take reduce + pack-only
@@ -39,13 +40,146 @@ DEC_K = 2 if SIMULATOR else 8       # elements per thread per decode chunk
 DEC_CHUNK = DEC_K * BLOCK
 DEC_TABLE = DEC_CHUNK + 8           # units of the buckets one chunk touches (bs=1: one per element)
 M32 = np.int64(0xFFFFFFFF)
+MAXCH = 1024                        # chunks of a decode_chunks (a shared table of their errors)
+MULTI_SUM, MULTI_CHUNKS = 0, 1      # block_decode_multi: sum n payloads; one payload per chunk
+HDR_WORDS = 16                      # the header, in 32-bit words
+
+
+@cuda.jit(device=True)
+def multi_bad(payloads, npay, ptotal, status, expect, check, check_name, sred, serr):
+    """Whether any of the ``npay`` payloads of ``ptotal`` bytes held back to back in ``payloads`` is
+    bad: with ``check`` their headers are checked (threads share the payloads; block 0 stores the
+    OR of the error bits in ``status[0]`` and ORs it into ``status[1]``), else ``status[0]`` is read.
+    ``sred``: shared int32[SHARED], ``serr``: shared int32[1]. Every thread must call it (barriers)."""
+    tid = cuda.threadIdx.x
+    err = 0
+    if check:
+        k = tid
+        while k < npay:
+            err |= hdr_err(payloads[k * ptotal:(k + 1) * ptotal], expect, check_name)
+            k += cuda.blockDim.x
+    sred[tid] = err
+    cuda.syncthreads()
+    if tid == 0:
+        if check:
+            e = 0
+            for t in range(cuda.blockDim.x):
+                e |= sred[t]
+            if cuda.blockIdx.x == 0:
+                status[0] = e
+                status[1] = status[1] | e
+        else:
+            e = status[0]
+        serr[0] = e
+    cuda.syncthreads()
+    return serr[0] != 0
+
+
+@cuda.jit(device=True)
+def chunks_bad(payloads, nch, ptotal, chunk, last_numel, status, expect, check, check_name, name_hashes,
+               sbad, serr):
+    """The header errors of the ``nch`` chunk payloads (chunk j's at ``j * ptotal``, ``chunk``
+    elements, the last ``last_numel``) into ``sbad[j]`` (with ``check``: numel and, with
+    ``check_name``, ``name_hashes[j]`` per chunk; block 0 stores their OR in ``status[0]`` and ORs it
+    into ``status[1]``); without ``check`` every chunk is bad when ``status[0] != 0`` (``serr[0]``)."""
+    tid = cuda.threadIdx.x
+    j = tid
+    while j < nch:
+        e = 0
+        if check:
+            m = chunk
+            if j == nch - 1:
+                m = last_numel
+            nh = np.int64(0)
+            if check_name:
+                nh = np.int64(name_hashes[j])
+            e = header_errors(payloads[j * ptotal:j * ptotal + 64], expect[0], expect[1], expect[2],
+                              expect[3], expect[4], m, nh, check_name)
+        sbad[j] = e
+        j += cuda.blockDim.x
+    cuda.syncthreads()
+    if tid == 0:
+        e = 0
+        if check:
+            for t in range(nch):
+                e |= sbad[t]
+            if cuda.blockIdx.x == 0:
+                status[0] = e
+                status[1] = status[1] | e
+        else:
+            e = status[0]
+        serr[0] = e
+    cuda.syncthreads()
+
+
+def make_value(BITS, kind):
+    """``value(words, scales, wb, sb, le, lb)``: element ``le`` (bucket ``lb``) of the payload whose
+    code words start at ``words[wb]`` and scales at ``scales[sb]``, as its decoder writes it."""
+    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
+    SF = np.float32(max(S, 1))
+    MASK = np.int64((1 << BITS) - 1)
+
+    @cuda.jit(device=True)
+    def code_at(words, wb, le):
+        bitpos = le * BITS
+        wi = wb + (bitpos >> 5)
+        sh = bitpos & 31
+        v = np.int64(words[wi]) >> sh
+        if sh + BITS > 32:
+            v |= np.int64(words[wi + 1]) << (32 - sh)
+        return v & MASK
+
+    @cuda.jit(device=True)
+    def value(words, scales, wb, sb, le, lb):
+        code = code_at(words, wb, le)
+        if kind == DEC_QSGD:
+            return mul(np.float32(np.int32(code - S)), scales[sb + lb] / SF)
+        if kind == DEC_TWO_MEAN:
+            if code:
+                return scales[sb + 2 * lb]
+            return scales[sb + 2 * lb + 1]
+        v = scales[sb + lb]
+        if not code:
+            v = -v
+        return v
+
+    return code_at, value
+
+
+def make_source(BITS, kind):
+    """``source(words, scales, i, b, npay, pw, psoff, rin, has_rin)``: the float32 sum, in payload
+    order, of element ``i`` (bucket ``b``) of the ``npay`` payloads of ``pw`` words each (code words at
+    word 16, scales at word ``psoff`` of each), plus ``rin[i]`` when ``has_rin``: the value a
+    reduce_requantize quantizes, computed where it is used (never stored)."""
+    _, value = make_value(BITS, kind)
+
+    @cuda.jit(device=True)
+    def source(words, scales, i, b, npay, pw, psoff, rin, has_rin):
+        v = value(words, scales, HDR_WORDS, psoff, i, b)
+        for k in range(1, npay):
+            v = v + value(words, scales, k * pw + HDR_WORDS, k * pw + psoff, i, b)
+        if has_rin:
+            v = v + rin[i]
+        return v
+
+    return source
+
+
+def _dec_kind(red, pack):
+    if pack != PACK_ONEBIT:
+        return DEC_QSGD
+    return DEC_TWO_MEAN if red == TWO_MEAN else DEC_MEAN_ABS
 
 
 def make_reduce(spec):
-    red, = spec
+    """``spec``: (red,) or (red, bits, pack, True): the values are the sums of payloads (``source``)."""
+    red = spec[0]
+    SRC = len(spec) > 1
+    source = make_source(spec[1], _dec_kind(red, spec[2])) if SRC else None
 
     @cuda.jit
-    def reduce(x, scales, numel, bs, nb):
+    def reduce(x, scales, numel, bs, nb, ppay, pwords, pscales, status, expect, check, check_name,
+               npay, pw, psoff, rin, has_rin):
         """One group of 32 threads per bucket: its scale(s), canonical order."""
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -53,6 +187,11 @@ def make_reduce(spec):
         sp = cuda.shared.array(SHARED, float32)
         sq = cuda.shared.array(SHARED, float32)
         sc = cuda.shared.array(SHARED, int64)
+        bad = False
+        if SRC:
+            sred = cuda.shared.array(SHARED, int32)
+            serr = cuda.shared.array(1, int32)
+            bad = multi_bad(ppay, npay, pw * 4, status, expect, check, check_name, sred, serr)
         p = F0
         q = F0
         cnt = 0
@@ -61,7 +200,13 @@ def make_reduce(spec):
         if b < nb:
             i = st + lane
             while i < en:
-                p, q, cnt = add_term(red, x[i], p, q, cnt)
+                if SRC:
+                    xv = source(pwords, pscales, i, b, npay, pw, psoff, rin, has_rin)
+                    if bad:
+                        xv = FNAN
+                else:
+                    xv = x[i]
+                p, q, cnt = add_term(red, xv, p, q, cnt)
                 i += 32
         sp[tid] = p
         sq[tid] = q
@@ -95,7 +240,11 @@ def make_reduce(spec):
 
 
 def make_encode(spec):
-    BITS, red, pack, RESID = spec
+    """``spec``: (bits, red, pack, resid[, src]); ``src``: the values are the sums of payloads (plus
+    ``rin``), computed by ``source`` wherever the plain encode reads ``x`` (reduce_requantize)."""
+    BITS, red, pack, RESID = spec[:4]
+    SRC = len(spec) > 4 and spec[4]
+    source = make_source(BITS, _dec_kind(red, pack)) if SRC else None
     S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
     SF = np.float32(max(S, 1))
     PER = 32 // BITS + 2           # at most this many elements touch one 32-bit word
@@ -103,7 +252,9 @@ def make_encode(spec):
     STOCH = pack == PACK_STOCH
 
     @cuda.jit
-    def block_encode(x, payload, words, scales, header, n, nb, bs, inv_bs, G, fused, key, residual):
+    def block_encode(x, payload, words, scales, header, n, nb, bs, inv_bs, G, fused, key, residual,
+                     ppay, pwords, pscales, status, expect, check, check_name, npay, pw, psoff, rin,
+                     has_rin):
         tid = cuda.threadIdx.x
         blk = cuda.blockIdx.x
         nthr = cuda.blockDim.x
@@ -117,6 +268,11 @@ def make_encode(spec):
         sunit = cuda.shared.array(MAXG, float32)
         rv = cuda.local.array(PER, float32)
         ri = cuda.local.array(PER, int64)
+        bad = False
+        if SRC:
+            sred = cuda.shared.array(SHARED, int32)
+            serr = cuda.shared.array(1, int32)
+            bad = multi_bad(ppay, npay, pw * 4, status, expect, check, check_name, sred, serr)
         b0 = np.int64(blk) * G
         b1 = min(nb, b0 + G)
         nbl = b1 - b0
@@ -135,7 +291,13 @@ def make_encode(spec):
                 if lb < nbl:
                     i = st + lane
                     while i < en:
-                        p, q, cnt = add_term(red, x[i], p, q, cnt)
+                        if SRC:
+                            xv = source(pwords, pscales, i, b0 + lb, npay, pw, psoff, rin, has_rin)
+                            if bad:
+                                xv = FNAN
+                        else:
+                            xv = x[i]
+                        p, q, cnt = add_term(red, xv, p, q, cnt)
                         i += 32
                 sp[tid] = p
                 sq[tid] = q
@@ -227,7 +389,12 @@ def make_encode(spec):
                                 else:
                                     scale = scales[b]
                                     unit = scale / SF
-                            xv = x[e]
+                            if SRC:
+                                xv = source(pwords, pscales, e, b, npay, pw, psoff, rin, has_rin)
+                                if bad:
+                                    xv = FNAN
+                            else:
+                                xv = x[e]
                             if ONEBIT:
                                 c = np.int64(0)
                                 d = unit               # (1-bit: scale = value of 1, unit = of 0)
@@ -318,6 +485,114 @@ def make_decode(spec):
             chunk += cuda.gridDim.x
 
     return block_decode
+
+
+def make_decode_multi(spec):
+    """``block_decode_multi``: ``block_decode`` over several payloads in one launch. MODE MULTI_SUM:
+    out = the float32 sum, in payload order, of the ``npay`` payloads of ``ptotal`` bytes held back
+    to back (a block keeps its DEC_K elements' partial sums in registers, refilling the shared table of
+    units once per payload); any bad payload makes every value NaN. MODE MULTI_CHUNKS: element i is
+    element ``i - j*chunk`` of chunk j's payload (at ``j*ptotal``; the last chunk's scales at
+    ``last_psoff``); a bad chunk decodes to NaN. ``words``/``scales``: the whole buffer as uint32 /
+    float32 (offsets in 4-byte units)."""
+    BITS, kind, MODE = spec
+    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
+    SF = np.float32(max(S, 1))
+    code_at, _ = make_value(BITS, kind)
+    CHUNKS = MODE == MULTI_CHUNKS
+    NBAD = MAXCH if CHUNKS else 1
+
+    @cuda.jit
+    def block_decode_multi(payloads, words, scales, out, status, expect, check, check_name, name_hashes,
+                           n, bs, inv_bs, nchunks, npay, pw, psoff, chunk, last_numel, last_psoff):
+        tid = cuda.threadIdx.x
+        nthr = cuda.blockDim.x
+        serr = cuda.shared.array(1, int32)
+        sred = cuda.shared.array(SHARED, int32)
+        sbad = cuda.shared.array(NBAD, int32)
+        sunit = cuda.shared.array(DEC_TABLE, float32)
+        acc = cuda.local.array(DEC_K, float32)
+        nch = (n + chunk - 1) // chunk
+        bpc = chunk // bs
+        bad = False
+        if CHUNKS:
+            chunks_bad(payloads, nch, pw * 4, chunk, last_numel, status, expect, check, check_name,
+                       name_hashes, sbad, serr)
+            npass = 1
+        else:
+            bad = multi_bad(payloads, npay, pw * 4, status, expect, check, check_name, sred, serr)
+            npass = npay
+        c = np.int64(cuda.blockIdx.x)
+        per = np.int64(nthr) * DEC_K
+        while c < nchunks:
+            base = c * per
+            last = min(n, base + per) - 1
+            bl0 = bucket_of(base, bs, inv_bs)
+            nbl = bucket_of(last, bs, inv_bs) - bl0 + 1
+            for k in range(npass):
+                if kind == DEC_QSGD:
+                    j = tid
+                    while j < nbl:
+                        b = bl0 + j
+                        pj = k
+                        lb = b
+                        if CHUNKS:
+                            pj = b // bpc
+                            lb = b - pj * bpc
+                        sb = pj * pw + psoff
+                        if CHUNKS and pj == nch - 1:
+                            sb = pj * pw + last_psoff
+                        sunit[j] = scales[sb + lb] / SF
+                        j += nthr
+                    cuda.syncthreads()
+                for kk in range(DEC_K):
+                    i = base + kk * nthr + tid
+                    if i < n:
+                        b = bucket_of(i, bs, inv_bs)
+                        pj = k
+                        le = i
+                        lb = b
+                        if CHUNKS:
+                            pj = b // bpc
+                            lb = b - pj * bpc
+                            le = i - pj * chunk
+                        sb = pj * pw + psoff
+                        if CHUNKS and pj == nch - 1:
+                            sb = pj * pw + last_psoff
+                        code = code_at(words, pj * pw + HDR_WORDS, le)
+                        if kind == DEC_QSGD:
+                            val = mul(np.float32(np.int32(code - S)), sunit[b - bl0])
+                        elif kind == DEC_TWO_MEAN:
+                            if code:
+                                val = scales[sb + 2 * lb]
+                            else:
+                                val = scales[sb + 2 * lb + 1]
+                        else:
+                            val = scales[sb + lb]
+                            if not code:
+                                val = -val
+                        if k == 0:
+                            acc[kk] = val
+                        else:
+                            acc[kk] = acc[kk] + val
+                if kind == DEC_QSGD:
+                    cuda.syncthreads()     # the next payload (or chunk) overwrites the table
+            for kk in range(DEC_K):
+                i = base + kk * nthr + tid
+                if i < n:
+                    v = acc[kk]
+                    if CHUNKS:
+                        if check:
+                            if sbad[bucket_of(i, bs, inv_bs) // bpc] != 0:
+                                v = FNAN
+                        elif serr[0] != 0:
+                            v = FNAN
+                    elif bad:
+                        v = FNAN
+                    out[i] = v
+            c += cuda.gridDim.x
+
+    return block_decode_multi
 
 
 @cuda.jit

@@ -24,7 +24,12 @@ from ._scalar import F0, FNAN, GAMMA, U8, U24M, U40, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
            "write_header_cpu", "chunk_buckets", "prepare_qsgd_encode", "prepare_qsgd_decode",
-           "prepare_onebit_encode", "prepare_onebit_decode", "header_errors_cpu"]
+           "prepare_onebit_encode", "prepare_onebit_decode", "header_errors_cpu",
+           "qsgd_decode_sum_cpu", "onebit_decode_sum_cpu", "qsgd_reduce_requantize_cpu",
+           "onebit_reduce_requantize_cpu", "qsgd_decode_chunks_cpu", "onebit_decode_chunks_cpu",
+           "prepare_qsgd_decode_sum", "prepare_onebit_decode_sum", "prepare_qsgd_reduce_requantize",
+           "prepare_onebit_reduce_requantize", "prepare_qsgd_decode_chunks",
+           "prepare_onebit_decode_chunks"]
 
 
 
@@ -227,44 +232,94 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
                     payload[base + j] = np.uint8((hi >> (U8 * np.uint64(j - 8))) & UFF)
 
 
+@_inline
+def _qsgd_dec_range(payload, out, codes_off, scales, bits, bs, b0, b1, accumulate):
+    """out[i] (+)= the value of element i of a QSGD payload, for the elements of buckets [b0, b1)."""
+    numel = out.size
+    s = (1 << (bits - 1)) - 1
+    sf = np.float32(s)
+    ubits = np.uint64(bits)
+    mask = (np.uint64(1) << ubits) - np.uint64(1)
+    e0 = b0 * bs
+    e1 = min(numel, b1 * bs)
+    pos = codes_off + (e0 * bits) // 8
+    acc = np.uint64(0)
+    nacc = np.uint64(0)
+    b = b0
+    bend = min(numel, (b + 1) * bs)
+    unit = scales[b] / sf
+    for i in range(e0, e1):
+        if i >= bend:
+            b += 1
+            bend = min(numel, bend + bs)
+            unit = scales[b] / sf
+        while nacc < ubits:
+            acc |= np.uint64(payload[pos]) << nacc
+            pos += 1
+            nacc += U8
+        code = np.int64(acc & mask)
+        acc >>= ubits
+        nacc -= ubits
+        val = np.float32(code - s) * unit
+        if accumulate:
+            out[i] = out[i] + val
+        else:
+            out[i] = val
+
+
 @_kernel
 def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bits, bs, accumulate, kchunk):
     numel = out.size
     scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
     nb = (numel + bs - 1) // bs
     nchunks = (nb + kchunk - 1) // kchunk
-    s = (1 << (bits - 1)) - 1
-    sf = np.float32(s)
-    ubits = np.uint64(bits)
-    mask = (np.uint64(1) << ubits) - np.uint64(1)
+    for c in prange(nchunks):
+        b0 = c * kchunk
+        _qsgd_dec_range(payload, out, codes_off, scales, bits, bs, b0, min(nb, b0 + kchunk), accumulate)
+
+
+@_kernel
+def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bits, bs, kchunk,
+                     addend, has_add):
+    """out = the float32 sum of the npay payloads' decodes, in payload order (+ addend[i] last)."""
+    numel = out.size
+    nb = (numel + bs - 1) // bs
+    nchunks = (nb + kchunk - 1) // kchunk
     for c in prange(nchunks):
         b0 = c * kchunk
         b1 = min(nb, b0 + kchunk)
-        e0 = b0 * bs
-        e1 = min(numel, b1 * bs)
-        pos = codes_off + (e0 * bits) // 8
-        acc = np.uint64(0)
-        nacc = np.uint64(0)
-        b = b0
-        bend = min(numel, (b + 1) * bs)
-        unit = scales[b] / sf
-        for i in range(e0, e1):
-            if i >= bend:
-                b += 1
-                bend = min(numel, bend + bs)
-                unit = scales[b] / sf
-            while nacc < ubits:
-                acc |= np.uint64(payload[pos]) << nacc
-                pos += 1
-                nacc += U8
-            code = np.int64(acc & mask)
-            acc >>= ubits
-            nacc -= ubits
-            val = np.float32(code - s) * unit
-            if accumulate:
-                out[i] = out[i] + val
-            else:
-                out[i] = val
+        for k in range(npay):
+            p = payloads[k * total:(k + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+            _qsgd_dec_range(p, out, codes_off, scales, bits, bs, b0, b1, k > 0)
+        if has_add:
+            for i in range(b0 * bs, min(numel, b1 * bs)):
+                out[i] = out[i] + addend[i]
+
+
+@_kernel
+def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
+                        last_nscales, codes_off, bits, bs, kchunk):
+    """Chunk j's payload (at j*total in gathered) decoded into out[j*chunk:(j+1)*chunk]; the last
+    chunk has its own layout (last_*)."""
+    numel = out.size
+    nch = (numel + chunk - 1) // chunk
+    per = (chunk // bs + kchunk - 1) // kchunk          # tasks per full chunk
+    for t in prange(nch * per):
+        j = t // per
+        c = t - j * per
+        a = j * chunk
+        o = out[a:min(numel, a + chunk)]
+        if j == nch - 1:
+            p = gathered[j * total:j * total + last_total]
+            scales = p[last_scales_off:last_scales_off + 4 * last_nscales].view(np.float32)
+        else:
+            p = gathered[j * total:(j + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+        nb = (o.size + bs - 1) // bs
+        b0 = c * kchunk
+        if b0 < nb:
+            _qsgd_dec_range(p, o, codes_off, scales, bits, bs, b0, min(nb, b0 + kchunk), False)
 
 
 @_kernel
@@ -329,6 +384,29 @@ def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
                     residual[i] = v - (hi if v >= F0 else lo)
 
 
+@_inline
+def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, b0, b1, accumulate):
+    """out[i] (+)= the value of element i of a 1-bit payload, for the elements of buckets [b0, b1)."""
+    numel = out.size
+    e0 = b0 * bs
+    e1 = min(numel, b1 * bs)
+    b = b0
+    bend = min(numel, (b + 1) * bs)
+    for i in range(e0, e1):
+        if i >= bend:
+            b += 1
+            bend = min(numel, bend + bs)
+        bit = (payload[codes_off + (i >> 3)] >> (i & 7)) & 1
+        if two_mean:
+            val = scales[2 * b] if bit else scales[2 * b + 1]
+        else:
+            val = scales[b] if bit else -scales[b]
+        if accumulate:
+            out[i] = out[i] + val
+        else:
+            out[i] = val
+
+
 @_kernel
 def _onebit_decode(payload, out, codes_off, scales_off, nscales, bs, two_mean, accumulate, kchunk):
     numel = out.size
@@ -337,24 +415,49 @@ def _onebit_decode(payload, out, codes_off, scales_off, nscales, bs, two_mean, a
     nchunks = (nb + kchunk - 1) // kchunk
     for c in prange(nchunks):
         b0 = c * kchunk
+        _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, b0, min(nb, b0 + kchunk),
+                          accumulate)
+
+
+@_kernel
+def _onebit_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, two_mean, kchunk,
+                       addend, has_add):
+    numel = out.size
+    nb = (numel + bs - 1) // bs
+    nchunks = (nb + kchunk - 1) // kchunk
+    for c in prange(nchunks):
+        b0 = c * kchunk
         b1 = min(nb, b0 + kchunk)
-        e0 = b0 * bs
-        e1 = min(numel, b1 * bs)
-        b = b0
-        bend = min(numel, (b + 1) * bs)
-        for i in range(e0, e1):
-            if i >= bend:
-                b += 1
-                bend = min(numel, bend + bs)
-            bit = (payload[codes_off + (i >> 3)] >> (i & 7)) & 1
-            if two_mean:
-                val = scales[2 * b] if bit else scales[2 * b + 1]
-            else:
-                val = scales[b] if bit else -scales[b]
-            if accumulate:
-                out[i] = out[i] + val
-            else:
-                out[i] = val
+        for k in range(npay):
+            p = payloads[k * total:(k + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+            _onebit_dec_range(p, out, codes_off, scales, bs, two_mean, b0, b1, k > 0)
+        if has_add:
+            for i in range(b0 * bs, min(numel, b1 * bs)):
+                out[i] = out[i] + addend[i]
+
+
+@_kernel
+def _onebit_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
+                          last_nscales, codes_off, bs, two_mean, kchunk):
+    numel = out.size
+    nch = (numel + chunk - 1) // chunk
+    per = (chunk // bs + kchunk - 1) // kchunk
+    for t in prange(nch * per):
+        j = t // per
+        c = t - j * per
+        a = j * chunk
+        o = out[a:min(numel, a + chunk)]
+        if j == nch - 1:
+            p = gathered[j * total:j * total + last_total]
+            scales = p[last_scales_off:last_scales_off + 4 * last_nscales].view(np.float32)
+        else:
+            p = gathered[j * total:(j + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+        nb = (o.size + bs - 1) // bs
+        b0 = c * kchunk
+        if b0 < nb:
+            _onebit_dec_range(p, o, codes_off, scales, bs, two_mean, b0, min(nb, b0 + kchunk), False)
 
 
 def _write_header_only(payload, header):
@@ -572,3 +675,201 @@ def onebit_decode_cpu(payload, out, bucket_size, two_mean, accumulate, stream=No
     n = out.size
     _cached((3, n, bucket_size, two_mean, accumulate), prepare_onebit_decode, n, bucket_size, two_mean,
             accumulate)(payload, out, stream, status, expect)
+
+
+# ---- fused operations (see numba_kernels.reference): several payloads per call ------------------------
+
+def _method_layout(numel, bits, bucket_size, two_mean):
+    """(layout, bucket size used by the kernels) of QSGD (``two_mean`` None) or 1-bit payloads."""
+    if two_mean is None:
+        return wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size), bucket_size
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    return (wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode),
+            int(bucket_size) or max(numel, 1))
+
+
+def _check_all(payloads, n, total, expect):
+    if n < 1:
+        raise ValueError(f"n must be at least 1; got {n}")
+    if payloads.size != n * total:
+        raise wire.PayloadError(f"payloads has {payloads.size} bytes, {n} payloads of {total} need "
+                                f"{n * total}")
+    if expect is not None:
+        for k in range(n):
+            _check_expect(payloads[k * total:(k + 1) * total], expect)
+
+
+class _DecodeSumCPU(_PreparedBase):
+    """``prepare_*_decode_sum(...)(payloads, n, out, stream=None, status=None, expect=None)``."""
+    __slots__ = ("args", "qsgd")
+
+    def __init__(self, numel, bits, bucket_size, two_mean):
+        lay, bs = _method_layout(numel, bits, bucket_size, two_mean)
+        self.qsgd = two_mean is None
+        self._setup(_qsgd_decode_sum if self.qsgd else _onebit_decode_sum, lay, bs)
+        if self.qsgd:
+            self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bits), bs)
+        else:
+            self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(two_mean))
+
+    def _run(self, payloads, n, out, addend):
+        if self.numel:
+            has = addend is not None
+            self._pick()(payloads, n, self.total, out, *self.args, self.k, addend if has else out, has)
+
+    def __call__(self, payloads, n, out, stream=None, status=None, expect=None):
+        out = _flat(out)
+        if out.size != self.numel:
+            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
+        _check_all(payloads, n, self.total, expect)
+        self._run(payloads, n, out, None)
+
+
+class _ReduceRequantizeCPU:
+    """``prepare_qsgd_reduce_requantize(...)(payloads, n, residual, out_payload, header, key,
+    stream=None, status=None, expect=None)`` (1-bit: ``key`` is ignored). The sum (plus the residual)
+    goes to a scratch array, then the encode kernel quantizes it and writes the new residual."""
+    __slots__ = ("numel", "sum", "encode")
+
+    def __init__(self, numel, bits, bucket_size, two_mean, stochastic=False, norm_l2=False):
+        self.numel = numel
+        self.sum = _DecodeSumCPU(numel, bits, bucket_size, two_mean)
+        if two_mean is None:
+            enc = QsgdEncodeCPU(numel, bits, bucket_size, stochastic, norm_l2)
+            self.encode = enc
+        else:
+            enc = OnebitEncodeCPU(numel, bucket_size, two_mean)
+            self.encode = lambda x, p, h, key, stream, residual: enc(x, p, h, stream, residual)
+
+    def __call__(self, payloads, n, residual, out_payload, header, key=0, stream=None, status=None,
+                 expect=None):
+        _check_all(payloads, n, self.sum.total, expect)
+        _check_size(out_payload, self.sum.total)
+        if residual is not None:
+            residual = _flat(residual)
+            if residual.size != self.numel:
+                raise ValueError(f"residual has {residual.size} elements, this launch was prepared "
+                                 f"for {self.numel}")
+        c = np.empty(self.numel, np.float32)
+        self.sum._run(payloads, n, c, residual)
+        self.encode(c, out_payload, header, key, stream, residual)
+
+
+class _DecodeChunksCPU:
+    """``prepare_*_decode_chunks(...)(gathered, out, stream=None, status=None, name_hashes=None,
+    expect=None)``: chunk j's payload decoded into ``out[j*chunk:(j+1)*chunk]``."""
+    __slots__ = ("numel", "total", "offsets", "method", "bits", "mode", "bs0", "chunk", "args",
+                 "_kernel", "_serial", "ntasks", "kchunk", "_exps")
+
+    def __init__(self, numel, bits, bucket_size, chunk, two_mean):
+        from .reference import chunk_ranges
+        ranges = chunk_ranges(numel, bucket_size, chunk)
+        self.numel, self.bits, self.bs0, self.chunk = numel, bits, bucket_size, chunk
+        self._exps = None
+        qsgd = two_mean is None
+        self.method = wire.METHODS["qsgd" if qsgd else "onebit"]
+        self.mode = 0 if qsgd else wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+        full, bs = _method_layout(min(chunk, numel), bits, bucket_size, two_mean)
+        last, _ = _method_layout(ranges[-1][1] - ranges[-1][0] if ranges else 0, bits, bucket_size,
+                                 two_mean)
+        self.offsets = [j * full.total for j in range(len(ranges))] + [
+            (len(ranges) - 1) * full.total + last.total if ranges else 0]
+        self.total = self.offsets[-1]
+        kchunk = chunk_buckets(bs, numel)
+        if not bucket_size:
+            chunk = bs                                   # one chunk of one bucket
+        self.kchunk = kchunk
+        self.ntasks = len(ranges) * -(-(chunk // bs) // kchunk)
+        common = (chunk, full.total, full.scales_offset, full.nscales, last.total, last.scales_offset,
+                  last.nscales, full.codes_offset)
+        self.args = common + ((int(bits), bs) if qsgd else (bs, bool(two_mean)))
+        self._kernel = _qsgd_decode_chunks if qsgd else _onebit_decode_chunks
+        self._serial = self._kernel.serial if self.ntasks <= 1 else None
+
+    def __call__(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
+        from .reference import chunk_expects
+        out = _flat(out)
+        if out.size != self.numel:
+            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
+        if gathered.size != self.total:
+            raise wire.PayloadError(f"gathered has {gathered.size} bytes, the chunks need {self.total}")
+        if expect is not None or name_hashes is not None:
+            key = (expect, id(name_hashes))         # a caller passes the same ones every step
+            if self._exps is None or self._exps[0] != key:
+                self._exps = (key, name_hashes, chunk_expects(self.numel, self.bs0, self.chunk, self.method,
+                                                              self.bits, self.mode, expect, name_hashes))
+            for j, e in enumerate(self._exps[2]):
+                _check_expect(gathered[self.offsets[j]:self.offsets[j + 1]], e)
+        if self.numel:
+            k = self._serial if self._serial is not None else self._kernel.pick(self.ntasks)
+            k(gathered, out, *self.args, self.kchunk)
+
+
+def prepare_qsgd_decode_sum(numel, bits, bucket_size):
+    return _DecodeSumCPU(int(numel), int(bits), int(bucket_size), None)
+
+
+def prepare_onebit_decode_sum(numel, bucket_size, two_mean):
+    return _DecodeSumCPU(int(numel), 1, int(bucket_size or 0), bool(two_mean))
+
+
+def prepare_qsgd_reduce_requantize(numel, bits, bucket_size, stochastic, norm_l2):
+    return _ReduceRequantizeCPU(int(numel), int(bits), int(bucket_size), None, bool(stochastic),
+                                bool(norm_l2))
+
+
+def prepare_onebit_reduce_requantize(numel, bucket_size, two_mean):
+    return _ReduceRequantizeCPU(int(numel), 1, int(bucket_size or 0), bool(two_mean))
+
+
+def prepare_qsgd_decode_chunks(numel, bits, bucket_size, chunk):
+    return _DecodeChunksCPU(int(numel), int(bits), int(bucket_size), int(chunk), None)
+
+
+def prepare_onebit_decode_chunks(numel, bucket_size, two_mean, chunk):
+    return _DecodeChunksCPU(int(numel), 1, int(bucket_size or 0), int(chunk), bool(two_mean))
+
+
+def qsgd_decode_sum_cpu(payloads, n, out, bits, bucket_size, stream=None, status=None, expect=None):
+    """out = the float32 sum of ``n`` QSGD payloads' decodes (see ``qsgd_decode_sum_ref``)."""
+    m = out.size
+    _cached((4, m, bits, bucket_size), prepare_qsgd_decode_sum, m, bits, bucket_size)(
+        payloads, n, out, stream, status, expect)
+
+
+def onebit_decode_sum_cpu(payloads, n, out, bucket_size, two_mean, stream=None, status=None,
+                          expect=None):
+    m = out.size
+    _cached((5, m, bucket_size, two_mean), prepare_onebit_decode_sum, m, bucket_size, two_mean)(
+        payloads, n, out, stream, status, expect)
+
+
+def qsgd_reduce_requantize_cpu(payloads, n, residual, out_payload, header, bits, bucket_size, stochastic,
+                               norm_l2, key, stream=None, status=None, expect=None):
+    """SRA's phase 2 (see ``qsgd_reduce_requantize_ref``); numel is the header's."""
+    m = int(header[2])
+    _cached((6, m, bits, bucket_size, stochastic, norm_l2), prepare_qsgd_reduce_requantize, m, bits,
+            bucket_size, stochastic, norm_l2)(payloads, n, residual, out_payload, header, key, stream,
+                                              status, expect)
+
+
+def onebit_reduce_requantize_cpu(payloads, n, residual, out_payload, header, bucket_size, two_mean,
+                                 stream=None, status=None, expect=None):
+    m = int(header[2])
+    _cached((7, m, bucket_size, two_mean), prepare_onebit_reduce_requantize, m, bucket_size, two_mean)(
+        payloads, n, residual, out_payload, header, 0, stream, status, expect)
+
+
+def qsgd_decode_chunks_cpu(gathered, out, bits, bucket_size, chunk, stream=None, status=None,
+                           name_hashes=None, expect=None):
+    """SRA's phase 3 (see ``qsgd_decode_chunks_ref``)."""
+    m = out.size
+    _cached((8, m, bits, bucket_size, chunk), prepare_qsgd_decode_chunks, m, bits, bucket_size, chunk)(
+        gathered, out, stream, status, name_hashes, expect)
+
+
+def onebit_decode_chunks_cpu(gathered, out, bucket_size, two_mean, chunk, stream=None, status=None,
+                             name_hashes=None, expect=None):
+    m = out.size
+    _cached((9, m, bucket_size, two_mean, chunk), prepare_onebit_decode_chunks, m, bucket_size, two_mean,
+            chunk)(gathered, out, stream, status, name_hashes, expect)

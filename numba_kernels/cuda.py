@@ -29,6 +29,21 @@ Decoders take ``expect`` (a ``wire.Expect``): the header check then runs inside 
 bad payload decodes to NaN, its error bits go to ``status[0]`` and are ORed into ``status[1]``); with
 ``expect=None`` and a ``status``, the decode writes NaN where ``status[0] != 0`` (the result of an
 earlier ``check_header_cuda``). Encoders take ``residual``: see ``numba_kernels.reference``.
+
+Fused operations (several payloads per launch; definitions in ``numba_kernels.reference``), all on the
+general path's kernels whatever the configuration:
+
+* ``*_decode_sum_cuda`` / ``prepare_*_decode_sum`` ``(payloads, n, out, stream, status, expect)``:
+  one launch of ``block_decode_multi`` (each thread keeps its elements' partial sums in registers
+  over the n payloads); any bad payload makes the whole ``out`` NaN (status: the OR of the errors).
+* ``*_decode_chunks_cuda`` / ``prepare_*_decode_chunks`` ``(gathered, out, stream, status,
+  name_hashes, expect)``: one launch of ``block_decode_multi``; a bad chunk decodes to NaN; at most
+  MAXCH chunks.
+* ``*_reduce_requantize_cuda`` / ``prepare_*_reduce_requantize`` ``(payloads, n, residual,
+  out_payload, header, key, stream, status, expect)``: one launch of the general encode (buckets up
+  to FUSE_MAX; above, the scales' reduce and the pack: two) whose values are the payloads' sum plus
+  ``residual``, recomputed where the encode reads them (no float32 array in global memory); a bad
+  payload makes the sum NaN.
 """
 import ctypes
 import math
@@ -48,7 +63,13 @@ from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX,
 __all__ = ["qsgd_encode_cuda", "qsgd_decode_cuda", "onebit_encode_cuda", "onebit_decode_cuda",
            "write_header_cuda", "check_header_cuda", "prepare_qsgd_encode", "prepare_qsgd_decode",
            "prepare_onebit_encode", "prepare_onebit_decode", "kernel_path", "kernels", "SIMULATOR",
-           "BLOCK", "FUSE_MAX"]
+           "BLOCK", "FUSE_MAX", "qsgd_decode_sum_cuda", "onebit_decode_sum_cuda",
+           "qsgd_reduce_requantize_cuda", "onebit_reduce_requantize_cuda", "qsgd_decode_chunks_cuda",
+           "onebit_decode_chunks_cuda", "prepare_qsgd_decode_sum", "prepare_onebit_decode_sum",
+           "prepare_qsgd_reduce_requantize", "prepare_onebit_reduce_requantize",
+           "prepare_qsgd_decode_chunks", "prepare_onebit_decode_chunks", "MAXCH"]
+
+MAXCH = _B.MAXCH
 
 FUSE_MAX = _B.FUSE_MAX
 
@@ -71,9 +92,14 @@ _I64, _F64, _B1, _U64 = nbt.int64, nbt.float64, nbt.boolean, nbt.uint64
 
 SIG_WARP_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _I64, _I64, _U64, _F32)
 SIG_WARP_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _I64, _I64, _B1)
-SIG_BLOCK_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _F64, _I64, _B1, _U64, _F32)
+# the payloads a reduce_requantize sums (ignored by the plain encode): ppay, pwords, pscales, status,
+# expect, check, check_name, npay, words per payload, scales offset in words, rin, has_rin
+_SRC = (_U8, _U32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _F32, _B1)
+SIG_BLOCK_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _F64, _I64, _B1, _U64, _F32) + _SRC
 SIG_BLOCK_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _F64, _B1, _I64)
-SIG_REDUCE = (_F32, _F32, _I64, _I64, _I64)
+SIG_REDUCE = (_F32, _F32, _I64, _I64, _I64) + _SRC
+SIG_DECODE_MULTI = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _U32, _I64, _I64, _F64, _I64, _I64,
+                    _I64, _I64, _I64, _I64, _I64)
 SIG_HEADER = (_U8, _HDR)
 SIG_CHECK = (_U8, _I32, _EXP, _B1)
 
@@ -227,6 +253,18 @@ def _zero_status():
 
 
 _NSM = []
+_SIM_DUMMY = []
+
+
+def _sim_no_src():
+    """The trailing arguments of a plain (not reduce_requantize) general-path encode in the
+    simulator: unused, but typed."""
+    if not _SIM_DUMMY:
+        _SIM_DUMMY.append((cuda.to_device(np.zeros(4, np.uint8)), cuda.to_device(np.zeros(1, np.uint32)),
+                           cuda.to_device(np.zeros(1, np.float32)), cuda.to_device(np.zeros(2, np.int32)),
+                           _NO_EXPECT, False, False, 0, 0, 0, cuda.to_device(np.zeros(1, np.float32)),
+                           False))
+    return _SIM_DUMMY[0]
 
 
 def _sm_count():
@@ -253,9 +291,12 @@ def _encode_groups(bs, bits):
 class _Encode:
     """A prepared encode: ``__call__(x, payload, header, key, stream, residual=None)``."""
     __slots__ = ("numel", "total", "codes_off", "scales_off", "nwords", "nscales", "bits", "bs", "red",
-                 "pack", "path", "grid", "args", "spec", "_raw", "_rgrid", "_reduce", "_hdr")
+                 "pack", "path", "grid", "args", "spec", "_raw", "_rgrid", "_reduce", "_hdr", "src",
+                 "_exp")
 
-    def __init__(self, numel, bits, bs, red, pack, lay):
+    def __init__(self, numel, bits, bs, red, pack, lay, src=False):
+        self.src = src              # reduce_requantize: the values are sums of payloads (block path)
+        self._exp = None
         self.numel, self.bits, self.bs, self.red, self.pack = numel, bits, bs, red, pack
         self.total = lay.total
         self.codes_off, self.scales_off = lay.codes_offset, lay.scales_offset
@@ -265,7 +306,7 @@ class _Encode:
         self._raw = {}
         self._reduce = None
         self._hdr = None
-        if _W.supported(bits, bs, numel, FUSE_MAX):
+        if not src and _W.supported(bits, bs, numel, FUSE_MAX):
             self.path = "warp"
             ngroups = max(1, _grid(nb, BLOCK // 32))
             regk = _W.regk(bs)
@@ -292,18 +333,30 @@ class _Encode:
     def _dispatcher(self, resid):
         if self.path == "warp":
             return _kernel("warp_encode", _W.make_encode, self.spec + (resid,))
+        if self.src:
+            return _kernel("block_reduce_requantize", _B.make_encode, self.spec + (resid, True))
         return _kernel("block_encode", _B.make_encode, self.spec + (resid,))
 
     def _reducer(self):
+        if self.src:
+            return _kernel("reduce_sum", _B.make_reduce, (self.red, self.bits, self.pack, True))
         return _kernel("reduce", _B.make_reduce, (self.red,))
+
+    def _src_sizes(self):
+        n = self.numel
+        return [self.total, self.nwords, self.nscales, 2, None, 0, 0, 0, self.total // 4,
+                self.scales_off // 4, n, 0]
 
     def _prepare_raw(self, resid):
         sig = SIG_WARP_ENCODE if self.path == "warp" else SIG_BLOCK_ENCODE
         sizes = [self.numel, self.total, self.nwords, self.nscales, None] + list(self.args) + [0, self.numel]
+        if self.path == "block":
+            sizes += self._src_sizes()
         raw = self._raw[resid] = _Raw(self._dispatcher(resid), sig, sizes)
         if self.path == "block" and not self.args[5] and self.numel and self._reduce is None:
             self._reduce = _Raw(self._reducer(), SIG_REDUCE,
-                                [self.numel, self.nscales, self.numel, self.bs, self.args[1]])
+                                [self.numel, self.nscales, self.numel, self.bs, self.args[1]]
+                                + self._src_sizes())
         return raw
 
     def __call__(self, x, payload, header, key, stream=None, residual=None):
@@ -324,8 +377,9 @@ class _Encode:
         if hs is None or hs[1] is not header or hs[0] is not raw:
             raw.set_tuple(4, header)
             self._hdr = (raw, header)
-        s[-2].value = int(key)
-        s[-1].value = _ptr(residual) if resid else px
+        nargs = len(self.args)
+        s[5 + nargs].value = int(key)
+        s[6 + nargs].value = _ptr(residual) if resid else px
         st = _stream(stream)
         if self._reduce is not None:
             r = self._reduce.slots
@@ -340,10 +394,12 @@ class _Encode:
         words = payload[self.codes_off:self.scales_off].view(np.uint32)
         scales = payload[self.scales_off:self.scales_off + 4 * self.nscales].view(np.float32)
         res = x if residual is None else (residual.reshape(-1) if residual.ndim != 1 else residual)
+        extra = () if self.path == "warp" else _sim_no_src()
         if self.path == "block" and not self.args[5] and self.numel:
-            self._reducer()[self._rgrid, BLOCK, stream](x, scales, self.numel, self.bs, self.args[1])
+            self._reducer()[self._rgrid, BLOCK, stream](x, scales, self.numel, self.bs, self.args[1],
+                                                        *extra)
         self._dispatcher(residual is not None)[self.grid, BLOCK, stream](
-            x, payload, words, scales, _words(header), *self.args, np.uint64(int(key)), res)
+            x, payload, words, scales, _words(header), *self.args, np.uint64(int(key)), res, *extra)
 
 
 class _Decode:
@@ -467,6 +523,232 @@ def prepare_onebit_decode(numel, bucket_size, two_mean, accumulate):
     return _Decode(numel, 1, bs, DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS, accumulate, lay)
 
 
+# ---- fused operations: several payloads in one launch (see numba_kernels.reference) -------------------
+
+def _expect_args(expect):
+    if expect is None:
+        return _NO_EXPECT, False, False
+    return tuple(int(v) for v in expect[:7]), True, bool(expect[7])
+
+
+class _ReduceRequantize(_Encode):
+    """A prepared reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
+    status, expect)``, one launch of the general path's encode (two above FUSE_MAX: the scales' reduce,
+    then the pack) whose values are the payloads' sums plus ``residual``, computed where the encode
+    reads them (registers; nothing float32 goes through global memory). A bad payload among the n
+    makes the sum NaN (the reference's encode of NaN); its error bits go to ``status``."""
+    __slots__ = ()
+
+    def __call__(self, payloads, n, residual, out_payload, header, key=0, stream=None, status=None,
+                 expect=None):
+        resid = residual is not None
+        if SIMULATOR:
+            return self._sim_src(payloads, n, residual, out_payload, header, key, stream, status, expect)
+        raw = self._raw.get(resid)
+        if raw is None:
+            raw = self._prepare_raw(resid)
+        pp = _ptr(out_payload)
+        pin = _ptr(payloads)
+        pr = _ptr(residual) if resid else 0
+        pst = _ptr(_zero_status() if status is None else status)
+        exp, check, check_name = _expect_args(expect)
+        nargs = len(self.args)
+        s = raw.slots
+        s[0].value = pp                       # (x: unused)
+        s[1].value = pp
+        s[2].value = pp + self.codes_off
+        s[3].value = pp + self.scales_off
+        hs = self._hdr
+        if hs is None or hs[1] is not header or hs[0] is not raw:
+            raw.set_tuple(4, header)
+            self._hdr = (raw, header)
+        s[5 + nargs].value = int(key)
+        s[6 + nargs].value = pr
+        st = _stream(stream)
+        new_exp = self._exp is None or self._exp[0] is not raw or self._exp[1] is not expect
+        self._exp = (raw, expect)
+        for r, i0 in ((self._reduce, 5), (raw, 7 + nargs)):
+            if r is None:
+                continue
+            t = r.slots
+            for i in range(3):
+                t[i0 + i].value = pin
+            t[i0 + 3].value = pst
+            if new_exp:
+                r.set_tuple(i0 + 4, exp)
+            t[i0 + 5].value = check
+            t[i0 + 6].value = check_name
+            t[i0 + 7].value = int(n)
+            t[i0 + 10].value = pr
+            t[i0 + 11].value = resid
+        if self._reduce is not None:
+            r = self._reduce.slots
+            r[0].value = pp
+            r[1].value = pp + self.scales_off
+            self._reduce.launch(self._rgrid, BLOCK, st)
+        raw.launch(self.grid, BLOCK, st)
+
+    def _sim_src(self, payloads, n, residual, out_payload, header, key, stream, status, expect):
+        stream = _sim_stream(stream)
+        words = out_payload[self.codes_off:self.scales_off].view(np.uint32)
+        scales = out_payload[self.scales_off:self.scales_off + 4 * self.nscales].view(np.float32)
+        rin = residual if residual is not None else _sim_no_src()[2]
+        exp, check, check_name = _expect_args(expect)
+        src = (payloads, payloads.view(np.uint32), payloads.view(np.float32),
+               _zero_status() if status is None else status, exp, check, check_name, int(n),
+               self.total // 4, self.scales_off // 4, rin, residual is not None)
+        if not self.args[5] and self.numel:
+            self._reducer()[self._rgrid, BLOCK, stream](rin, scales, self.numel, self.bs, self.args[1],
+                                                        *src)
+        self._dispatcher(residual is not None)[self.grid, BLOCK, stream](
+            rin, out_payload, words, scales, _words(header), *self.args, np.uint64(int(key)), rin, *src)
+
+
+class _DecodeMulti:
+    """A prepared decode_sum ``(payloads, n, out, stream, status, expect)`` or decode_chunks
+    ``(gathered, out, stream, status, name_hashes, expect)``: one launch of ``block_decode_multi``."""
+    __slots__ = ("numel", "total", "chunks", "spec", "grid", "args", "method", "bits", "mode", "bs0",
+                 "chunk", "offsets", "_raw", "_exp")
+
+    def __init__(self, numel, bits, bucket_size, kind, two_mean, chunk=None):
+        self.numel, self.bits, self.bs0 = numel, bits, bucket_size
+        qsgd = two_mean is None
+        self.method = wire.METHODS["qsgd" if qsgd else "onebit"]
+        self.mode = 0 if qsgd else wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+        bs = bucket_size or max(numel, 1)
+        self.chunks = chunk is not None
+        if self.chunks:
+            from .reference import chunk_ranges
+            ranges = chunk_ranges(numel, bucket_size, chunk)
+            if len(ranges) > MAXCH:
+                raise ValueError(f"{len(ranges)} chunks: at most {MAXCH} in one decode_chunks")
+            if not bucket_size:
+                chunk = bs
+            full = wire.layout(self.method, min(chunk, numel), bits, bucket_size, self.mode)
+            lm = ranges[-1][1] - ranges[-1][0] if ranges else 0
+            last = wire.layout(self.method, lm, bits, bucket_size, self.mode)
+            self.offsets = [j * full.total for j in range(len(ranges))] + [
+                (len(ranges) - 1) * full.total + last.total if ranges else 0]
+            self.total = self.offsets[-1]
+            tail = (chunk, lm, last.scales_offset // 4)
+        else:
+            full = wire.layout(self.method, numel, bits, bucket_size, self.mode)
+            self.total = full.total
+            tail = (max(numel, 1), numel, full.scales_offset // 4)
+        self.chunk = chunk
+        self.spec = (bits, kind, _B.MULTI_CHUNKS if self.chunks else _B.MULTI_SUM)
+        nchunks = _grid(numel, _B.DEC_CHUNK)
+        self.grid = max(1, min(nchunks, 8 * _sm_count()))
+        # n, bs, inv_bs, nchunks, npay, words per payload, scales offset (words), chunk, last numel,
+        # last chunk's scales offset (words)
+        self.args = (numel, bs, 1.0 / bs, nchunks, 1, full.total // 4, full.scales_offset // 4) + tail
+        self._raw = None
+        self._exp = None
+
+    def _dispatcher(self):
+        return _kernel("block_decode_multi", _B.make_decode_multi, self.spec)
+
+    def _checks(self, expect, name_hashes):
+        if name_hashes is not None and expect is None:
+            if self.method == wire.METHODS["qsgd"]:
+                raise ValueError("checking QSGD chunks needs expect (it gives the mode and norm)")
+            expect = wire.Expect(self.method, 1, self.mode, 0, self.bs0, 0)
+        exp, check, _ = _expect_args(expect)
+        if self.chunks:
+            return exp, check, name_hashes is not None
+        return exp, check, bool(expect[7]) if check else False
+
+    def _launch(self, payloads, n, out, stream, status, expect, name_hashes):
+        exp, check, check_name = self._checks(expect, name_hashes)
+        if self.numel == 0 and not (check and status is not None):
+            return
+        if SIMULATOR:
+            nh = name_hashes if name_hashes is not None else _sim_no_src()[1]
+            out = out.reshape(-1) if out.ndim != 1 else out
+            args = list(self.args)
+            args[4] = int(n)
+            return self._dispatcher()[self.grid, BLOCK, _sim_stream(stream)](
+                payloads, payloads.view(np.uint32), payloads.view(np.float32), out,
+                _zero_status() if status is None else status, exp, check, check_name, nh, *args)
+        raw = self._raw
+        if raw is None:
+            raw = self._raw = _Raw(self._dispatcher(), SIG_DECODE_MULTI,
+                                   [self.total, self.total // 4, self.total // 4, self.numel, 2, None,
+                                    0, 0, 1] + list(self.args))
+        pp = _ptr(payloads)
+        s = raw.slots
+        s[0].value = pp
+        s[1].value = pp
+        s[2].value = pp
+        s[3].value = _ptr(out)
+        s[4].value = _ptr(_zero_status() if status is None else status)
+        if expect is not self._exp:
+            raw.set_tuple(5, exp)
+            self._exp = expect
+        s[6].value = check
+        s[7].value = check_name
+        s[8].value = _ptr(name_hashes) if name_hashes is not None else 0
+        s[13].value = int(n)
+        raw.launch(self.grid, BLOCK, _stream(stream))
+
+    def __call__(self, payloads, *args, **kw):
+        if self.chunks:
+            return self.decode_chunks(payloads, *args, **kw)
+        return self.decode_sum(payloads, *args, **kw)
+
+    def decode_sum(self, payloads, n, out, stream=None, status=None, expect=None):
+        self._launch(payloads, n, out, stream, status, expect, None)
+
+    def decode_chunks(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
+        self._launch(gathered, 1, out, stream, status, expect, name_hashes)
+
+
+def _kinds(two_mean):
+    if two_mean is None:
+        return DEC_QSGD
+    return DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS
+
+
+def prepare_qsgd_decode_sum(numel, bits, bucket_size):
+    """A prepared QSGD decode_sum: ``(payloads, n, out, stream, status, expect)``."""
+    return _DecodeMulti(int(numel), int(bits), int(bucket_size), DEC_QSGD, None)
+
+
+def prepare_onebit_decode_sum(numel, bucket_size, two_mean):
+    """A prepared 1-bit decode_sum: ``(payloads, n, out, stream, status, expect)``."""
+    return _DecodeMulti(int(numel), 1, int(bucket_size or 0), _kinds(bool(two_mean)), bool(two_mean))
+
+
+def prepare_qsgd_decode_chunks(numel, bits, bucket_size, chunk):
+    """A prepared QSGD decode_chunks: ``(gathered, out, stream, status, name_hashes, expect)``."""
+    return _DecodeMulti(int(numel), int(bits), int(bucket_size), DEC_QSGD, None, int(chunk))
+
+
+def prepare_onebit_decode_chunks(numel, bucket_size, two_mean, chunk):
+    """A prepared 1-bit decode_chunks: ``(gathered, out, stream, status, name_hashes, expect)``."""
+    return _DecodeMulti(int(numel), 1, int(bucket_size or 0), _kinds(bool(two_mean)), bool(two_mean),
+                        int(chunk))
+
+
+def prepare_qsgd_reduce_requantize(numel, bits, bucket_size, stochastic, norm_l2):
+    """A prepared QSGD reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
+    status, expect)``."""
+    numel, bits, bs = int(numel), int(bits), int(bucket_size)
+    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bs)
+    return _ReduceRequantize(numel, bits, bs, L2 if norm_l2 else MAX,
+                             PACK_STOCH if stochastic else PACK_DET, lay, src=True)
+
+
+def prepare_onebit_reduce_requantize(numel, bucket_size, two_mean):
+    """A prepared 1-bit reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
+    status, expect)`` (key ignored)."""
+    numel = int(numel)
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    lay = wire.layout(wire.METHODS["onebit"], numel, 1, int(bucket_size or 0), mode)
+    bs = int(bucket_size or 0) or max(numel, 1)
+    return _ReduceRequantize(numel, 1, bs, TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, lay, src=True)
+
+
 # ---- plain launchers (same signatures as numba_kernels.reference) --------------------------------------
 
 _CACHE = {}
@@ -585,3 +867,77 @@ def onebit_decode_cuda(payload, out, bucket_size, two_mean, accumulate, stream=0
                 two_mean, accumulate)
     _check_payload(payload, p.total)
     p(payload, out, stream, status, expect)
+
+
+def _check_multi(payloads, n, total):
+    if n < 1:
+        raise ValueError(f"n must be at least 1; got {n}")
+    m = _size_of(payloads, "payloads", "|u1")
+    if m != n * total:
+        raise wire.PayloadError(f"payloads has {m} bytes, {n} payloads of {total} need {n * total}")
+
+
+def qsgd_decode_sum_cuda(payloads, n, out, bits, bucket_size, stream=0, status=None, expect=None):
+    """out = the float32 sum of ``n`` QSGD payloads' decodes; NaN everywhere if one is bad."""
+    m = _size_of(out, "out", "<f4")
+    p = _cached((4, m, bits, bucket_size), prepare_qsgd_decode_sum, m, bits, bucket_size)
+    _check_multi(payloads, n, p.total)
+    p.decode_sum(payloads, n, out, stream, status, expect)
+
+
+def onebit_decode_sum_cuda(payloads, n, out, bucket_size, two_mean, stream=0, status=None, expect=None):
+    m = _size_of(out, "out", "<f4")
+    p = _cached((5, m, bucket_size, two_mean), prepare_onebit_decode_sum, m, bucket_size, two_mean)
+    _check_multi(payloads, n, p.total)
+    p.decode_sum(payloads, n, out, stream, status, expect)
+
+
+def _check_rr(p, payloads, n, residual, out_payload):
+    _check_multi(payloads, n, p.total)
+    _check_payload(out_payload, p.total)
+    if residual is not None and _size_of(residual, "residual", "<f4") != p.numel:
+        raise ValueError(f"residual must have {p.numel} elements (the header's numel)")
+
+
+def qsgd_reduce_requantize_cuda(payloads, n, residual, out_payload, header, bits, bucket_size, stochastic,
+                                norm_l2, key, stream=0, status=None, expect=None):
+    """SRA's phase 2 in one launch (see ``qsgd_reduce_requantize_ref``); numel is the header's."""
+    m = int(header[2])
+    p = _cached((6, m, bits, bucket_size, stochastic, norm_l2), prepare_qsgd_reduce_requantize, m, bits,
+                bucket_size, stochastic, norm_l2)
+    _check_rr(p, payloads, n, residual, out_payload)
+    p(payloads, n, residual, out_payload, header, key, stream, status, expect)
+
+
+def onebit_reduce_requantize_cuda(payloads, n, residual, out_payload, header, bucket_size, two_mean,
+                                  stream=0, status=None, expect=None):
+    m = int(header[2])
+    p = _cached((7, m, bucket_size, two_mean), prepare_onebit_reduce_requantize, m, bucket_size, two_mean)
+    _check_rr(p, payloads, n, residual, out_payload)
+    p(payloads, n, residual, out_payload, header, 0, stream, status, expect)
+
+
+def _check_chunks(p, gathered, name_hashes):
+    m = _size_of(gathered, "gathered", "|u1")
+    if m != p.total:
+        raise wire.PayloadError(f"gathered has {m} bytes, the chunks need {p.total}")
+    if name_hashes is not None and _size_of(name_hashes, "name_hashes", "<u4") < len(p.offsets) - 1:
+        raise ValueError(f"name_hashes needs one entry per chunk ({len(p.offsets) - 1})")
+
+
+def qsgd_decode_chunks_cuda(gathered, out, bits, bucket_size, chunk, stream=0, status=None,
+                            name_hashes=None, expect=None):
+    """SRA's phase 3 in one launch (see ``qsgd_decode_chunks_ref``); a bad chunk decodes to NaN."""
+    m = _size_of(out, "out", "<f4")
+    p = _cached((8, m, bits, bucket_size, chunk), prepare_qsgd_decode_chunks, m, bits, bucket_size, chunk)
+    _check_chunks(p, gathered, name_hashes)
+    p.decode_chunks(gathered, out, stream, status, name_hashes, expect)
+
+
+def onebit_decode_chunks_cuda(gathered, out, bucket_size, two_mean, chunk, stream=0, status=None,
+                              name_hashes=None, expect=None):
+    m = _size_of(out, "out", "<f4")
+    p = _cached((9, m, bucket_size, two_mean, chunk), prepare_onebit_decode_chunks, m, bucket_size,
+                two_mean, chunk)
+    _check_chunks(p, gathered, name_hashes)
+    p.decode_chunks(gathered, out, stream, status, name_hashes, expect)

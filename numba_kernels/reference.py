@@ -20,7 +20,10 @@ from ._scalar import F0, F2_24, FHALF, FINF, GAMMA, U40, mix64_np
 
 __all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_ref",
            "onebit_encode_ref", "onebit_decode_ref", "write_header_ref", "uniform24_ref",
-           "header_errors_ref", "check_expect_ref", "levels"]
+           "header_errors_ref", "check_expect_ref", "levels", "qsgd_decode_sum_ref",
+           "onebit_decode_sum_ref", "qsgd_reduce_requantize_ref", "onebit_reduce_requantize_ref",
+           "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref", "chunk_ranges", "chunk_expects",
+           "split_payloads", "header_numel"]
 
 
 def levels(bits):
@@ -269,3 +272,155 @@ def header_errors_ref(payload, method, bits, mode, norm, bucket_size, numel, nam
     if int.from_bytes(h[60:62], "little") != wire.fold16(wire.fnv1a32(cfg)):
         err |= 1024
     return err
+
+
+# ---- fused operations: several payloads in one launch ------------------------------------------------
+#
+# Each is *defined* by composing the single-payload references above; the kernels are held equal to
+# these bit for bit. ``payloads`` is one uint8 buffer holding ``n`` payloads of the same layout back
+# to back; the decode-sum is a float32 left fold in payload order, starting from decode(p_0).
+
+
+def _method_mode(two_mean=None):
+    if two_mean is None:
+        return wire.METHODS["qsgd"], 0
+    return wire.METHODS["onebit"], wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+
+
+def split_payloads(payloads, n, total):
+    """The ``n`` payloads of ``total`` bytes each held back to back in ``payloads``."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1; got {n}")
+    if payloads.size != n * total:
+        raise wire.PayloadError(f"payloads has {payloads.size} bytes, {n} payloads of {total} need {n * total}")
+    return [payloads[k * total:(k + 1) * total] for k in range(n)]
+
+
+def chunk_ranges(numel, bucket_size, chunk):
+    """The chunks ``[j*chunk, min((j+1)*chunk, numel))`` of a decode_chunks: a list of (start, stop).
+    ``chunk`` must be a positive multiple of ``bucket_size``; with ``bucket_size`` 0 (OneBit's one
+    bucket per tensor) there is one chunk, so ``chunk >= numel``."""
+    if chunk < 1 or (bucket_size and chunk % bucket_size) or (not bucket_size and chunk < numel):
+        raise ValueError(f"chunk {chunk} must be a positive multiple of bucket_size {bucket_size} "
+                         f"(bucket_size 0: at least numel {numel})")
+    return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
+
+
+def _sum_payloads(decode, payloads, n, out, total, expect):
+    ps = split_payloads(payloads, n, total)
+    for p in ps:                         # every header before anything is written
+        check_expect_ref(p, expect)
+    decode(ps[0], out, False)
+    for p in ps[1:]:
+        decode(p, out, True)
+
+
+def qsgd_decode_sum_ref(payloads, n, out, bits, bucket_size, stream=None, status=None, expect=None):
+    """out = decode(p_0) + decode(p_1) + ... + decode(p_{n-1}) (float32, in that order) of the ``n``
+    QSGD payloads held back to back in ``payloads``; every header checked against ``expect`` first."""
+    total = wire.layout(wire.METHODS["qsgd"], out.size, bits, bucket_size).total
+    _sum_payloads(lambda p, o, acc: qsgd_decode_ref(p, o, bits, bucket_size, acc),
+                  payloads, n, out.reshape(-1), total, expect)
+
+
+def onebit_decode_sum_ref(payloads, n, out, bucket_size, two_mean, stream=None, status=None,
+                          expect=None):
+    """out = the float32 sum, in payload order, of the ``n`` 1-bit payloads' decodes."""
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    total = wire.layout(wire.METHODS["onebit"], out.size, 1, bucket_size, mode).total
+    _sum_payloads(lambda p, o, acc: onebit_decode_ref(p, o, bucket_size, two_mean, acc),
+                  payloads, n, out.reshape(-1), total, expect)
+
+
+def header_numel(header):
+    """The numel field of header words (word 2)."""
+    return int(header[2])
+
+
+def _reduce_requantize(decode_sum, encode, numel, residual):
+    s = np.empty(numel, np.float32)
+    decode_sum(s)
+    if residual is not None:
+        r = residual.reshape(-1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            s = (s + r).astype(np.float32)
+        encode(s, r)
+    else:
+        encode(s, None)
+
+
+def qsgd_reduce_requantize_ref(payloads, n, residual, out_payload, header, bits, bucket_size, stochastic,
+                               norm_l2, key, stream=None, status=None, expect=None):
+    """SRA's phase 2: ``c = decode_sum(payloads) (+ residual)``, ``out_payload = encode(c, header, key)``
+    and, with ``residual``, ``residual = c - decode(out_payload)``. ``numel`` is the header's."""
+    numel = header_numel(header)
+    _reduce_requantize(
+        lambda s: qsgd_decode_sum_ref(payloads, n, s, bits, bucket_size, expect=expect),
+        lambda c, r: qsgd_encode_ref(c, out_payload, header, bits, bucket_size, stochastic, norm_l2,
+                                     key, residual=r), numel, residual)
+
+
+def onebit_reduce_requantize_ref(payloads, n, residual, out_payload, header, bucket_size, two_mean,
+                                 stream=None, status=None, expect=None):
+    """:func:`qsgd_reduce_requantize_ref` for 1-bit payloads."""
+    numel = header_numel(header)
+    _reduce_requantize(
+        lambda s: onebit_decode_sum_ref(payloads, n, s, bucket_size, two_mean, expect=expect),
+        lambda c, r: onebit_encode_ref(c, out_payload, header, bucket_size, two_mean, residual=r),
+        numel, residual)
+
+
+def chunk_expects(numel, bucket_size, chunk, method, bits, mode, expect=None, name_hashes=None):
+    """The ``wire.Expect`` of each chunk of a decode_chunks (None: no check). The configuration comes
+    from ``expect`` (QSGD: it gives mode and norm) or, for OneBit, from the decoder's arguments; each
+    chunk's numel is its own; ``name_hashes[j]`` (when given) is chunk j's expected name hash."""
+    ranges = chunk_ranges(numel, bucket_size, chunk)
+    if expect is None and name_hashes is None:
+        return [None] * len(ranges)
+    if expect is None:
+        if method == wire.METHODS["qsgd"]:
+            raise ValueError("checking QSGD chunks needs expect (it gives the mode and norm)")
+        expect = wire.Expect(method, bits, mode, 0, bucket_size, 0)
+    if name_hashes is not None:
+        nh = np.asarray(name_hashes).reshape(-1)
+        if nh.size < len(ranges):          # (entries past the last non-empty chunk are unused)
+            raise ValueError(f"name_hashes has {nh.size} entries for {len(ranges)} chunks")
+        return [expect._replace(numel=b - a, name_hash=int(nh[j]), check_name=True)
+                for j, (a, b) in enumerate(ranges)]
+    return [expect._replace(numel=b - a) for a, b in ranges]
+
+
+def _decode_chunks(decode, gathered, out, lay_of, ranges, expects):
+    out = out.reshape(-1)
+    offs = [0]
+    for a, b in ranges:
+        offs.append(offs[-1] + lay_of(b - a).total)
+    if gathered.size != offs[-1]:
+        raise wire.PayloadError(f"gathered has {gathered.size} bytes, the {len(ranges)} chunks need {offs[-1]}")
+    for j in range(len(ranges)):          # every header before anything is written
+        check_expect_ref(gathered[offs[j]:offs[j + 1]], expects[j])
+    for j, (a, b) in enumerate(ranges):
+        decode(gathered[offs[j]:offs[j + 1]], out[a:b])
+
+
+def qsgd_decode_chunks_ref(gathered, out, bits, bucket_size, chunk, stream=None, status=None,
+                           name_hashes=None, expect=None):
+    """Decode chunk j's payload (held back to back in ``gathered``) into ``out[j*chunk:(j+1)*chunk]``
+    (the last chunk may be shorter). Headers are checked (see :func:`chunk_expects`) when ``expect``
+    is given; ``name_hashes`` adds each chunk's name."""
+    q = wire.METHODS["qsgd"]
+    ranges = chunk_ranges(out.size, bucket_size, chunk)
+    exps = chunk_expects(out.size, bucket_size, chunk, q, bits, 0, expect, name_hashes)
+    _decode_chunks(lambda p, o: qsgd_decode_ref(p, o, bits, bucket_size, False), gathered, out,
+                   lambda m: wire.layout(q, m, bits, bucket_size), ranges, exps)
+
+
+def onebit_decode_chunks_ref(gathered, out, bucket_size, two_mean, chunk, stream=None, status=None,
+                             name_hashes=None, expect=None):
+    """:func:`qsgd_decode_chunks_ref` for 1-bit payloads (``bucket_size`` 0: one chunk)."""
+    ob = wire.METHODS["onebit"]
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    ranges = chunk_ranges(out.size, bucket_size, chunk)
+    exps = chunk_expects(out.size, bucket_size, chunk, ob, 1, mode, expect, name_hashes)
+    _decode_chunks(lambda p, o: onebit_decode_ref(p, o, bucket_size, two_mean, False), gathered, out,
+                   lambda m: wire.layout(ob, m, 1, bucket_size, mode), ranges, exps)

@@ -15,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import make_x  # noqa: E402
+from data import KEY_FUSED, chunk_payloads, make_x, onebit_payloads, qsgd_payloads  # noqa: E402
 
 try:
     import pytest
@@ -154,6 +154,98 @@ def check_kernels_match_reference():
     return fails
 
 
+def check_fused_kernels_match_reference():
+    """decode_sum, reduce_requantize (with and without residual) and decode_chunks == reference, for
+    n = 1 and 3 payloads, sizes on either side of the decode chunk (2048 elements), configurations the
+    single-payload kernels send down either path, buckets above FUSE_MAX; a bad payload -> NaN and
+    status bits."""
+    from numba import cuda
+    import numba_kernels.cuda as K
+    from numba_kernels import reference as R
+    fails = []
+    dev = cuda.to_device
+
+    def penc(want, got, lay):
+        sc = slice(lay.scales_offset, lay.total)
+        return bool(np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset])
+                    and _nan_eq(want[sc].view(np.float32), got[sc].view(np.float32)))
+
+    for m in (0, 1, 2047, 2048, 2049, 100_003):
+        for n in (1, 3):
+            for bits, bs, st, l2 in ((4, 64, True, False), (2, 512, False, True), (3, 7, True, True),
+                                     (8, 96, True, False), (4, 10000, False, False), (16, 32, True, True)):
+                what = f"qsgd m={m} n={n} bits={bits} bs={bs} st={st} l2={l2}"
+                buf, h, lay, exp = qsgd_payloads(n, m, bits, bs, st, l2, special=m > 100)
+                a = np.empty(m, np.float32)
+                with np.errstate(all="ignore"):
+                    R.qsgd_decode_sum_ref(buf, n, a, bits, bs)
+                o = dev(np.ones(m, np.float32))
+                K.qsgd_decode_sum_cuda(dev(buf), n, o, bits, bs, 0, None, exp)
+                if not _nan_eq(a, o.copy_to_host()):
+                    fails.append(f"decode_sum {what}")
+                for resid in (False, True):
+                    r0 = make_x(m, 3)
+                    ra = r0.copy() if resid else None
+                    pa = np.zeros(lay.total, np.uint8)
+                    with np.errstate(all="ignore"):
+                        R.qsgd_reduce_requantize_ref(buf, n, ra, pa, h, bits, bs, st, l2, KEY_FUSED)
+                    rd = dev(r0) if resid else None
+                    pd = dev(np.full(lay.total, 0xA5, np.uint8))
+                    K.qsgd_reduce_requantize_cuda(dev(buf), n, rd, pd, h, bits, bs, st, l2, KEY_FUSED, 0,
+                                                  None, exp)
+                    if not penc(pa, pd.copy_to_host(), lay) or (resid and not _nan_eq(ra, rd.copy_to_host())):
+                        fails.append(f"reduce_requantize resid={resid} {what}")
+                if m and bs < 10000:
+                    chunk = bs * max(1, (m // bs) // 5)
+                    g, nh, cexp = chunk_payloads(m, chunk, bits, bs, st, l2, special=True)
+                    with np.errstate(all="ignore"):
+                        R.qsgd_decode_chunks_ref(g, a, bits, bs, chunk)
+                    o = dev(np.ones(m, np.float32))
+                    status = dev(np.zeros(2, np.int32))
+                    K.qsgd_decode_chunks_cuda(dev(g), o, bits, bs, chunk, 0, status, dev(nh), cexp)
+                    if not _nan_eq(a, o.copy_to_host()) or status.copy_to_host().any():
+                        fails.append(f"decode_chunks chunk={chunk} {what}")
+                if m > 100 and n == 3:
+                    other, _, _, _ = qsgd_payloads(1, m, bits, bs, st, l2, name="v")
+                    bad = buf.copy()
+                    bad[lay.total:2 * lay.total] = other
+                    status = dev(np.zeros(2, np.int32))
+                    o = dev(np.ones(m, np.float32))
+                    K.qsgd_decode_sum_cuda(dev(bad), n, o, bits, bs, 0, status, exp)
+                    if not (np.isnan(o.copy_to_host()).all() and status.copy_to_host()[0] == 256):
+                        fails.append(f"decode_sum bad payload {what}")
+            for bs, tm in ((0, True), (0, False), (64, True), (7, False)):
+                what = f"onebit m={m} n={n} bs={bs} two_mean={tm}"
+                buf, h, lay, exp = onebit_payloads(n, m, bs, tm, special=m > 100)
+                a = np.empty(m, np.float32)
+                with np.errstate(all="ignore"):
+                    R.onebit_decode_sum_ref(buf, n, a, bs, tm)
+                o = dev(np.ones(m, np.float32))
+                K.onebit_decode_sum_cuda(dev(buf), n, o, bs, tm, 0, None, exp)
+                if not _nan_eq(a, o.copy_to_host()):
+                    fails.append(f"decode_sum {what}")
+                r0 = make_x(m, 3)
+                ra = r0.copy()
+                pa = np.zeros(lay.total, np.uint8)
+                with np.errstate(all="ignore"):
+                    R.onebit_reduce_requantize_ref(buf, n, ra, pa, h, bs, tm)
+                rd = dev(r0)
+                pd = dev(np.full(lay.total, 0xA5, np.uint8))
+                K.onebit_reduce_requantize_cuda(dev(buf), n, rd, pd, h, bs, tm, 0, None, exp)
+                if not (penc(pa, pd.copy_to_host(), lay) and _nan_eq(ra, rd.copy_to_host())):
+                    fails.append(f"reduce_requantize {what}")
+                if m:
+                    chunk = bs * max(1, (m // bs) // 5) if bs else m
+                    g, nh, cexp = chunk_payloads(m, chunk, 1, bs, False, False, two_mean=tm, special=True)
+                    with np.errstate(all="ignore"):
+                        R.onebit_decode_chunks_ref(g, a, bs, tm, chunk)
+                    o = dev(np.ones(m, np.float32))
+                    K.onebit_decode_chunks_cuda(dev(g), o, bs, tm, chunk, 0, None, dev(nh))
+                    if not _nan_eq(a, o.copy_to_host()):
+                        fails.append(f"decode_chunks chunk={chunk} {what}")
+    return fails
+
+
 def check_torch_codec_path():
     """torch CUDA payloads == host payloads (same seed), decode/decode_into, bad payloads -> NaN +
     status, no torch host sync in encode/decode_into/decode(shape=...), no recompilation."""
@@ -234,6 +326,7 @@ def check_torch_codec_path():
 
 
 CHECKS = {"kernels_match_reference": check_kernels_match_reference,
+          "fused_kernels_match_reference": check_fused_kernels_match_reference,
           "torch_codec_path": check_torch_codec_path}
 
 

@@ -198,3 +198,54 @@ def test_memory_state_roundtrip_is_exact(ns, key):
 def test_memory_refuses_unknown_namespace():
     with pytest.raises(ValueError, match="namespace"):
         Memory(OPS).get("/server", "w")
+
+
+def _profile_step(exs, x, step):
+    """(kernel launches, Python calls into hvd_quant / numba_kernels) per rank for one step of every
+    rank's exchange, counted by a profiler hook: a launch is a call from hvd_quant's code into the
+    kernel layer (one prepared launch each)."""
+    import sys
+    counts = {"launches": 0, "calls": 0}
+    ours = ("hvd_quant", "numba_kernels")
+
+    def hook(frame, event, arg):
+        if event != "call":
+            return
+        mod = frame.f_globals.get("__name__", "")
+        if mod.startswith(ours):
+            counts["calls"] += 1
+            caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
+            if mod in ("numba_kernels.cpu", "numba_kernels.cuda") and caller.startswith("hvd_quant"):
+                counts["launches"] += 1
+
+    xs = [x.clone() for _ in exs]
+    sys.setprofile(hook)
+    try:
+        ps = [ex.start("bucket", xr, step=step) for ex, xr in zip(exs, xs)]
+        for ex, p in zip(exs, ps):
+            ex.advance(p)
+        for ex, p in zip(exs, ps):
+            ex.finish(p)
+    finally:
+        sys.setprofile(None)
+    return counts["launches"] / len(exs), counts["calls"] / len(exs)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("spec", ["qsgd:bits=4,bucket_size=512,seed=1", "onebit:bucket_size=64"])
+@pytest.mark.parametrize("reduction", ["sra", "allgather"])
+def test_steady_state_step_is_one_launch_per_phase(reduction, spec, n):
+    """The hot path's budget (DESIGN.md, "The step-time budget"): after the first step (plans,
+    compilation), one rank's step of one bucket is one launch per phase -- allgather: encode +
+    decode_sum; SRA: the n chunk encodes + reduce_requantize + decode_chunks (3 at world size 1) --
+    and a few dozen Python calls, error feedback included."""
+    world = SimWorld(n)
+    codec = hvd_quant.from_spec(spec)
+    exs = [Exchange(codec, world.coll(r), OPS, reduction=reduction, memory=Memory(OPS)) for r in range(n)]
+    x = torch.randn(3 * 4096 + 100)
+    for step in range(2):
+        _profile_step(exs, x, step)
+        world.subs.clear()
+    launches, calls = _profile_step(exs, x, 2)
+    assert launches == (2 if reduction == "allgather" else n + 2), launches
+    assert calls <= 56 + 24 * n, calls

@@ -12,6 +12,7 @@ current stream is read with one call, and with a single visible GPU no device co
 popped around each call."""
 import contextlib
 
+import numpy as np
 import torch
 
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
@@ -128,6 +129,10 @@ class TorchCudaAdapter(DeviceAdapter):
                     "version": 3}
             d = self._views[key] = self._cuda.from_cuda_array_interface(desc, owner=None, sync=False)
         return d
+
+    def constant_u32(self, values, like):
+        t = torch.from_numpy(np.asarray(values, np.uint32).view(np.int32)).to(like.device)
+        return t, t.data_ptr()
 
     def input_f32(self, x):
         if x.dtype == torch.float32 and x.is_contiguous():
