@@ -1,18 +1,18 @@
 """Zero-copy adapters between the caller's arrays and what the kernels take.
 
 The codecs never import a framework. They ask :func:`adapter_for` for the adapter of whatever they
-were given; the adapter module (``hvd_quant.backends.*``) is imported on first use and only for the
-framework the object comes from (looked up by the top-level module of ``type(obj)``).
+were given; the framework's frontend module (:data:`FRONTENDS`: ``hvd_quant.torch._backend``,
+``hvd_quant.tensorflow._backend``; NumPy's adapter is at the end of this module) is imported on first
+use, only for the framework the object comes from, and resolved once per type.
 
 Two kinds of adapters:
 
 * host (:class:`HostAdapter`): NumPy arrays, torch CPU tensors, TensorFlow CPU tensors. The codec does
   all its work on NumPy arrays with the Numba CPU kernels; the adapter converts at the edges
   (zero-copy where the framework allows: ``Tensor.numpy()`` for torch; TensorFlow copies).
-* device (:class:`DeviceAdapter`): torch CUDA tensors (``__cuda_array_interface__``, on torch's current
-  stream) and TensorFlow GPU tensors (DLPack; untested here). The codec launches the Numba CUDA
-  kernels on Numba device-array views of the framework's own memory; outputs are allocated by the
-  framework.
+* device (:class:`DeviceAdapter`): torch CUDA tensors (raw pointers, on torch's current stream) and
+  TensorFlow GPU tensors (DLPack; untested here). The codec launches the Numba CUDA kernels on the
+  framework's own memory; outputs are allocated by the framework.
 
 Input dtypes: float32 is used in place; float16, bfloat16 and float64 are converted to float32 first
 (one extra pass, done by the framework); anything else raises :class:`UnsupportedInputError`.
@@ -22,14 +22,15 @@ import threading
 
 import numpy as np
 
-__all__ = ["adapter_for", "register_backend", "status_for", "device_statuses", "BACKENDS", "UnsupportedInputError", "HostAdapter",
-           "DeviceAdapter", "FLOAT_DTYPES", "numpy_dtype", "check_float"]
+__all__ = ["adapter_for", "register_backend", "status_for", "device_statuses", "FRONTENDS",
+           "UnsupportedInputError", "HostAdapter", "DeviceAdapter", "FLOAT_DTYPES", "numpy_dtype",
+           "check_float"]
 
-# top-level module of type(obj) -> adapter module (each exposes ``adapter(obj)``)
-BACKENDS = {
-    "numpy": "hvd_quant.backends.numpy_arrays",
-    "torch": "hvd_quant.backends.torch_arrays",
-    "tensorflow": "hvd_quant.backends.tf_arrays",
+# top-level module of type(obj) -> the module holding that framework's ``adapter(obj)``
+FRONTENDS = {
+    "numpy": "hvd_quant._arrays",
+    "torch": "hvd_quant.torch._backend",
+    "tensorflow": "hvd_quant.tensorflow._backend",
 }
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -41,7 +42,7 @@ class UnsupportedInputError(TypeError, ValueError):
 
 def register_backend(top_module, adapter_module):
     """Route objects whose type lives under ``top_module`` to ``adapter_module``."""
-    BACKENDS[top_module] = adapter_module
+    FRONTENDS[top_module] = adapter_module
     _RESOLVERS.clear()
 
 
@@ -57,7 +58,7 @@ def adapter_for(obj):
         top = type(obj).__module__.split(".", 1)[0]
         if top == "ml_dtypes":            # NumPy scalars of ml_dtypes types -> numpy adapter
             top = "numpy"
-        path = BACKENDS.get(top)
+        path = FRONTENDS.get(top)
         if path is None:
             raise UnsupportedInputError(
                 f"hvd_quant codecs take NumPy arrays, torch tensors or TensorFlow tensors; got "
@@ -263,3 +264,53 @@ class DeviceAdapter:
     def status_bad(self, status):
         """A device boolean 'status[0] != 0' usable by raw_decode_into (no host read)."""
         raise NotImplementedError
+
+
+# ---- NumPy arrays (host; bfloat16 arrays come from ml_dtypes, what TensorFlow's .numpy() gives) ----
+
+
+
+class NumpyAdapter(HostAdapter):
+    kind = "numpy"
+
+    def describe(self, x):
+        if not isinstance(x, np.ndarray):
+            x = np.asarray(x)
+        name = x.dtype.name
+        check_float(name)
+        return tuple(x.shape), name
+
+    def input_np(self, x):
+        return np.ascontiguousarray(x).reshape(-1)
+
+    def input_f32(self, x):
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+
+    def payload_np(self, payload):
+        p = np.asarray(payload)
+        if p.dtype != np.uint8 or p.ndim != 1:
+            raise UnsupportedInputError(f"a payload is a 1-D uint8 array; got {p.dtype} with shape {p.shape}")
+        return p
+
+    def wrap_payload(self, arr, like):
+        return arr
+
+    def out_np(self, out):
+        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
+                or not out.flags.writeable:
+            raise UnsupportedInputError("decode_into needs a writable C-contiguous float32 NumPy array; "
+                                        f"got {type(out).__name__} {getattr(out, 'dtype', '')}")
+        return out.reshape(-1), None
+
+    def wrap_result(self, arr_f32, dtype_name, shape, like):
+        if dtype_name != "float32":
+            arr_f32 = arr_f32.astype(numpy_dtype(dtype_name))
+        return arr_f32.reshape(shape)
+
+
+_NUMPY = NumpyAdapter()
+
+
+def adapter(obj):
+    """The NumPy adapter (this module is NumPy's entry in :data:`FRONTENDS`)."""
+    return _NUMPY

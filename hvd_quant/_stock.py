@@ -54,15 +54,22 @@ FRONTENDS = {
 def register_frontend(top_module, backend_module):
     """Route tensors whose type lives under ``top_module`` to ``backend_module`` (see module doc)."""
     FRONTENDS[top_module] = backend_module
+    _BY_TYPE.clear()
+
+
+_BY_TYPE = {}           # type(tensor) -> its backend module, resolved once
 
 
 def _backend_for(tensor):
-    top = type(tensor).__module__.split(".", 1)[0]
-    path = FRONTENDS.get(top)
-    if path is None:
-        raise TypeError(f"hvd_quant: no frontend for tensors of type {type(tensor)!r}; known: "
-                        f"{sorted(FRONTENDS)} (hvd_quant._stock.register_frontend adds one)")
-    return importlib.import_module(path)
+    backend = _BY_TYPE.get(type(tensor))
+    if backend is None:
+        top = type(tensor).__module__.split(".", 1)[0]
+        path = FRONTENDS.get(top)
+        if path is None:
+            raise TypeError(f"hvd_quant: no frontend for tensors of type {type(tensor)!r}; known: "
+                            f"{sorted(FRONTENDS)} (hvd_quant._stock.register_frontend adds one)")
+        backend = _BY_TYPE[type(tensor)] = importlib.import_module(path)
+    return backend
 
 
 class _Passthrough:

@@ -16,7 +16,7 @@ its buffers must be views-capable device arrays: here Numba device arrays.
 * TensorFlow half: each exchange step is a ``tf.py_function`` placed on the gradient's GPU, whose
   inputs arrive as GPU EagerTensors. :func:`tf_view` reads one through DLPack
   (``tf.experimental.dlpack.to_dlpack``; the capsule is parsed with ctypes into a
-  ``__cuda_array_interface__``: ``hvd_quant/backends/tf_arrays.py``) without copying; the first step
+  ``__cuda_array_interface__``: ``hvd_quant/tensorflow/_backend.py``) without copying; the first step
   copies the gradient into a Numba-owned buffer (the core may write into it), and every step's result
   is copied into a fresh TensorFlow tensor (:func:`to_tf`). TensorFlow does not expose its CUDA
   stream, so each step waits for TensorFlow's queued work first (``tf.test.experimental.sync_devices``)
@@ -325,7 +325,7 @@ def register():
 
 def tf_view(t):
     """A Numba device array over a TensorFlow GPU tensor's memory (DLPack; keeps ``t`` alive)."""
-    from ..backends.tf_arrays import _DLPackView
+    from ._backend import _DLPackView
     return _cuda().as_cuda_array(_DLPackView(t), sync=False)
 
 

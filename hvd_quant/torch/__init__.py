@@ -1,13 +1,29 @@
 """PyTorch frontend: ``hvd_quant.torch.DistributedOptimizer`` and the torch side of the exchange.
 
-Importing this module imports ``horovod.torch``. Codecs passed to stock
-``hvd.DistributedOptimizer(compression=...)`` reach the torch backend through
-``hvd_quant._stock`` without this import.
+Attributes are imported on first use: ``DistributedOptimizer`` imports ``horovod.torch``, while the
+codecs reach ``hvd_quant.torch._backend`` (array adapters, ArrayOps) for torch tensors without
+Horovod. Codecs passed to stock ``hvd.DistributedOptimizer(compression=...)`` reach the torch backend
+through ``hvd_quant._stock``.
 """
-from ._backend import OPS, collectives
-from .optimizer import DistributedOptimizer, resolve_codec
+import importlib
+
+_EXPORTS = {"OPS": "._backend", "collectives": "._backend", "DistributedOptimizer": ".optimizer",
+            "resolve_codec": ".optimizer"}
 
 __all__ = ["DistributedOptimizer", "bytes_sent_per_step", "collectives", "OPS", "resolve_codec"]
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
 
 
 def bytes_sent_per_step(optimizer):

@@ -132,8 +132,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handshake(coll, _backend.OPS, self._grad_plan.record,
                       "hvd_quant.torch.DistributedOptimizer", name=HANDSHAKE_NAME)
         if self._exchange is None:
+            # reuse_result: synchronize copies each bucket's result into p.grad before the next step
             self._exchange = Exchange(self.codec, coll, _backend.OPS, reduction=self.reduction,
-                                      memory=self._memory, prefix=self._prefix)
+                                      memory=self._memory, prefix=self._prefix, reuse_result=True)
             self._exchange.traffic = self._traffic
         else:
             self._exchange.coll = coll
