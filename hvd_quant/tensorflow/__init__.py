@@ -13,7 +13,7 @@ installed. Codecs passed to stock Horovod (``hvd.DistributedGradientTape(tape,
 compression=hvd_quant.QSGD(bits=4))``) reach this frontend through ``hvd_quant._stock`` without any
 import.
 """
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "OPS": "._backend", "collectives": "._backend",
@@ -25,14 +25,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ codecs reach ``hvd_quant.torch._backend`` (array adapters, ArrayOps) for torch t
 Horovod. Codecs passed to stock ``hvd.DistributedOptimizer(compression=...)`` reach the torch backend
 through ``hvd_quant._stock``.
 """
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {"OPS": "._backend", "collectives": "._backend", "DistributedOptimizer": ".optimizer",
             "resolve_codec": ".optimizer"}
@@ -13,17 +13,7 @@ _EXPORTS = {"OPS": "._backend", "collectives": "._backend", "DistributedOptimize
 __all__ = ["DistributedOptimizer", "bytes_sent_per_step", "collectives", "OPS", "resolve_codec"]
 
 
-def __getattr__(name):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def bytes_sent_per_step(optimizer):
