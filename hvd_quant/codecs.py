@@ -1005,10 +1005,6 @@ class OneBit(Codec):
         if kind == "sum":
             return K.prepare_onebit_decode_sum(numel, bs, self._two_mean)
         if kind == "chunks":
-            if K.__name__.endswith(".cuda"):
-                # its CUDA kernel disagreed with the reference on an H100 (docs/BENCHMARKS.md); until
-                # that is found, SRA's last phase decodes 1-bit chunks one launch each there
-                return None
             return K.prepare_onebit_decode_chunks(numel, bs, self._two_mean, chunk)
         return K.prepare_onebit_reduce_requantize(numel, bs, self._two_mean)
 

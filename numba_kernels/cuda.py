@@ -682,9 +682,9 @@ class _DecodeMulti:
         s[2].value = pp
         s[3].value = _ptr(out)
         s[4].value = _ptr(_zero_status() if status is None else status)
-        if expect is not self._exp:
+        if exp != self._exp:        # what the kernel checks (name hashes alone make one up)
             raw.set_tuple(5, exp)
-            self._exp = expect
+            self._exp = exp
         s[6].value = check
         s[7].value = check_name
         s[8].value = _ptr(name_hashes) if name_hashes is not None else 0
