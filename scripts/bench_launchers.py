@@ -2,8 +2,7 @@
 floats, and device time of encode + decode on 100M floats (CUDA events) for 4-bit (warp path),
 3-bit, 5-bit and a 16384-element bucket (general path).
 
-    python3 scripts/bench_launchers.py            # this tree
-    python3 scripts/bench_launchers.py --impl v1  # an older tree with HVD_QUANT_CUDA_KERNELS paths
+    python3 scripts/bench_launchers.py [--numel N]
 """
 import argparse
 import time
@@ -14,12 +13,9 @@ from numba import cuda
 from numba_kernels import wire
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--impl", default=None)
 ap.add_argument("--numel", type=int, default=100_000_000)
 args = ap.parse_args()
 import numba_kernels.cuda as K  # noqa: E402
-if args.impl:
-    K.set_impl(args.impl)
 
 
 def host_us(n=4096, bits=4, bs=512, reps=2000):
@@ -30,27 +26,26 @@ def host_us(n=4096, bits=4, bs=512, reps=2000):
     h = wire.Header(2, bits, 0, 0, bs, 0, (n,)).words()
     st = cuda.to_device(np.zeros(2, np.int32))
     out = {}
-    if hasattr(K, "prepare_qsgd_encode"):
-        e = K.prepare_qsgd_encode(n, bits, bs, True, False)
-        d = K.prepare_qsgd_decode(n, bits, bs, False)
-        exp = wire.Expect(2, bits, 0, 0, bs, n)
-        xp, pp, op, sp = (a.__cuda_array_interface__["data"][0] for a in (x, p, o, st))
-        for _ in range(20):
-            e(xp, pp, h, 1, 0)
-            d(pp, op, 0, sp, exp)
-        cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(reps):
-            e(xp, pp, h, 1, 0)
-            d(pp, op, 0, sp, exp)
-        out["prepared, int pointers"] = (time.perf_counter() - t) / reps * 1e6
-        cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(reps):
-            e(x, p, h, 1, 0)
-            d(p, o, 0, st, exp)
-        out["prepared, device arrays"] = (time.perf_counter() - t) / reps * 1e6
-        cuda.synchronize()
+    e = K.prepare_qsgd_encode(n, bits, bs, True, False)
+    d = K.prepare_qsgd_decode(n, bits, bs, False)
+    exp = wire.Expect(2, bits, 0, 0, bs, n)
+    xp, pp, op, sp = (a.__cuda_array_interface__["data"][0] for a in (x, p, o, st))
+    for _ in range(20):
+        e(xp, pp, h, 1, 0)
+        d(pp, op, 0, sp, exp)
+    cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        e(xp, pp, h, 1, 0)
+        d(pp, op, 0, sp, exp)
+    out["prepared, int pointers"] = (time.perf_counter() - t) / reps * 1e6
+    cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        e(x, p, h, 1, 0)
+        d(p, o, 0, st, exp)
+    out["prepared, device arrays"] = (time.perf_counter() - t) / reps * 1e6
+    cuda.synchronize()
     for _ in range(20):
         K.qsgd_encode_cuda(x, p, h, bits, bs, True, False, 1)
         K.qsgd_decode_cuda(p, o, bits, bs, False)
@@ -87,11 +82,11 @@ def device_ms(n, bits, bs, reps=10):
     return best
 
 
-print("device:", cuda.get_current_device().name, "impl:", args.impl or "this tree")
+print("device:", cuda.get_current_device().name)
 for k, v in host_us().items():
     print(f"host us per encode+decode of 4096 floats ({k}): {v:.2f}")
 for bits, bs in ((4, 512), (3, 512), (5, 512), (4, 16384)):
     enc, dec = device_ms(args.numel, bits, bs)
-    path = K.kernel_path(bits, bs, args.numel) if hasattr(K, "kernel_path") else args.impl
+    path = K.kernel_path(bits, bs, args.numel)
     print(f"{args.numel} floats bits={bits} bs={bs} [{path}]: encode {enc:.3f} ms decode {dec:.3f} ms "
           f"total {enc + dec:.3f} ms")

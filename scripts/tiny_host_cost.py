@@ -1,6 +1,13 @@
 """Host cost of one CUDA encode + decode_into of 4096 floats (µs per call, 1000 calls then one
 synchronisation), with a cProfile of 300 calls: `python3 scripts/tiny_host_cost.py`."""
-import cProfile, pstats, time, torch, hvd_quant
+import cProfile
+import pstats
+import time
+
+import torch
+
+import hvd_quant
+
 for spec in ("qsgd:bits=4,bucket_size=512", "onebit:bucket_size=512"):
     c = hvd_quant.from_spec(spec)
     x = torch.randn(4096, device="cuda"); out = torch.empty(4096, device="cuda")
