@@ -10,6 +10,7 @@ writes whole code bytes and no two threads touch one byte); ``prange`` runs over
 chunk the scales of its buckets are computed first, then its elements are quantized and packed while
 they are still in cache: one pass over ``x`` from memory.
 """
+import functools
 import hashlib
 import math
 import os
@@ -20,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import wire
+from ._memo import memo
 from ._scalar import F0, FNAN, GAMMA, U8, U24M, U40, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
@@ -631,17 +633,7 @@ def prepare_onebit_decode(numel, bucket_size, two_mean, accumulate):
     return OnebitDecodeCPU(int(numel), int(bucket_size or 0), bool(two_mean), bool(accumulate))
 
 
-_CACHE = {}
-_CACHE_MAX = 4096
-
-
-def _cached(key, make, *args):
-    p = _CACHE.get(key)
-    if p is None:
-        if len(_CACHE) >= _CACHE_MAX:
-            _CACHE.clear()
-        p = _CACHE[key] = make(*args)
-    return p
+_cached = functools.partial(memo, {})     # (key, make, *args) -> the prepared launch
 
 
 def write_header_cpu(payload, header, stream=None):

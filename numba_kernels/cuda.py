@@ -46,6 +46,7 @@ general path's kernels whatever the configuration:
   payload makes the sum NaN.
 """
 import ctypes
+import functools
 import math
 import threading
 import warnings
@@ -59,6 +60,7 @@ from . import _cuda_warp as _W
 from . import wire
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, MEAN_ABS, PACK_DET,
                            PACK_ONEBIT, PACK_STOCH, SIMULATOR, TWO_MEAN)
+from ._memo import memo
 
 __all__ = ["qsgd_encode_cuda", "qsgd_decode_cuda", "onebit_encode_cuda", "onebit_decode_cuda",
            "write_header_cuda", "check_header_cuda", "prepare_qsgd_encode", "prepare_qsgd_decode",
@@ -751,17 +753,7 @@ def prepare_onebit_reduce_requantize(numel, bucket_size, two_mean):
 
 # ---- plain launchers (same signatures as numba_kernels.reference) --------------------------------------
 
-_CACHE = {}
-_CACHE_MAX = 4096
-
-
-def _cached(key, make, *args):
-    p = _CACHE.get(key)
-    if p is None:
-        if len(_CACHE) >= _CACHE_MAX:
-            _CACHE.clear()
-        p = _CACHE[key] = make(*args)
-    return p
+_cached = functools.partial(memo, {})     # (key, make, *args) -> the prepared launch
 
 
 def _size_of(a, what, typestr):
