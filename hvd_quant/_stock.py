@@ -11,8 +11,18 @@ Summing quantized codes is wrong (DESIGN.md), so here:
 3. ``decompress`` finishes the exchange and returns ``decoded_sum * (placeholder / N)``, computed on
    the device (no host synchronisation), cast back to the gradient's dtype and shape.
 
+Fusion. When ``compress`` is called by a Horovod optimizer (PyTorch: the frame of its
+``_allreduce_grad_async`` / ``_grouped_allreduce_grad_async`` holds ``self`` and the parameter), the
+optimizer's gradients are planned once with :func:`hvd_quant.plan.make_plan`, exactly as
+``hvd_quant.torch.DistributedOptimizer`` plans them: buckets of at most ``bucket_bytes`` of float32 in
+reverse parameter order. ``compress`` then only records the gradient; the bucket's exchange starts when
+its last member arrives, and ``decompress`` returns views of the bucket's scaled result (one scaling
+launch per bucket). Without such an owner (``hvd.allreduce(t, compression=...)``, TensorFlow) each
+tensor is its own exchange.
+
 Tensors with fewer than ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and
 non-floating tensors are returned as they are, with a passthrough context, and Horovod allreduces them.
+``op=hvd.Adasum`` raises (Adasum needs dot products of full gradients, which codes do not give).
 
 Names. ``compress`` is not told the tensor's name. It takes it from the calling frame: Horovod 0.28.1's
 ``_allreduce_grad_async`` (torch) and ``allreduce`` (TensorFlow, torch) hold a ``name`` local; in the
@@ -121,8 +131,17 @@ class _Session:
         self.exchange = Exchange(codec, coll, ops, reduction=reduction, memory=self.memory)
 
 
+class _Caller:
+    """What ``compress`` learns from the Horovod function that called it: the tensor's ``name``, the
+    ``process_set``, the optimizer (``owner``) and the parameter (``param``) where there are ones."""
+    __slots__ = ("name", "process_set", "owner", "param")
+
+    def __init__(self, name=None, process_set=None, owner=None, param=None):
+        self.name, self.process_set, self.owner, self.param = name, process_set, owner, param
+
+
 def _frame_context(tensor):
-    """(name, process_set) from the Horovod function that called compress, or (None, None)."""
+    """The :class:`_Caller` of ``compress``, read from the Horovod frame that called it."""
     f = sys._getframe(1)
     while f is not None and f.f_globals.get("__name__", "").startswith("hvd_quant"):
         f = f.f_back
@@ -137,18 +156,66 @@ def _frame_context(tensor):
             if not hasattr(ps, "process_set_id"):
                 ps = getattr(owner, "process_set", None)
                 ps = ps if hasattr(ps, "process_set_id") else None
+            names = getattr(owner, "_parameter_names", None)
+            if not isinstance(names, dict):
+                return _Caller(name, ps)
             group = loc.get("ps")
             if isinstance(group, (tuple, list)):
                 # Horovod's grouped allreduce: one name for the group; find this tensor's parameter.
-                names = getattr(owner, "_parameter_names", {})
                 for i, p in enumerate(group):
-                    g = getattr(p, "grad", None)
-                    if g is tensor:
-                        return names.get(p, f"{name}.{i}"), ps
-                return None, ps
-            return name, ps
+                    if getattr(p, "grad", None) is tensor:
+                        return _Caller(names.get(p, f"{name}.{i}"), ps, owner, p)
+                return _Caller(None, ps, owner)
+            p = loc.get("p")
+            return _Caller(name, ps, owner, p if p in names else None)
         f = f.f_back
-    return None, None
+    return _Caller()
+
+
+def _refuse_adasum(backend, owner):
+    """Adasum combines gradients pairwise with dot products, which quantized payloads do not give:
+    Horovod's Adasum optimizer, or ``op=hvd.Adasum``, raises on every rank at the first gradient."""
+    # Horovod copies its class's methods into a subclass of the user's optimizer; their names stay
+    method = getattr(type(owner), "_allreduce_grad_async", None)
+    if getattr(method, "__qualname__", "").startswith("_DistributedAdasumOptimizer."):
+        raise ValueError("hvd_quant: op=hvd.Adasum is not supported with an hvd_quant codec as "
+                         "compression=: Adasum combines gradients pairwise with dot products, which "
+                         "quantized payloads do not provide. Use op=hvd.Average or op=hvd.Sum.")
+    op = getattr(owner, "op", None)
+    if op is not None and hasattr(backend, "core_op"):
+        backend.core_op(op)
+
+
+class _Slot:
+    """ctx of a tensor fused into a bucket of a :class:`_Group`: member ``i`` of bucket ``k``."""
+    __slots__ = ("group", "k", "i", "info")
+
+    def __init__(self, group, k, i, info):
+        self.group, self.k, self.i, self.info = group, k, i, info
+
+
+class _Group:
+    """The buckets of one Horovod optimizer's gradients (:func:`hvd_quant.plan.make_plan`), made at its
+    first ``compress``, and each bucket's state in the current step: the gradients recorded so far,
+    the exchange once started, the scaled result once finished, and the members not yet returned."""
+
+    def __init__(self, sc, session, owner):
+        names = owner._parameter_names
+        todo = getattr(owner, "_requires_update", None) or set()
+        params = [p for g in owner.param_groups for p in g["params"]
+                  if p in todo or (not todo and p.requires_grad)]
+        tensors = [_plan.Tensor(names.get(p, f"hvdq.param.{i}"), tuple(p.shape), p.is_floating_point())
+                   for i, p in enumerate(params)]
+        self.plan = _plan.make_plan(sc.config, tensors, prefix="hvdq.stock")
+        self.session = session
+        self.where = {params[m]: (k, i) for k, b in enumerate(self.plan.buckets)
+                      for i, m in enumerate(b.members)}
+        n = len(self.plan.buckets)
+        self.grads = [[None] * len(b.members) for b in self.plan.buckets]
+        self.arrived = [0] * n
+        self.left = [len(b.members) for b in self.plan.buckets]
+        self.pending = [None] * n
+        self.result = [None] * n
 
 
 def _key_str(key):
@@ -168,16 +235,19 @@ class StockCompression:
     """
 
     def __init__(self, codec, reduction="sra", min_compress_numel=1024, compress_1d=False,
-                 error_feedback=None):
-        self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=None,
+                 error_feedback=None, bucket_bytes=4 << 20):
+        self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=bucket_bytes,
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
                                       predivide=None)
         c = self.config
         self.codec, self.reduction, self.error_feedback = c.codec, c.reduction, c.error_feedback
         self.min_compress_numel, self.compress_1d = c.min_compress_numel, c.compress_1d
+        self.bucket_bytes = c.bucket_bytes
         self._sessions = {}
-        self._pending = {}      # exchange name -> Pending, all sessions
+        self._groups = {}       # id(optimizer) -> its _Group (dropped with the optimizer)
+        self._pending = {}      # exchange name -> (session, Pending) of unfused tensors in flight
+        self._unadvanced = []   # (session, Pending) started since the last decompress advanced them
         self._steps = {}        # exchange name -> how many exchanges of that name were started
         self._anon = 0          # fallback names: call order since nothing was pending
         self._restored = {}     # residuals loaded before their session existed
@@ -225,13 +295,19 @@ class StockCompression:
         """``compress`` through ``backend`` (a module as in :data:`FRONTENDS`) with its hook skipped."""
         adapter = backend.stock_adapter()
         info = adapter.describe(tensor)
-        name, ps = _frame_context(tensor)
-        session = self.session(backend, ps)
+        caller = _frame_context(tensor)
+        session = self.session(backend, caller.process_set)
+        if caller.param is not None:
+            group = self._group(session, backend, caller.owner)
+            where = group.where.get(caller.param)
+            if where is not None and self.compressible(info):
+                return adapter.placeholder(tensor), self._record(group, where, tensor, info)
         if not self.compressible(info):
             out = uncompressed(adapter, tensor, info)
             session.exchange.traffic.add_allreduce(info.numel * adapter.describe(out[0]).itemsize,
                                                    info.numel, session.exchange.coll.size)
             return out
+        name = caller.name
         if name is None:
             if not self._pending:
                 self._anon = 0
@@ -240,29 +316,96 @@ class StockCompression:
         if name in self._pending:
             raise RuntimeError(f"hvd_quant: tensor {name!r} was compressed twice before its "
                                f"decompress; names must be unique among tensors in flight")
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
-        record = self.record(name, info.shape) if step == 0 else None
-        flat = session.ops.flatten([tensor])
-        pending = session.exchange.start(name, flat, step=step, record=record,
-                                         header=header(name, info.shape))
+        record = self.record(name, info.shape) if name not in self._steps else None
+        pending = self._start(session, name, session.ops.flatten([tensor]), record,
+                              header(name, info.shape))
         self._pending[name] = (session, pending)
         return adapter.placeholder(tensor), _Ctx(session, pending, info, session.exchange.coll.size)
 
+    def _start(self, session, name, flat, record, head):
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        pending = session.exchange.start(name, flat, step=step, record=record, header=head)
+        self._unadvanced.append((session, pending))
+        return pending
+
+    def _group(self, session, backend, owner):
+        """The :class:`_Group` of Horovod optimizer ``owner`` (planned on its first gradient)."""
+        entry = self._groups.get(id(owner))
+        if entry is not None and entry[0]() is owner and entry[1].session is session:
+            return entry[1]
+        _refuse_adasum(backend, owner)
+        group = _Group(self, session, owner)
+        self._groups[id(owner)] = (weakref.ref(owner), group)
+        weakref.finalize(owner, self._groups.pop, id(owner), None)
+        return group
+
+    def _record(self, group, where, tensor, info):
+        """Keep member ``where`` = (bucket, index) of ``group``; start the bucket once it is complete."""
+        k, i = where
+        grads = group.grads[k]
+        b = group.plan.buckets[k]
+        if grads[i] is not None:
+            raise RuntimeError(f"hvd_quant: gradient {b.names[i]!r} was compressed twice before "
+                               f"its decompress (backward run twice without a step?)")
+        grads[i] = tensor
+        group.arrived[k] += 1
+        if group.arrived[k] == len(grads):
+            self._launch(group, k)
+        return _Slot(group, k, i, info)
+
+    def _launch(self, group, k):
+        """Start bucket ``k``'s exchange; members that never arrived contribute zeros (as Horovod
+        allreduces zeros for a parameter without a gradient)."""
+        session, b, grads = group.session, group.plan.buckets[k], group.grads[k]
+        like = next(g for g in grads if g is not None)
+        parts = [g if g is not None else session.ops.zeros(b.numels[i], like) for i, g in enumerate(grads)]
+        record = group.plan.record if b.name not in self._steps else None
+        group.pending[k] = self._start(session, b.name, session.ops.flatten(parts), record, b.header)
+        group.grads[k] = [None] * len(grads)
+        group.arrived[k] = 0
+
+    def _advance_all(self):
+        """Move every exchange still in its first phase to its second before waiting on any (the
+        overlap rule), once per step, not once per tensor."""
+        started, self._unadvanced = self._unadvanced, []
+        for session, pending in started:
+            session.exchange.advance(pending)
+
     def decompress(self, tensor, ctx):
+        if isinstance(ctx, _Slot):
+            return self._finish_slot(tensor, ctx)
         if isinstance(ctx, _Cast):
             return ctx.adapter.cast_back(tensor, ctx.info)
         if not isinstance(ctx, _Ctx):
             finish = getattr(ctx, "stock_decompress", None)   # made by a backend's stock_compress
             return tensor if finish is None else finish(tensor)
-        # Overlap: move every exchange still in its first phase to its second before waiting.
-        for session, pending in list(self._pending.values()):
-            session.exchange.advance(pending)
+        self._advance_all()
         session, pending = ctx.session, ctx.pending
         self._pending.pop(pending.name, None)
         flat = session.exchange.finish(pending)
         flat = session.ops.scale_(flat, ctx.session.adapter.as_float(tensor) / ctx.size)
         return session.adapter.restore(flat, ctx.info)
+
+    def _finish_slot(self, tensor, slot):
+        group, k = slot.group, slot.k
+        session = group.session
+        flat = group.result[k]
+        if flat is None:
+            if group.pending[k] is None:        # a member never reached compress on this rank
+                self._launch(group, k)
+            self._advance_all()
+            flat = session.exchange.finish(group.pending[k])
+            # Every member carries the same factor (one optimizer: one op and pre/post-scale)
+            flat = group.result[k] = session.ops.scale_(
+                flat, session.adapter.as_float(tensor) / session.exchange.coll.size)
+            group.pending[k] = None
+        b = group.plan.buckets[k]
+        group.left[k] -= 1
+        if group.left[k] == 0:
+            group.left[k] = len(b.members)
+            group.result[k] = None
+        return session.adapter.restore(flat[b.offsets[slot.i]:b.offsets[slot.i + 1]], slot.info)
 
     # -- state ------------------------------------------------------------------------------------
     @property

@@ -284,6 +284,27 @@ def option_cases():
     except ValueError as e:
         msg = str(e)
     check("Adasum" in msg and "not supported" in msg, "adasum refused", msg[:200])
+    # ... and through the stock path, at the first gradient on every rank (Horovod's Adasum optimizer
+    # would otherwise sum the placeholders and silently average the compressed tensors).
+    m = fresh()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), compression=codec(Q4D),
+                                   named_parameters=m.named_parameters(), op=hvd.Adasum)
+    try:
+        x, y = batch(0, 66)
+        F.cross_entropy(m(x), y).backward()
+        msg = ""
+    except ValueError as e:
+        msg = str(e)
+    check("Adasum" in msg and "not supported" in msg, "stock adasum refused", msg[:200])
+    # The stock path fuses: one optimizer's compressed gradients travel as one bucket per step.
+    m = fresh()
+    comp = hvd_quant.StockCompression(codec(Q4D))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), compression=comp,
+                                   named_parameters=m.named_parameters())
+    run_steps(m, opt, range(3), 67, [])
+    steps = comp.state_dict()["steps"]
+    check(len(steps) == 1 and list(steps.values()) == [3], "stock path fuses into one bucket",
+          f"exchanges started per name: {steps}")
 
 
 def bytes_cases():
@@ -299,9 +320,9 @@ def bytes_cases():
             got = hqt.bytes_sent_per_step(opt)
             c = codec(spec)
             shapes = [tuple(p.shape) for p in m.parameters()]
-            # stock: one exchange per tensor (bucket_bytes=1: every tensor alone)
+            # stock: its default buckets of 4 MiB; ours: bucket_bytes=16384 (make_opt)
             formula = bytes_per_step(shapes, N, c.wire_nbytes, reduction="sra",
-                                     bucket_bytes=1 if entry == "stock" else 16384)
+                                     bucket_bytes=4 << 20 if entry == "stock" else 16384)
             # Chunks fall on bucket boundaries, so on small tensors ranks send unequal shares; the
             # formula assumes equal shares: compare the mean over ranks.
             mean = float(hvd.allreduce(torch.tensor([got["sent"]], dtype=torch.float64),
