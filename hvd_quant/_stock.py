@@ -121,14 +121,29 @@ class _Ctx:
 
 
 class _Session:
-    """One Exchange (and its error-feedback memory) per framework backend and process set."""
+    """The exchanges (one per reduction in use, sharing one error-feedback memory) of one framework
+    backend and process set. ``exchange`` is the configured reduction's; with ``"auto"``, SRA's for
+    what is not planned (unfused tensors, TensorFlow's stock path)."""
 
     def __init__(self, backend, process_set, codec, reduction, error_feedback):
         coll, ops = backend.stock_backend(process_set)
         self.adapter = backend.stock_adapter()
-        self.ops = ops
+        self.ops, self.codec, self.coll = ops, codec, coll
         self.memory = Memory(ops) if error_feedback else None
-        self.exchange = Exchange(codec, coll, ops, reduction=reduction, memory=self.memory)
+        self.exchanges = {}
+        self.exchange = self.exchange_for("sra" if reduction == _plan.AUTO else reduction)
+
+    def exchange_for(self, reduction):
+        ex = self.exchanges.get(reduction)
+        if ex is None:
+            ex = self.exchanges[reduction] = Exchange(self.codec, self.coll, self.ops,
+                                                      reduction=reduction, memory=self.memory)
+        return ex
+
+    def rebind(self, coll):
+        self.coll = coll
+        for ex in self.exchanges.values():
+            ex.coll = coll
 
 
 class _Caller:
@@ -187,11 +202,12 @@ def _refuse_adasum(backend, owner):
 
 
 class _Slot:
-    """ctx of a tensor fused into a bucket of a :class:`_Group`: member ``i`` of bucket ``k``."""
-    __slots__ = ("group", "k", "i", "info")
+    """ctx of a tensor fused into a bucket of a :class:`_Group`: member ``i`` of bucket ``k``,
+    exchanged by ``route`` ("sra" or "allgather")."""
+    __slots__ = ("group", "k", "i", "info", "route")
 
-    def __init__(self, group, k, i, info):
-        self.group, self.k, self.i, self.info = group, k, i, info
+    def __init__(self, group, k, i, info, route):
+        self.group, self.k, self.i, self.info, self.route = group, k, i, info, route
 
 
 class _Group:
@@ -214,8 +230,16 @@ class _Group:
         self.grads = [[None] * len(b.members) for b in self.plan.buckets]
         self.arrived = [0] * n
         self.left = [len(b.members) for b in self.plan.buckets]
-        self.pending = [None] * n
+        self.pending = [None] * n      # (exchange, Pending) once started
         self.result = [None] * n
+        self.total = sum(self.left)    # planned gradients per step
+        self.count = 0                 # of them handed over this step
+        self.auto = _plan.AutoChoice() if sc.reduction == _plan.AUTO else None
+        self.key = self.plan.record[:8].hex()      # names this plan in state_dict()["auto"]
+
+    def route(self):
+        """How this step's buckets travel (the configured reduction, or auto's current one)."""
+        return self.auto.current() if self.auto is not None else self.plan.config.reduction
 
 
 def _key_str(key):
@@ -234,7 +258,7 @@ class StockCompression:
     and exposed by :meth:`state_dict` / :meth:`load_state_dict`.
     """
 
-    def __init__(self, codec, reduction="sra", min_compress_numel=1024, compress_1d=False,
+    def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
                  error_feedback=None, bucket_bytes=4 << 20):
         self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=bucket_bytes,
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
@@ -251,6 +275,7 @@ class StockCompression:
         self._steps = {}        # exchange name -> how many exchanges of that name were started
         self._anon = 0          # fallback names: call order since nothing was pending
         self._restored = {}     # residuals loaded before their session existed
+        self._restored_auto = {}    # reduction=auto states loaded before their optimizer's group
 
     # -- configuration ----------------------------------------------------------------------------
     def summary(self):
@@ -273,13 +298,22 @@ class StockCompression:
                 s.memory.load_state_dict(saved)
         else:
             coll = backend.stock_backend(process_set)[0]
-            if coll is not s.exchange.coll:     # the process set's rank or size changed (elastic)
-                s.exchange.coll = coll
+            if coll is not s.coll:     # the process set's rank or size changed (elastic)
+                s.rebind(coll)
+                for _, group in self._groups.values():
+                    if group.session is s and group.auto is not None:
+                        group.auto.reset()      # another world: measure again
         return s
 
     def compressible(self, info):
         """Whether a tensor ``adapter.describe`` described is compressed (:class:`hvd_quant.plan.Config`)."""
         return self.config.compressible(info.shape, info.is_float)
+
+    def reduction_in_use(self, optimizer):
+        """How ``optimizer``'s next step's buckets travel on this path (``"sra"``, ``"allgather"``,
+        ``"allreduce"``), or None before its first gradient."""
+        entry = self._groups.get(id(optimizer))
+        return None if entry is None or entry[0]() is not optimizer else entry[1].route()
 
     # -- Horovod Compressor protocol --------------------------------------------------------------
     def compress(self, tensor):
@@ -301,12 +335,15 @@ class StockCompression:
             group = self._group(session, backend, caller.owner)
             where = group.where.get(caller.param)
             if where is not None and self.compressible(info):
-                return adapter.placeholder(tensor), self._record(group, where, tensor, info)
+                route = group.route()
+                if route == _plan.ALLREDUCE:
+                    out = self._uncompressed(session, adapter, tensor, info)
+                else:
+                    out = adapter.placeholder(tensor), self._record(group, where, tensor, info, route)
+                self._arrived(group)
+                return out
         if not self.compressible(info):
-            out = uncompressed(adapter, tensor, info)
-            session.exchange.traffic.add_allreduce(info.numel * adapter.describe(out[0]).itemsize,
-                                                   info.numel, session.exchange.coll.size)
-            return out
+            return self._uncompressed(session, adapter, tensor, info)
         name = caller.name
         if name is None:
             if not self._pending:
@@ -317,17 +354,37 @@ class StockCompression:
             raise RuntimeError(f"hvd_quant: tensor {name!r} was compressed twice before its "
                                f"decompress; names must be unique among tensors in flight")
         record = self.record(name, info.shape) if name not in self._steps else None
-        pending = self._start(session, name, session.ops.flatten([tensor]), record,
+        pending = self._start(session.exchange, name, session.ops.flatten([tensor]), record,
                               header(name, info.shape))
         self._pending[name] = (session, pending)
         return adapter.placeholder(tensor), _Ctx(session, pending, info, session.exchange.coll.size)
 
-    def _start(self, session, name, flat, record, head):
+    @staticmethod
+    def _uncompressed(session, adapter, tensor, info):
+        out = uncompressed(adapter, tensor, info)
+        session.exchange.traffic.add_allreduce(info.numel * adapter.describe(out[0]).itemsize,
+                                               info.numel, session.coll.size)
+        return out
+
+    def _start(self, exchange, name, flat, record, head):
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        pending = session.exchange.start(name, flat, step=step, record=record, header=head)
-        self._unadvanced.append((session, pending))
+        pending = exchange.start(name, flat, step=step, record=record, header=head)
+        self._unadvanced.append((exchange, pending))
         return pending
+
+    def _arrived(self, group):
+        """Count a planned gradient; the step's last one ends the step for ``reduction="auto"``."""
+        group.count += 1
+        if group.count < group.total:
+            return
+        group.count = 0
+        auto = group.auto
+        if auto is not None and auto.end_step():
+            coll = group.session.coll
+            auto.decide(coll, group.session.ops, "hvdq.stock.auto")
+            if coll.rank == 0:
+                print(f"hvd_quant (compression=): {auto.summary()}", flush=True)
 
     def _group(self, session, backend, owner):
         """The :class:`_Group` of Horovod optimizer ``owner`` (planned on its first gradient)."""
@@ -336,11 +393,14 @@ class StockCompression:
             return entry[1]
         _refuse_adasum(backend, owner)
         group = _Group(self, session, owner)
+        saved = self._restored_auto.pop(group.key, None)
+        if saved is not None and group.auto is not None:
+            group.auto.load_state_dict(saved)
         self._groups[id(owner)] = (weakref.ref(owner), group)
         weakref.finalize(owner, self._groups.pop, id(owner), None)
         return group
 
-    def _record(self, group, where, tensor, info):
+    def _record(self, group, where, tensor, info, route):
         """Keep member ``where`` = (bucket, index) of ``group``; start the bucket once it is complete."""
         k, i = where
         grads = group.grads[k]
@@ -351,17 +411,18 @@ class StockCompression:
         grads[i] = tensor
         group.arrived[k] += 1
         if group.arrived[k] == len(grads):
-            self._launch(group, k)
-        return _Slot(group, k, i, info)
+            self._launch(group, k, route)
+        return _Slot(group, k, i, info, route)
 
-    def _launch(self, group, k):
+    def _launch(self, group, k, route):
         """Start bucket ``k``'s exchange; members that never arrived contribute zeros (as Horovod
         allreduces zeros for a parameter without a gradient)."""
         session, b, grads = group.session, group.plan.buckets[k], group.grads[k]
         like = next(g for g in grads if g is not None)
         parts = [g if g is not None else session.ops.zeros(b.numels[i], like) for i, g in enumerate(grads)]
         record = group.plan.record if b.name not in self._steps else None
-        group.pending[k] = self._start(session, b.name, session.ops.flatten(parts), record, b.header)
+        ex = session.exchange_for(route)
+        group.pending[k] = ex, self._start(ex, b.name, session.ops.flatten(parts), record, b.header)
         group.grads[k] = [None] * len(grads)
         group.arrived[k] = 0
 
@@ -369,8 +430,8 @@ class StockCompression:
         """Move every exchange still in its first phase to its second before waiting on any (the
         overlap rule), once per step, not once per tensor."""
         started, self._unadvanced = self._unadvanced, []
-        for session, pending in started:
-            session.exchange.advance(pending)
+        for exchange, pending in started:
+            exchange.advance(pending)
 
     def decompress(self, tensor, ctx):
         if isinstance(ctx, _Slot):
@@ -393,12 +454,13 @@ class StockCompression:
         flat = group.result[k]
         if flat is None:
             if group.pending[k] is None:        # a member never reached compress on this rank
-                self._launch(group, k)
+                self._launch(group, k, slot.route)
             self._advance_all()
-            flat = session.exchange.finish(group.pending[k])
+            ex, pending = group.pending[k]
+            flat = ex.finish(pending)
             # Every member carries the same factor (one optimizer: one op and pre/post-scale)
             flat = group.result[k] = session.ops.scale_(
-                flat, session.adapter.as_float(tensor) / session.exchange.coll.size)
+                flat, session.adapter.as_float(tensor) / session.coll.size)
             group.pending[k] = None
         b = group.plan.buckets[k]
         group.left[k] -= 1
@@ -413,30 +475,36 @@ class StockCompression:
         """Bytes sent since the last :meth:`reset_traffic`, summed over sessions."""
         total = Traffic()
         for s in self._sessions.values():
-            t = s.exchange.traffic
-            total.sent_bytes += t.sent_bytes
-            total.fp32_bytes += t.fp32_bytes
-            total.payload_bytes += t.payload_bytes
-            total.numel += t.numel
+            for ex in s.exchanges.values():
+                total.add(ex.traffic)
         return total
 
     def reset_traffic(self):
         for s in self._sessions.values():
-            s.exchange.traffic.reset()
+            for ex in s.exchanges.values():
+                ex.traffic.reset()
 
     def state_dict(self):
         """``{"residuals": {session key: {name: tensor}}, "server_residuals": {session key:
-        {(name, rank, size): tensor}}, "steps": {name: count}}`` (worker and server residuals as in
-        :class:`hvd_quant.memory.Memory`)."""
+        {(name, rank, size): tensor}}, "steps": {name: count}, "auto": {plan key: state}}`` (worker
+        and server residuals as in :class:`hvd_quant.memory.Memory`, keyed by exchange name: the
+        bucket's or, unfused, the tensor's; ``reduction="auto"``'s schedule per optimizer plan)."""
         states = dict(self._restored)
         states.update({_key_str(k): s.memory.state_dict()
                        for k, s in self._sessions.items() if s.memory is not None})
+        auto = dict(self._restored_auto)
+        auto.update({g.key: g.auto.state_dict() for _, g in self._groups.values() if g.auto is not None})
         return {"residuals": {k: dict(v.get(Memory.WORKER, {})) for k, v in states.items()},
                 "server_residuals": {k: dict(v.get(Memory.SERVER, {})) for k, v in states.items()},
-                "steps": dict(self._steps)}
+                "steps": dict(self._steps), "auto": auto}
 
     def load_state_dict(self, state):
         self._steps = dict(state.get("steps", {}))
+        self._restored_auto = dict(state.get("auto", {}))
+        for _, g in self._groups.values():
+            saved = self._restored_auto.pop(g.key, None)
+            if saved is not None and g.auto is not None:
+                g.auto.load_state_dict(saved)
         server = state.get("server_residuals", {})
         self._restored = {k: {Memory.WORKER: v, Memory.SERVER: server.get(k, {})}
                           for k, v in state.get("residuals", {}).items()}

@@ -14,20 +14,30 @@ gradients as :class:`Tensor` records (name, shape, floating or not) and take the
    names alone (the same on every rank and in every process: payload headers, seeded noise,
    checkpoints); its ``name`` (the exchange's) adds the frontend's prefix. :attr:`Plan.record` is the
    handshake record of the summary and the layout: ranks whose plans differ raise.
-4. :func:`save_residuals` / :func:`restore_residuals`: a :class:`~hvd_quant.memory.Memory`'s worker
+4. :class:`AutoChoice`: ``reduction="auto"``, the way a plan's buckets travel (Horovod's fp32
+   allreduce, compressed allgather or SRA) chosen from step times measured in the first steps, the
+   same on every rank (the times travel through one allgather), re-measured when the world changes.
+5. :func:`save_residuals` / :func:`restore_residuals`: a :class:`~hvd_quant.memory.Memory`'s worker
    residuals per tensor name (another ``bucket_bytes`` still loads them) and server residuals per
    ``(bucket header, rank, size)``.
 """
 import math
+import statistics
+import struct
+import time
 import zlib
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from .codecs import resolve_codec
 from .exchange import AVERAGE, REDUCTIONS, SUM, handshake_record, is_passthrough_codec
+
+AUTO = "auto"
+ALLREDUCE = "allreduce"
 from .memory import Memory
 
-__all__ = ["Config", "Tensor", "Bucket", "Plan", "configure", "core_op", "check_reduction",
+__all__ = ["Config", "Tensor", "Bucket", "Plan", "AutoChoice", "AUTO", "ALLREDUCE", "configure",
+           "core_op", "check_reduction",
            "check_groups", "check_backward_passes", "fuse", "split_even", "bucket_header", "digest",
            "make_plan", "save_residuals", "restore_residuals"]
 
@@ -52,9 +62,10 @@ def core_op(op, average, sum_, adasum):
     raise ValueError(f"hvd_quant: unsupported op {op!r}; use hvd.Average or hvd.Sum")
 
 
-def check_reduction(reduction):
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+def check_reduction(reduction, auto=True):
+    allowed = REDUCTIONS + ((AUTO,) if auto else ())
+    if reduction not in allowed:
+        raise ValueError(f"reduction must be one of {allowed}, got {reduction!r}")
 
 
 def check_backward_passes(passes):
@@ -269,3 +280,86 @@ def restore_residuals(memory, buckets, worker, server, join):
             memory.set(Memory.WORKER, b.name, flat)
         for key in [k for k in server if k[0] == b.header]:
             memory.set(Memory.SERVER, (b.name,) + tuple(key[1:]), join([server.pop(key)]))
+
+
+class AutoChoice:
+    """``reduction="auto"``: which way a plan's compressed buckets travel, from measured step times.
+
+    The first steps follow a fixed schedule, the same on every rank: each candidate once to warm up
+    (plans, kernel compilation; not timed), then each candidate ``trials`` times, interleaved. A step's
+    time is the host time from the end of the previous step to the end of this one (:meth:`end_step`),
+    so it includes everything the reduction costs the step, overlap included. Then every rank
+    allgathers its median per candidate (:meth:`decide`, blocking, once), and all take the candidate
+    with the lowest mean over ranks; ties go to the earlier candidate, and Horovod's allreduce comes
+    first, so compression is chosen only where it measured faster. The choice holds for every
+    bucket of the plan until :meth:`reset` (the world size changed).
+    """
+    CANDIDATES = (ALLREDUCE, "allgather", "sra")
+    WARM_ORDER = ("sra", "allgather", ALLREDUCE)
+
+    def __init__(self, trials=5, clock=time.perf_counter):
+        self.trials, self.clock = int(trials), clock
+        self.reset()
+
+    def reset(self):
+        self.schedule = list(self.WARM_ORDER) + [c for _ in range(self.trials) for c in self.CANDIDATES]
+        self.step = 0
+        self.times = {c: [] for c in self.CANDIDATES}
+        self.choice = None
+        self.medians = None
+        self._last = None
+
+    def current(self):
+        """The reduction of the step in progress: a candidate of the schedule, then the choice."""
+        if self.choice is not None:
+            return self.choice
+        return self.schedule[min(self.step, len(self.schedule) - 1)]
+
+    def end_step(self):
+        """Record the end of a step. True when the schedule is over and :meth:`decide` is due."""
+        if self.choice is not None:
+            return False
+        now = self.clock()
+        if self._last is not None and self.step >= len(self.WARM_ORDER):
+            self.times[self.schedule[self.step]].append(now - self._last)
+        self._last = now
+        self.step += 1
+        return self.step >= len(self.schedule)
+
+    def decide(self, coll, ops, name):
+        """Allgather every rank's medians (seconds, float64) and take the same choice on every rank."""
+        mine = [statistics.median(self.times[c]) for c in self.CANDIDATES]
+        record = struct.pack(f"<{len(mine)}d", *mine)
+        if coll.size > 1:
+            data = ops.to_bytes(coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)))
+        else:
+            data = record
+        n = len(mine)
+        rows = [struct.unpack_from(f"<{n}d", data, r * 8 * n) for r in range(len(data) // (8 * n))]
+        self.medians = [sum(r[i] for r in rows) / len(rows) for i in range(n)]
+        best = min(range(n), key=lambda i: (self.medians[i], i))
+        self.choice = self.CANDIDATES[best]
+        return self.choice
+
+    def state_dict(self):
+        """Where the schedule stands (a resumed run takes the same ways on the same steps)."""
+        return {"step": self.step, "times": {c: list(t) for c, t in self.times.items()},
+                "choice": self.choice, "medians": None if self.medians is None else list(self.medians)}
+
+    def load_state_dict(self, state):
+        self.reset()
+        self.step = int(state.get("step", 0))
+        for c, t in dict(state.get("times", {})).items():
+            if c in self.times:
+                self.times[c] = [float(x) for x in t]
+        self.choice = state.get("choice")
+        if self.choice is not None and self.choice not in self.CANDIDATES:
+            raise ValueError(f"hvd_quant: saved reduction=auto choice {self.choice!r} is not one of "
+                             f"{self.CANDIDATES}")
+        medians = state.get("medians")
+        self.medians = None if medians is None else [float(x) for x in medians]
+
+    def summary(self):
+        """One line for the log: the choice and the mean median step time of each candidate."""
+        times = ", ".join(f"{c} {m * 1e3:.2f} ms" for c, m in zip(self.CANDIDATES, self.medians or ()))
+        return f"reduction=auto chose {self.choice!r} (median step time, mean over ranks: {times})"

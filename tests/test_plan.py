@@ -307,3 +307,33 @@ def test_incomplete_bucket_is_not_restored_and_wrong_size_raises():
     worker["c"] = np.zeros(3, np.float32)
     with pytest.raises(ValueError, match="elements"):
         plan.restore_residuals(mem, p.buckets, worker, {}, _join)
+
+
+def test_auto_choice_schedule_and_decision():
+    """AutoChoice: warm-up of every candidate (untimed), then interleaved timed trials; the choice is
+    the candidate with the lowest median, ties to the earlier one (Horovod's allreduce first)."""
+    from hvd_quant.exchange import Collectives
+    cost = {"allreduce": 3.0, "allgather": 1.0, "sra": 2.0}
+    now = [0.0]
+    auto = plan.AutoChoice(trials=3, clock=lambda: now[0])
+    seen = []
+    while auto.choice is None:
+        used = auto.current()
+        seen.append(used)
+        now[0] += cost[used] + (100.0 if len(seen) <= 3 else 0.0)     # warm-up steps are not timed
+        if auto.end_step():
+            coll = Collectives(rank=0, size=1, allgather_async=None, alltoall_async=None,
+                               allreduce_async=None, synchronize=None)
+            auto.decide(coll, None, "unused")
+    assert seen[:3] == ["sra", "allgather", "allreduce"]
+    assert sorted(seen[3:]) == sorted(["allreduce", "allgather", "sra"] * 3)
+    assert auto.choice == "allgather" and auto.current() == "allgather"
+    assert auto.medians == [3.0, 1.0, 2.0]
+    assert not auto.end_step()                 # decided: nothing more is timed
+    auto.reset()
+    assert auto.choice is None and auto.current() == "sra"
+    tie = plan.AutoChoice(trials=1, clock=lambda: 0.0)
+    while not tie.end_step():
+        pass
+    tie.decide(coll, None, "unused")
+    assert tie.choice == "allreduce"            # equal times: no compression

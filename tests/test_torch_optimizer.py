@@ -11,8 +11,9 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 
 
 @pytest.mark.parametrize("np_,controller,groups", [
-    pytest.param(2, "gloo", ["grads", "options", "bytes", "resume", "train"], id="np2-gloo"),
-    pytest.param(3, "mpi", ["grads", "options", "bytes", "resume"], id="np3-mpi", marks=pytest.mark.mpi),
+    pytest.param(2, "gloo", ["grads", "options", "bytes", "resume", "train", "auto"], id="np2-gloo"),
+    pytest.param(3, "mpi", ["grads", "options", "bytes", "resume", "auto"], id="np3-mpi",
+                 marks=pytest.mark.mpi),
 ])
 def test_optimizer_entry_points(np_, controller, groups):
     result = run_horovod("torch_optim.py", np=np_, controller=controller, args=groups, timeout=600)

@@ -113,6 +113,7 @@ class GradientReducer(_Trackable):
         import horovod.tensorflow as hvd
         from horovod.tensorflow.compression import Compression
         op = _backend.core_op(op)
+        _plan.check_reduction(reduction, auto=False)   # "auto" is measured by the PyTorch paths only
         _plan.check_groups(groups, "tf.Variable")
         self.config = _plan.configure(
             compression, Compression, reduction=reduction, bucket_bytes=bucket_bytes,

@@ -57,7 +57,7 @@ _REDUCER_ARGS = ("compression", "op", "reduction", "bucket_bytes", "min_compress
 def _reducer_args(args, backward_passes_per_step=1):
     """The GradientReducer arguments among a wrapper's ``locals()``, checked; ``num_groups`` folded
     into ``groups`` as Horovod does."""
-    _plan.check_reduction(args["reduction"])
+    _plan.check_reduction(args["reduction"], auto=False)
     _plan.check_backward_passes(backward_passes_per_step)
     kw = {k: args[k] for k in _REDUCER_ARGS}
     if args["num_groups"] != 0 and kw["groups"] is None:

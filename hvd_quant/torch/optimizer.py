@@ -35,6 +35,7 @@ import horovod.torch as hvd
 
 from .. import plan as _plan
 from ..exchange import Exchange, HANDSHAKE_NAME, Traffic, handshake
+from ..plan import ALLREDUCE, AUTO, AutoChoice
 from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
 from . import _backend
@@ -92,7 +93,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         self._prefix = f"hvdq{next(_instances)}"
         self._memory = Memory(_backend.OPS) if self.error_feedback else None
-        self._exchange = None
+        self._coll = None             # the process set's Collectives, once connected
+        self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")
+        self._auto = AutoChoice() if self.reduction == AUTO else None
         self._handles = {}           # param -> plain allreduce handle (or callable for sparse)
         self._launched = set()       # params whose gradient was handed to an exchange or allreduce
         self._grad_accs = []
@@ -126,18 +129,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _connect(self):
         """(Re)bind to the process set's current rank and size and check every rank agrees."""
         coll = _backend.collectives(self.process_set)
-        if self._exchange is not None and self._exchange.coll is coll:
+        if self._coll is coll:
             return
         if coll.size > 1:
             handshake(coll, _backend.OPS, self._grad_plan.record,
                       "hvd_quant.torch.DistributedOptimizer", name=HANDSHAKE_NAME)
-        if self._exchange is None:
+        self._coll = coll
+        for ex in self._exchanges.values():
+            ex.coll = coll
+        if self._auto is not None:
+            self._auto.reset()          # another world: measure again
+
+    def _exchange_for(self, reduction):
+        ex = self._exchanges.get(reduction)
+        if ex is None:
             # reuse_result: synchronize copies each bucket's result into p.grad before the next step
-            self._exchange = Exchange(self.codec, coll, _backend.OPS, reduction=self.reduction,
-                                      memory=self._memory, prefix=self._prefix, reuse_result=True)
-            self._exchange.traffic = self._traffic
-        else:
-            self._exchange.coll = coll
+            ex = self._exchanges[reduction] = Exchange(
+                self.codec, self._coll, _backend.OPS, reduction=reduction, memory=self._memory,
+                prefix=self._prefix, reuse_result=True)
+            ex.traffic = self._traffic
+        return ex
+
+    def _route(self):
+        """How this step's compressed buckets travel: ``"sra"``, ``"allgather"`` or ``"allreduce"``."""
+        return self.reduction if self._auto is None else self._auto.current()
 
     # -- hooks --------------------------------------------------------------------------------------
     def _register_hooks(self):
@@ -173,7 +188,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
         k = self._p_bucket.get(p)
-        if k is None or self._in_warmup():
+        route = self._route()
+        if k is None or self._in_warmup() or route == ALLREDUCE:
             self._launch_plain(p)
             return
         self._arrived[k] += 1
@@ -181,7 +197,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._arrived[k] == len(params):
             b = self._buckets[k]
             flat = _backend.OPS.flatten([q.grad.to_dense() if q.grad.is_sparse else q.grad for q in params])
-            self._pending[k] = self._exchange.start(b.name, flat, step=self._step, header=b.header)
+            self._pending[k] = self._exchange_for(route).start(b.name, flat, step=self._step,
+                                                               header=b.header)
 
     def _launch_plain(self, p):
         name = self._parameter_names.get(p)
@@ -196,20 +213,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             tensor = tensor.to(torch.float32)       # bfloat16: Horovod cannot reduce it
         pre, post = self.config.allreduce_factors()
         self._traffic.add_allreduce(tensor.numel() * tensor.element_size(), tensor.numel(),
-                                    self._exchange.coll.size)
-        handle = self._exchange.coll.allreduce_async(tensor, name, self.op, pre, post)
+                                    self._coll.size)
+        handle = self._coll.allreduce_async(tensor, name, self.op, pre, post)
         self._handles[p] = (handle, tensor)
 
     # -- synchronize / step ---------------------------------------------------------------------------
     def synchronize(self):
-        if not self.process_set.included() or self._exchange is None:
+        if not self.process_set.included() or self._coll is None:
             self._synchronized = True
             return
         for p in sorted(self._requires_update - self._launched, key=self._parameter_names.get):
             self._ready(p)
         started = [k for k, pending in enumerate(self._pending) if pending is not None]
-        flats = self._exchange.finish_all([self._pending[k] for k in started])
-        scale = self.config.result_scale(self._exchange.coll.size)
+        flats = self._exchange_for(self._route()).finish_all([self._pending[k] for k in started]) \
+            if started else []
+        scale = self.config.result_scale(self._coll.size)
         for k, flat in zip(started, flats):
             if scale != 1.0:
                 flat = _backend.OPS.scale_(flat, scale)
@@ -236,6 +254,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._arrived = [0] * len(self._buckets)
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
+        if self._auto is not None and not self._in_warmup() and self._auto.end_step():
+            self._auto.decide(self._coll, _backend.OPS, f"{self._prefix}.auto")
+            if self._coll.rank == 0:
+                print(f"hvd_quant: {self._auto.summary()}", flush=True)
         self._step += 1
         self.last_traffic = self._traffic.copy()
         self._traffic.reset()
@@ -274,6 +296,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
 
+    def reduction_in_use(self):
+        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"`` or
+        ``"allreduce"`` (``reduction="auto"``: the schedule's candidate, then the choice)."""
+        return self._route()
+
     # -- traffic ------------------------------------------------------------------------------------
     def bytes_per_step(self):
         """Bytes this rank sent in the last step and what an fp32 ring allreduce would have sent
@@ -289,7 +316,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                      lambda t: t.detach().clone())
         state[_STATE_KEY] = {"step": self._step, "codec": self.codec.spec(),
                              "reduction": self.reduction, "residuals": residuals,
-                             "server_residuals": server}
+                             "server_residuals": server,
+                             "auto": None if self._auto is None else self._auto.state_dict()}
         return state
 
     def load_state_dict(self, state_dict, *args, **kwargs):
@@ -307,6 +335,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is None:
             return
         self._step = int(ours.get("step", 0))
+        if self._auto is not None and ours.get("auto") is not None:
+            self._auto.load_state_dict(ours["auto"])
         if self._memory is None:
             return
         self._memory.clear()
@@ -315,7 +345,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._memory, self._buckets, dict(ours.get("residuals", {})),
             {k: v for k, v in ours.get("server_residuals", {}).items() if isinstance(k, tuple)},
             lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
-        if self._exchange is not None:
+        if self._coll is not None:
             self._connect()
 
 
@@ -323,7 +353,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=hvd.global_process_set,
-                         reduction="sra", bucket_bytes=4 << 20, min_compress_numel=1024,
+                         reduction="auto", bucket_bytes=4 << 20, min_compress_numel=1024,
                          warmup_steps=0, error_feedback=None, compress_1d=False):
     """Wrap ``optimizer`` so that gradients are averaged across ranks with a compressed exchange.
 
@@ -335,8 +365,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``, ...), a
             spec string (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``.
             Default: no compression (plain Horovod allreduce).
-        reduction: ``"sra"`` (scatter-reduce-allgather with requantization; traffic flat in the number
-            of ranks) or ``"allgather"`` (each rank decodes every rank's payload; one quantization).
+        reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"`` or ``"sra"``, whichever
+            measured the fastest step in the first steps, the same on every rank, logged once on
+            rank 0; :class:`hvd_quant.plan.AutoChoice`), ``"sra"`` (scatter-reduce-allgather with
+            requantization; traffic flat in the number of ranks) or ``"allgather"`` (each rank
+            decodes every rank's payload; one quantization).
         bucket_bytes: compressed gradients are fused into buckets of at most this many float32 bytes,
             in reverse parameter order (a larger tensor is a bucket alone). Default 4 MiB.
         min_compress_numel: gradients with fewer elements go uncompressed through Horovod's

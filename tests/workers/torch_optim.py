@@ -298,7 +298,7 @@ def option_cases():
     check("Adasum" in msg and "not supported" in msg, "stock adasum refused", msg[:200])
     # The stock path fuses: one optimizer's compressed gradients travel as one bucket per step.
     m = fresh()
-    comp = hvd_quant.StockCompression(codec(Q4D))
+    comp = hvd_quant.StockCompression(codec(Q4D), reduction="sra")
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), compression=comp,
                                    named_parameters=m.named_parameters())
     run_steps(m, opt, range(3), 67, [])
@@ -449,10 +449,42 @@ def train_cases():
         print(f"TRAIN {spec} {loss:.4f} fp32 {base_loss:.4f}", flush=True)
 
 
+def auto_cases():
+    """``reduction="auto"`` (the default of both paths): the schedule's steps are correct, the choice
+    is the same on every rank although each rank times its own steps (rank 1 is made slower during
+    the compressed candidates), and the replicas stay bit-identical afterwards."""
+    for entry in ("ours", "stock"):
+        m = fresh()
+        base = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        if entry == "ours":
+            opt = hqt.DistributedOptimizer(base, named_parameters=m.named_parameters(),
+                                           compression=codec(Q4D), bucket_bytes=16384)
+            route = opt.reduction_in_use
+        else:
+            comp = hvd_quant.StockCompression(codec(Q4D))
+            opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), compression=comp)
+            route = lambda: comp.reduction_in_use(opt)      # noqa: E731
+        seen = []
+        for step in range(3 + 3 * 5 + 2):
+            used = route()
+            seen.append(used)
+            if R == 1 and used in ("sra", "allgather"):
+                time.sleep(0.01)
+            step_checks(f"{entry}/auto/step{step}", m, opt, Q4D, "sra", steps=1, salt=step)
+        choice = route()
+        codes = hvd.allgather(torch.tensor([["allreduce", "allgather", "sra"].index(choice)]),
+                              name=f"auto.choice.{entry}")
+        check(len(set(codes.tolist())) == 1, f"{entry}/auto same choice on every rank",
+              f"choices {codes.tolist()}, schedule {seen[:18]}")
+        # (the stock path knows its optimizer from the first gradient on: None before)
+        check(set(seen[1:18]) == {"allreduce", "allgather", "sra"} and seen[-1] == choice,
+              f"{entry}/auto schedule", f"{seen}")
+
+
 def main():
-    groups = sys.argv[1:] or ["grads", "options", "bytes", "resume", "train"]
+    groups = sys.argv[1:] or ["grads", "options", "bytes", "resume", "train", "auto"]
     table = {"grads": grad_cases, "options": option_cases, "bytes": bytes_cases,
-             "resume": resume_cases, "train": train_cases}
+             "resume": resume_cases, "train": train_cases, "auto": auto_cases}
     for g in groups:
         check.run(g, table[g])
     check.finish()
