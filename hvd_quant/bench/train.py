@@ -573,8 +573,7 @@ def plot(csv_path, png_path=None):
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("img/sec per rank")
         ax.set_title(f"{k[0]} / {k[1]} / N={k[2]}  (labels: vs best of ddp-*, hvd-*)", fontsize=10)
-        ax.set_ylim(bottom=0)
-        ax.margins(y=0.15)
+        ax.set_ylim(0, 1.15 * max([v + e for v, e in zip(vals, errs)] + [1e-9]))
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
@@ -622,10 +621,13 @@ def main(argv=None):
     done = {k for k, r in latest(read_rows(csv_path)).items() if r.get("status") == "ok"}
     todo = [c for c in configs if args.fresh or c.key not in done]
     if args.list:
-        for c in configs:
-            mark = "run " if c in todo else "done"
-            note = "" if c.spec is not None else f"  (invalid: {c.error})"
-            print(f"{mark}  {c.id}  N={c.np}{note}")
+        try:
+            for c in configs:
+                mark = "run " if c in todo else "done"
+                note = "" if c.spec is not None else f"  (invalid: {c.error})"
+                print(f"{mark}  {c.id}  N={c.np}{note}", flush=True)
+        except BrokenPipeError:         # `--list | head`
+            sys.stdout = open(os.devnull, "w")
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"# hvd_quant training benchmark: device {args.device}, N={args.np}"
