@@ -1,0 +1,120 @@
+"""``python -m hvd_quant.bench train`` for real on CPU: Gloo jobs under horovodrun, the CSV, resume,
+``--only``, a failed method, a timed-out job; no mocks (the driver runs in this process, every
+configuration is a real subprocess). The DDP test is opt-in (HVDQ_TEST_BENCH_DDP=1) to keep this file
+near 60 s on 2 busy cores."""
+import csv
+import os
+import sys
+
+import pytest
+
+from launch import ROOT, horovod_env
+
+sys.path.insert(0, str(ROOT))
+
+from hvd_quant.bench import train  # noqa: E402
+from hvd_quant.bench._train_worker import parse_method  # noqa: E402
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
+
+TINY = ["--device", "cpu", "--np", "2", "--models", "mlp", "--image-size", "8", "--batch-size", "8",
+        "--num-warmup-batches", "2", "--num-batches-per-iter", "2", "--num-iters", "2",
+        "--threads", "1", "--timeout", "150", "--no-plot"]
+
+
+@pytest.fixture
+def job_env(monkeypatch):
+    """The environment the other multi-process tests give their jobs (threads, stall checks, paths)."""
+    for k, v in horovod_env().items():
+        if os.environ.get(k) != v:
+            monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+
+
+def rows_of(out):
+    with open(out / "train.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {r["id"]: r for r in rows}, rows
+
+
+def test_method_ids():
+    assert parse_method("hvdq-qsgd4-auto")["reduction"] == "auto"       # passed through
+    assert parse_method("ddp-powersgd4")["rank"] == 4
+    assert parse_method("stock-onebit")["launcher"] == "horovod"
+    for bad in ("hvdq-qsgd5-sra", "stock-fp8", "ddp-powersgd0", "nosuch"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
+    assert train.last_error("[1]<stderr>:Traceback\n[1]<stderr>:ValueError: bad thing\n"
+                            "RuntimeError: Horovod detected that one or more processes exited\n") \
+        == "ValueError: bad thing"
+
+
+def test_train_driver_cpu(tmp_path, job_env, capsys):
+    out = tmp_path / "bench"
+    methods = ["--methods", "hvd-fp32,hvdq-qsgd4-allgather,hvdq-qsgd5-sra"]
+    # 1. --only: the fp32 peer and the method the driver rejects; the compressed config waits
+    rc = train.main(TINY + methods + ["--out", str(out), "--only", "*/hvd-fp32,*/hvdq-qsgd5*"])
+    text = capsys.readouterr().out
+    assert rc == 1, text                                   # one config failed; the run went on
+    by_id, rows = rows_of(out)
+    assert set(by_id) == {"mlp/loopback/hvd-fp32", "mlp/loopback/hvdq-qsgd5-sra"}, text
+    fp32 = by_id["mlp/loopback/hvd-fp32"]
+    assert fp32["status"] == "ok" and float(fp32["img_per_sec"]) > 0, text
+    assert float(fp32["vs_best_peer"]) == pytest.approx(1.0) and fp32["best_peer"] == "hvd-fp32"
+    assert fp32["np"] == "2" and "horovodrun" in fp32["command"] and "--gloo" in fp32["command"]
+    assert (out / fp32["log"]).exists()
+    assert "Iter #1:" in (out / fp32["log"]).read_text()
+    bad = by_id["mlp/loopback/hvdq-qsgd5-sra"]
+    assert bad["status"] == "failed" and "unknown method" in bad["error"]
+
+    # 2. everything: hvd-fp32 is resumed from the CSV, the compressed config runs
+    rc = train.main(TINY + ["--methods", "hvd-fp32,hvdq-qsgd4-allgather", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "skip mlp/loopback/hvd-fp32" in text
+    by_id, rows = rows_of(out)
+    assert [r["id"] for r in rows].count("mlp/loopback/hvd-fp32") == 1         # not run again
+    q = by_id["mlp/loopback/hvdq-qsgd4-allgather"]
+    assert q["status"] == "ok" and float(q["img_per_sec"]) > 0, q
+    assert q["best_peer"] == "hvd-fp32" and float(q["vs_best_peer"]) == pytest.approx(
+        float(q["img_per_sec"]) / float(fp32["img_per_sec"]), rel=1e-3)
+    assert float(q["bytes_ratio"]) > 2                 # 4-bit payloads: several times fewer bytes
+    assert "mlp/loopback/hvdq-qsgd4-allgather" in text.split("id ")[-1]          # the final table
+    assert "chart" not in text                                                  # --no-plot
+
+    # 3. --list: both done now; --only narrows it
+    train.main(TINY + ["--methods", "hvd-fp32,hvdq-qsgd4-allgather", "--out", str(out), "--list",
+                       "--only", "*allgather"])
+    listed = capsys.readouterr().out.strip().splitlines()
+    assert listed == ["done  mlp/loopback/hvdq-qsgd4-allgather  N=2"], listed
+
+
+def test_train_driver_timeout_and_chart_note(tmp_path, job_env, capsys):
+    out = tmp_path / "bench"
+    args = [a for a in TINY if a != "--no-plot"]
+    args[args.index("--timeout") + 1] = "0.5"
+    rc = train.main(args + ["--methods", "single", "--out", str(out), "--num-iters", "1000"])
+    text = capsys.readouterr().out
+    assert rc == 1
+    by_id, _ = rows_of(out)
+    assert by_id["mlp/local/single"]["status"] == "timeout", text
+    try:
+        import matplotlib  # noqa: F401
+        assert (out / "train.png").exists() or "chart skipped" in text
+    except ImportError:
+        assert "chart skipped: matplotlib is missing" in text and "--plot" in text
+
+
+@pytest.mark.skipif(not os.environ.get("HVDQ_TEST_BENCH_DDP"),
+                    reason="two more jobs (~10-40 s on 2 busy cores); set HVDQ_TEST_BENCH_DDP=1")
+def test_train_driver_ddp_and_single(tmp_path, job_env, capsys):
+    out = tmp_path / "bench"
+    rc = train.main(TINY + ["--methods", "single,ddp-fp16", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    by_id, _ = rows_of(out)
+    single, ddp = by_id["mlp/local/single"], by_id["mlp/loopback/ddp-fp16"]
+    assert single["procs"] == "1" and float(single["vs_single"]) == pytest.approx(1.0)
+    assert "torch.distributed.run" in ddp["command"] and ddp["best_peer"] == "ddp-fp16"
+    assert float(ddp["vs_single"]) == pytest.approx(
+        float(ddp["img_per_sec"]) / float(single["img_per_sec"]), rel=1e-3)
