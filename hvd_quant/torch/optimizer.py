@@ -26,6 +26,7 @@ dict, carries them.
 """
 import itertools
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 
@@ -100,6 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._step = 0               # completed synchronizations: warmup and the noise key
+        self._step_agreed = False    # ranks take the largest counter at their first exchange
         self._traffic = Traffic()    # this step so far
         self.last_traffic = Traffic()  # the last completed step
         self._make_plan(groups)
@@ -131,6 +133,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if coll.size > 1:
             handshake(coll, _backend.OPS, self._grad_plan.record,
                       "hvd_quant.torch.DistributedOptimizer", name=HANDSHAKE_NAME)
+        self._step_agreed = False
         if self._exchange is None:
             # reuse_result: synchronize copies each bucket's result into p.grad before the next step
             self._exchange = Exchange(self.codec, coll, _backend.OPS, reduction=self.reduction,
@@ -166,9 +169,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _in_warmup(self):
         return self._step < self.warmup_steps
 
+    def _agree_step(self, device):
+        """Once per binding to the process set, at the first gradient: every rank takes the largest
+        step counter. A rank resumed from a checkpoint (``load_state_dict`` restores the counter,
+        ``broadcast_optimizer_state`` does not carry it) and ranks that start fresh then agree on
+        warm-up (plain allreduce or exchange: they must match) and on the noise key."""
+        self._step_agreed = True
+        if self._exchange.coll.size > 1:
+            t = torch.tensor([self._step], dtype=torch.int64, device=device)
+            self._step = int(hvd.allreduce(t, op=hvd.Max, name=f"{self._prefix}.step",
+                                           process_set=self.process_set))
+
     def _ready(self, p):
         if p in self._launched:
             return
+        if not self._step_agreed:
+            self._agree_step(p.device)
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
@@ -176,12 +192,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if k is None or self._in_warmup():
             self._launch_plain(p)
             return
+        if p.grad.is_sparse and not self.sparse_as_dense:
+            # Horovod's sparse allreduce, uncompressed, as for a tensor outside the buckets; the bucket
+            # keeps the layout every rank planned, with zeros in this slot, and its result there is
+            # ignored (synchronize skips parameters that have a handle).
+            self._launch_plain(p)
         self._arrived[k] += 1
         params = self._bucket_params[k]
         if self._arrived[k] == len(params):
             b = self._buckets[k]
-            flat = _backend.OPS.flatten([q.grad.to_dense() if q.grad.is_sparse else q.grad for q in params])
+            flat = _backend.OPS.flatten([self._bucket_grad(q) for q in params])
             self._pending[k] = self._exchange.start(b.name, flat, step=self._step, header=b.header)
+
+    def _bucket_grad(self, q):
+        """What ``q`` puts into its bucket: its gradient, densified if sparse (``sparse_as_dense``), or
+        zeros when the sparse gradient went through Horovod's sparse allreduce."""
+        if q in self._handles:
+            return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        return q.grad.to_dense() if q.grad.is_sparse else q.grad
 
     def _launch_plain(self, p):
         name = self._parameter_names.get(p)
@@ -215,6 +243,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 flat = _backend.OPS.scale_(flat, scale)
             b = self._buckets[k]
             for i, p in enumerate(self._bucket_params[k]):
+                if p in self._handles:          # a sparse gradient, reduced by Horovod below
+                    continue
                 piece = flat[b.offsets[i]:b.offsets[i + 1]].view(b.shapes[i])
                 if p.grad.is_sparse:
                     p.grad.zero_().add_(piece.to(p.grad.dtype).to_sparse())
@@ -252,6 +282,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if _initialising_state():
+            # Horovod's broadcast_optimizer_state() creates the state of a fresh optimizer with one
+            # local step on zero gradients, on the ranks whose state is empty only; for Horovod's own
+            # optimizer it calls the wrapped optimizer's step() directly. Do the same: no exchange.
+            return super(self.__class__, self).step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
@@ -317,6 +352,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
         if self._exchange is not None:
             self._connect()
+
+
+def _initialising_state():
+    """True when ``step()`` was called by Horovod's ``broadcast_optimizer_state`` (directly or through
+    ``hvd.elastic.TorchState.sync``), which steps only the ranks that have no optimizer state yet."""
+    f = sys._getframe(2)                # step()'s caller
+    while f is not None and f.f_globals.get("__name__", "").startswith("torch."):
+        f = f.f_back                    # torch's step hooks and profiling wrappers
+    return (f is not None and f.f_code.co_name == "broadcast_optimizer_state"
+            and f.f_globals.get("__name__", "").startswith("horovod."))
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
