@@ -131,7 +131,7 @@ def reference(grads, op=hvd.Average):
     """Uncompressed allreduce of every rank's local float32 gradients, and each rank's largest
     |gradient| over the compressed tensors (the bound's M_j)."""
     _uid[0] += 1
-    ref = [hvd.allreduce(g.clone(), op=op, name=f"ref.{_uid[0]}.{i}") for i, g in enumerate(grads)]
+    ref = hvd.grouped_allreduce([g.clone() for g in grads], op=op, name=f"ref.{_uid[0]}")
     comp = [g.reshape(-1) for g, c in grads_compressed(grads) if c]
     m = gather_max(torch.cat(comp)) if comp else [0.0] * N
     return ref, m
@@ -389,6 +389,17 @@ def pattern_cases():
                 check(same_on_all_ranks(m.a.weight), f"{tag}/requires_grad frozen step {step}",
                       f"moved by {float((m.a.weight - before).abs().max()):.3g}")
         m.a.weight.requires_grad_(True)
+        # A parameter frozen when the optimizer is built is not planned (Horovod registers no hook for
+        # it either): unfrozen later, its gradient is not reduced and the replicas drift apart.
+        m = fresh()
+        m.a.weight.requires_grad_(False)
+        opt = make_opt(entry, m, Q4D, reduction=reduction)
+        m.a.weight.requires_grad_(True)
+        opt.zero_grad()
+        F.cross_entropy(m(batch(0, 11)[0]), batch(0, 11)[1]).backward()
+        opt.step()
+        check(not same_on_all_ranks(m.a.weight) and same_on_all_ranks(m.b.weight),
+              f"{tag}/frozen at construction: not reduced (documented limitation)")
         # backward_passes_per_step=2: two backward passes accumulate locally, one exchange.
         m = fresh()
         opt = make_opt(entry, m, Q4D, reduction=reduction, backward_passes_per_step=2)

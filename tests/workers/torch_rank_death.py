@@ -71,7 +71,7 @@ try:
         x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
         F.cross_entropy(model(x), y).backward()
         opt.step()
-        print(f"STEP {R} {step[0]}", flush=True)
+        print(f"STEP {R} {step[0]} {time.time():.2f}", flush=True)
 except Exception as e:  # noqa: BLE001 -- report whatever Horovod raised, then fail
     died = float(open(DEATH_FILE).read()) if DEATH_FILE and os.path.exists(DEATH_FILE) else t0
     print(f"SURVIVOR {R} {type(e).__name__} {time.time() - died:.2f}: {str(e)[:200]}", flush=True)
