@@ -22,7 +22,14 @@ Error-feedback residuals (always for codecs that want it, e.g. ``OneBit(error_fe
 ``error_feedback=True`` adds it to QSGD) are saved by ``state_dict()`` under ``"hvd_quant"``, keyed by
 parameter name (SRA's "server" residuals per ``(bucket, rank, size)``), and restored by
 ``load_state_dict()`` -- so ``hvd.elastic.TorchState``, which saves and restores the optimizer's state
-dict, carries them.
+dict, carries them. Ranks agree on the step counter (the largest) at their first gradient, so a rank
+resumed from a checkpoint and fresh ranks warm up alike.
+
+As in Horovod: a sparse gradient goes through ``hvd.sparse_allreduce_async`` uncompressed unless
+``sparse_as_dense`` (in a compressed bucket its slot carries zeros); ``step()`` called by
+``hvd.broadcast_optimizer_state`` to create a fresh optimizer's state steps the wrapped optimizer
+only, with no exchange (only the ranks with an empty state call it). docs/EXCHANGE.md, "Horovod's
+usage patterns".
 """
 import itertools
 import os
