@@ -22,10 +22,18 @@ Error-feedback residuals (always for codecs that want it, e.g. ``OneBit(error_fe
 ``error_feedback=True`` adds it to QSGD) are saved by ``state_dict()`` under ``"hvd_quant"``, keyed by
 parameter name (SRA's "server" residuals per ``(bucket, rank, size)``), and restored by
 ``load_state_dict()`` -- so ``hvd.elastic.TorchState``, which saves and restores the optimizer's state
-dict, carries them.
+dict, carries them. Ranks agree on the step counter (the largest) at their first gradient, so a rank
+resumed from a checkpoint and fresh ranks warm up alike.
+
+As in Horovod: a sparse gradient goes through ``hvd.sparse_allreduce_async`` uncompressed unless
+``sparse_as_dense`` (in a compressed bucket its slot carries zeros); ``step()`` called by
+``hvd.broadcast_optimizer_state`` to create a fresh optimizer's state steps the wrapped optimizer
+only, with no exchange (only the ranks with an empty state call it). docs/EXCHANGE.md, "Horovod's
+usage patterns".
 """
 import itertools
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 
@@ -103,6 +111,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._step = 0               # completed synchronizations: warmup and the noise key
+        self._step_agreed = False    # ranks take the largest counter at their first exchange
         self._traffic = Traffic()    # this step so far
         self.last_traffic = Traffic()  # the last completed step
         self._make_plan(groups)
@@ -135,6 +144,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handshake(coll, _backend.OPS, self._grad_plan.record,
                       "hvd_quant.torch.DistributedOptimizer", name=HANDSHAKE_NAME)
         self._coll = coll
+        self._step_agreed = False
         for ex in self._exchanges.values():
             ex.coll = coll
         if self._auto is not None:
@@ -181,9 +191,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _in_warmup(self):
         return self._step < self.warmup_steps
 
+    def _agree_step(self, device):
+        """Once per binding to the process set, at the first gradient: every rank takes the largest
+        step counter. A rank resumed from a checkpoint (``load_state_dict`` restores the counter,
+        ``broadcast_optimizer_state`` does not carry it) and ranks that start fresh then agree on
+        warm-up (plain allreduce or exchange: they must match) and on the noise key. Where the
+        counters differed, ``reduction="auto"`` starts measuring again on every rank (a resumed
+        rank's choice is not the fresh ones')."""
+        self._step_agreed = True
+        if self._coll.size > 1:
+            t = torch.tensor([self._step, -self._step], dtype=torch.int64, device=device)
+            top, neg_low = hvd.allreduce(t, op=hvd.Max, name=f"{self._prefix}.step",
+                                         process_set=self.process_set).tolist()
+            self._step = int(top)
+            if top != -neg_low and self._auto is not None:
+                self._auto.reset()
+
     def _ready(self, p):
         if p in self._launched:
             return
+        if not self._step_agreed:
+            self._agree_step(p.device)
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
@@ -192,13 +220,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if k is None or self._in_warmup() or route == ALLREDUCE:
             self._launch_plain(p)
             return
+        if p.grad.is_sparse and not self.sparse_as_dense:
+            # Horovod's sparse allreduce, uncompressed, as for a tensor outside the buckets; the bucket
+            # keeps the layout every rank planned, with zeros in this slot, and its result there is
+            # ignored (synchronize skips parameters that have a handle).
+            self._launch_plain(p)
         self._arrived[k] += 1
         params = self._bucket_params[k]
         if self._arrived[k] == len(params):
             b = self._buckets[k]
-            flat = _backend.OPS.flatten([q.grad.to_dense() if q.grad.is_sparse else q.grad for q in params])
+            flat = _backend.OPS.flatten([self._bucket_grad(q) for q in params])
             self._pending[k] = self._exchange_for(route).start(b.name, flat, step=self._step,
                                                                header=b.header)
+
+    def _bucket_grad(self, q):
+        """What ``q`` puts into its bucket: its gradient, densified if sparse (``sparse_as_dense``), or
+        zeros when the sparse gradient went through Horovod's sparse allreduce."""
+        if q in self._handles:
+            return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        return q.grad.to_dense() if q.grad.is_sparse else q.grad
 
     def _launch_plain(self, p):
         name = self._parameter_names.get(p)
@@ -233,6 +273,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 flat = _backend.OPS.scale_(flat, scale)
             b = self._buckets[k]
             for i, p in enumerate(self._bucket_params[k]):
+                if p in self._handles:          # a sparse gradient, reduced by Horovod below
+                    continue
                 piece = flat[b.offsets[i]:b.offsets[i + 1]].view(b.shapes[i])
                 if p.grad.is_sparse:
                     p.grad.zero_().add_(piece.to(p.grad.dtype).to_sparse())
@@ -274,6 +316,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if _initialising_state():
+            # Horovod's broadcast_optimizer_state() creates the state of a fresh optimizer with one
+            # local step on zero gradients, on the ranks whose state is empty only; for Horovod's own
+            # optimizer it calls the wrapped optimizer's step() directly. Do the same: no exchange.
+            return super(self.__class__, self).step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
@@ -347,6 +394,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
         if self._coll is not None:
             self._connect()
+
+
+def _initialising_state():
+    """True when ``step()`` was called by Horovod's ``broadcast_optimizer_state`` (directly or through
+    ``hvd.elastic.TorchState.sync``), which steps only the ranks that have no optimizer state yet."""
+    f = sys._getframe(2)                # step()'s caller
+    while f is not None and f.f_globals.get("__name__", "").startswith("torch."):
+        f = f.f_back                    # torch's step hooks and profiling wrappers
+    return (f is not None and f.f_code.co_name == "broadcast_optimizer_state"
+            and f.f_globals.get("__name__", "").startswith("horovod."))
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
