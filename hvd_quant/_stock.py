@@ -229,11 +229,10 @@ class _Group:
         n = len(self.plan.buckets)
         self.grads = [[None] * len(b.members) for b in self.plan.buckets]
         self.arrived = [0] * n
-        self.left = [len(b.members) for b in self.plan.buckets]
+        self.left = [0] * n            # members still to be returned by decompress
         self.pending = [None] * n      # (exchange, Pending) once started
         self.result = [None] * n
-        self.total = sum(self.left)    # planned gradients per step
-        self.count = 0                 # of them handed over this step
+        self.seen = set()              # parameters whose gradient arrived in this step
         self.auto = _plan.AutoChoice() if sc.reduction == _plan.AUTO else None
         self.key = self.plan.record[:8].hex()      # names this plan in state_dict()["auto"]
 
@@ -335,13 +334,11 @@ class StockCompression:
             group = self._group(session, backend, caller.owner)
             where = group.where.get(caller.param)
             if where is not None and self.compressible(info):
+                self._arrived(group, caller.param)
                 route = group.route()
                 if route == _plan.ALLREDUCE:
-                    out = self._uncompressed(session, adapter, tensor, info)
-                else:
-                    out = adapter.placeholder(tensor), self._record(group, where, tensor, info, route)
-                self._arrived(group)
-                return out
+                    return self._uncompressed(session, adapter, tensor, info)
+                return adapter.placeholder(tensor), self._record(group, where, tensor, info, route)
         if not self.compressible(info):
             return self._uncompressed(session, adapter, tensor, info)
         name = caller.name
@@ -373,12 +370,13 @@ class StockCompression:
         self._unadvanced.append((exchange, pending))
         return pending
 
-    def _arrived(self, group):
-        """Count a planned gradient; the step's last one ends the step for ``reduction="auto"``."""
-        group.count += 1
-        if group.count < group.total:
+    def _arrived(self, group, param):
+        """Note a planned gradient; one seen before in this step starts the next step, which ends
+        the step before for ``reduction="auto"`` (and may take its decision, the same on every rank)."""
+        if param not in group.seen:
+            group.seen.add(param)
             return
-        group.count = 0
+        group.seen = {param}
         auto = group.auto
         if auto is not None and auto.end_step():
             coll = group.session.coll
@@ -423,6 +421,7 @@ class StockCompression:
         record = group.plan.record if b.name not in self._steps else None
         ex = session.exchange_for(route)
         group.pending[k] = ex, self._start(ex, b.name, session.ops.flatten(parts), record, b.header)
+        group.left[k] = sum(g is not None for g in grads)     # the members decompress will return
         group.grads[k] = [None] * len(grads)
         group.arrived[k] = 0
 
@@ -465,7 +464,6 @@ class StockCompression:
         b = group.plan.buckets[k]
         group.left[k] -= 1
         if group.left[k] == 0:
-            group.left[k] = len(b.members)
             group.result[k] = None
         return session.adapter.restore(flat[b.offsets[slot.i]:b.offsets[slot.i + 1]], slot.info)
 

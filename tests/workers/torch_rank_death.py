@@ -50,19 +50,21 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 opt = hqt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                named_parameters=model.named_parameters(),
-                               compression=hvd_quant.QSGD(bits=4), bucket_bytes=8192)
+                               compression=hvd_quant.QSGD(bits=4), bucket_bytes=8192,
+                               reduction="sra")
 step = [0]
 if R == VICTIM and WHERE == "hook":
     model[0].weight.register_hook(lambda g: die() if step[0] == KILL_STEP else None)
 if R == VICTIM and WHERE == "advance":
-    advance = opt._exchange.advance
+    exchange = opt._exchange_for("sra")
+    advance = exchange.advance
 
     def advance_then_die(p):
         if step[0] == KILL_STEP and p.stage == "first":
-            opt._exchange.coll.synchronize(p.handle)      # the alltoall completed everywhere
+            exchange.coll.synchronize(p.handle)      # the alltoall completed everywhere
             die()
         return advance(p)
-    opt._exchange.advance = advance_then_die
+    exchange.advance = advance_then_die
 
 t0 = time.time()
 try:
