@@ -48,15 +48,18 @@ def parse_method(method):
         return dict(method=m, launcher="ddp", kind="powersgd", rank=int(g.group(1)))
     if m in ("hvd-fp32", "hvd-fp16"):
         return dict(method=m, launcher="horovod", kind=m[4:])
-    if m.startswith("stock-") and m[6:] in CODECS:
-        return dict(method=m, launcher="horovod", kind="stock", codec=m[6:])
+    if m.startswith("stock-"):
+        codec, _, reduction = m[6:].partition("-")
+        if codec in CODECS and (not reduction or _REDUCTION.match(reduction)):
+            # stock-<codec>: the bare codec (its defaults); stock-<codec>-<reduction>: a StockCompression
+            return dict(method=m, launcher="horovod", kind="stock", codec=codec, reduction=reduction or None)
     if m.startswith("hvdq-"):
         codec, _, reduction = m[5:].partition("-")
         if codec in CODECS and _REDUCTION.match(reduction):
             # the reduction is passed through as written: hvd_quant decides what it accepts
             return dict(method=m, launcher="horovod", kind="hvdq", codec=codec, reduction=reduction)
     raise ValueError(f"unknown method {method!r}: expected single, ddp-fp32, ddp-fp16, ddp-powersgd<R>, "
-                     f"hvd-fp32, hvd-fp16, stock-<codec> or hvdq-<codec>-<reduction> with codec in "
+                     f"hvd-fp32, hvd-fp16, stock-<codec>[-<reduction>] or hvdq-<codec>-<reduction> with codec in "
                      f"{', '.join(CODECS)}")
 
 
@@ -228,8 +231,12 @@ def main(argv=None):
             optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                  compression=comp)
         elif kind == "stock":
+            import hvd_quant
+            comp = make_codec(spec["codec"])
+            if spec["reduction"]:
+                comp = hvd_quant.StockCompression(comp, reduction=spec["reduction"])
             optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                 compression=make_codec(spec["codec"]))
+                                                 compression=comp)
             traffic_of = optimizer
         else:
             import hvd_quant.torch

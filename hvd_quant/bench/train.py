@@ -25,6 +25,7 @@ Config ids are ``<model>/<network>/<method>``. Methods:
                          (the earliest PyTorch allows; the warm-up steps cover the fp32 start)
   hvd-fp32, hvd-fp16     hvd.DistributedOptimizer(compression=hvd.Compression.none / .fp16)
   stock-<codec>          hvd.DistributedOptimizer(compression=<hvd_quant codec>) (the stock path)
+  stock-<codec>-<red>    the same with compression=hvd_quant.StockCompression(<codec>, reduction=<red>)
   hvdq-<codec>-<red>     hvd_quant.torch.DistributedOptimizer(compression=<codec>, reduction=<red>)
                          (<red> is passed through as written: sra, allgather, auto, ...)
 
