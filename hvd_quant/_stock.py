@@ -421,6 +421,7 @@ class StockCompression:
         record = group.plan.record if b.name not in self._steps else None
         ex = session.exchange_for(route)
         group.pending[k] = ex, self._start(ex, b.name, session.ops.flatten(parts), record, b.header)
+        ex.advance_ready([q for e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
         group.left[k] = sum(g is not None for g in grads)     # the members decompress will return
         group.grads[k] = [None] * len(grads)
         group.arrived[k] = 0

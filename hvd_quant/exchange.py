@@ -72,6 +72,7 @@ class Collectives:
     ``allreduce_async(t, name, op, prescale_factor, postscale_factor)``: in place where the framework
     allows, ``op`` one of :data:`AVERAGE` / :data:`SUM`.
     ``synchronize(handle)``: waits and returns the result tensor (alltoall: the data, not the splits).
+    ``poll(handle)`` (optional): True once the collective has completed, without waiting.
     """
     rank: int
     size: int
@@ -80,6 +81,7 @@ class Collectives:
     allreduce_async: Callable[..., Any]
     synchronize: Callable[[Any], Any]
     process_set: Any = None
+    poll: Callable[[Any], bool] = None
 
 
 @dataclass(frozen=True)
@@ -452,6 +454,17 @@ class Exchange:
                 f"disagree on the tensor's size or on the codec ({self.codec.spec()})")
 
     # -- phase 2 (SRA) ----------------------------------------------------------------------------
+    def advance_ready(self, pendings):
+        """SRA: :meth:`advance` those of ``pendings`` whose alltoall has already completed (never
+        waits; where the frontend cannot poll, nothing). Callers run it while backward still produces
+        gradients, so the second phase starts then rather than at ``synchronize()``."""
+        poll = self.coll.poll
+        if poll is None or self.reduction != "sra":
+            return
+        for p in pendings:
+            if p is not None and p.stage == "first" and poll(p.handle):
+                self.advance(p)
+
     def advance(self, p):
         """SRA: wait for the alltoall, sum the received chunks in float32, requantize the reduced chunk
         and submit its allgather. A no-op for allgather exchanges and after the first call."""

@@ -108,7 +108,7 @@ def collectives(process_set=None):
 
         coll = Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
-                           synchronize=synchronize, process_set=ps)
+                           synchronize=synchronize, process_set=ps, poll=hvd.poll)
         _CACHE[key] = coll
     return coll
 

@@ -15,7 +15,10 @@ the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / `
    flattened into a float32 buffer and its exchange (``hvd_quant.exchange``: ``sra`` or
    ``allgather``) starts, overlapping with the rest of backward.
 3. ``synchronize()`` launches what is missing, advances every bucket to its last phase, then finishes
-   each, divides by N for ``op=hvd.Average`` and copies the result back into ``p.grad``.
+   each and divides by N for ``op=hvd.Average``; each float32 ``p.grad`` becomes a view of its
+   bucket's result (as DDP's ``gradient_as_bucket_view``: no per-parameter copy; the buffer is
+   rewritten by the next step's exchange, after that step's gradients were read), other dtypes get
+   a copy.
 
 For the first ``warmup_steps`` steps every gradient goes through plain full-precision allreduce.
 Error-feedback residuals (always for codecs that want it, e.g. ``OneBit(error_feedback=True)``;
@@ -230,8 +233,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._arrived[k] == len(params):
             b = self._buckets[k]
             flat = _backend.OPS.flatten([self._bucket_grad(q) for q in params])
-            self._pending[k] = self._exchange_for(route).start(b.name, flat, step=self._step,
-                                                               header=b.header)
+            ex = self._exchange_for(route)
+            self._pending[k] = ex.start(b.name, flat, step=self._step, header=b.header)
+            ex.advance_ready(self._pending)      # earlier buckets whose alltoall is done: phase two
 
     def _bucket_grad(self, q):
         """What ``q`` puts into its bucket: its gradient, densified if sparse (``sparse_as_dense``), or
@@ -278,6 +282,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 piece = flat[b.offsets[i]:b.offsets[i + 1]].view(b.shapes[i])
                 if p.grad.is_sparse:
                     p.grad.zero_().add_(piece.to(p.grad.dtype).to_sparse())
+                elif p.grad.dtype == piece.dtype:
+                    p.grad = piece      # a view of the bucket's result (DDP's gradient_as_bucket_view)
                 else:
                     p.grad.copy_(piece)
             self._pending[k] = None

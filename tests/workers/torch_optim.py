@@ -296,6 +296,20 @@ def option_cases():
     except ValueError as e:
         msg = str(e)
     check("Adasum" in msg and "not supported" in msg, "stock adasum refused", msg[:200])
+    # SRA's second phase starts during backward for a bucket whose alltoall is done: b.weight's
+    # bucket starts first; a.weight's gradient is held back 0.5 s (on every rank), so when its own
+    # bucket starts, b's alltoall has completed and is advanced then, before synchronize().
+    m = fresh()
+    opt = hqt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                   named_parameters=m.named_parameters(), compression=codec(Q4D),
+                                   reduction="sra", bucket_bytes=16384)
+    kb = next(k for k, ps in enumerate(opt._bucket_params) if ps == [m.b.weight])
+    m.a.weight.register_hook(lambda g: time.sleep(0.5))
+    x, y = batch(0, 68)
+    F.cross_entropy(m(x), y).backward()
+    stage = opt._pending[kb].stage
+    opt.step()
+    check(stage == "second", "ours/sra: second phase started during backward", f"stage {stage}")
     # The stock path fuses: one optimizer's compressed gradients travel as one bucket per step.
     m = fresh()
     comp = hvd_quant.StockCompression(codec(Q4D), reduction="sra")
