@@ -67,7 +67,7 @@ def test_traffic_fusion_and_ratio():
     assert t.ratio == pytest.approx(32 / (4 + 32 / 512), rel=1e-3)
     assert traffic.fuse_groups([5, 5, 5], None) == [15]
     assert traffic.fuse_groups([5, 5, 5], 1) == [5, 5, 5]
-    assert traffic.fuse_groups([5, 3, 9], 8 * 4) == [8, 9]
+    assert traffic.fuse_groups([5, 3, 9], 8 * 4) == [9, 8]     # fused from the last tensor, as hvd_quant
     with pytest.raises(ValueError):
         traffic.bytes_per_step(shapes, 2, wire, "ring")
 

@@ -8,7 +8,8 @@ What one rank sends per step, with ``N`` ranks:
 
 1. Tensors that are 1-D (biases, norm weights) or smaller than ``min_compress_numel`` go uncompressed
    through Horovod's fp32 ring allreduce: ``2 (N-1)/N * 4 * numel`` bytes.
-2. The other tensors are fused, in parameter order, into groups of at most ``bucket_bytes`` of fp32
+2. The other tensors are fused as hvd_quant fuses them (``hvd_quant.plan.fuse``): in reverse parameter
+   order (the order backward produces gradients), into groups of at most ``bucket_bytes`` of fp32
    (a tensor larger than that is a group on its own; ``bucket_bytes=None`` fuses them all). Per group
    of ``numel`` elements:
 
@@ -66,20 +67,11 @@ def is_compressed(shape: Sequence[int], min_compress_numel: int) -> bool:
 
 
 def fuse_groups(numels: Iterable[int], bucket_bytes: Optional[int]) -> List[int]:
-    """Greedy fusion, in order, into groups of at most ``bucket_bytes`` of fp32 (element counts)."""
-    groups: List[int] = []
-    current = 0
-    limit = None if not bucket_bytes else max(1, bucket_bytes // FP32_ITEMSIZE)
-    for n in numels:
-        if n <= 0:
-            continue
-        if limit is not None and current and current + n > limit:
-            groups.append(current)
-            current = 0
-        current += n
-    if current:
-        groups.append(current)
-    return groups
+    """Element counts of the groups ``hvd_quant.plan.fuse`` makes of tensors of ``numels`` (given in
+    parameter order; fused in reverse, as hvd_quant does)."""
+    from hvd_quant.plan import fuse
+    numels = [n for n in numels if n > 0]
+    return [sum(numels[i] for i in g) for g in fuse(list(reversed(range(len(numels)))), numels, bucket_bytes)]
 
 
 @dataclass

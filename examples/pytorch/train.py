@@ -147,13 +147,12 @@ def estimate_traffic(args, model, codec, kind, world_size):
     if codec is None or codec.spec().split(":", 1)[0] in ("none", "nocompression"):
         return traffic.bytes_per_step(shapes, world_size)  # plain fp32 allreduce
     wire = codec.wire_nbytes
-    if kind == "horovod":  # stock Horovod hands the codec one tensor at a time: no fusion
-        return traffic.bytes_per_step(shapes, world_size, wire, args.reduction, args.min_compress_numel,
-                                      bucket_bytes=1)
-    bucket = args.bucket_bytes if args.bucket_bytes is not None else _frontend_default("bucket_bytes", 4 << 20)
-    # hvd_quant fuses in reverse parameter order (the order backward produces gradients).
-    return traffic.bytes_per_step(list(reversed(shapes)), world_size, wire, args.reduction,
-                                  args.min_compress_numel, bucket_bytes=bucket)
+    if kind == "horovod":  # the stock path fuses an optimizer's gradients into StockCompression's buckets
+        bucket = 4 << 20
+    else:
+        bucket = args.bucket_bytes if args.bucket_bytes is not None else _frontend_default("bucket_bytes", 4 << 20)
+    return traffic.bytes_per_step(shapes, world_size, wire, args.reduction, args.min_compress_numel,
+                                  bucket_bytes=bucket)
 
 
 def measured_traffic(dist, kind, codec, steps):

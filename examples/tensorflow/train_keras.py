@@ -96,8 +96,8 @@ def estimate_traffic(args, model, codec, kind, world_size):
     if kind == "horovod":      # stock Horovod hands the codec one tensor at a time: no fusion
         return traffic.bytes_per_step(shapes, world_size, codec.wire_nbytes, "sra",
                                       args.min_compress_numel, bucket_bytes=1)
-    # hvd_quant fuses in reverse variable order (the order backward produces gradients).
-    return traffic.bytes_per_step(list(reversed(shapes)), world_size, codec.wire_nbytes,
+    # (bytes_per_step fuses in reverse variable order, as hvd_quant does)
+    return traffic.bytes_per_step(shapes, world_size, codec.wire_nbytes,
                                   args.reduction, args.min_compress_numel,
                                   bucket_bytes=args.bucket_bytes or (4 << 20))
 
