@@ -299,9 +299,14 @@ class StockCompression:
             coll = backend.stock_backend(process_set)[0]
             if coll is not s.coll:     # the process set's rank or size changed (elastic)
                 s.rebind(coll)
+                # Another world: the ranks that joined start their exchanges afresh, so every rank
+                # does (handshake with the first exchange of each name, step counts, auto's schedule).
+                self._steps.clear()
                 for _, group in self._groups.values():
-                    if group.session is s and group.auto is not None:
-                        group.auto.reset()      # another world: measure again
+                    if group.session is s:
+                        group.seen = set()      # the step before the change is not continued
+                        if group.auto is not None:
+                            group.auto.reset()  # measure again
         return s
 
     def compressible(self, info):

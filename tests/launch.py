@@ -70,6 +70,11 @@ def horovod_command(script, np=2, controller="gloo", args=()):
 
 def run_horovod(script, np=2, controller="gloo", args=(), env=None, timeout=240, check=True):
     cmd = horovod_command(script, np=np, controller=controller, args=args)
+    return run_command(cmd, env=env, timeout=timeout, check=check)
+
+
+def run_command(cmd, env=None, timeout=240, check=True):
+    """Run a launcher command line (``horovod_env(env)``, from the repository root) as ``run_horovod``."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=horovod_env(env), cwd=str(ROOT), start_new_session=True)
     try:

@@ -119,8 +119,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.last_traffic = Traffic()  # the last completed step
         self._make_plan(groups)
 
-        if self.process_set.included() and (hvd.size() > 1 or os.environ.get('HOROVOD_ELASTIC') == '1'):
-            self._connect()
+        elastic = os.environ.get('HOROVOD_ELASTIC') == '1'
+        self._active = self.process_set.included() and (hvd.size() > 1 or elastic)
+        if self._active:
+            if not elastic:
+                # Elastic: no collective outside hvd.elastic.run (a worker that joins builds its
+                # optimizer while the others sync state); _ready connects at the first gradient.
+                self._connect()
             self._register_hooks()
 
     # -- plan ---------------------------------------------------------------------------------------
@@ -213,6 +218,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _ready(self, p):
         if p in self._launched:
             return
+        if not self._launched:
+            self._connect()             # the first gradient of a step: the world may have changed
         if not self._step_agreed:
             self._agree_step(p.device)
         self._launched.add(p)
@@ -263,9 +270,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- synchronize / step ---------------------------------------------------------------------------
     def synchronize(self):
-        if not self.process_set.included() or self._coll is None:
+        if not self._active:
             self._synchronized = True
             return
+        if not self._launched:
+            self._connect()
         for p in sorted(self._requires_update - self._launched, key=self._parameter_names.get):
             self._ready(p)
         started = [k for k, pending in enumerate(self._pending) if pending is not None]
