@@ -107,6 +107,11 @@ def main():
                        HOROVOD_RANK=str(r), HOROVOD_SIZE=str(args.np), HOROVOD_LOCAL_RANK="0",
                        HOROVOD_LOCAL_SIZE="1", HOROVOD_CROSS_RANK=str(r), HOROVOD_CROSS_SIZE=str(args.np),
                        PYTHONUNBUFFERED="1")
+            # The "hosts" share this machine's cores: give each rank its share of threads (Numba's
+            # pool and OpenMP's would otherwise each take every core), unless the caller chose.
+            share = str(max(1, len(os.sched_getaffinity(0)) // args.np))
+            for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
+                env.setdefault(var, share)
             procs.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}{r}", *cmd], env=env,
                                           start_new_session=True))
         deadline = time.time() + args.timeout
