@@ -161,7 +161,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _exchange_for(self, reduction):
         ex = self._exchanges.get(reduction)
         if ex is None:
-            # reuse_result: synchronize copies each bucket's result into p.grad before the next step
+            # reuse_result: p.grad are views of the result, read before the next step rewrites it
             ex = self._exchanges[reduction] = Exchange(
                 self.codec, self._coll, _backend.OPS, reduction=reduction, memory=self._memory,
                 prefix=self._prefix, reuse_result=True)
