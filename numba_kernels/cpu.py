@@ -1,14 +1,20 @@
 """Numba CPU kernels (``*_cpu``): ``njit(parallel=True, cache=True)``, bit-identical to ``*_ref``.
 
 Each kernel also has a serial twin, used when the input is a single chunk or Numba has one thread (a
-parallel region costs tens of microseconds to start). Launches are prepared once per configuration
+parallel region costs tens of microseconds to start). QSGD kernels are compiled per bit width (on its
+first use), so every shift and mask is a constant. Launches are prepared once per configuration
 (``prepare_*``: layout, chunking and kernel choice computed once; the plain ``*_cpu`` launchers keep
 them in a small cache keyed by ints), so a call costs little more than Numba's dispatch.
 
 Work is split into chunks of whole buckets whose first element is a multiple of 8 (so every chunk
 writes whole code bytes and no two threads touch one byte); ``prange`` runs over the chunks. Within a
-chunk the scales of its buckets are computed first, then its elements are quantized and packed while
-they are still in cache: one pass over ``x`` from memory.
+chunk each bucket's scale is computed, then its elements are quantized into a small code array while
+they are still in cache; the chunk's codes are then packed: one pass over ``x`` from memory.
+
+Every inner loop is written so the compiler vectorises it: loops run over slices with indices from
+zero (a negative index would need a wrap-around check per element), the max scale is an integer max
+of the bits, the random draws of a group of 64 elements come from one loop of 32 splitmix64 hashes,
+and codes are packed and unpacked eight at a time through 64-bit words.
 """
 import functools
 import hashlib
@@ -22,7 +28,7 @@ from numba import njit, prange
 
 from . import wire
 from ._memo import memo
-from ._scalar import F0, FNAN, GAMMA, U8, U24M, U40, UFF, build
+from ._scalar import F0, FINF, FNAN, GAMMA, U8, U24M, U40, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
            "write_header_cpu", "chunk_buckets", "prepare_qsgd_encode", "prepare_qsgd_decode",
@@ -54,21 +60,23 @@ def _fmul(a, b):
 
 
 _ops = build(_inline, _fmul)
-_qsgd_code_r = _ops.qsgd_code_r
+_qsgd_round = _ops.qsgd_round
+_uniform24 = _ops.uniform24
 _mix64 = _ops.mix64
-_max_nan = _ops.max_nan
 _finite = _ops.finite
 _sqrt32 = _ops.sqrt32
 _hdr_err = _ops.header_errors
 
 _KERNEL = dict(cache=True, error_model="numpy", nogil=True)
 _TARGET_CHUNK = 16384       # elements per parallel task
+I31 = np.int32(0x7FFFFFFF)
 
 
-def _renamed(fn, suffix):
-    """``fn`` under another qualified name (Numba's cache files are named after it)."""
-    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__,
-                              fn.__closure__)
+def _renamed(fn, suffix, glob=None):
+    """``fn`` under another qualified name (Numba's cache files are named after it), reading
+    ``glob`` for its globals if given."""
+    twin = types.FunctionType(fn.__code__, fn.__globals__ if glob is None else glob, fn.__name__ + suffix,
+                              fn.__defaults__, fn.__closure__)
     twin.__qualname__ = fn.__qualname__ + suffix
     twin.__module__ = fn.__module__
     return twin
@@ -77,18 +85,45 @@ def _renamed(fn, suffix):
 class _Kernel:
     """A kernel compiled twice from one Python function: ``parallel=True`` for inputs of several
     chunks, serial for one chunk. Both carry the hash of ``_scalar.py`` in their qualified names, so
-    their on-disk caches never mix with each other or with a build from another ``_scalar.py``."""
+    their on-disk caches never mix with each other or with a build from another ``_scalar.py``.
 
-    def __init__(self, fn):
-        self.parallel = njit(parallel=True, **_KERNEL)(_renamed(fn, "_par_" + _STAMP))
-        self.serial = njit(parallel=False, **_KERNEL)(_renamed(fn, "_ser_" + _STAMP))
+    ``bits`` (QSGD kernels) is compiled in: the function reads the global ``_BITS``, which its copy of
+    the module's globals fixes, so shifts and masks are constants and the pack and unpack loops
+    vectorise. Each width is compiled (or loaded from the cache) on its first use."""
+
+    def __init__(self, fn, bits=None):
+        tag = _STAMP if bits is None else f"b{bits}_{_STAMP}"
+        glob = None if bits is None else dict(fn.__globals__, _BITS=bits)
+        self.parallel = njit(parallel=True, **_KERNEL)(_renamed(fn, "_par_" + tag, glob))
+        self.serial = njit(parallel=False, **_KERNEL)(_renamed(fn, "_ser_" + tag, glob))
 
     def pick(self, nchunks):
         return self.parallel if nchunks > 1 and numba.get_num_threads() > 1 else self.serial
 
 
+class _Widths:
+    """A QSGD kernel per bit width (``kernel[bits]``), made on first use."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.made = {}
+
+    def __getitem__(self, bits):
+        k = self.made.get(bits)
+        if k is None:
+            k = self.made[bits] = _Kernel(self.fn, bits)
+        return k
+
+
+_BITS = 0       # replaced in each width's globals (see _Kernel)
+
+
 def _kernel(fn):
     return _Kernel(fn)
+
+
+def _qsgd_kernel(fn):
+    return _Widths(fn)
 
 
 def chunk_buckets(bucket_size, numel):
@@ -109,37 +144,53 @@ def _tree(p):
 
 
 @_inline
-def _lanes_zero(p):
-    for l in range(32):
-        p[l] = F0
+def _lane_add(p, q, l, v, kind):
+    """Add element ``v`` to lane ``l``: kind 1: v*v to p; 2: v >= 0 to p, v < 0 to q (returns 1 if
+    v >= 0); 3: |v| to p."""
+    if kind == 1:
+        p[l] = p[l] + v * v
+    elif kind == 2:
+        # branch-free: adding +0.0 leaves a partial sum unchanged, bit for bit (partials start at
+        # +0.0, so none is -0.0)
+        pos = v >= F0
+        p[l] = p[l] + (v if pos else F0)
+        q[l] = q[l] + (F0 if pos else v)
+        return np.int64(pos)
+    else:
+        p[l] = p[l] + abs(v)
+    return np.int64(0)
 
 
 @_inline
-def _sum_kind(x, st, en, kind, p, q):
-    """Canonical lane sums of the bucket x[st:en]. kind 1: x*x into p; 2: x>=0 into p, x<0 into q
-    (returns the count of x>=0); 3: |x| into p."""
-    _lanes_zero(p)
-    _lanes_zero(q)
-    npos = 0
-    n = en - st
-    full = n // 32
-    for r in range(full + 1):
-        base = st + r * 32
-        m = 32 if r < full else n - full * 32
-        for l in range(m):
-            v = x[base + l]
-            if kind == 1:
-                p[l] = p[l] + v * v
-            elif kind == 2:
-                # branch-free: adding +0.0 leaves a partial sum unchanged, bit for bit (partials
-                # start at +0.0, so none is -0.0)
-                pos = v >= F0
-                p[l] = p[l] + (v if pos else F0)
-                q[l] = q[l] + (F0 if pos else v)
-                npos += np.int64(pos)
-            else:
-                p[l] = p[l] + abs(v)
+def _lane_sums(x, st, en, kind, p, q):
+    """Canonical lane sums (``reference.lane_sum_ref``) of the bucket x[st:en] into p (and q), by
+    :func:`_lane_add`; returns the count of x >= 0 for kind 2. Whole rows of 32 are sliced out so the
+    compiler sees 32 independent lanes."""
+    for l in range(32):
+        p[l] = F0
+        q[l] = F0
+    npos = np.int64(0)
+    full = (en - st) >> 5
+    for r in range(full):
+        xr = x[st + 32 * r:st + 32 * r + 32]
+        for l in range(32):
+            npos += _lane_add(p, q, l, xr[l], kind)
+    xr = x[st + 32 * full:en]
+    for l in range(xr.size):
+        npos += _lane_add(p, q, l, xr[l], kind)
     return npos
+
+
+@_inline
+def _abs_max_bits(xi, st, en):
+    """The bits of max |x| over the bucket (``xi``: x viewed as int32). Non-negative floats order as
+    their bits do and every NaN's bits lie above +inf's, so an integer max (which vectorises; a float
+    max that propagates NaN does not) gives the max, or a NaN when there is one."""
+    m = np.int32(0)
+    xb = xi[st:en]
+    for j in range(xb.size):
+        m = max(m, xb[j] & I31)
+    return m
 
 
 @_inline
@@ -149,139 +200,233 @@ def _write_header(payload, header):
 
 
 @_inline
-def _uniforms(key, e0, e1, r):
-    """r[i - e0] = the 24 random bits of element i in [e0, e1) (``_scalar.uniform24``), one splitmix64
-    draw per pair i, i + 32 of each aligned group of 64."""
-    for g in range(e0 >> 6, (e1 + 63) >> 6):
-        base = g << 6
-        for l in range(32):
-            z = _mix64(key + np.uint64(g * 32 + l) * GAMMA)
-            i = base + l
-            if i >= e0 and i < e1:
-                r[i - e0] = np.uint32((z >> U8) & U24M)
-            i += 32
-            if i >= e0 and i < e1:
-                r[i - e0] = np.uint32(z >> U40)
+def _level(xv, unit, sf, s, stochastic, r):
+    return np.int32(_qsgd_round(abs(xv) / unit, xv < F0, sf, s, stochastic, r))
 
 
-@_kernel
-def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bits, bs, stochastic,
+@_inline
+def _qsgd_levels(x, st, en, codes, c0, unit, sf, s, stochastic, key):
+    """codes[i - c0] = the code of x[i] for the elements [st, en) of a bucket whose scale is positive
+    and finite. Stochastic: each aligned group of 64 elements takes its 32 splitmix64 draws in one loop
+    the compiler vectorises (``_scalar.uniform24``: draw l serves elements l and l + 32); elements of
+    partial groups draw one at a time."""
+    if not stochastic:
+        xb = x[st:en]
+        cb = codes[st - c0:en - c0]
+        for j in range(xb.size):
+            cb[j] = _level(xb[j], unit, sf, s, False, np.uint32(0))
+        return
+    i = st
+    while i < en:
+        if (i & 63) == 0 and i + 64 <= en:
+            kb = key + np.uint64(i >> 1) * GAMMA            # draw p = (i >> 6) * 32 + l
+            xg = x[i:i + 64]
+            cg = codes[i - c0:i - c0 + 64]
+            for l in range(32):
+                z = _mix64(kb + np.uint64(l) * GAMMA)
+                cg[l] = _level(xg[l], unit, sf, s, True, np.uint32((z >> U8) & U24M))
+                cg[l + 32] = _level(xg[l + 32], unit, sf, s, True, np.uint32(z >> U40))
+            i += 64
+        else:
+            stop = min(en, (i | 63) + 1)
+            for j in range(i, stop):
+                codes[j - c0] = _level(x[j], unit, sf, s, True, np.uint32(_uniform24(key, j)))
+            i = stop
+
+
+@_inline
+def _byte_of(lo, hi, j):
+    """Byte j of the 128-bit little-endian number hi:lo."""
+    if j < 8:
+        return np.uint8((lo >> np.uint64(8 * j)) & UFF)
+    return np.uint8((hi >> np.uint64(8 * j - 64)) & UFF)
+
+
+@_inline
+def _pack(codes, ng, payload, base, lim, BITS):
+    """codes[0:8*ng] as BITS-bit little-endian fields into payload[base:lim] (lim - base <= ng*BITS
+    bytes): eight codes fill exactly BITS bytes, built in two 64-bit words. ``BITS`` is a compile-time
+    constant, so the shifts are constants and the byte stores of a group merge into word stores."""
+    lim = min(lim, base + ng * BITS)
+    if 8 % BITS == 0:                               # 2, 4, 8: whole codes per byte
+        per = 8 // BITS
+        pb = payload[base:lim]
+        for j in range(pb.size):
+            cj = codes[per * j:per * j + per]
+            v = np.int32(0)
+            for k in range(per):
+                v |= cj[k] << (k * BITS)
+            pb[j] = np.uint8(v)
+        return
+    if BITS == 16:
+        pb = payload[base:lim]
+        for j in range(pb.size >> 1):
+            pb[2 * j] = np.uint8(codes[j] & 0xFF)
+            pb[2 * j + 1] = np.uint8(codes[j] >> 8)
+        return
+    whole = min(ng, (lim - base) // BITS)          # groups whose BITS bytes all lie before lim
+    for g in range(ng):
+        cg = codes[8 * g:8 * g + 8]
+        lo = np.uint64(0)
+        hi = np.uint64(0)
+        for k in range(8):
+            off = k * BITS
+            uc = np.uint64(cg[k])
+            if off < 64:
+                lo |= uc << np.uint64(off)
+                if off + BITS > 64:
+                    hi |= uc >> np.uint64(64 - off)
+            else:
+                hi |= uc << np.uint64(off - 64)
+        b = base + g * BITS
+        if g < whole:
+            pg = payload[b:b + BITS]
+            for j in range(BITS):
+                pg[j] = _byte_of(lo, hi, j)
+        else:
+            for j in range(lim - b):
+                payload[b + j] = _byte_of(lo, hi, j)
+
+
+@_qsgd_kernel
+def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, stochastic,
                  norm_l2, key, kchunk, residual, has_res):
     numel = x.size
     scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    scale_bits = scales.view(np.int32)
+    xi = x.view(np.int32)
     _write_header(payload, header)
     for k in range(codes_end, scales_off):
         payload[k] = 0
     nb = (numel + bs - 1) // bs
     nchunks = (nb + kchunk - 1) // kchunk
-    s = (1 << (bits - 1)) - 1
+    s = (1 << (_BITS - 1)) - 1
     sf = np.float32(s)
     for c in prange(nchunks):
         p = np.empty(32, np.float32)
         q = np.empty(32, np.float32)
         b0 = c * kchunk
         b1 = min(nb, b0 + kchunk)
+        e0 = b0 * bs                    # a multiple of 8 (chunk_buckets)
+        e1 = min(numel, b1 * bs)
+        ng = (e1 - e0 + 7) >> 3
+        codes = np.empty(8 * ng, np.int32)
+        for k in range(e1 - e0, 8 * ng):
+            codes[k] = 0
         for b in range(b0, b1):
             st = b * bs
             en = min(numel, st + bs)
             if norm_l2:
-                _sum_kind(x, st, en, 1, p, q)
+                _lane_sums(x, st, en, 1, p, q)
                 scales[b] = _sqrt32(_tree(p))
             else:
-                m = F0
-                for ix in range(st, en):
-                    m = _max_nan(m, abs(x[ix]))
-                scales[b] = m
-        # quantize bucket by bucket (a loop the compiler vectorises), then pack one group of 8
-        # elements (exactly ``bits`` bytes) at a time
-        e0 = b0 * bs
-        e1 = min(numel, b1 * bs)
-        r = np.zeros(e1 - e0 if stochastic else 0, np.uint32)
-        if stochastic:
-            _uniforms(key, e0, e1, r)
-        codes = np.zeros(((e1 - e0 + 7) // 8) * 8, np.int64)
-        for b in range(b0, b1):
+                scale_bits[b] = _abs_max_bits(xi, st, en)
             scale = scales[b]
             unit = scale / sf
-            st = b * bs
-            en = min(numel, st + bs)
-            for i in range(st, en):
-                ri = r[i - e0] if stochastic else np.uint32(0)
-                codes[i - e0] = _qsgd_code_r(x[i], scale, unit, sf, s, stochastic, ri)
+            if scale > F0 and scale < FINF:
+                _qsgd_levels(x, st, en, codes, e0, unit, sf, s, stochastic, key)
+            else:                       # zero or non-finite scale: level 0 (decodes to 0 or NaN)
+                for j in range(st - e0, en - e0):
+                    codes[j] = s
             if has_res:
                 # what the decode writes: float32(code - s) * unit (x[i] is read before residual[i]
                 # is written: residual may be x)
-                for i in range(st, en):
-                    residual[i] = x[i] - np.float32(codes[i - e0] - s) * unit
-        for g in range(codes.size // 8):
-            lo = np.uint64(0)
-            hi = np.uint64(0)
-            for k in range(8):
-                uc = np.uint64(codes[g * 8 + k])
-                off = k * bits
-                if off < 64:
-                    lo |= uc << np.uint64(off)
-                    if off + bits > 64:
-                        hi |= uc >> np.uint64(64 - off)
-                else:
-                    hi |= uc << np.uint64(off - 64)
-            base = codes_off + (e0 // 8 + g) * bits
-            nbytes = min(bits, codes_end - base)
-            for j in range(nbytes):
-                if j < 8:
-                    payload[base + j] = np.uint8((lo >> (U8 * np.uint64(j))) & UFF)
-                else:
-                    payload[base + j] = np.uint8((hi >> (U8 * np.uint64(j - 8))) & UFF)
+                xb = x[st:en]
+                rb = residual[st:en]
+                cb = codes[st - e0:en - e0]
+                for j in range(xb.size):
+                    rb[j] = xb[j] - np.float32(cb[j] - s) * unit
+        _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)
 
 
 @_inline
-def _qsgd_dec_range(payload, out, codes_off, scales, bits, bs, b0, b1, accumulate):
+def _put(ob, j, v, accumulate):
+    if accumulate:
+        ob[j] = ob[j] + v
+    else:
+        ob[j] = v
+
+
+@_inline
+def _qsgd_unpack(payload, codes_off, st, ob, unit, s, accumulate, BITS):
+    """ob[j] (+)= the value of element st + j, whose BITS-bit field starts at bit (st + j) * BITS of
+    the codes. ``BITS`` is a compile-time constant, so shifts and masks are constants. When the bucket
+    starts on a byte, each group of eight fields is read from the 64-bit words of its BITS bytes (the
+    compiler merges the byte loads; about twice as fast as field by field); the rest field by field,
+    from the 1 to 3 bytes a field spans (BITS <= 16, shift <= 7). Reading past the codes stays inside
+    the payload (the scales follow them), and the words are read only where they fit in it."""
+    mask = np.int32((1 << BITS) - 1)
+    first = st * BITS
+    cb = codes_off + (first >> 3)
+    sh = first & 7
+    j0 = 0
+    if sh == 0:
+        width = 16 if BITS > 8 else 8          # bytes read per group of eight fields
+        ng = min(ob.size >> 3, max(0, (payload.size - width - cb) // BITS + 1))
+        for g in range(ng):
+            pg = payload[cb + g * BITS:cb + g * BITS + width]
+            lo = np.uint64(0)
+            hi = np.uint64(0)
+            for k in range(8):
+                lo |= np.uint64(pg[k]) << np.uint64(8 * k)
+                if BITS > 8:
+                    hi |= np.uint64(pg[8 + k]) << np.uint64(8 * k)
+            for k in range(8):
+                off = k * BITS
+                if off >= 64:
+                    c = hi >> np.uint64(off - 64)
+                elif off + BITS > 64:
+                    c = (lo >> np.uint64(off)) | (hi << np.uint64(64 - off))
+                else:
+                    c = lo >> np.uint64(off)
+                _put(ob, 8 * g + k, np.float32(np.int32(c & np.uint64(mask)) - s) * unit, accumulate)
+        j0 = 8 * ng
+    for j in range(j0, ob.size):
+        bp = sh + j * BITS
+        o = cb + (bp >> 3)
+        if BITS == 8:
+            w = np.int32(payload[o])
+        elif BITS == 16:
+            w = np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)
+        elif 8 % BITS == 0:
+            w = np.int32(payload[o]) >> (bp & 7)
+        elif BITS <= 9:
+            w = (np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)) >> (bp & 7)
+        else:
+            w = (np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)
+                 | (np.int32(payload[o + 2]) << 16)) >> (bp & 7)
+        _put(ob, j, np.float32((w & mask) - s) * unit, accumulate)
+
+
+@_inline
+def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, BITS):
     """out[i] (+)= the value of element i of a QSGD payload, for the elements of buckets [b0, b1)."""
     numel = out.size
-    s = (1 << (bits - 1)) - 1
+    s = np.int32((1 << (BITS - 1)) - 1)
     sf = np.float32(s)
-    ubits = np.uint64(bits)
-    mask = (np.uint64(1) << ubits) - np.uint64(1)
-    e0 = b0 * bs
-    e1 = min(numel, b1 * bs)
-    pos = codes_off + (e0 * bits) // 8
-    acc = np.uint64(0)
-    nacc = np.uint64(0)
-    b = b0
-    bend = min(numel, (b + 1) * bs)
-    unit = scales[b] / sf
-    for i in range(e0, e1):
-        if i >= bend:
-            b += 1
-            bend = min(numel, bend + bs)
-            unit = scales[b] / sf
-        while nacc < ubits:
-            acc |= np.uint64(payload[pos]) << nacc
-            pos += 1
-            nacc += U8
-        code = np.int64(acc & mask)
-        acc >>= ubits
-        nacc -= ubits
-        val = np.float32(code - s) * unit
+    for b in range(b0, b1):
+        st = b * bs
+        en = min(numel, st + bs)
         if accumulate:
-            out[i] = out[i] + val
+            _qsgd_unpack(payload, codes_off, st, out[st:en], scales[b] / sf, s, True, BITS)
         else:
-            out[i] = val
+            _qsgd_unpack(payload, codes_off, st, out[st:en], scales[b] / sf, s, False, BITS)
 
 
-@_kernel
-def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bits, bs, accumulate, kchunk):
+@_qsgd_kernel
+def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, kchunk):
     numel = out.size
     scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
     nb = (numel + bs - 1) // bs
     nchunks = (nb + kchunk - 1) // kchunk
     for c in prange(nchunks):
         b0 = c * kchunk
-        _qsgd_dec_range(payload, out, codes_off, scales, bits, bs, b0, min(nb, b0 + kchunk), accumulate)
+        _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, min(nb, b0 + kchunk), accumulate,
+                        _BITS)
 
 
-@_kernel
-def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bits, bs, kchunk,
+@_qsgd_kernel
+def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, kchunk,
                      addend, has_add):
     """out = the float32 sum of the npay payloads' decodes, in payload order (+ addend[i] last)."""
     numel = out.size
@@ -293,15 +438,15 @@ def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales,
         for k in range(npay):
             p = payloads[k * total:(k + 1) * total]
             scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
-            _qsgd_dec_range(p, out, codes_off, scales, bits, bs, b0, b1, k > 0)
+            _qsgd_dec_range(p, out, codes_off, scales, bs, b0, b1, k > 0, _BITS)
         if has_add:
             for i in range(b0 * bs, min(numel, b1 * bs)):
                 out[i] = out[i] + addend[i]
 
 
-@_kernel
+@_qsgd_kernel
 def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
-                        last_nscales, codes_off, bits, bs, kchunk):
+                        last_nscales, codes_off, bs, kchunk):
     """Chunk j's payload (at j*total in gathered) decoded into out[j*chunk:(j+1)*chunk]; the last
     chunk has its own layout (last_*)."""
     numel = out.size
@@ -321,7 +466,7 @@ def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_t
         nb = (o.size + bs - 1) // bs
         b0 = c * kchunk
         if b0 < nb:
-            _qsgd_dec_range(p, o, codes_off, scales, bits, bs, b0, min(nb, b0 + kchunk), False)
+            _qsgd_dec_range(p, o, codes_off, scales, bs, b0, min(nb, b0 + kchunk), False, _BITS)
 
 
 @_kernel
@@ -343,7 +488,7 @@ def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
             st = b * bs
             en = min(numel, st + bs)
             if two_mean:
-                npos = _sum_kind(x, st, en, 2, p, q)
+                npos = _lane_sums(x, st, en, 2, p, q)
                 nneg = (en - st) - npos
                 mp = _tree(p) / np.float32(npos) if npos > 0 else F0
                 mn = _tree(q) / np.float32(nneg) if nneg > 0 else F0
@@ -353,23 +498,25 @@ def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
                 scales[2 * b] = mp
                 scales[2 * b + 1] = mn
             else:
-                _sum_kind(x, st, en, 3, p, q)
+                _lane_sums(x, st, en, 3, p, q)
                 scales[b] = _tree(p) / np.float32(en - st)
+        # the bits (x >= 0), eight to a byte: e0 is a multiple of 8 (chunk_buckets)
         e0 = b0 * bs
         e1 = min(numel, b1 * bs)
-        pos = codes_off + e0 // 8
-        acc = 0
-        nacc = 0
-        for i in range(e0, e1):
-            acc |= np.int64(x[i] >= F0) << nacc
-            nacc += 1
-            if nacc == 8:
-                payload[pos] = np.uint8(acc)
-                pos += 1
-                acc = 0
-                nacc = 0
-        if nacc > 0:
-            payload[pos] = np.uint8(acc)
+        xs = x[e0:e1]
+        pb = payload[codes_off + (e0 >> 3):codes_off + ((e1 + 7) >> 3)]
+        full = xs.size >> 3
+        for j in range(full):
+            xg = xs[8 * j:8 * j + 8]
+            v = np.int32(0)
+            for k in range(8):
+                v |= np.int32(xg[k] >= F0) << k
+            pb[j] = np.uint8(v)
+        if full < pb.size:
+            v = np.int32(0)
+            for k in range(xs.size - 8 * full):
+                v |= np.int32(xs[8 * full + k] >= F0) << k
+            pb[full] = np.uint8(v)
         if has_res:
             # what the decode writes for the bit (x >= 0) of each element
             for b in range(b0, b1):
@@ -381,32 +528,48 @@ def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
                 else:
                     hi = scales[b]
                     lo = -hi
-                for i in range(st, en):
-                    v = x[i]
-                    residual[i] = v - (hi if v >= F0 else lo)
+                xb = x[st:en]
+                rb = residual[st:en]
+                for j in range(xb.size):
+                    v = xb[j]
+                    rb[j] = v - (hi if v >= F0 else lo)
+
+
+@_inline
+def _onebit_unpack(payload, codes_off, st, ob, hi, lo, accumulate):
+    """ob[j] (+)= hi or lo, as bit st + j of the codes is 1 or 0: eight at a time from each byte when
+    the bucket starts on one, the rest bit by bit."""
+    j0 = 0
+    if (st & 7) == 0:
+        pb = payload[codes_off + (st >> 3):codes_off + ((st + ob.size) >> 3)]
+        for g in range(pb.size):
+            v = pb[g]
+            og = ob[8 * g:8 * g + 8]
+            for k in range(8):
+                _put(og, k, hi if (v >> k) & 1 else lo, accumulate)
+        j0 = 8 * pb.size
+    for j in range(j0, ob.size):
+        i = st + j
+        _put(ob, j, hi if (payload[codes_off + (i >> 3)] >> (i & 7)) & 1 else lo, accumulate)
 
 
 @_inline
 def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, b0, b1, accumulate):
     """out[i] (+)= the value of element i of a 1-bit payload, for the elements of buckets [b0, b1)."""
     numel = out.size
-    e0 = b0 * bs
-    e1 = min(numel, b1 * bs)
-    b = b0
-    bend = min(numel, (b + 1) * bs)
-    for i in range(e0, e1):
-        if i >= bend:
-            b += 1
-            bend = min(numel, bend + bs)
-        bit = (payload[codes_off + (i >> 3)] >> (i & 7)) & 1
+    for b in range(b0, b1):
+        st = b * bs
+        en = min(numel, st + bs)
         if two_mean:
-            val = scales[2 * b] if bit else scales[2 * b + 1]
+            hi = scales[2 * b]
+            lo = scales[2 * b + 1]
         else:
-            val = scales[b] if bit else -scales[b]
+            hi = scales[b]
+            lo = -hi
         if accumulate:
-            out[i] = out[i] + val
+            _onebit_unpack(payload, codes_off, st, out[st:en], hi, lo, True)
         else:
-            out[i] = val
+            _onebit_unpack(payload, codes_off, st, out[st:en], hi, lo, False)
 
 
 @_kernel
@@ -531,9 +694,9 @@ class QsgdEncodeCPU(_PreparedBase):
 
     def __init__(self, numel, bits, bucket_size, stochastic, norm_l2):
         lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
-        self._setup(_qsgd_encode, lay, bucket_size)
+        self._setup(_qsgd_encode[bits], lay, bucket_size)
         self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
-                     lay.nscales, int(bits), int(bucket_size), bool(stochastic), bool(norm_l2))
+                     lay.nscales, int(bucket_size), bool(stochastic), bool(norm_l2))
 
     def __call__(self, x, payload, header, key, stream=None, residual=None):
         x = _flat(x)
@@ -555,9 +718,8 @@ class QsgdDecodeCPU(_PreparedBase):
 
     def __init__(self, numel, bits, bucket_size, accumulate):
         lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
-        self._setup(_qsgd_decode, lay, bucket_size)
-        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bits), int(bucket_size),
-                     bool(accumulate))
+        self._setup(_qsgd_decode[bits], lay, bucket_size)
+        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bucket_size), bool(accumulate))
 
     def __call__(self, payload, out, stream=None, status=None, expect=None):
         out = _flat(out)
@@ -698,9 +860,9 @@ class _DecodeSumCPU(_PreparedBase):
     def __init__(self, numel, bits, bucket_size, two_mean):
         lay, bs = _method_layout(numel, bits, bucket_size, two_mean)
         self.qsgd = two_mean is None
-        self._setup(_qsgd_decode_sum if self.qsgd else _onebit_decode_sum, lay, bs)
+        self._setup(_qsgd_decode_sum[bits] if self.qsgd else _onebit_decode_sum, lay, bs)
         if self.qsgd:
-            self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bits), bs)
+            self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs)
         else:
             self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(two_mean))
 
@@ -774,8 +936,8 @@ class _DecodeChunksCPU:
         self.ntasks = len(ranges) * -(-(chunk // bs) // kchunk)
         common = (chunk, full.total, full.scales_offset, full.nscales, last.total, last.scales_offset,
                   last.nscales, full.codes_offset)
-        self.args = common + ((int(bits), bs) if qsgd else (bs, bool(two_mean)))
-        self._kernel = _qsgd_decode_chunks if qsgd else _onebit_decode_chunks
+        self.args = common + ((bs,) if qsgd else (bs, bool(two_mean)))
+        self._kernel = _qsgd_decode_chunks[bits] if qsgd else _onebit_decode_chunks
         self._serial = self._kernel.serial if self.ntasks <= 1 else None
 
     def __call__(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):

@@ -170,6 +170,30 @@ def test_cpu_parallel_chunks_equal_reference(cpu, n, bs, bits, stochastic, l2):
         assert bits_equal(a, b)
 
 
+WIDTH_CASES = [(4097, 7, bits) for bits in range(2, 17)] + [(70001, 512, 7), (70001, 512, 13)]
+
+
+@pytest.mark.parametrize("n,bs,bits", WIDTH_CASES, ids=[f"n{n}-bs{bs}-b{b}" for n, bs, b in WIDTH_CASES])
+def test_cpu_every_width_equal_reference(cpu, n, bs, bits):
+    """The CPU kernels are compiled per bit width (constant shifts): every width, encode with error
+    feedback and both decodes, against the reference; bucket 7 starts buckets off byte boundaries (one
+    chunk: the serial kernels); 70001 elements at bucket 512 span several chunks (the parallel ones,
+    also held by test_cpu_parallel_chunks_equal_reference at other widths)."""
+    x, h, lay = qsgd_case(n, bs, bits, True, False)
+    want = np.zeros(lay.total, np.uint8)
+    got = np.full(lay.total, 0xA5, np.uint8)
+    r_want, r_got = np.empty(n, np.float32), np.empty(n, np.float32)
+    R.qsgd_encode_ref(x, want, h, bits, bs, True, False, KEY, residual=r_want)
+    cpu.qsgd_encode_cpu(x, got, h, bits, bs, True, False, KEY, residual=r_got)
+    assert np.array_equal(want, got)
+    assert nan_bits_equal(r_want, r_got)
+    for acc in (False, True):
+        a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+        R.qsgd_decode_ref(want, a, bits, bs, acc)
+        cpu.qsgd_decode_cpu(want, b, bits, bs, acc)
+        assert nan_bits_equal(a, b)
+
+
 def test_canonical_sum_order():
     """lane_sum_ref is exactly: 32 sequential lane sums, then the stride-16..1 tree."""
     rng = np.random.default_rng(3)
