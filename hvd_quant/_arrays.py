@@ -270,15 +270,20 @@ class DeviceAdapter:
 
 
 
+_DTYPE_NAMES = {}
+
+
 class NumpyAdapter(HostAdapter):
     kind = "numpy"
 
     def describe(self, x):
         if not isinstance(x, np.ndarray):
             x = np.asarray(x)
-        name = x.dtype.name
+        name = _DTYPE_NAMES.get(x.dtype)
+        if name is None:                # (dtype.name is built anew on every access: microseconds)
+            name = _DTYPE_NAMES[x.dtype] = x.dtype.name
         check_float(name)
-        return tuple(x.shape), name
+        return x.shape, name
 
     def input_np(self, x):
         return np.ascontiguousarray(x).reshape(-1)

@@ -2,11 +2,13 @@
 
     python -m hvd_quant.bench codec                       # GPU if there is one: 100M fp32, bucket 512
     python -m hvd_quant.bench codec --device cpu --numel 10000000 --threads 1,2
+    python -m hvd_quant.bench codec --device cpu --codecs all      # every QSGD width and 1-bit
 
 In one run it times, on the same float32 data:
 
-* ``qsgd4``, ``qsgd8``, ``qsgd2``: QSGD stochastic, max norm, ``--bucket-size``; ``onebit``: 1-bit
-  two_mean with the same bucket size. ``encode`` is ``codec.encode(x)``, ``decode`` is
+* ``qsgd4``, ``qsgd8``, ``qsgd2`` (the default set; ``--codecs`` may name any ``qsgdN``, N in 2..16,
+  or ``all``): QSGD stochastic, max norm, ``--bucket-size``; ``onebit``: 1-bit two_mean with the same
+  bucket size. ``encode`` is ``codec.encode(x)``, ``decode`` is
   ``codec.decode_into(payload, out)`` (what the exchange calls), ``enc+dec`` both.
 * ``copy``: a device copy of x into a preallocated buffer (reads and writes 4 bytes per element):
   the memory-bound limit (an encode+decode reads x, writes the payload, reads it, writes out).
@@ -18,7 +20,8 @@ timed call keeps the GPU busy while the host enqueues it; the host time per call
 launch overhead, is reported separately as ``host ms/call``), median
 of ``--repeat`` after ``--warmup`` calls. The first call of each codec (Numba compilation or cache
 load included) is timed on its own. CPU: wall time, median, and GB/s of float32 input per core.
-Ratios: ``enc+dec / copy`` and ``enc+dec / limit`` (lower is better; the limit is the traffic of an
+Ratios: ``enc / copy``, ``dec / copy``, ``enc+dec / copy`` and ``enc+dec / limit`` (lower is better;
+the copy moves the same float32 data; the limit is the traffic of an
 encode+decode, 8 + 2*B bytes per element for a payload of B bytes per element, at the copy's measured
 rate: 1.0 = memory-bound), ``torch-ops / ours`` (higher is better).
 
@@ -38,6 +41,23 @@ import numpy as np
 
 CODECS = (("qsgd4", "qsgd:bits=4,bucket_size={bs}"), ("qsgd8", "qsgd:bits=8,bucket_size={bs}"),
           ("qsgd2", "qsgd:bits=2,bucket_size={bs}"), ("onebit", "onebit:bucket_size={bs}"))
+WIDTHS = tuple(f"qsgd{b}" for b in range(2, 17))     # any of these may be named in --codecs
+
+
+def codec_specs(names):
+    """[(name, spec template)] for the comma-separated ``names``: the default set, ``qsgdN`` for any
+    width N in 2..16, or ``all`` (every width and onebit)."""
+    known = dict(CODECS)
+    known.update((w, f"qsgd:bits={w[4:]},bucket_size={{bs}}") for w in WIDTHS)
+    wanted = []
+    for name in names.split(","):
+        for one in (WIDTHS + ("onebit",) if name == "all" else (name,)):
+            if one not in known:
+                raise SystemExit(f"unknown codec {one!r}; known: {', '.join(n for n, _ in CODECS)}, "
+                                 f"qsgd2 .. qsgd16, all")
+            if one not in wanted:
+                wanted.append(one)
+    return [(n, known[n]) for n in wanted]
 
 
 def build_parser():
@@ -49,8 +69,8 @@ def build_parser():
     p.add_argument("--repeat", type=int, default=None, help="timed calls (default 20 cuda, 5 cpu)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", default=None, help="CPU: comma-separated Numba/torch thread counts")
-    p.add_argument("--codecs", default=",".join(n for n, _ in CODECS), help="subset of " +
-                   ",".join(n for n, _ in CODECS))
+    p.add_argument("--codecs", default=",".join(n for n, _ in CODECS),
+                   help="comma-separated: " + ",".join(n for n, _ in CODECS) + ", qsgd2 .. qsgd16, or all")
     p.add_argument("--no-torch-ops", action="store_true", help="skip the plain-PyTorch baseline")
     p.add_argument("--tiny-numel", type=int, default=4096,
                    help="elements of the tensor for the per-call host overhead column (0: skip)")
@@ -221,7 +241,6 @@ def run_device(args, device, threads=None):
         x = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
         out = np.empty_like(x)
         copy = lambda: np.copyto(out, x)               # noqa: E731
-    wanted = args.codecs.split(",")
     rows = []
     tiny = int(getattr(args, "tiny_numel", 0) or 0)
     calls = int(getattr(args, "tiny_calls", 300))
@@ -241,9 +260,7 @@ def run_device(args, device, threads=None):
             rows[0]["tiny_us"] = tiny_overhead_us(lambda: outs.copy_(xs), calls, sync)
         else:
             rows[0]["tiny_us"] = tiny_overhead_us(lambda: np.copyto(outs, xs), calls, sync)
-    for name, spec in CODECS:
-        if name not in wanted:
-            continue
+    for name, spec in codec_specs(args.codecs):
         c = hq.from_spec(spec.format(bs=bs))
         first_enc = timer.first(lambda: c.encode(x))
         p = c.encode(x)
@@ -289,7 +306,8 @@ def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
     if impl:
         head += f", CUDA kernel paths: {impl}"
     print(f"\n### {head}\n")
-    cols = ["codec", "B/elem", "encode ms", "decode ms", "enc+dec ms", "enc+dec / copy",
+    cols = ["codec", "B/elem", "encode ms", "decode ms", "enc+dec ms", "enc / copy", "dec / copy",
+            "enc+dec / copy",
             "enc+dec / limit", "torch-ops enc+dec ms", "torch-ops / ours", "host ms/call", "first enc s",
             "first dec s", "tiny enc+dec us"]
     if device == "cpu":
@@ -299,7 +317,8 @@ def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
     for r in rows:
         ted = r.get("torch_encdec")
         cells = [r["codec"], _fmt(r["bytes_per_elem"], 3), _fmt(r["encode"]), _fmt(r["decode"]),
-                 _fmt(r["encdec"]), _fmt(r["encdec"] / cp, 2),
+                 _fmt(r["encdec"]), _fmt(r["encode"] / cp if r["encode"] else None, 2),
+                 _fmt(r["decode"] / cp if r["decode"] else None, 2), _fmt(r["encdec"] / cp, 2),
                  _fmt(r["encdec"] / traffic_limit(cp, r), 2), _fmt(ted),
                  _fmt(ted / r["encdec"] if ted else None, 1), _fmt(r["host"]),
                  _fmt(r.get("first_encode_s"), 2), _fmt(r.get("first_decode_s"), 2),
@@ -315,6 +334,7 @@ def print_table(rows, device, numel, threads=None, impl=None, tiny=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    codec_specs(args.codecs)                        # a misspelt name fails before anything runs
     device = args.device
     if device is None:
         try:
