@@ -28,7 +28,7 @@ from numba import cuda, float32, int32, int64
 
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT,
                            PACK_STOCH, SHARED, SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of,
-                           finite, hdr_err, header_errors, max_nan, mul, onebit_scales, qsgd_code,
+                           hdr_err, header_errors, max_nan, mul, onebit_scales, qsgd_code,
                            sqrt32)
 from ._scalar import F0, FNAN, U8, UFF
 
@@ -165,7 +165,7 @@ def make_source(BITS, kind):
     return source
 
 
-def _dec_kind(red, pack):
+def dec_kind(red, pack):
     if pack != PACK_ONEBIT:
         return DEC_QSGD
     return DEC_TWO_MEAN if red == TWO_MEAN else DEC_MEAN_ABS
@@ -175,7 +175,7 @@ def make_reduce(spec):
     """``spec``: (red,) or (red, bits, pack, True): the values are the sums of payloads (``source``)."""
     red = spec[0]
     SRC = len(spec) > 1
-    source = make_source(spec[1], _dec_kind(red, spec[2])) if SRC else None
+    source = make_source(spec[1], dec_kind(red, spec[2])) if SRC else None
 
     @cuda.jit
     def reduce(x, scales, numel, bs, nb, ppay, pwords, pscales, status, expect, check, check_name,
@@ -244,7 +244,7 @@ def make_encode(spec):
     ``rin``), computed by ``source`` wherever the plain encode reads ``x`` (reduce_requantize)."""
     BITS, red, pack, RESID = spec[:4]
     SRC = len(spec) > 4 and spec[4]
-    source = make_source(BITS, _dec_kind(red, pack)) if SRC else None
+    source = make_source(BITS, dec_kind(red, pack)) if SRC else None
     S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
     SF = np.float32(max(S, 1))
     PER = 32 // BITS + 2           # at most this many elements touch one 32-bit word

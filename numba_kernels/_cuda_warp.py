@@ -22,13 +22,19 @@ stores for the whole warp.
   one ``ballot``). Words are kept in registers and stored after the loop. Block 0 also writes the
   header. No shared memory, no block barrier (on hardware). With ``resid`` each lane also writes the
   residual ``x - (code - s) * unit`` (1 bit: ``x - value of its bit``) of the elements it quantized:
-  it read them itself, so ``residual`` may be ``x``.
+  it read them itself, so ``residual`` may be ``x``. With ``src`` (``make_encode(spec + (True,))``,
+  reduce_requantize) each element is the sum of the received payloads' values plus ``rin``
+  (``_cuda_block.make_source``), computed where the plain encode loads ``x``; a bad payload among
+  them makes every value NaN.
 * decode (``warp_decode``, ``make_decode((bits, kind, steps))``): a whole bucket's code words are read coalesced (``dec_steps`` steps
   per lane), then each step takes its word from the lane holding it with one shuffle, shifts out its
   code and writes ``(code - s) * unit`` with a coalesced, unconditional store (a bucket's partial
   last steps, and buckets of more than 512 elements, read their words one per element instead);
   ``unit = scale / s`` once per bucket. The header check runs once per block (thread 0), so the grid
   is persistent: at most as many blocks as fit on the GPU at once, striding over groups of buckets.
+  ``make_decode((bits, kind, steps, mode))`` adds the multi-payload modes: MULTI_SUM (the sum of n
+  payloads in payload order, a whole bucket's sums kept in registers) and MULTI_CHUNKS (each bucket
+  from its chunk's payload), with the header checks of ``_cuda_block.multi_bad`` / ``chunks_bad``.
 
 In the CUDA simulator (which has no warp shuffles) the shuffles are emulated through shared memory
 and block barriers; every loop's trip count is therefore uniform over the block (warps past the
@@ -37,8 +43,10 @@ last bucket run with no valid element).
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
-from ._cuda_device import (DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH, SIMULATOR, TWO_MEAN,
-                           add_term, block_bad, draw, finite, max_nan, mix64, mul, onebit_scales,
+from ._cuda_block import (HDR_WORDS, MAXCH, MULTI_CHUNKS, MULTI_SUM, chunks_bad, dec_kind, make_source,
+                          make_value, multi_bad)
+from ._cuda_device import (DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH, SHARED, SIMULATOR,
+                           TWO_MEAN, add_term, block_bad, draw, max_nan, mix64, mul, onebit_scales,
                            qsgd_code, qsgd_level, qsgd_round, sqrt32, uniform24)
 from ._scalar import (DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN, F0, FINF, FNAN, U8,
                       UFF)
@@ -48,6 +56,7 @@ FULL = 0xFFFFFFFF
 ENC_REGS = 40                      # register caps per thread (see _limit)
 ENC_REGS_1BIT = 48                 # (1 bit, two_mean: 40 would spill)
 DEC_REGS = 40
+DEC_REGS_MULTI = 64               # (a bucket's sums in registers)
 M32 = np.int64(0xFFFFFFFF)
 
 
@@ -218,13 +227,48 @@ F1 = np.float32(1.0)
 GAMMA = np.uint64(0x9E3779B97F4A7C15)
 
 
+def make_units(BITS, kind):
+    """``units(scales, sb, b)``: (hi, lo) of bucket ``b`` of a payload whose scales start at
+    ``scales[sb]``, once per bucket (QSGD: hi = lo = unit = scale / s; 1-bit: the values of bits 1
+    and 0); ``value(code, hi, lo)``: an element's value from its code, as the decoders write it."""
+    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
+    SF = np.float32(max(S, 1))
+
+    @cuda.jit(device=True, inline="always")
+    def units(scales, sb, b):
+        if kind == DEC_QSGD:
+            hi = scales[sb + b] / SF
+            return hi, hi
+        if kind == DEC_TWO_MEAN:
+            return scales[sb + 2 * b], scales[sb + 2 * b + 1]
+        hi = scales[sb + b]
+        return hi, -hi
+
+    @cuda.jit(device=True, inline="always")
+    def value(cde, hi, lo):
+        if kind == DEC_QSGD:
+            return mul(np.float32(np.int32(cde - S)), hi)
+        if cde:
+            return hi
+        return lo
+
+    return units, value
+
+
 def make_encode(spec):
     # compile-time constants, one kernel per combination. REGK > 0: buckets of at most 32*REGK
     # elements, kept in registers between the two passes (x is read once, all REGK loads of a
     # lane in flight together); 0: any bucket size, pass 2 reads x again
     # PAIRED (stochastic, REGK >= 2, buckets a multiple of 64 elements): a lane's elements at steps
     # 2t and 2t+1 are i and i + 32 of one aligned group of 64, which share one hash draw
-    BITS, red, pack, REGK, PAIRED, RESID = spec
+    # SRC (reduce_requantize): the values are the sums of payloads plus ``rin`` (``source``),
+    # computed where the plain encode loads x
+    BITS, red, pack, REGK, PAIRED, RESID = spec[:6]
+    SRC = len(spec) > 6 and spec[6]
+    KIND = dec_kind(red, pack)
+    source = make_source(BITS, KIND) if SRC else None
+    code_at = make_value(BITS, KIND)[0] if SRC else None
+    units, value = make_units(BITS, KIND)
     NREG = max(REGK, 1)
     NSLOT = max(1, -(-REGK // (32 // BITS)))   # words kept per lane (REGK path)
     U8_ = np.uint64(8)
@@ -303,14 +347,30 @@ def make_encode(spec):
 
     words_fast, words_plain = make_words(True), make_words(False)
 
+    @cuda.jit(device=True, inline="always")
+    def load(x, e, b, bad, pwords, pscales, npay, pw, psoff, rin, has_rin):
+        if SRC:
+            v = source(pwords, pscales, np.int64(e), np.int64(b), npay, pw, psoff, rin, has_rin)
+            if bad:
+                v = FNAN
+            return v
+        return x[e]
+
     @cuda.jit(**_limit(ENC_REGS if BITS > 1 else ENC_REGS_1BIT))
-    def warp_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key, residual):
+    def warp_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key, residual,
+                    ppay, pwords, pscales, status, expect, check, check_name, npay, pw, psoff, rin,
+                    has_rin):
         # indices are 32-bit unsigned (n < 2**31; unsigned: no negative-index wraparound code)
         tid = cuda.threadIdx.x
         lane = np.int32(tid & 31)
         nw = cuda.blockDim.x >> 5
         bf = cuda.shared.array(SIMBUF, float32)
         bi = cuda.shared.array(SIMBUF, int64)
+        bad = False
+        if SRC:
+            sred = cuda.shared.array(SHARED, int32)
+            serr = cuda.shared.array(1, int32)
+            bad = multi_bad(ppay, npay, pw * 4, status, expect, check, check_name, sred, serr)
         if cuda.blockIdx.x == 0 and tid < 64:
             payload[tid] = (header[tid >> 3] >> (U8 * np.uint64(tid & 7))) & UFF
         sh = np.int32((lane & GMASK) * BITS)
@@ -323,12 +383,38 @@ def make_encode(spec):
                 st = np.uint32(b * bs)
                 ln = np.int32(min(bs, n - b * bs))
             vals = cuda.local.array(NREG, float32)
-            if REGK:
+            if REGK and SRC:
+                # source()'s sums, element for element (payload order, then rin), each payload's
+                # unit computed once per bucket: payload q's values for every step, then the next
+                for q in range(npay):
+                    hi = F0
+                    lo = F0
+                    if b < nb:
+                        hi, lo = units(pscales, q * pw + psoff, np.int64(b))
+                    wq = q * pw + HDR_WORDS
+                    for k in range(REGK):
+                        j = np.int32(k * 32 + lane)
+                        if j < ln:
+                            v = value(code_at(pwords, wq, np.int64(st + j)), hi, lo)
+                            if q:
+                                v = vals[k] + v
+                            vals[k] = v
+                        elif q == 0:
+                            vals[k] = F0
+                for k in range(REGK):
+                    j = np.int32(k * 32 + lane)
+                    if j < ln:
+                        if has_rin:
+                            vals[k] = vals[k] + rin[np.uint32(st + j)]
+                        if bad:
+                            vals[k] = FNAN
+            elif REGK:
                 for k in range(REGK):                   # every load first, then the sums in order
                     j = np.int32(k * 32 + lane)
                     v = F0
                     if j < ln:
-                        v = x[np.uint32(st + j)]
+                        v = load(x, np.uint32(st + j), b, bad, pwords, pscales, npay, pw, psoff, rin,
+                                 has_rin)
                     vals[k] = v
             # pass 1: the bucket's scale(s), canonical order
             p = F0
@@ -340,7 +426,8 @@ def make_encode(spec):
                     if REGK:
                         v = vals[k]
                     else:
-                        v = x[np.uint32(st + j)]
+                        v = load(x, np.uint32(st + j), b, bad, pwords, pscales, npay, pw, psoff, rin,
+                                 has_rin)
                     p, q, cnt = add_term(red, v, p, q, cnt)
             if red == MAX:
                 for m in (16, 8, 4, 2, 1):
@@ -459,7 +546,7 @@ def make_encode(spec):
                     e = np.uint32(st + j)
                     v = F0
                     if ok:
-                        v = x[e]
+                        v = load(x, e, b, bad, pwords, pscales, npay, pw, psoff, rin, has_rin)
                     if BITS == 1:
                         w = ballot(ok and v >= F0, bf, bi, tid)
                         if RESID and ok:
@@ -482,42 +569,58 @@ def make_encode(spec):
     return warp_encode
 
 
+PLAIN = -1                          # make_decode's modes: one payload, or MULTI_SUM / MULTI_CHUNKS
+
+
 def make_decode(spec):
-    BITS, kind, REGK = spec             # REGK > 0: buckets of REGK steps (bucket_size // 32,
-                                        # a constant trip count: unrolled) take the shuffle path
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    # REGK > 0: buckets of REGK steps (bucket_size // 32, a constant trip count: unrolled) take the
+    # shuffle path. MODE: PLAIN (``payload``/``words``/``scales``: one payload's parts), or, with
+    # ``words``/``scales`` the whole buffer (offsets in 4-byte units, ``pw`` per payload):
+    # MULTI_SUM (out = the sum, in payload order, of ``npay`` payloads; a whole bucket's sums are kept
+    # in registers) or MULTI_CHUNKS (bucket b from chunk b // bpc's payload; the last chunk's scales
+    # at ``last_psoff``).
+    BITS, kind, REGK = spec[:3]
+    MODE = spec[3] if len(spec) > 3 else PLAIN
     EPW = 32 // BITS
     LOG_EPW = EPW.bit_length() - 1
     GMASK = EPW - 1
     MASK = np.uint32((1 << BITS) - 1)
     NHELD = max(1, -(-REGK * BITS // 32))   # code words per lane of a bucket of REGK steps
+    REGSUM = MODE == MULTI_SUM and REGK > 0     # sums of whole buckets in registers
+    NBAD = MAXCH if MODE == MULTI_CHUNKS else 1
+
+    units, value = make_units(BITS, kind)
 
     @cuda.jit(device=True, inline="always")
-    def put(out, e, cde, hi, lo, accumulate):
-        """Write (or add) element ``e``'s value from its code ``cde``: ``(cde - s) * hi`` for QSGD
-        (hi = lo = unit), ``hi`` or ``lo`` by the code's bit for 1-bit."""
-        if kind == DEC_QSGD:
-            val = mul(np.float32(np.int32(cde - S)), hi)
-        elif cde:
-            val = hi
-        else:
-            val = lo
+    def put(out, e, val, accumulate):
         if accumulate:
             out[e] = out[e] + val
         else:
             out[e] = val
 
-    @cuda.jit(**_limit(DEC_REGS))
+    @cuda.jit(**_limit(DEC_REGS if MODE == PLAIN else DEC_REGS_MULTI))
     def warp_decode(payload, words, scales, out, status, expect, check, check_name, n, nb, bs, K,
-                  ngroups, accumulate):
+                    ngroups, accumulate, name_hashes, npay, pw, psoff, bpc, last_psoff):
         tid = cuda.threadIdx.x
         lane = np.int32(tid & 31)
         nw = cuda.blockDim.x >> 5
         serr = cuda.shared.array(1, int32)
         bf = cuda.shared.array(SIMBUF, float32)
         bi = cuda.shared.array(SIMBUF, int64)
-        bad = block_bad(payload, status, expect, check, check_name, serr)
+        sbad = cuda.shared.array(NBAD, int32)
+        acc = cuda.local.array(REGK if REGSUM else 1, float32)
+        nch = np.int64(1)
+        if MODE == PLAIN:
+            bad = block_bad(payload, status, expect, check, check_name, serr)
+        elif MODE == MULTI_SUM:
+            sred = cuda.shared.array(SHARED, int32)
+            bad = multi_bad(payload, npay, pw * 4, status, expect, check, check_name, sred, serr)
+        else:
+            nch = (nb + bpc - 1) // bpc
+            chunks_bad(payload, nch, pw * 4, bpc * bs, n - (nch - 1) * bpc * bs, status, expect, check,
+                       check_name, name_hashes, sbad, serr)
+            bad = serr[0] != 0
+        npass = npay if MODE == MULTI_SUM else 1
         sh = np.uint32((lane & GMASK) * BITS)
         g = cuda.blockIdx.x
         gi = lane >> LOG_EPW                # this lane's word within a step's BITS words
@@ -525,53 +628,69 @@ def make_decode(spec):
             b = np.int32(g * nw + (tid >> 5))
             st = np.uint32(0)
             ln = np.int32(0)
-            hi = F0
-            lo = F0
+            lb = np.int64(b)                # the bucket within its payload
+            pj = np.int64(0)                # MULTI_CHUNKS: its chunk
             if b < nb:
                 st = np.uint32(b * bs)
                 ln = np.int32(min(bs, n - b * bs))
-                if kind == DEC_QSGD:
-                    hi = scales[np.uint32(b)] / SF
-                    lo = hi
-                elif kind == DEC_TWO_MEAN:
-                    hi = scales[np.uint32(2 * b)]
-                    lo = scales[np.uint32(2 * b + 1)]
-                else:
-                    hi = scales[np.uint32(b)]
-                    lo = -hi
-            if bad:                         # every value NaN, whatever its code
-                hi = FNAN
-                lo = FNAN
-            wb = np.uint32(st >> LOG_EPW)
-            if REGK and (SIMULATOR or ln == REGK * 32):    # (a whole bucket: uniform over the warp)
-                # The bucket's code words, read coalesced (word m*32 + l by lane l) before any
-                # store; step k's words k*BITS .. k*BITS + BITS-1 are then taken from their lanes
-                # with one shuffle per element (a load per element waits behind the previous
-                # element's store, which the compiler cannot prove does not alias it), and the
-                # stores are unconditional. (The simulator, whose emulated shuffles need every
-                # warp, takes this path for every bucket, with guarded stores.)
-                nwd = np.int32((ln + EPW - 1) >> LOG_EPW)
-                held = cuda.local.array(NHELD, uint32)
-                for m in range(NHELD):
-                    wi = np.int32(m * 32 + lane)
-                    w = np.uint32(0)
-                    if wi < nwd:
-                        w = words[np.uint32(wb + np.uint32(wi))]
-                    held[m] = w
-                for k in range(REGK):
-                    wd = np.uint32(bcast_i(held[(k * BITS) >> 5], ((k * BITS) & 31) + gi, bf, bi,
-                                           tid))
-                    j = np.int32(k * 32 + lane)
-                    if not SIMULATOR or j < ln:
-                        put(out, np.uint32(st + j), np.int32((wd >> sh) & MASK), hi, lo, accumulate)
-            else:                           # a bucket's last, partial, steps; or REGK == 0
-                for k in range(K):
-                    j = np.int32(k * 32 + lane)
-                    if j < ln:
-                        put(out, np.uint32(st + j),
-                            np.int32((words[np.uint32(wb + np.uint32(j >> LOG_EPW))] >> sh) & MASK),
-                            hi, lo, accumulate)
+                if MODE == MULTI_CHUNKS:
+                    pj = lb // bpc
+                    lb -= pj * bpc
+                    if check:
+                        bad = sbad[pj] != 0
+            for k in range(npass):          # (uniform over the block)
+                wb = np.int64(st >> LOG_EPW)
+                sb = np.int64(0)
+                if MODE == MULTI_SUM:
+                    wb += k * pw + HDR_WORDS
+                    sb = k * pw + psoff
+                elif MODE == MULTI_CHUNKS:
+                    wb = pj * pw + HDR_WORDS + ((lb * bs) >> LOG_EPW)
+                    sb = pj * pw + (last_psoff if pj == nch - 1 else psoff)
+                hi = F0
+                lo = F0
+                if b < nb:
+                    hi, lo = units(scales, sb, lb)
+                if bad:                     # every value NaN, whatever its code
+                    hi = FNAN
+                    lo = FNAN
+                if REGK and (SIMULATOR or ln == REGK * 32):    # (a whole bucket: uniform over the warp)
+                    # The bucket's code words, read coalesced (word m*32 + l by lane l) before any
+                    # store; step t's words t*BITS .. t*BITS + BITS-1 are then taken from their lanes
+                    # with one shuffle per element (a load per element waits behind the previous
+                    # element's store, which the compiler cannot prove does not alias it), and the
+                    # stores are unconditional. (The simulator, whose emulated shuffles need every
+                    # warp, takes this path for every bucket, with guarded stores.)
+                    nwd = np.int32((ln + EPW - 1) >> LOG_EPW)
+                    held = cuda.local.array(NHELD, uint32)
+                    for m in range(NHELD):
+                        wi = np.int32(m * 32 + lane)
+                        w = np.uint32(0)
+                        if wi < nwd:
+                            w = words[np.uint64(wb) + np.uint64(wi)]
+                        held[m] = w
+                    for t in range(REGK):
+                        wd = np.uint32(bcast_i(held[(t * BITS) >> 5], ((t * BITS) & 31) + gi, bf, bi,
+                                               tid))
+                        val = value(np.int32((wd >> sh) & MASK), hi, lo)
+                        j = np.int32(t * 32 + lane)
+                        if REGSUM:
+                            if k == 0:
+                                acc[t] = val
+                            else:
+                                acc[t] = acc[t] + val
+                            if k == npass - 1 and (not SIMULATOR or j < ln):
+                                out[np.uint32(st + j)] = acc[t]
+                        elif not SIMULATOR or j < ln:
+                            put(out, np.uint32(st + j), val, accumulate)
+                else:                       # a bucket's last, partial, steps; or REGK == 0
+                    for t in range(K):      # (several payloads: the sums go through out)
+                        j = np.int32(t * 32 + lane)
+                        if j < ln:
+                            put(out, np.uint32(st + j),
+                                value(np.int32((words[np.uint64(wb) + np.uint64(j >> LOG_EPW)] >> sh) & MASK),
+                                      hi, lo),
+                                accumulate or k > 0)
             g += cuda.gridDim.x
 
     return warp_decode
-

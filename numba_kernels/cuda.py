@@ -30,20 +30,21 @@ bad payload decodes to NaN, its error bits go to ``status[0]`` and are ORed into
 ``expect=None`` and a ``status``, the decode writes NaN where ``status[0] != 0`` (the result of an
 earlier ``check_header_cuda``). Encoders take ``residual``: see ``numba_kernels.reference``.
 
-Fused operations (several payloads per launch; definitions in ``numba_kernels.reference``), all on the
-general path's kernels whatever the configuration:
+Fused operations (several payloads per launch; definitions in ``numba_kernels.reference``), on the
+kernel path the configuration selects, like the single-payload launches:
 
 * ``*_decode_sum_cuda`` / ``prepare_*_decode_sum`` ``(payloads, n, out, stream, status, expect)``:
-  one launch of ``block_decode_multi`` (each thread keeps its elements' partial sums in registers
-  over the n payloads); any bad payload makes the whole ``out`` NaN (status: the OR of the errors).
+  one launch of the warp decode in its sum mode (a whole bucket's partial sums kept in registers
+  over the n payloads) or of ``block_decode_multi`` (each thread keeps its elements' partial sums);
+  any bad payload makes the whole ``out`` NaN (status: the OR of the errors).
 * ``*_decode_chunks_cuda`` / ``prepare_*_decode_chunks`` ``(gathered, out, stream, status,
-  name_hashes, expect)``: one launch of ``block_decode_multi``; a bad chunk decodes to NaN; at most
-  MAXCH chunks.
+  name_hashes, expect)``: one launch of the warp decode in its chunks mode (bucket b from its chunk's
+  payload) or of ``block_decode_multi``; a bad chunk decodes to NaN; at most MAXCH chunks.
 * ``*_reduce_requantize_cuda`` / ``prepare_*_reduce_requantize`` ``(payloads, n, residual,
-  out_payload, header, key, stream, status, expect)``: one launch of the general encode (buckets up
-  to FUSE_MAX; above, the scales' reduce and the pack: two) whose values are the payloads' sum plus
-  ``residual``, recomputed where the encode reads them (no float32 array in global memory); a bad
-  payload makes the sum NaN.
+  out_payload, header, key, stream, status, expect)``: one launch of the warp or general encode (on
+  the general path, buckets above FUSE_MAX take two: the scales' reduce, then the pack) whose values
+  are the payloads' sum plus ``residual``, recomputed where the encode reads them (no float32 array
+  in global memory); a bad payload makes the sum NaN.
 """
 import ctypes
 import functools
@@ -92,11 +93,14 @@ _HDR = nbt.UniTuple(nbt.uint64, 8)
 _EXP = nbt.UniTuple(nbt.int64, 7)
 _I64, _F64, _B1, _U64 = nbt.int64, nbt.float64, nbt.boolean, nbt.uint64
 
-SIG_WARP_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _I64, _I64, _U64, _F32)
-SIG_WARP_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _I64, _I64, _B1)
 # the payloads a reduce_requantize sums (ignored by the plain encode): ppay, pwords, pscales, status,
 # expect, check, check_name, npay, words per payload, scales offset in words, rin, has_rin
 _SRC = (_U8, _U32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _F32, _B1)
+SIG_WARP_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _I64, _I64, _U64, _F32) + _SRC
+# ... accumulate, then the multi-payload decodes' (ignored by the plain decode): name_hashes, npay,
+# words per payload, scales offset in words, buckets per chunk, the last chunk's scales offset
+SIG_WARP_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _I64, _I64, _B1,
+                   _U32, _I64, _I64, _I64, _I64, _I64)
 SIG_BLOCK_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _F64, _I64, _B1, _U64, _F32) + _SRC
 SIG_BLOCK_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _F64, _B1, _I64)
 SIG_REDUCE = (_F32, _F32, _I64, _I64, _I64) + _SRC
@@ -279,6 +283,18 @@ def _grid(n, per):
     return (n + per - 1) // per
 
 
+def _persistent(raw, grid):
+    """A warp decode's grid: at most the blocks resident on the GPU at once (the kernel strides)."""
+    try:
+        return min(grid, max(1, int(raw.kern.max_cooperative_grid_blocks(BLOCK))))
+    except Exception:       # pragma: no cover - occupancy query unavailable
+        return min(grid, 4 * _sm_count())
+
+
+# a warp decode's multi-payload arguments for one plain payload: npay, pw, psoff, bpc, last_psoff
+_ONE_PAYLOAD = (1, 0, 0, 1, 0)
+
+
 def _encode_groups(bs, bits):
     """Buckets per block G for the fused general encode: G*bs*bits a multiple of 32 (blocks own whole
     code words), G*bs about ENC_ELEMS, G <= MAXG."""
@@ -297,7 +313,7 @@ class _Encode:
                  "_exp")
 
     def __init__(self, numel, bits, bs, red, pack, lay, src=False):
-        self.src = src              # reduce_requantize: the values are sums of payloads (block path)
+        self.src = src              # reduce_requantize: the values are sums of payloads
         self._exp = None
         self.numel, self.bits, self.bs, self.red, self.pack = numel, bits, bs, red, pack
         self.total = lay.total
@@ -308,7 +324,7 @@ class _Encode:
         self._raw = {}
         self._reduce = None
         self._hdr = None
-        if not src and _W.supported(bits, bs, numel, FUSE_MAX):
+        if _W.supported(bits, bs, numel, FUSE_MAX):
             self.path = "warp"
             ngroups = max(1, _grid(nb, BLOCK // 32))
             regk = _W.regk(bs)
@@ -334,6 +350,8 @@ class _Encode:
 
     def _dispatcher(self, resid):
         if self.path == "warp":
+            if self.src:
+                return _kernel("warp_reduce_requantize", _W.make_encode, self.spec + (resid, True))
             return _kernel("warp_encode", _W.make_encode, self.spec + (resid,))
         if self.src:
             return _kernel("block_reduce_requantize", _B.make_encode, self.spec + (resid, True))
@@ -351,9 +369,8 @@ class _Encode:
 
     def _prepare_raw(self, resid):
         sig = SIG_WARP_ENCODE if self.path == "warp" else SIG_BLOCK_ENCODE
-        sizes = [self.numel, self.total, self.nwords, self.nscales, None] + list(self.args) + [0, self.numel]
-        if self.path == "block":
-            sizes += self._src_sizes()
+        sizes = ([self.numel, self.total, self.nwords, self.nscales, None] + list(self.args)
+                 + [0, self.numel] + self._src_sizes())
         raw = self._raw[resid] = _Raw(self._dispatcher(resid), sig, sizes)
         if self.path == "block" and not self.args[5] and self.numel and self._reduce is None:
             self._reduce = _Raw(self._reducer(), SIG_REDUCE,
@@ -396,7 +413,7 @@ class _Encode:
         words = payload[self.codes_off:self.scales_off].view(np.uint32)
         scales = payload[self.scales_off:self.scales_off + 4 * self.nscales].view(np.float32)
         res = x if residual is None else (residual.reshape(-1) if residual.ndim != 1 else residual)
-        extra = () if self.path == "warp" else _sim_no_src()
+        extra = _sim_no_src()
         if self.path == "block" and not self.args[5] and self.numel:
             self._reducer()[self._rgrid, BLOCK, stream](x, scales, self.numel, self.bs, self.args[1],
                                                         *extra)
@@ -442,12 +459,11 @@ class _Decode:
     def _prepare_raw(self):
         sig = SIG_WARP_DECODE if self.path == "warp" else SIG_BLOCK_DECODE
         sizes = [self.total, self.nwords, self.nscales, self.numel, 2, None, 0, 0] + list(self.args)
+        if self.path == "warp":
+            sizes += [1] + list(_ONE_PAYLOAD)
         raw = self._raw = _Raw(self._dispatcher(), sig, sizes)
         if self.path == "warp":
-            try:
-                self.grid = min(self.grid, max(1, int(raw.kern.max_cooperative_grid_blocks(BLOCK))))
-            except Exception:       # pragma: no cover - occupancy query unavailable
-                self.grid = min(self.grid, 4 * _sm_count())
+            self.grid = _persistent(raw, self.grid)
         return raw
 
     def __call__(self, payload, out, stream=None, status=None, expect=None):
@@ -488,9 +504,10 @@ class _Decode:
             exp, check, check_name = _NO_EXPECT, False, False
         else:
             exp, check, check_name = tuple(int(v) for v in expect[:7]), True, bool(expect[7])
+        extra = (_sim_no_src()[1],) + _ONE_PAYLOAD if self.path == "warp" else ()
         self._dispatcher()[self.grid, BLOCK, stream](
             payload, words, scales, out, _zero_status() if status is None else status, exp, check,
-            check_name, *self.args)
+            check_name, *self.args, *extra)
 
 
 def prepare_qsgd_encode(numel, bits, bucket_size, stochastic, norm_l2):
@@ -599,7 +616,7 @@ class _ReduceRequantize(_Encode):
         src = (payloads, payloads.view(np.uint32), payloads.view(np.float32),
                _zero_status() if status is None else status, exp, check, check_name, int(n),
                self.total // 4, self.scales_off // 4, rin, residual is not None)
-        if not self.args[5] and self.numel:
+        if self.path == "block" and not self.args[5] and self.numel:
             self._reducer()[self._rgrid, BLOCK, stream](rin, scales, self.numel, self.bs, self.args[1],
                                                         *src)
         self._dispatcher(residual is not None)[self.grid, BLOCK, stream](
@@ -608,9 +625,10 @@ class _ReduceRequantize(_Encode):
 
 class _DecodeMulti:
     """A prepared decode_sum ``(payloads, n, out, stream, status, expect)`` or decode_chunks
-    ``(gathered, out, stream, status, name_hashes, expect)``: one launch of ``block_decode_multi``."""
+    ``(gathered, out, stream, status, name_hashes, expect)``: one launch of the warp decode in a
+    multi-payload mode where the warp kernels apply, else of ``block_decode_multi``."""
     __slots__ = ("numel", "total", "chunks", "spec", "grid", "args", "method", "bits", "mode", "bs0",
-                 "chunk", "offsets", "_raw", "_exp")
+                 "chunk", "offsets", "path", "_nh", "_np", "_raw", "_exp")
 
     def __init__(self, numel, bits, bucket_size, kind, two_mean, chunk=None):
         self.numel, self.bits, self.bs0 = numel, bits, bucket_size
@@ -638,16 +656,34 @@ class _DecodeMulti:
             self.total = full.total
             tail = (max(numel, 1), numel, full.scales_offset // 4)
         self.chunk = chunk
-        self.spec = (bits, kind, _B.MULTI_CHUNKS if self.chunks else _B.MULTI_SUM)
-        nchunks = _grid(numel, _B.DEC_CHUNK)
-        self.grid = max(1, min(nchunks, 8 * _sm_count()))
-        # n, bs, inv_bs, nchunks, npay, words per payload, scales offset (words), chunk, last numel,
-        # last chunk's scales offset (words)
-        self.args = (numel, bs, 1.0 / bs, nchunks, 1, full.total // 4, full.scales_offset // 4) + tail
+        multi = _B.MULTI_CHUNKS if self.chunks else _B.MULTI_SUM
+        pw, psoff = full.total // 4, full.scales_offset // 4
+        # the kernel's arguments after check_name; None: name_hashes (at self._nh), npay at self._np
+        if _W.supported(bits, bs, numel, FUSE_MAX):
+            self.path = "warp"
+            self.spec = (bits, kind, _W.dec_steps(bs), multi)
+            nb = _grid(numel, bs)
+            self.grid = max(1, _grid(nb, BLOCK // 32))     # capped once compiled (persistent grid)
+            # n, nb, bs, K, ngroups, accumulate, name_hashes, npay, words per payload, scales offset
+            # (words), buckets per chunk, the last chunk's scales offset (words)
+            self.args = (numel, nb, bs, (bs + 31) // 32, self.grid, False, None, 1, pw, psoff,
+                         max(1, tail[0] // bs), tail[2])
+            self._nh, self._np = 6, 7
+        else:
+            self.path = "block"
+            self.spec = (bits, kind, multi)
+            nchunks = _grid(numel, _B.DEC_CHUNK)
+            self.grid = max(1, min(nchunks, 8 * _sm_count()))
+            # name_hashes, n, bs, inv_bs, nchunks, npay, words per payload, scales offset (words),
+            # chunk, last numel, last chunk's scales offset (words)
+            self.args = (None, numel, bs, 1.0 / bs, nchunks, 1, pw, psoff) + tail
+            self._nh, self._np = 0, 5
         self._raw = None
         self._exp = None
 
     def _dispatcher(self):
+        if self.path == "warp":
+            return _kernel("warp_decode_multi", _W.make_decode, self.spec)
         return _kernel("block_decode_multi", _B.make_decode_multi, self.spec)
 
     def _checks(self, expect, name_hashes):
@@ -665,18 +701,21 @@ class _DecodeMulti:
         if self.numel == 0 and not (check and status is not None):
             return
         if SIMULATOR:
-            nh = name_hashes if name_hashes is not None else _sim_no_src()[1]
-            out = out.reshape(-1) if out.ndim != 1 else out
             args = list(self.args)
-            args[4] = int(n)
+            args[self._nh] = name_hashes if name_hashes is not None else _sim_no_src()[1]
+            args[self._np] = int(n)
+            out = out.reshape(-1) if out.ndim != 1 else out
             return self._dispatcher()[self.grid, BLOCK, _sim_stream(stream)](
                 payloads, payloads.view(np.uint32), payloads.view(np.float32), out,
-                _zero_status() if status is None else status, exp, check, check_name, nh, *args)
+                _zero_status() if status is None else status, exp, check, check_name, *args)
         raw = self._raw
         if raw is None:
-            raw = self._raw = _Raw(self._dispatcher(), SIG_DECODE_MULTI,
+            sig = SIG_WARP_DECODE if self.path == "warp" else SIG_DECODE_MULTI
+            raw = self._raw = _Raw(self._dispatcher(), sig,
                                    [self.total, self.total // 4, self.total // 4, self.numel, 2, None,
-                                    0, 0, 1] + list(self.args))
+                                    0, 0] + [1 if a is None else a for a in self.args])
+            if self.path == "warp":
+                self.grid = _persistent(raw, self.grid)
         pp = _ptr(payloads)
         s = raw.slots
         s[0].value = pp
@@ -689,8 +728,8 @@ class _DecodeMulti:
             self._exp = exp
         s[6].value = check
         s[7].value = check_name
-        s[8].value = _ptr(name_hashes) if name_hashes is not None else 0
-        s[13].value = int(n)
+        s[8 + self._nh].value = _ptr(name_hashes) if name_hashes is not None else 0
+        s[8 + self._np].value = int(n)
         raw.launch(self.grid, BLOCK, _stream(stream))
 
     def __call__(self, payloads, *args, **kw):

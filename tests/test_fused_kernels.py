@@ -237,11 +237,12 @@ def test_bad_payload_raises_before_writing(cpu, where):
 
 SIM_SUM = [(1, 65, 64, 4, True, False), (2, 129, 32, 2, False, True), (3, 257, 7, 3, True, True),
            (2, 300, 64, 8, True, False), (3, 100, 9000, 3, False, False), (2, 128, 16, 16, True, True),
-           (1, 1, 7, 5, False, False), (2, 0, 7, 4, True, False)]
+           (1, 1, 7, 5, False, False), (2, 0, 7, 4, True, False), (2, 1100, 1024, 4, True, False)]
 SIM_ONEBIT = [(2, 100, 0, True), (3, 70, 7, False), (1, 130, 64, True), (2, 200, 9000, False),
               (2, 65, 32, False)]
 SIM_CHUNKS = [(100, 7, 21, 3, None), (129, 64, 64, 4, None), (300, 32, 96, 2, None),
-              (257, 16, 128, 8, None), (100, 0, 100, 1, True), (130, 64, 64, 1, False)]
+              (257, 16, 128, 8, None), (100, 0, 100, 1, True), (130, 64, 64, 1, False),
+              (2100, 1024, 1024, 4, None)]
 
 
 def _sim_sum_names():
@@ -399,10 +400,18 @@ def test_cuda_fused_equals_reference(cuda_results, case):
 
 
 def test_cuda_fused_kernels_built(cuda_results):
-    """The fused operations launch the general path's kernels: decode_multi (sum and chunks), the
-    encode and, above FUSE_MAX, the reduce with their payload-summing source."""
+    """The fused operations take the kernel path their configuration selects: the warp decode in its
+    sum and chunks modes (whole buckets in registers, and the run-time loop above 512 elements) and
+    the warp encode with its payload-summing source; elsewhere the general path's decode_multi, the
+    encode and, above FUSE_MAX, the reduce with the same source."""
     got = set(cuda_results["compiled"])
     want = {"block_decode_multi_4_0_0", "block_decode_multi_3_0_1", "block_decode_multi_1_1_1",
             "block_reduce_requantize_4_0_1_True_True", "block_reduce_requantize_1_2_2_False_True",
-            "reduce_sum_0_3_0_True"}
+            "reduce_sum_0_3_0_True",
+            # warp_decode_multi_<bits>_<kind>_<steps in registers>_<0 sum, 1 chunks>
+            "warp_decode_multi_4_0_2_0", "warp_decode_multi_4_0_2_1", "warp_decode_multi_4_0_0_0",
+            "warp_decode_multi_4_0_0_1", "warp_decode_multi_1_2_2_1",
+            # warp_reduce_requantize_<warp_encode's spec>_True
+            "warp_reduce_requantize_4_0_1_2_True_True_True", "warp_reduce_requantize_4_0_1_0_False_True_True",
+            "warp_reduce_requantize_1_2_2_2_False_True_True"}
     assert want <= got, sorted(want - got)
