@@ -179,13 +179,15 @@ class _Raw:
     Numba passes an array argument as 7 parameters (meminfo, parent, nitems, itemsize, data, shape,
     strides: ``_Kernel._prepare_args``), a tuple as its elements, a scalar as its C type; the buffer
     holds one ctypes object per parameter and ``cuLaunchKernel`` gets the array of their addresses.
-    ``sizes[i]``: the element count of array argument ``i`` (fixed for a prepared launch)."""
-    __slots__ = ("kern", "handle", "slots", "_objs", "_params", "addr")
+    ``sizes[i]``: the element count of array argument ``i`` (``set_size`` changes it: a kernel
+    clamps its slices of an array to this count)."""
+    __slots__ = ("kern", "handle", "slots", "dims", "_objs", "_params", "addr")
 
     def __init__(self, disp, sig, sizes):
         self.kern = disp.compile(sig)
         self.handle = int(self.kern._codelibrary.get_cufunc().handle)
         self.slots = []             # per argument: the ctypes objects to update
+        self.dims = []              # per argument: an array's (nitems, shape) objects, else None
         objs = []
         for ty, size in zip(sig, sizes):
             if isinstance(ty, nbt.Array):
@@ -193,16 +195,31 @@ class _Raw:
                 a = [ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int64(size), ctypes.c_int64(item),
                      ctypes.c_uint64(0), ctypes.c_int64(size), ctypes.c_int64(item)]
                 self.slots.append(a[4])
+                self.dims.append((a[2], a[5]))
             elif isinstance(ty, nbt.BaseTuple):
                 a = [_ctype(t)(0) for t in ty]
                 self.slots.append(a)
+                self.dims.append(None)
             else:
                 a = [_ctype(ty)(size or 0)]
                 self.slots.append(a[0])
+                self.dims.append(None)
             objs.extend(a)
         self._objs = objs
         self._params = (ctypes.c_void_p * len(objs))(*[ctypes.addressof(o) for o in objs])
         self.addr = ctypes.addressof(self._params)
+
+    def set_size(self, i, n):
+        """Array argument ``i`` holds ``n`` elements."""
+        for o in self.dims[i]:
+            o.value = n
+
+    def set_payloads(self, i, pointer, n, total):
+        """Arguments ``i, i+1, i+2``: ``n`` payloads of ``total`` bytes back to back at ``pointer``, as
+        bytes, 32-bit words and float32 (the kernels slice them per payload)."""
+        for k, size in ((i, n * total), (i + 1, n * total // 4), (i + 2, n * total // 4)):
+            self.slots[k].value = pointer
+            self.set_size(k, size)
 
     def set_tuple(self, i, values):
         for o, v in zip(self.slots[i], values):
@@ -590,8 +607,7 @@ class _ReduceRequantize(_Encode):
             if r is None:
                 continue
             t = r.slots
-            for i in range(3):
-                t[i0 + i].value = pin
+            r.set_payloads(i0, pin, n, self.total)
             t[i0 + 3].value = pst
             if new_exp:
                 r.set_tuple(i0 + 4, exp)
@@ -716,11 +732,8 @@ class _DecodeMulti:
                                     0, 0] + [1 if a is None else a for a in self.args])
             if self.path == "warp":
                 self.grid = _persistent(raw, self.grid)
-        pp = _ptr(payloads)
         s = raw.slots
-        s[0].value = pp
-        s[1].value = pp
-        s[2].value = pp
+        raw.set_payloads(0, _ptr(payloads), n, self.total)
         s[3].value = _ptr(out)
         s[4].value = _ptr(_zero_status() if status is None else status)
         if exp != self._exp:        # what the kernel checks (name hashes alone make one up)

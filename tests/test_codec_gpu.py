@@ -207,8 +207,8 @@ def check_fused_kernels_match_reference():
                         fails.append(f"decode_chunks chunk={chunk} {what}")
                 if m > 100 and n == 3:
                     other, _, _, _ = qsgd_payloads(1, m, bits, bs, st, l2, name="v")
-                    bad = buf.copy()
-                    bad[lay.total:2 * lay.total] = other
+                    bad = buf.copy()        # the last payload: a kernel's slice of a payload past
+                    bad[2 * lay.total:] = other     # the second once read the second's header
                     status = dev(np.zeros(2, np.int32))
                     o = dev(np.ones(m, np.float32))
                     K.qsgd_decode_sum_cuda(dev(bad), n, o, bits, bs, 0, status, exp)
