@@ -230,7 +230,7 @@ def make_reduce(spec):
             elif red == L2:
                 scales[b] = sqrt32(p)
             else:
-                hi, lo = onebit_scales(red, p, sq[tid], sc[tid], en - st)
+                hi, lo = onebit_scales(red == TWO_MEAN, p, sq[tid], sc[tid], en - st)
                 if red == TWO_MEAN:
                     scales[2 * b] = hi
                     scales[2 * b + 1] = lo
@@ -324,7 +324,7 @@ def make_encode(spec):
                         ssc[lb] = p
                         sunit[lb] = p / SF
                     else:
-                        hi, lo = onebit_scales(red, p, sq[tid], sc[tid], en - st)
+                        hi, lo = onebit_scales(red == TWO_MEAN, p, sq[tid], sc[tid], en - st)
                         if red == TWO_MEAN:
                             scales[2 * b] = hi
                             scales[2 * b + 1] = lo

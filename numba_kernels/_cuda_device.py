@@ -4,10 +4,9 @@ Import lazily (through ``numba_kernels.cuda``): importing this imports ``numba.c
 ``NUMBA_ENABLE_CUDASIM`` must be set before that happens.
 """
 import numba
-import numpy as np
 from numba import cuda
 
-from ._scalar import F0, FNAN, build
+from ._scalar import F0, build
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 # Threads per block. 256 on hardware; the simulator runs a Python thread per CUDA thread, so smaller.
@@ -37,6 +36,7 @@ bucket_of = ops.bucket_of
 mul = ops.mul
 sqrt32 = ops.sqrt32
 header_errors = ops.header_errors
+onebit_scales = ops.onebit_scales      # (two_mean, p, q, cnt, ln) -> (hi, lo)
 
 # reductions (scales)
 MAX, L2, TWO_MEAN, MEAN_ABS = 0, 1, 2, 3
@@ -90,24 +90,3 @@ def block_bad(payload, status, expect, check, check_name, serr):
         serr[0] = err
     cuda.syncthreads()
     return serr[0] != 0
-
-
-@cuda.jit(device=True)
-def onebit_scales(red, p, q, cnt, ln):
-    """(hi, lo): the values a 1-bit bucket decodes to for bits 1 and 0, from its lane sums (p: sum of
-    the non-negatives or of |x|, q: sum of the negatives, cnt: count of the non-negatives, ln: bucket
-    length); two_mean stores (hi, lo), mean_abs stores hi (lo = -hi)."""
-    if red == TWO_MEAN:
-        nneg = ln - cnt
-        mp = F0
-        mn = F0
-        if cnt > 0:
-            mp = p / np.float32(cnt)
-        if nneg > 0:
-            mn = q / np.float32(nneg)
-        if not (finite(mp) and finite(mn)):
-            mp = FNAN
-            mn = FNAN
-        return mp, mn
-    m = p / np.float32(ln)
-    return m, -m

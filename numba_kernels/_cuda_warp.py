@@ -456,7 +456,7 @@ def make_encode(spec):
             hi1 = F0                # 1 bit: the values of bits 1 and 0 (every lane: residuals)
             lo1 = F0
             if pack == PACK_ONEBIT and ln > 0:
-                hi1, lo1 = onebit_scales(red, p, q, cnt, ln)
+                hi1, lo1 = onebit_scales(red == TWO_MEAN, p, q, cnt, ln)
                 if lane == 0:
                     if red == TWO_MEAN:
                         scales[np.uint32(2 * b)] = hi1

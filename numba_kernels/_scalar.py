@@ -217,10 +217,32 @@ def build(jit, fmul):
     def sqrt32(a):
         return np.float32(math.sqrt(a))
 
+    @jit
+    def onebit_scales(two_mean, p, q, cnt, ln):
+        """(hi, lo): the values a 1-bit bucket of ``ln`` elements decodes to for bits 1 and 0, from its
+        canonical sums: two_mean (p: sum of the non-negatives, q: sum of the negatives, cnt: count of
+        the non-negatives; a non-finite mean makes both NaN) stores (hi, lo); mean_abs (p: sum of
+        |x|) stores hi, and lo = -hi."""
+        if two_mean:
+            nneg = ln - cnt
+            mp = F0
+            mn = F0
+            if cnt > 0:
+                mp = p / np.float32(cnt)
+            if nneg > 0:
+                mn = q / np.float32(nneg)
+            if not (finite(mp) and finite(mn)):
+                mp = FNAN
+                mn = FNAN
+            return mp, mn
+        m = p / np.float32(ln)
+        return m, -m
+
     return SimpleNamespace(header_errors=header_errors, fnv=fnv, mix64=mix64, draw=draw, uniform24=uniform24, qsgd_code=qsgd_code,
                            qsgd_code_r=qsgd_code_r, qsgd_level=qsgd_level, qsgd_round=qsgd_round,
                            max_nan=max_nan,
-                           finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32)
+                           finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32,
+                           onebit_scales=onebit_scales)
 
 
 def _mul_py(a, b):

@@ -28,7 +28,7 @@ from numba import njit, prange
 
 from . import wire
 from ._memo import memo
-from ._scalar import F0, FINF, FNAN, GAMMA, U8, U24M, U40, UFF, build
+from ._scalar import F0, FINF, GAMMA, U8, U24M, U40, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
            "write_header_cpu", "chunk_buckets", "prepare_qsgd_encode", "prepare_qsgd_decode",
@@ -63,7 +63,7 @@ _ops = build(_inline, _fmul)
 _qsgd_round = _ops.qsgd_round
 _uniform24 = _ops.uniform24
 _mix64 = _ops.mix64
-_finite = _ops.finite
+_onebit_scales = _ops.onebit_scales
 _sqrt32 = _ops.sqrt32
 _hdr_err = _ops.header_errors
 
@@ -116,14 +116,6 @@ class _Widths:
 
 
 _BITS = 0       # replaced in each width's globals (see _Kernel)
-
-
-def _kernel(fn):
-    return _Kernel(fn)
-
-
-def _qsgd_kernel(fn):
-    return _Widths(fn)
 
 
 def chunk_buckets(bucket_size, numel):
@@ -288,7 +280,7 @@ def _pack(codes, ng, payload, base, lim, BITS):
                 payload[b + j] = _byte_of(lo, hi, j)
 
 
-@_qsgd_kernel
+@_Widths
 def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, stochastic,
                  norm_l2, key, kchunk, residual, has_res):
     numel = x.size
@@ -413,7 +405,7 @@ def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, BIT
             _qsgd_unpack(payload, codes_off, st, out[st:en], scales[b] / sf, s, False, BITS)
 
 
-@_qsgd_kernel
+@_Widths
 def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, kchunk):
     numel = out.size
     scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
@@ -425,7 +417,7 @@ def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, k
                         _BITS)
 
 
-@_qsgd_kernel
+@_Widths
 def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, kchunk,
                      addend, has_add):
     """out = the float32 sum of the npay payloads' decodes, in payload order (+ addend[i] last)."""
@@ -444,7 +436,7 @@ def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales,
                 out[i] = out[i] + addend[i]
 
 
-@_qsgd_kernel
+@_Widths
 def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
                         last_nscales, codes_off, bs, kchunk):
     """Chunk j's payload (at j*total in gathered) decoded into out[j*chunk:(j+1)*chunk]; the last
@@ -469,7 +461,7 @@ def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_t
             _qsgd_dec_range(p, o, codes_off, scales, bs, b0, min(nb, b0 + kchunk), False, _BITS)
 
 
-@_kernel
+@_Kernel
 def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean, kchunk,
                    residual, has_res):
     numel = x.size
@@ -487,19 +479,18 @@ def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
         for b in range(b0, b1):
             st = b * bs
             en = min(numel, st + bs)
-            if two_mean:
+            if two_mean:        # (the kind a literal: each loop compiled for its own)
                 npos = _lane_sums(x, st, en, 2, p, q)
-                nneg = (en - st) - npos
-                mp = _tree(p) / np.float32(npos) if npos > 0 else F0
-                mn = _tree(q) / np.float32(nneg) if nneg > 0 else F0
-                if not (_finite(mp) and _finite(mn)):
-                    mp = FNAN
-                    mn = FNAN
-                scales[2 * b] = mp
-                scales[2 * b + 1] = mn
+                qs = _tree(q)
             else:
-                _lane_sums(x, st, en, 3, p, q)
-                scales[b] = _tree(p) / np.float32(en - st)
+                npos = _lane_sums(x, st, en, 3, p, q)
+                qs = F0
+            hi, lo = _onebit_scales(two_mean, _tree(p), qs, npos, en - st)
+            if two_mean:
+                scales[2 * b] = hi
+                scales[2 * b + 1] = lo
+            else:
+                scales[b] = hi
         # the bits (x >= 0), eight to a byte: e0 is a multiple of 8 (chunk_buckets)
         e0 = b0 * bs
         e1 = min(numel, b1 * bs)
@@ -572,7 +563,7 @@ def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, b0, b1, acc
             _onebit_unpack(payload, codes_off, st, out[st:en], hi, lo, False)
 
 
-@_kernel
+@_Kernel
 def _onebit_decode(payload, out, codes_off, scales_off, nscales, bs, two_mean, accumulate, kchunk):
     numel = out.size
     scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
@@ -584,7 +575,7 @@ def _onebit_decode(payload, out, codes_off, scales_off, nscales, bs, two_mean, a
                           accumulate)
 
 
-@_kernel
+@_Kernel
 def _onebit_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, two_mean, kchunk,
                        addend, has_add):
     numel = out.size
@@ -602,7 +593,7 @@ def _onebit_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscale
                 out[i] = out[i] + addend[i]
 
 
-@_kernel
+@_Kernel
 def _onebit_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
                           last_nscales, codes_off, bs, two_mean, kchunk):
     numel = out.size
