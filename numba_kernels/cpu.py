@@ -241,13 +241,13 @@ def _pack(codes, ng, payload, base, lim, BITS):
     constant, so the shifts are constants and the byte stores of a group merge into word stores."""
     lim = min(lim, base + ng * BITS)
     if 8 % BITS == 0:                               # 2, 4, 8: whole codes per byte
+        # codes indexed, not sliced per byte: the pack 2-3x faster, the encode 12-18% (BENCHMARKS)
         per = 8 // BITS
         pb = payload[base:lim]
         for j in range(pb.size):
-            cj = codes[per * j:per * j + per]
-            v = np.int32(0)
-            for k in range(per):
-                v |= cj[k] << (k * BITS)
+            v = codes[per * j]
+            for k in range(1, per):
+                v += codes[per * j + k] << (k * BITS)
             pb[j] = np.uint8(v)
         return
     if BITS == 16:
