@@ -241,7 +241,7 @@ def _pack(codes, ng, payload, base, lim, BITS):
     constant, so the shifts are constants and the byte stores of a group merge into word stores."""
     lim = min(lim, base + ng * BITS)
     if 8 % BITS == 0:                               # 2, 4, 8: whole codes per byte
-        # codes indexed, not sliced per byte: the pack 2-3x faster, the encode 12-18% (BENCHMARKS)
+        # codes indexed, not sliced per byte: the 2/4/8-bit encodes 12-18% faster (BENCHMARKS)
         per = 8 // BITS
         pb = payload[base:lim]
         for j in range(pb.size):
