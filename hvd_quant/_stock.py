@@ -48,7 +48,7 @@ import sys
 import weakref
 
 from . import plan as _plan
-from .exchange import Exchange, Traffic, handshake_record
+from .exchange import SUM as _SUM, Exchange, Traffic, handshake_record
 from .memory import Memory
 
 __all__ = ["StockCompression", "compress", "decompress", "FRONTENDS", "register_frontend",
@@ -215,7 +215,7 @@ class _Group:
     first ``compress``, and each bucket's state in the current step: the gradients recorded so far,
     the exchange once started, the scaled result once finished, and the members not yet returned."""
 
-    def __init__(self, sc, session, owner):
+    def __init__(self, sc, session, owner, one=None):
         names = owner._parameter_names
         todo = getattr(owner, "_requires_update", None) or set()
         params = [p for g in owner.param_groups for p in g["params"]
@@ -232,13 +232,24 @@ class _Group:
         self.left = [0] * n            # members still to be returned by decompress
         self.pending = [None] * n      # (exchange, Pending) once started
         self.result = [None] * n
+        self.routes = [_plan.ALLREDUCE] * n   # how each bucket travelled in its last step
         self.seen = set()              # parameters whose gradient arrived in this step
+        self.complete = []             # complete buckets waiting for this step's presence count
+        ps = session.coll.process_set
+        # named by the gradients alone: ranks configured differently must still meet, in the handshake
+        self.presence = (_plan.Presence(f"hvdq.stock.present.{_plan.digest([t.name for t in tensors])}",
+                                        one)
+                         if one is not None and getattr(ps, "process_set_id", 0) == 0 else None)
         self.auto = _plan.AutoChoice() if sc.reduction == _plan.AUTO else None
         self.key = self.plan.record[:8].hex()      # names this plan in state_dict()["auto"]
 
     def route(self):
         """How this step's buckets travel (the configured reduction, or auto's current one)."""
         return self.auto.current() if self.auto is not None else self.plan.config.reduction
+
+    def absent(self):
+        """True when a rank is inside ``hvd.join()`` this step (:class:`hvd_quant.plan.Presence`)."""
+        return self.presence is not None and self.presence.absent(self.session.coll)
 
 
 def _key_str(key):
@@ -313,6 +324,16 @@ class StockCompression:
         """Whether a tensor ``adapter.describe`` described is compressed (:class:`hvd_quant.plan.Config`)."""
         return self.config.compressible(info.shape, info.is_float)
 
+    def step_metrics(self, optimizer):
+        """:func:`hvd_quant.plan.step_metrics` of ``optimizer``'s last step on this path (bytes: since
+        the last call, as :func:`take_traffic`; ``exchange_s`` is not measured here: None), or None
+        before its first gradient."""
+        entry = self._groups.get(id(optimizer))
+        if entry is None or entry[0]() is not optimizer:
+            return None
+        group = entry[1]
+        return _plan.step_metrics(group.plan, take_traffic(self), list(group.routes), self.codec.spec())
+
     def reduction_in_use(self, optimizer):
         """How ``optimizer``'s next step's buckets travel on this path (``"sra"``, ``"allgather"``,
         ``"allreduce"``), or None before its first gradient."""
@@ -341,7 +362,8 @@ class StockCompression:
             if where is not None and self.compressible(info):
                 self._arrived(group, caller.param)
                 route = group.route()
-                if route == _plan.ALLREDUCE:
+                if route == _plan.ALLREDUCE or group.absent():
+                    group.routes[where[0]] = _plan.ALLREDUCE
                     return self._uncompressed(session, adapter, tensor, info)
                 return adapter.placeholder(tensor), self._record(group, where, tensor, info, route)
         if not self.compressible(info):
@@ -380,14 +402,26 @@ class StockCompression:
         the step before for ``reduction="auto"`` (and may take its decision, the same on every rank)."""
         if param not in group.seen:
             group.seen.add(param)
+            if len(group.seen) == 1:
+                self._step_begins(group)
             return
         group.seen = {param}
         auto = group.auto
-        if auto is not None and auto.end_step():
+        if auto is not None and not group.absent() and auto.end_step():
             coll = group.session.coll
             auto.decide(coll, group.session.ops, "hvdq.stock.auto")
             if coll.rank == 0:
                 print(f"hvd_quant (compression=): {auto.summary()}", flush=True)
+        self._step_begins(group)
+
+    @staticmethod
+    def _step_begins(group):
+        """A step's first gradient: count the ranks that step (hvd.join())."""
+        if group.presence is not None:
+            coll = group.session.coll
+            group.presence.end_step(coll)
+            if coll.size > 1 and group.route() != _plan.ALLREDUCE:
+                group.presence.start(coll)
 
     def _group(self, session, backend, owner):
         """The :class:`_Group` of Horovod optimizer ``owner`` (planned on its first gradient)."""
@@ -395,7 +429,7 @@ class StockCompression:
         if entry is not None and entry[0]() is owner and entry[1].session is session:
             return entry[1]
         _refuse_adasum(backend, owner)
-        group = _Group(self, session, owner)
+        group = _Group(self, session, owner, getattr(backend, "host_one", None))
         saved = self._restored_auto.pop(group.key, None)
         if saved is not None and group.auto is not None:
             group.auto.load_state_dict(saved)
@@ -414,19 +448,36 @@ class StockCompression:
         grads[i] = tensor
         group.arrived[k] += 1
         if group.arrived[k] == len(grads):
-            self._launch(group, k, route)
+            group.complete.append(k)
+        if group.complete:
+            self._launch_complete(group, route, wait=False)
         return _Slot(group, k, i, info, route)
+
+    def _launch_complete(self, group, route, wait):
+        """Launch the complete buckets once this step's presence count is known (``wait``: block)."""
+        if group.presence is not None and not group.presence.known(group.session.coll, wait):
+            return
+        complete, group.complete = group.complete, []
+        for k in complete:
+            self._launch(group, k, route)
 
     def _launch(self, group, k, route):
         """Start bucket ``k``'s exchange; members that never arrived contribute zeros (as Horovod
-        allreduces zeros for a parameter without a gradient)."""
+        allreduces zeros for a parameter without a gradient). While a rank is inside ``hvd.join()``
+        the bucket goes through Horovod's allreduce (a Sum, scaled in ``decompress``)."""
         session, b, grads = group.session, group.plan.buckets[k], group.grads[k]
         like = next(g for g in grads if g is not None)
         parts = [g if g is not None else session.ops.zeros(b.numels[i], like) for i, g in enumerate(grads)]
-        record = group.plan.record if b.name not in self._steps else None
-        ex = session.exchange_for(route)
-        group.pending[k] = ex, self._start(ex, b.name, session.ops.flatten(parts), record, b.header)
-        ex.advance_ready([q for e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
+        flat = session.ops.flatten(parts)
+        group.routes[k] = _plan.ALLREDUCE if group.absent() else route
+        if group.absent():
+            session.exchange.traffic.add_allreduce(4 * b.numel, b.numel, session.coll.size)
+            group.pending[k] = None, session.coll.allreduce_async(flat, f"{b.name}.joined", _SUM)
+        else:
+            record = group.plan.record if b.name not in self._steps else None
+            ex = session.exchange_for(route)
+            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header)
+            ex.advance_ready([q for e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
         group.left[k] = sum(g is not None for g in grads)     # the members decompress will return
         group.grads[k] = [None] * len(grads)
         group.arrived[k] = 0
@@ -458,14 +509,18 @@ class StockCompression:
         session = group.session
         flat = group.result[k]
         if flat is None:
+            if group.pending[k] is None:
+                self._launch_complete(group, slot.route, wait=True)
             if group.pending[k] is None:        # a member never reached compress on this rank
                 self._launch(group, k, slot.route)
             self._advance_all()
             ex, pending = group.pending[k]
-            flat = ex.finish(pending)
-            # Every member carries the same factor (one optimizer: one op and pre/post-scale)
+            flat = ex.finish(pending) if ex is not None else session.coll.synchronize(pending)
+            # Every member carries the same factor (one optimizer: one op and pre/post-scale): the
+            # placeholder's allreduce over the ranks that stepped (those in hvd.join() add zero)
+            stepped = group.presence.count if group.absent() else session.coll.size
             flat = group.result[k] = session.ops.scale_(
-                flat, session.adapter.as_float(tensor) / session.coll.size)
+                flat, session.adapter.as_float(tensor) / stepped)
             group.pending[k] = None
         b = group.plan.buckets[k]
         group.left[k] -= 1

@@ -30,7 +30,7 @@ a rank starts them does not matter.
 """
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from numba_kernels._scalar import mix64_py
 
@@ -137,13 +137,15 @@ class Traffic:
     fp32_bytes: float = 0.0
     payload_bytes: int = 0
     numel: int = 0
+    seconds: Optional[float] = None    # the step's exchange, first gradient in to last result out
 
     def reset(self):
         self.sent_bytes = self.fp32_bytes = 0.0
         self.payload_bytes = self.numel = 0
+        self.seconds = None
 
     def copy(self):
-        return Traffic(self.sent_bytes, self.fp32_bytes, self.payload_bytes, self.numel)
+        return Traffic(self.sent_bytes, self.fp32_bytes, self.payload_bytes, self.numel, self.seconds)
 
     @property
     def ratio(self):

@@ -363,3 +363,63 @@ class AutoChoice:
         """One line for the log: the choice and the mean median step time of each candidate."""
         times = ", ".join(f"{c} {m * 1e3:.2f} ms" for c, m in zip(self.CANDIDATES, self.medians or ()))
         return f"reduction=auto chose {self.choice!r} (median step time, mean over ranks: {times})"
+
+
+class Presence:
+    """Which ranks step this time, for Horovod's ``hvd.join()``.
+
+    A rank inside ``hvd.join()`` takes part in allreduces only (it contributes zeros); an alltoall or
+    allgather started while a rank has joined fails in Horovod 0.28.1, or crashes it. So in every step
+    that would exchange compressed buckets, each stepping rank adds 1 to a one-element Sum allreduce
+    (:meth:`start`, at its first gradient) and no compressed exchange starts before its result is
+    known (:meth:`known`). When it is less than the world size, some rank has joined, and this
+    step's buckets go through Horovod's allreduce as plain gradients instead (``absent``), as
+    Horovod's own optimizer does under ``hvd.join()``. ``one`` makes the host tensor holding 1 (a
+    host tensor, so reading the count never waits on a device stream).
+    """
+
+    def __init__(self, name, one):
+        self.name, self.one = name, one
+        self.handle = None
+        self.count = None
+
+    def start(self, coll):
+        self.handle = coll.allreduce_async(self.one(), self.name, SUM)
+        self.count = None
+
+    def known(self, coll, wait):
+        """True once this step's count is known (``wait``: block for it); False while in flight."""
+        if self.handle is None:
+            return True
+        if not wait and coll.poll is not None and not coll.poll(self.handle):
+            return False
+        self.count = int(coll.synchronize(self.handle))
+        self.handle = None
+        return True
+
+    def absent(self, coll):
+        """True when a rank did not step this time (it is inside ``hvd.join()``)."""
+        return self.count is not None and self.count < coll.size
+
+    def end_step(self, coll):
+        self.known(coll, wait=True)
+        self.count = None
+
+
+def step_metrics(plan, traffic, routes, precision):
+    """What a frontend's last step did, as plain Python values (``step_metrics()`` of the frontends,
+    for logs and TensorBoard): ``sent`` bytes this rank sent and ``fp32`` what an fp32 ring allreduce
+    of the same gradients would have sent, their ``ratio``, ``exchange_s`` (seconds from the first
+    gradient handed to the exchange to the last result; None where not measured), ``reduction`` (how
+    the compressed buckets travelled), ``buckets`` (per bucket: ``name``, ``numel``, ``reduction``,
+    ``precision``: the codec's spec, or ``"fp32"`` when it went through Horovod's allreduce) and
+    ``uncompressed`` (the tensors Horovod allreduced as they are: ``tensors``, ``numel``)."""
+    buckets = [{"name": b.header, "numel": b.numel, "reduction": r,
+                "precision": "fp32" if r == ALLREDUCE else precision}
+               for b, r in zip(plan.buckets, routes)]
+    plain = [plan.tensors[i].shape for i in plan.plain]
+    return {"sent": traffic.sent_bytes, "fp32": traffic.fp32_bytes, "ratio": traffic.ratio,
+            "exchange_s": traffic.seconds, "reduction": routes[0] if routes else ALLREDUCE,
+            "buckets": buckets,
+            "uncompressed": {"tensors": len(plain),
+                             "numel": sum(math.prod(s) for s in plain if s is not None)}}

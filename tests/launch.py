@@ -68,20 +68,23 @@ def horovod_command(script, np=2, controller="gloo", args=()):
     raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
 
 
-def run_horovod(script, np=2, controller="gloo", args=(), env=None, timeout=240, check=True):
+def run_horovod(script, np=2, controller="gloo", args=(), env=None, timeout=240, check=True,
+                keep_cr=False):
     cmd = horovod_command(script, np=np, controller=controller, args=args)
-    return run_command(cmd, env=env, timeout=timeout, check=check)
+    return run_command(cmd, env=env, timeout=timeout, check=check, keep_cr=keep_cr)
 
 
-def run_command(cmd, env=None, timeout=240, check=True):
-    """Run a launcher command line (``horovod_env(env)``, from the repository root) as ``run_horovod``."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def run_command(cmd, env=None, timeout=240, check=True, keep_cr=False):
+    """Run a launcher command line (``horovod_env(env)``, from the repository root) as ``run_horovod``.
+    ``keep_cr``: keep carriage returns in the output (text mode would turn them into newlines)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=not keep_cr,
                             env=horovod_env(env), cwd=str(ROOT), start_new_session=True)
+    text = (lambda b: b.decode(errors="replace")) if keep_cr else (lambda t: t)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = map(text, proc.communicate(timeout=timeout))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = map(text, proc.communicate())
         raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout}s\n--- stdout\n{out[-6000:]}"
                              f"\n--- stderr\n{err[-6000:]}")
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -155,6 +155,30 @@ def test_runlog_metrics_file(tmp_path, suffix):
     assert quiet.getvalue() == "" and not (tmp_path / "r1.jsonl").exists()
 
 
+def test_line_progress_prints_whole_lines():
+    """Off a terminal (horovodrun's pipes, CI, a file) progress is whole lines with step, rate and
+    ETA, one per interval and one at the end, never a carriage return."""
+    from examples.common.runlog import LineProgress
+    now = [0.0]
+    out = io.StringIO()
+    bar = LineProgress(40, "net epoch 0", every=10.0, stream=out, clock=lambda: now[0])
+    for _ in range(40):
+        now[0] += 1.0
+        bar.update(1)
+        bar.set_postfix(loss="0.5000", refresh=False)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert lines[0] == ("net epoch 0: 10/40 steps (25%), 1.00 steps/s, 0:00:10 elapsed, ETA 0:00:30, "
+                        "loss 0.5000"), lines
+    assert len(lines) == 5 and lines[-1].startswith("net epoch 0: 40/40 steps (100%)"), lines
+    silent = io.StringIO()
+    off = LineProgress(5, "x", disable=True, every=0.0, stream=silent)
+    off.update(5)
+    off.close()
+    assert silent.getvalue() == ""
+
+
 # ============================================================================ data readers
 
 def _write_idx(path, arr, gz):
@@ -444,10 +468,34 @@ def test_mnist_resnets_qsgd_sra(tmp_path):
     args = ["--task", "mnist", "--model", ",".join(MNIST_MODELS), "--epochs", "2", "--batch-size", "64",
             "--train-size", "256", "--test-size", "128", "--image-size", "16",
             "--compression", "qsgd:bits=4,bucket_size=512,mode=stochastic", "--reduction", "sra",
-            "--min-compress-numel", "256", *TINY_IMAGE]
+            "--min-compress-numel", "256", "--tensorboard", str(tmp_path / "tb"), *TINY_IMAGE]
     result, metrics = _launch(args, tmp_path, "mnist.jsonl")
     assert "sklearn-digits (offline default, NOT MNIST" in result.stdout
-    _check_run(result, metrics, MNIST_MODELS, epochs=2, min_steps=2, compressed=True)
+    _, recs = _check_run(result, metrics, MNIST_MODELS, epochs=2, min_steps=2, compressed=True)
+    # hvd_quant's step metrics in the log records and as TensorBoard scalars, one run per model
+    steps = [r for r in recs if r["event"] == "step"]
+    assert steps and all(r["reduction"] == "sra" and r["exchange_s"] > 0 and r["compression_ratio"] > 3
+                         for r in steps), steps[:2]
+    for model in MNIST_MODELS:
+        tags = tensorboard_scalars(tmp_path / "tb" / model)
+        for tag in ("train/loss", "train/data_per_sec", "exchange/bytes_sent", "exchange/bytes_fp32",
+                    "exchange/ratio", "exchange/seconds", "test/accuracy"):
+            assert tags.get(tag), (model, tag, sorted(tags))
+        assert len(tags["test/accuracy"]) == 2 and all(0 <= v <= 1 for _, v in tags["test/accuracy"])
+        assert all(v > 3 for _, v in tags["exchange/ratio"])
+
+
+def tensorboard_scalars(logdir):
+    """{tag: [(step, value)]} from the event files under ``logdir`` (torch's scalars and tf.summary's
+    tensors alike)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    out = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    out.update({t: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(t)]
+                for t in acc.Tags()["tensors"]})
+    return out
 
 
 @pytest.mark.multiproc

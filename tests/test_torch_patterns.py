@@ -1,7 +1,7 @@
 """Horovod's usage patterns with both PyTorch entry points, on real Horovod processes:
 tests/workers/torch_patterns.py (resume with broadcast_optimizer_state / TorchState.sync, sparse
-gradients, uneven data, clipping, parameters without gradients, requires_grad, groups, op, predivide,
-two optimizers sharing a codec) and tests/workers/torch_rank_death.py (a rank SIGKILLed mid-step)."""
+gradients, uneven data, hvd.join() with uneven steps, clipping, parameters without gradients,
+requires_grad, groups, op, predivide, two optimizers sharing a codec) and tests/workers/torch_rank_death.py (a rank SIGKILLed mid-step)."""
 import re
 import time
 
@@ -13,15 +13,16 @@ from test_exchange_multiproc import assert_all_ranks_passed
 pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 
 
-@pytest.mark.parametrize("controller,groups", [
-    pytest.param("gloo", ["resume", "sparse", "uneven", "patterns"], id="np2-gloo"),
-    pytest.param("mpi", ["resume", "sparse", "uneven"], id="np2-mpi", marks=pytest.mark.mpi),
+@pytest.mark.parametrize("controller,np_,groups", [
+    pytest.param("gloo", 2, ["resume", "sparse", "uneven", "join", "patterns"], id="np2-gloo"),
+    pytest.param("gloo", 3, ["join"], id="np3-gloo"),
+    pytest.param("mpi", 2, ["resume", "sparse", "uneven", "join"], id="np2-mpi", marks=pytest.mark.mpi),
 ])
-def test_optimizer_patterns(controller, groups):
+def test_optimizer_patterns(controller, np_, groups):
     # the worker dumps its stacks and exits after HVDQ_TEST_HANG_S, before the launcher's timeout
-    result = run_horovod("torch_patterns.py", np=2, controller=controller, args=groups, timeout=420,
+    result = run_horovod("torch_patterns.py", np=np_, controller=controller, args=groups, timeout=420,
                          env={"HVDQ_TEST_HANG_S": 360})
-    assert_all_ranks_passed(result, 2)
+    assert_all_ranks_passed(result, np_)
     for g in groups:
         assert re.search(rf"TIME {g} ", result.stdout), g
 

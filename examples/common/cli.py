@@ -127,7 +127,10 @@ def build_parser(framework: str, description: str = None) -> argparse.ArgumentPa
     g.add_argument("--log-every", type=int, default=200, help="print 'StepN: X data/sec' every N steps")
     g.add_argument("--metrics-out", default=None,
                    help="write every metric here, as JSON lines (.jsonl/.json) or CSV (.csv)")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar (it is on rank 0 only)")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress (rank 0 only: a bar on a terminal, else a line every 30 s)")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the metrics as TensorBoard scalars under DIR/<model> (rank 0)")
     return p
 
 

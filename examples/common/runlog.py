@@ -17,9 +17,23 @@ the learning rate, the last step's time.
 
 :func:`parse_log` reads the lines back (also the published variants: ``Step 1600 60.44 data/sec``,
 ``. Test accuracy 0.9790``), for the tests and the sweep summary.
+
+``--tensorboard DIR`` writes the same records as TensorBoard scalars (:data:`SCALARS`), one run
+directory per model (``DIR/<model>``), through a writer the framework's example makes
+(``torch.utils.tensorboard.SummaryWriter`` or a ``tf.summary`` one): loss, rate, learning rate, step
+time, and what hvd_quant measured in the step (``hvd_quant.torch.step_metrics`` /
+``hvd_quant.tensorflow.step_metrics``: bytes sent, the fp32 equivalent, the ratio, the exchange's time)
+at every logged step; test accuracy and loss at every epoch.
+
+Progress (rank 0 only, on stderr): on a terminal a live tqdm bar; anywhere else (``horovodrun``'s
+prefixed pipes, CI, a file) no bar, which would come out as carriage-return fragments between log
+lines, but one plain line every ``PROGRESS_EVERY`` seconds and at the end of each bar:
+
+    resnet18 epoch 0: 120/440 steps (27%), 4.83 steps/s, 0:00:25 elapsed, ETA 0:01:06, loss 0.4121
 """
 import csv
 import json
+import math
 import os
 import re
 import sys
@@ -31,11 +45,24 @@ EPOCH_RE = re.compile(r"Epoch (\d+) in ([0-9.]+) sec, test time ([0-9.]+) sec[,.
                       r"(?:[Tt]?est accuracy):?\s*([0-9.]+|n/a)")
 THROUGHPUT_RE = re.compile(r"Throughput: ([0-9.]+) data/sec over (\d+) ranks?")
 MODEL_RE = re.compile(r"== model (\S+)")
+PROGRESS_EVERY = 30.0   # seconds between progress lines when stderr is not a terminal
 
 CSV_FIELDS = ("event", "model", "step", "epoch", "elapsed", "train_time", "data_per_sec",
               "window_data_per_sec", "step_time", "loss", "lr", "epoch_time", "test_time",
               "test_accuracy", "test_loss", "steps", "samples", "bench_data_per_sec",
-              "bytes_sent_per_step", "bytes_fp32_per_step")
+              "bytes_sent_per_step", "bytes_fp32_per_step", "compression_ratio", "exchange_s",
+              "reduction")
+
+# TensorBoard: record field -> scalar tag, per event
+SCALARS = {
+    "step": {"loss": "train/loss", "data_per_sec": "train/data_per_sec",
+             "window_data_per_sec": "train/window_data_per_sec", "lr": "train/lr",
+             "step_time": "train/step_time_s", "bytes_sent_per_step": "exchange/bytes_sent",
+             "bytes_fp32_per_step": "exchange/bytes_fp32", "compression_ratio": "exchange/ratio",
+             "exchange_s": "exchange/seconds"},
+    "epoch": {"test_accuracy": "test/accuracy", "test_loss": "test/loss",
+              "epoch_time": "train/epoch_time_s"},
+}
 
 
 def format_step(step: int, data_per_sec: float) -> str:
@@ -110,7 +137,7 @@ class RunLog:
     """
 
     def __init__(self, rank: int, world_size: int, log_every: int = 200, metrics_out: Optional[str] = None,
-                 progress: bool = True, stream=None):
+                 progress: bool = True, stream=None, tensorboard=None):
         self.rank = rank
         self.world_size = world_size
         self.log_every = log_every
@@ -122,6 +149,8 @@ class RunLog:
         self._file = None
         self._csv = None
         self._window = (0, 0.0)  # (samples, train_time) at the last printed step
+        self._make_writer = tensorboard if rank == 0 else None   # model name -> scalar writer
+        self._writer = None
         if rank == 0 and metrics_out:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_out)), exist_ok=True)
             self._file = open(metrics_out, "w", newline="")
@@ -140,6 +169,7 @@ class RunLog:
             print(line, file=self.stream, flush=True)
 
     def record(self, event: str, **fields):
+        self._scalars(event, fields)
         if self._file is None:
             return
         rec = {"event": event, "model": self.model, "elapsed": round(time.perf_counter() - self._t0, 4)}
@@ -151,28 +181,52 @@ class RunLog:
             self._file.write(json.dumps(rec, default=_jsonable) + "\n")
         self._file.flush()
 
+    def _scalars(self, event: str, fields: dict):
+        tags = SCALARS.get(event)
+        if self._writer is None or tags is None:
+            return
+        step = fields.get("step", fields.get("steps", fields.get("epoch", 0)))
+        for key, tag in tags.items():
+            v = fields.get(key)
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self._writer.add_scalar(tag, float(v), int(step))
+        self._writer.flush()
+
     # -- phases
     def start_model(self, name: str):
         self.model = name
         self._window = (0, 0.0)
+        if self._make_writer is not None:
+            self._close_writer()
+            self._writer = self._make_writer(name)
         self.emit(f"== model {name}")
 
     def bar(self, total: int, desc: str):
-        """A tqdm bar on rank 0 (a no-op object elsewhere or when disabled); use as a context."""
-        from tqdm import tqdm
-        bar = tqdm(total=total, desc=desc, disable=not self.progress, file=sys.stderr, leave=False,
-                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+        """Rank 0's progress (module doc): a tqdm bar on a terminal, else :class:`LineProgress`; a
+        no-op object on other ranks or when disabled. Use as a context."""
+        if self.progress and sys.stderr.isatty():
+            from tqdm import tqdm
+            bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
+                       mininterval=0.5)
+        else:
+            bar = LineProgress(total, desc, disable=not self.progress)
         self._bar = None if bar.disable else bar
         return _BarContext(self, bar)
 
     def step(self, step: int, epoch: int, samples: int, train_time: float, loss: Optional[float] = None,
-             lr: Optional[float] = None, step_time: Optional[float] = None, record: bool = False):
-        """``samples``: all ranks' samples so far; ``train_time``: seconds of training so far.
+             lr: Optional[float] = None, step_time: Optional[float] = None, record: bool = False,
+             exchange: Optional[dict] = None):
+        """``samples``: all ranks' samples so far; ``train_time``: seconds of training so far;
+        ``exchange``: hvd_quant's ``step_metrics`` of this step, or None.
         Prints the ``StepN`` line every ``log_every`` steps; writes a ``step`` record then, or when
         ``record`` is true."""
         rate = samples / train_time if train_time > 0 else 0.0
         fields = {"step": step, "epoch": epoch, "samples": samples, "train_time": round(train_time, 6),
                   "data_per_sec": rate, "loss": loss, "lr": lr, "step_time": step_time}
+        if exchange:
+            fields.update(bytes_sent_per_step=exchange["sent"], bytes_fp32_per_step=exchange["fp32"],
+                          compression_ratio=exchange["ratio"], exchange_s=exchange["exchange_s"],
+                          reduction=exchange["reduction"])
         if step % self.log_every == 0:
             s0, t0 = self._window
             fields["window_data_per_sec"] = (samples - s0) / (train_time - t0) if train_time > t0 else 0.0
@@ -192,10 +246,61 @@ class RunLog:
         self.record("epoch", epoch=epoch, epoch_time=epoch_time, test_time=test_time,
                     test_accuracy=accuracy, **extra)
 
+    def _close_writer(self):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
     def close(self):
+        self._close_writer()
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class LineProgress:
+    """The progress bar's interface (``update``, ``set_postfix``, ``close``) as whole lines on
+    ``stream`` (stderr): one every ``every`` seconds and one at :meth:`close`, never a ``\\r``."""
+
+    def __init__(self, total: int, desc: str, disable: bool = False, every: float = None,
+                 stream=None, clock=time.perf_counter):
+        self.total, self.desc, self.disable = total, desc, disable
+        self.every = PROGRESS_EVERY if every is None else every
+        self.stream, self.clock = stream, clock
+        self.n = 0
+        self.postfix = {}
+        self._t0 = self._last = clock()
+
+    def update(self, n: int = 1):
+        self.n += n
+        if not self.disable and self.clock() - self._last >= self.every:
+            self._print()
+
+    def set_postfix(self, refresh=False, **kwargs):
+        self.postfix = kwargs
+
+    def line(self) -> str:
+        elapsed = self.clock() - self._t0
+        rate = self.n / elapsed if elapsed > 0 else 0.0
+        done = f"{self.n}/{self.total} steps ({100 * self.n // max(self.total, 1)}%)" if self.total \
+            else f"{self.n} steps"
+        eta = f", ETA {_clock((self.total - self.n) / rate)}" if self.total and rate > 0 else ""
+        extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
+        return f"{self.desc}: {done}, {rate:.2f} steps/s, {_clock(elapsed)} elapsed{eta}{extra}"
+
+    def _print(self):
+        self._last = self.clock()
+        print(self.line(), file=self.stream or sys.stderr, flush=True)
+
+    def close(self):
+        if not self.disable and self.n:
+            self._print()
+        self.disable = True
 
 
 class _BarContext:

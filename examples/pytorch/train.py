@@ -172,6 +172,22 @@ def measured_traffic(dist, kind, codec, steps):
     return m
 
 
+def step_metrics(dist):
+    """hvd_quant's record of the optimizer's last step (``hvd_quant.torch.step_metrics``), on rank 0's
+    logged steps, for hvd_quant's own optimizer (the stock path counts bytes since the last call,
+    which the end-of-run summary reads)."""
+    import hvd_quant.torch as hq
+    return hq.step_metrics(dist)
+
+
+def tensorboard_writers(logdir):
+    """``--tensorboard DIR``: a ``SummaryWriter`` per model, under ``DIR/<model>`` (rank 0 only)."""
+    if not logdir:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    return lambda name: SummaryWriter(os.path.join(logdir, name))
+
+
 def lr_at(args, base_lr, epoch, step, total_steps):
     if args.lr_schedule == "step":
         return base_lr * (0.1 ** sum(epoch >= args.epochs * f for f in (0.5, 0.75)))
@@ -317,7 +333,8 @@ def run_model(name, args, hvd, ds, log, device):
                     loss_acc.zero_()
                     loss_n = 0
                 log.step(step, epoch, samples, train_time, loss=mean_loss, lr=cur_lr,
-                         step_time=dt, record=at_log)
+                         step_time=dt, record=at_log,
+                         exchange=step_metrics(dist) if at_log and kind == "hvd_quant" else None)
         if ds is not None and not args.no_eval:
             t0 = time.perf_counter()
             acc, test_loss = evaluate(hvd, model, ds, batches, args, rank, size, f"{name}.{epoch}")
@@ -379,7 +396,8 @@ def main(argv=None):
         device = torch.device("cuda", hvd.local_rank())
     else:
         device = torch.device("cpu")
-    log = RunLog(rank, size, args.log_every, args.metrics_out, progress=not args.no_progress)
+    log = RunLog(rank, size, args.log_every, args.metrics_out, progress=not args.no_progress,
+                 tensorboard=tensorboard_writers(args.tensorboard))
     controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "unknown"
     ds = load_data(args, rank)
     data_line = ds.source if ds is not None else (

@@ -102,12 +102,35 @@ def estimate_traffic(args, model, codec, kind, world_size):
                                   bucket_bytes=args.bucket_bytes or (4 << 20))
 
 
+class _Scalars:
+    """A ``tf.summary`` file writer with ``add_scalar`` / ``flush`` / ``close`` (examples.common.runlog)."""
+
+    def __init__(self, logdir):
+        self.writer = tf.summary.create_file_writer(logdir)
+
+    def add_scalar(self, tag, value, step):
+        with self.writer.as_default():
+            tf.summary.scalar(tag, value, step=step)
+
+    def flush(self):
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
+def tensorboard_writers(logdir):
+    """``--tensorboard DIR``: a ``tf.summary`` writer per model, under ``DIR/<model>`` (rank 0 only)."""
+    return (lambda name: _Scalars(os.path.join(logdir, name))) if logdir else None
+
+
 class Progress(tf.keras.callbacks.Callback):
     """Rank 0's tqdm bar and ``StepN`` lines (through RunLog), and ``--max-steps``."""
 
-    def __init__(self, log, per_rank_batch, world_size, max_steps):
+    def __init__(self, log, per_rank_batch, world_size, max_steps, metrics=None):
         super().__init__()
         self.log, self.batch, self.size, self.max_steps = log, per_rank_batch, world_size, max_steps
+        self.metrics = metrics          # () -> hvd_quant's step_metrics, on the logged steps
         self.step = 0
         self.train_time = 0.0
         self.epoch = 0
@@ -121,8 +144,9 @@ class Progress(tf.keras.callbacks.Callback):
         self.train_time += dt
         self.step += 1
         loss = None if logs is None or "loss" not in logs else float(logs["loss"])
+        logged = self.metrics is not None and self.step % self.log.log_every == 0
         self.log.step(self.step, self.epoch, self.step * self.batch * self.size, self.train_time,
-                      loss=loss, step_time=dt)
+                      loss=loss, step_time=dt, exchange=self.metrics() if logged else None)
         if self.max_steps and self.step >= self.max_steps:
             self.model.stop_training = True     # every rank stops at the same step
 
@@ -150,7 +174,8 @@ def main(argv=None):
     rank, size = hvd.rank(), hvd.size()
     ds = D.load_mnist(args.data_dir, image_size=args.image_size, layout="NHWC", seed=args.seed)
     ds = ds.subset(args.train_size, args.test_size)
-    log = RunLog(rank, size, args.log_every, args.metrics_out, progress=not args.no_progress)
+    log = RunLog(rank, size, args.log_every, args.metrics_out, progress=not args.no_progress,
+                 tensorboard=tensorboard_writers(args.tensorboard))
 
     codec = hvd_quant.from_spec(args.compression)
     model = build_model(args.models[0], ds.num_classes, ds.x_train.shape[1:], args.seed + rank)
@@ -168,7 +193,8 @@ def main(argv=None):
     log.record("config", world_size=size, codec=codec.spec(), reduction=args.reduction,
                frontend=kind, data=ds.source, lr=lr, batch_size=args.batch_size, **est.as_dict())
 
-    progress = Progress(log, args.batch_size, size, args.max_steps)
+    progress = Progress(log, args.batch_size, size, args.max_steps,
+                        metrics=(lambda: hqk.step_metrics(opt)) if kind == "hvd_quant" else None)
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),   # ranks start from rank 0's weights
                  hvd.callbacks.MetricAverageCallback(), progress]
     per_epoch = D.steps_per_epoch(len(ds.y_train), size, args.batch_size)

@@ -20,6 +20,7 @@ _EXPORTS = {
     "GradientReducer": ".reducer", "resolve_codec": ".reducer",
     "DistributedGradientTape": ".wrappers", "DistributedOptimizer": ".wrappers",
     "bytes_sent_per_step": ".wrappers", "install_reducer": ".wrappers", "reducer_of": ".wrappers",
+    "step_metrics": ".wrappers",
 }
 
 __all__ = sorted(_EXPORTS)

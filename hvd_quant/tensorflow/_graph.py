@@ -38,12 +38,13 @@ fixed by the program, hence equal on every rank; duplicates within one traced fu
 import functools
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
 import tensorflow as tf
 
-from ..exchange import Collectives, check_handshake, handshake_record
+from ..exchange import Collectives, check_handshake
 from . import _backend
 from ._backend import OPS, op_name
 
@@ -141,7 +142,17 @@ class GraphExchange:
         self.lock = threading.RLock()
         self.steps = {}            # exchange name -> executions started (payload header tags)
         self.verified = set()      # names whose handshake passed
+        self.t_first = None        # host clock at the step's first exchange start, then last finish
+        self.t_last = None
         self._keys = weakref.WeakKeyDictionary()   # outermost graph -> names used in it
+
+    def take_seconds(self):
+        """Seconds from the first exchange start to the last finish since the last call (None if no
+        exchange ran)."""
+        with self.lock:
+            t0, t1 = self.t_first, self.t_last
+            self.t_first = self.t_last = None
+        return None if t0 is None or t1 is None else t1 - t0
 
     # -- names --------------------------------------------------------------------------------------
     def unique_key(self, base):
@@ -226,6 +237,8 @@ class GraphExchange:
     # keep per-name state).
     def _start(self, slot, key, header, expected, flat):
         with self.lock:
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
             step = self.steps.get(key, 0)
             self.steps[key] = step + 1
             slot.pending = self.exchange.start(key, _readonly(flat, np.float32), step=step,
@@ -245,12 +258,15 @@ class GraphExchange:
             slot.pending = None
             p.handle.result = np.asarray(gathered).reshape(-1)
             out = self.exchange.finish(p)
+            self.t_last = time.perf_counter()
             return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
 
     # The same steps on a GPU (tf.py_function; inputs are GPU EagerTensors). Written, never run.
     def _start_dev(self, device, slot, key, header, expected, flat):
         from . import _device as D
         with self.lock:
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
             D.sync_tensorflow()
             own = D.DEVICE_OPS.clone(D.tf_view(flat).reshape(-1))     # the core may write into it
             step = self.steps.get(key, 0)
@@ -274,7 +290,9 @@ class GraphExchange:
             p = self._pending(slot)
             slot.pending = None
             p.handle.result = D.tf_view(gathered).reshape(-1)
-            return D.to_tf(self.device_exchange.finish(p), tf.float32, device)
+            out = D.to_tf(self.device_exchange.finish(p), tf.float32, device)
+            self.t_last = time.perf_counter()
+            return out
 
     @staticmethod
     def _out_dev(arr, expected, key, device):

@@ -140,6 +140,7 @@ class GradientReducer(_Trackable):
         self._restored_server = {}
         self._restored_steps = {}      # exchange name -> executions (stochastic rounding's counter)
         self.last_traffic = Traffic()
+        self._last = (None, ())        # (plan, routes) of the last reduction (step_metrics)
         self._eager_fn = tf.function(self._reduce, autograph=False)
 
     # -- configuration --------------------------------------------------------------------------------
@@ -299,11 +300,16 @@ class GradientReducer(_Trackable):
         size = engine.exchange.coll.size
 
         def account(nbytes, numel):
+            seconds = engine.take_seconds()
             with engine.lock:
                 t = engine.exchange.traffic
                 t.add_allreduce(trace.plain_nbytes + int(nbytes), trace.plain_numel + int(numel), size)
+                t.seconds = seconds
                 self.last_traffic = t.copy()
                 t.reset()
+            warm = int(nbytes) > 0 or int(numel) > 0     # warm-up: the buckets went uncompressed
+            route = _plan.ALLREDUCE if warm else self.reduction
+            self._last = (trace.plan, [route] * len(trace.plan.buckets))
             return np.int64(0)
         with tf.device("/cpu:0"):
             return tf.numpy_function(account, [extra_bytes, extra_numel], tf.int64, stateful=True,
@@ -314,6 +320,14 @@ class GradientReducer(_Trackable):
         fp32 ring allreduce of the same gradients would have sent (``.sent_bytes``, ``.fp32_bytes``,
         ``.ratio``)."""
         return self.last_traffic
+
+    def step_metrics(self):
+        """What the last reduction did (:func:`hvd_quant.plan.step_metrics`; ``exchange_s``: host time
+        from the first compressed exchange's start to its last finish, None without one)."""
+        plan, routes = self._last
+        if plan is None:
+            return None
+        return _plan.step_metrics(plan, self.last_traffic, routes, self.codec.spec())
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self):

@@ -15,7 +15,7 @@ from . import _backend
 from .reducer import GradientReducer, resolve_codec
 
 __all__ = ["DistributedGradientTape", "DistributedOptimizer", "KerasDistributedOptimizer",
-           "install_reducer", "reducer_of"]
+           "bytes_sent_per_step", "install_reducer", "reducer_of", "step_metrics"]
 
 _TAPE_REDUCERS = {}
 _TAPE_LOCK = threading.Lock()
@@ -176,6 +176,14 @@ def bytes_sent_per_step(obj):
     except TypeError:
         t = _stock.take_traffic(getattr(obj, "_compression", obj))
     return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}
+
+
+def step_metrics(obj):
+    """What the last step of an hvd_quant tape or optimizer (or reducer) did
+    (:func:`hvd_quant.plan.step_metrics`: bytes sent and the fp32 equivalent, the exchange's time, the
+    reduction and precision of each bucket); None before its first step. The stock path: use
+    :func:`bytes_sent_per_step`."""
+    return reducer_of(obj).step_metrics()
 
 
 _ = resolve_codec  # re-exported by the package

@@ -10,7 +10,8 @@ from .._lazy import lazy_exports
 _EXPORTS = {"OPS": "._backend", "collectives": "._backend", "DistributedOptimizer": ".optimizer",
             "resolve_codec": ".optimizer"}
 
-__all__ = ["DistributedOptimizer", "bytes_sent_per_step", "collectives", "OPS", "resolve_codec"]
+__all__ = ["DistributedOptimizer", "bytes_sent_per_step", "step_metrics", "collectives", "OPS",
+           "resolve_codec"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
@@ -25,3 +26,18 @@ def bytes_sent_per_step(optimizer):
     t = optimizer.bytes_per_step() if hasattr(optimizer, "bytes_per_step") else None
     t = t if t is not None else _stock.take_traffic(getattr(optimizer, "_compression", None))
     return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}
+
+
+def step_metrics(optimizer):
+    """What ``optimizer``'s last step did (:func:`hvd_quant.plan.step_metrics`: bytes sent and the
+    fp32 equivalent, the exchange's time, the reduction and precision of each bucket), for
+    ``hvd_quant.torch.DistributedOptimizer`` and for stock Horovod optimizers whose ``compression=``
+    is an hvd_quant codec or :class:`hvd_quant.StockCompression` (for those: bytes since the last
+    call, and no time). None for a stock optimizer before its first gradient or without our codec."""
+    from .. import _stock
+    if hasattr(optimizer, "step_metrics"):
+        return optimizer.step_metrics()
+    comp = getattr(optimizer, "_compression", None)
+    if isinstance(comp, _stock.StockCompression):
+        return comp.step_metrics(optimizer)
+    return _stock.stock_compression(comp).step_metrics(optimizer) if hasattr(comp, "spec") else None

@@ -113,6 +113,11 @@ def collectives(process_set=None):
     return coll
 
 
+def host_one():
+    """A host int32 tensor holding 1 (:class:`hvd_quant.plan.Presence`)."""
+    return torch.ones(1, dtype=torch.int32)
+
+
 def stock_backend(process_set=None):
     """(Collectives, ArrayOps) for hvd_quant._stock's dispatch on tensor type."""
     return collectives(process_set), OPS

@@ -37,6 +37,7 @@ usage patterns".
 import itertools
 import os
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -116,7 +117,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._step = 0               # completed synchronizations: warmup and the noise key
         self._step_agreed = False    # ranks take the largest counter at their first exchange
         self._traffic = Traffic()    # this step so far
+        self._presence = (_plan.Presence(f"{self._prefix}.present", _backend.host_one)
+                          if process_set.process_set_id == 0 else None)   # hvd.join() is global
         self.last_traffic = Traffic()  # the last completed step
+        self._t_first = None          # when this step's first gradient was handed in
+        self._last_routes = ((), ())  # (route, buckets started compressed) of the last step
         self._make_plan(groups)
 
         elastic = os.environ.get('HOROVOD_ELASTIC') == '1'
@@ -142,6 +147,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._p_bucket = {p: k for k, ps in enumerate(self._bucket_params) for p in ps}
         self._arrived = [0] * len(self._buckets)
         self._pending = [None] * len(self._buckets)
+        self._complete = []           # buckets complete, waiting for this step's presence count
 
     def _connect(self):
         """(Re)bind to the process set's current rank and size and check every rank agrees."""
@@ -219,15 +225,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p in self._launched:
             return
         if not self._launched:
+            self._t_first = time.perf_counter()
             self._connect()             # the first gradient of a step: the world may have changed
-        if not self._step_agreed:
-            self._agree_step(p.device)
+            if not self._step_agreed:
+                self._agree_step(p.device)
+            if self._presence is not None and self._coll.size > 1 and self._compressing():
+                self._presence.start(self._coll)
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
         k = self._p_bucket.get(p)
-        route = self._route()
-        if k is None or self._in_warmup() or route == ALLREDUCE:
+        if k is None or not self._compressing():
             self._launch_plain(p)
             return
         if p.grad.is_sparse and not self.sparse_as_dense:
@@ -236,11 +244,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # ignored (synchronize skips parameters that have a handle).
             self._launch_plain(p)
         self._arrived[k] += 1
-        params = self._bucket_params[k]
-        if self._arrived[k] == len(params):
+        if self._arrived[k] == len(self._bucket_params[k]):
+            self._complete.append(k)
+        if self._complete:
+            self._start_complete(wait=False)
+
+    def _compressing(self):
+        """True when this step's buckets take a compressed exchange."""
+        return (self._buckets and not self._in_warmup() and self._route() != ALLREDUCE
+                and not (self._presence is not None and self._presence.absent(self._coll)))
+
+    def _start_complete(self, wait):
+        """Start the complete buckets' exchanges once this step's presence count is known (``wait``:
+        block for it); if a rank is inside ``hvd.join()``, their gradients go through Horovod's
+        allreduce instead, as with Horovod's own optimizer."""
+        if self._presence is not None and not self._presence.known(self._coll, wait):
+            return
+        complete, self._complete = self._complete, []
+        if not self._compressing():
+            # every bucket member that arrived so far, complete bucket or not; later ones go plain
+            for q in sorted(self._launched, key=self._parameter_names.get):
+                if q in self._p_bucket and q not in self._handles:
+                    self._launch_plain(q)
+            return
+        ex = self._exchange_for(self._route())
+        for k in complete:
             b = self._buckets[k]
-            flat = _backend.OPS.flatten([self._bucket_grad(q) for q in params])
-            ex = self._exchange_for(route)
+            flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._bucket_params[k]])
             self._pending[k] = ex.start(b.name, flat, step=self._step, header=b.header)
             ex.advance_ready(self._pending)      # earlier buckets whose alltoall is done: phase two
 
@@ -277,7 +307,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._connect()
         for p in sorted(self._requires_update - self._launched, key=self._parameter_names.get):
             self._ready(p)
+        self._start_complete(wait=True)
         started = [k for k, pending in enumerate(self._pending) if pending is not None]
+        self._last_routes = (self._route(), started)
         flats = self._exchange_for(self._route()).finish_all([self._pending[k] for k in started]) \
             if started else []
         scale = self.config.result_scale(self._coll.size)
@@ -311,11 +343,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._arrived = [0] * len(self._buckets)
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
-        if self._auto is not None and not self._in_warmup() and self._auto.end_step():
+        joined = self._presence is not None and self._presence.absent(self._coll)
+        if self._presence is not None:
+            self._presence.end_step(self._coll)
+        if self._auto is not None and not self._in_warmup() and not joined and self._auto.end_step():
             self._auto.decide(self._coll, _backend.OPS, f"{self._prefix}.auto")
             if self._coll.rank == 0:
                 print(f"hvd_quant: {self._auto.summary()}", flush=True)
         self._step += 1
+        if self._t_first is not None:
+            self._traffic.seconds = time.perf_counter() - self._t_first
+            self._t_first = None
         self.last_traffic = self._traffic.copy()
         self._traffic.reset()
         self._connect()
@@ -369,6 +407,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (:class:`hvd_quant.exchange.Traffic`; ``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""
         return self.last_traffic
 
+    def step_metrics(self):
+        """What the last step did: bytes, the exchange's time, the reduction and precision of each
+        bucket (:func:`hvd_quant.plan.step_metrics`)."""
+        route, started = self._last_routes
+        started = set(started)
+        routes = [route if k in started else ALLREDUCE for k in range(len(self._buckets))]
+        return _plan.step_metrics(self._grad_plan, self.last_traffic, routes, self.codec.spec())
+
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
         state = super(self.__class__, self).state_dict(*args, **kwargs)
@@ -389,6 +435,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._launched = set()
         self._arrived = [0] * len(self._buckets)
         self._pending = [None] * len(self._buckets)
+        self._complete = []
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:

@@ -189,6 +189,13 @@ def run_tape(spec, reduction, case):
     if not spec.startswith("fp16"):
         # w1, w2 compressed; b1 and small (96 elements) in fp32
         check(t["ratio"] > 1.9, f"bytes tape {spec} {reduction}", f"{t}")
+        sm = hqt.step_metrics(tape)
+        check(sm["sent"] == t["sent"] and sm["reduction"] == reduction and sm["buckets"]
+              and all(b["reduction"] == reduction and b["precision"] == codec.spec()
+                      for b in sm["buckets"])
+              and sm["uncompressed"]["tensors"] >= 1 and 0 < sm["exchange_s"] < 60,
+              f"step_metrics tape {spec} {reduction}",
+              f"{sm['reduction']}, {len(sm['buckets'])} buckets, exchange {sm['exchange_s']} s")
 
 
 def run_tapefn(spec, reduction, case):

@@ -298,12 +298,15 @@ def option_cases():
     check("Adasum" in msg and "not supported" in msg, "stock adasum refused", msg[:200])
     # SRA's second phase starts during backward for a bucket whose alltoall is done: b.weight's
     # bucket starts first; a.weight's gradient is held back 0.5 s (on every rank), so when its own
-    # bucket starts, b's alltoall has completed and is advanced then, before synchronize().
+    # bucket starts, b's alltoall has completed and is advanced then, before synchronize(). (b.weight
+    # is held back 0.2 s too: a bucket starts once the step's presence count, hvd.join(), issued at
+    # c's gradient, is known, and no other gradient would look for it before a.weight's.)
     m = fresh()
     opt = hqt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
                                    named_parameters=m.named_parameters(), compression=codec(Q4D),
                                    reduction="sra", bucket_bytes=16384)
     kb = next(k for k, ps in enumerate(opt._bucket_params) if ps == [m.b.weight])
+    m.b.weight.register_hook(lambda g: time.sleep(0.2))
     m.a.weight.register_hook(lambda g: time.sleep(0.5))
     x, y = batch(0, 68)
     F.cross_entropy(m(x), y).backward()
@@ -346,6 +349,43 @@ def bytes_cases():
                   f"bytes {entry}/{spec}", f"sent {got['sent']:.0f} (mean over ranks {mean:.0f}) vs "
                   f"formula {formula.sent:.0f}, {got['ratio']:.2f}x fewer than fp32 (>= {at_least})")
             opt.zero_grad()
+            step_metrics_ok(entry, m, opt, c, got)
+    # warm-up: the buckets went through Horovod's allreduce uncompressed, and say so
+    m = fresh()
+    opt = make_opt("ours", m, Q4D, warmup_steps=1)
+    x, y = batch(1, 5)
+    F.cross_entropy(m(x), y).backward()
+    opt.step()
+    sm = hqt.step_metrics(opt)
+    check(sm["reduction"] == "allreduce" and sm["ratio"] == 1.0
+          and all(b["reduction"] == "allreduce" and b["precision"] == "fp32" for b in sm["buckets"]),
+          "step_metrics in warm-up", f"{sm['reduction']}, {[b['precision'] for b in sm['buckets']]}")
+
+
+def step_metrics_ok(entry, m, opt, c, got):
+    """hvd_quant.torch.step_metrics after one step: the bytes of bytes_sent_per_step, each bucket
+    with its reduction and the codec's spec, the uncompressed tensors, the exchange's time."""
+    if entry == "stock":      # bytes since the last call: take one more step (auto's second: allgather)
+        x, y = batch(1, 5)
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    sm = hqt.step_metrics(opt)
+    params = list(m.parameters())
+    comp = [p for p in params if is_compressed(p)]
+    buckets = sm["buckets"]
+    route = "sra" if entry == "ours" else "allgather"
+    check(sm["reduction"] == route and buckets
+          and all(b["reduction"] == route and b["precision"] == c.spec() for b in buckets)
+          and sum(b["numel"] for b in buckets) == sum(p.numel() for p in comp)
+          and sm["uncompressed"] == {"tensors": len(params) - len(comp),
+                                     "numel": sum(p.numel() for p in params if not is_compressed(p))}
+          and (sm["sent"] == got["sent"] if entry == "ours" else sm["sent"] > 0)
+          and sm["fp32"] == got["fp32"]
+          and (sm["exchange_s"] is None if entry == "stock" else 0 < sm["exchange_s"] < 60),
+          f"step_metrics {entry}/{c.spec()}",
+          f"{sm['reduction']}, {len(buckets)} buckets, exchange {sm['exchange_s']} s, "
+          f"uncompressed {sm['uncompressed']}")
 
 
 def run_steps(model, opt, steps, salt, trace):

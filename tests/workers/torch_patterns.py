@@ -22,6 +22,12 @@ argv picks the groups (default: all):
   backward and so contributes zero gradients; the loop ends on every rank together, then
   ``hvd.join()``. Gradients against the uncompressed reference (zeros from the exhausted rank),
   replicas identical;
+* ``join``: Horovod's own uneven-data pattern. Each rank in turn has 2 batches where the others have
+  4, and calls ``hvd.join()`` when it runs out (rank 0 joining used to crash Horovod). The first 2
+  steps are compressed and checked as above. The steps after the join must give exactly an
+  uncompressed ``hvd.allreduce`` under join (zeros from the joined rank). ``hvd.join()`` must return
+  the same rank everywhere, and the ranks that stepped on must end identical. Both entry points and
+  reductions, QSGD and 1-bit;
 * ``patterns``: for the stock path and hvd_quant's optimizer with both reductions: gradient clipping
   between ``synchronize()`` and ``skip_synchronize()`` (no warning), parameters without a gradient in
   a step (which ones differs between ranks), ``requires_grad`` switched off and on mid-training,
@@ -361,6 +367,50 @@ def uneven_cases():
     check(0 <= last < N, "hvd.join() after the loop", f"last joined rank {last}")
 
 
+# -- hvd.join() -------------------------------------------------------------------------------------
+def join_step(label, model, opt, step):
+    """A step while some rank is inside ``hvd.join()``: the exchange must fall back to Horovod's
+    allreduce, which adds zeros for the joined ranks, so the gradient equals an uncompressed
+    ``hvd.allreduce`` of the local gradients exactly (at most one summand of each sum differs from
+    zero or all do: the order of additions cannot change the result)."""
+    params = list(model.parameters())
+    x, y = batch(step, 23)
+    loss = F.cross_entropy(model(x), y)
+    grads = local_grads(loss, params)
+    ref = hvd.grouped_allreduce([g.clone() for g in grads], op=hvd.Average, name=f"jref.{label}.{step}")
+    loss.backward()
+    opt.synchronize()
+    worst = max(float((p.grad - r).abs().max()) for p, r in zip(params, ref))
+    check(worst == 0.0, f"{label} step {step}: Horovod's allreduce under join", f"max |diff| {worst}")
+    with opt.skip_synchronize():
+        opt.step()
+    opt.zero_grad()
+
+
+def join_cases():
+    """Each rank in turn runs out of data first and calls ``hvd.join()`` while the others step on
+    (Horovod's pattern for uneven data; rank 0 joining used to crash Horovod)."""
+    for entry, reduction in ENTRIES:
+        for spec in (Q4D, ONEBIT):
+            for short in range(N):
+                label = f"join {entry}/{reduction}/{spec} rank {short} joins first"
+                m = fresh()
+                opt = make_opt(entry, m, spec, reduction=reduction)
+                steps = 2 if R == short else 4
+                for step in range(2):       # everyone steps: compressed, within the bound
+                    train_step(f"{label} step {step}", m, opt, spec, reduction, data=batch(step, 23))
+                for step in range(2, steps):
+                    join_step(label, m, opt, step)
+                last = hvd.join()
+                check(same_on_all_ranks(torch.tensor([last])) and last != short,
+                      f"{label}: hvd.join() returns the last rank to join on every rank", f"{last}")
+                flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+                rows = hvd.allgather(flat[None], name=f"jparams.{label}")
+                stepped = [r for r in range(N) if r != short]
+                check(all(torch.equal(rows[stepped[0]], rows[r]) for r in stepped),
+                      f"{label}: the ranks that stepped on are identical")
+
+
 # -- patterns ---------------------------------------------------------------------------------------
 def pattern_cases():
     for entry, reduction in ENTRIES:
@@ -459,9 +509,9 @@ def pattern_cases():
 
 
 def main():
-    groups = sys.argv[1:] or ["resume", "sparse", "uneven", "patterns"]
+    groups = sys.argv[1:] or ["resume", "sparse", "uneven", "join", "patterns"]
     table = {"resume": resume_cases, "sparse": sparse_cases, "uneven": uneven_cases,
-             "patterns": pattern_cases}
+             "join": join_cases, "patterns": pattern_cases}
     for g in groups:
         check.run(g, table[g])
     faulthandler.cancel_dump_traceback_later()

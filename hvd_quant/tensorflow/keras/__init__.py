@@ -7,6 +7,6 @@ Horovod's Keras callbacks work unchanged (``hvd.callbacks.BroadcastGlobalVariabl
 from horovod.tensorflow.keras import callbacks  # noqa: F401
 
 from ..wrappers import KerasDistributedOptimizer as DistributedOptimizer
-from ..wrappers import bytes_sent_per_step, reducer_of
+from ..wrappers import bytes_sent_per_step, reducer_of, step_metrics
 
-__all__ = ["DistributedOptimizer", "bytes_sent_per_step", "reducer_of", "callbacks"]
+__all__ = ["DistributedOptimizer", "bytes_sent_per_step", "reducer_of", "step_metrics", "callbacks"]
