@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 STEPS = 20      # per phase: reduction="auto" decides after 3 + 15 steps
 
 
-def _elastic_job(tmp_path, mode):
+def _elastic_job(tmp_path, mode, worker="torch_elastic.py", steps=STEPS):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     discover = tmp_path / "discover.sh"
@@ -34,10 +34,10 @@ def _elastic_job(tmp_path, mode):
     cmd = [_tool("horovodrun"), "--gloo", "-np", "2", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", str(discover), "--elastic-timeout", "60",
            "--start-timeout", "60", "--network-interface", "lo",
-           sys.executable, "tests/workers/torch_elastic.py", mode]
+           sys.executable, f"tests/workers/{worker}", mode]
     t0 = time.monotonic()
     result = run_command(cmd, timeout=240, env={"HVDQ_ELASTIC_HOSTS": hosts,
-                                                "HVDQ_ELASTIC_STEPS": STEPS})
+                                                "HVDQ_ELASTIC_STEPS": steps})
     print(f"{mode}: {time.monotonic() - t0:.1f}s")
     return result
 

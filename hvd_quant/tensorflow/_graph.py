@@ -36,6 +36,7 @@ the ``name`` given to ``hvd.allreduce``; the variable of the gradient (Horovod's
 fixed by the program, hence equal on every rank; duplicates within one traced function get ``#k``.
 """
 import functools
+import os
 import sys
 import threading
 import time
@@ -146,6 +147,25 @@ class GraphExchange:
         self.t_last = None
         self._keys = weakref.WeakKeyDictionary()   # outermost graph -> names used in it
 
+    def rebind(self):
+        """Bind the exchange to the process set's rank and size now (call under ``lock``, at run
+        time). Horovod's elastic mode changes them between two executions of one trace; in a new
+        world every rank runs the handshakes again and restarts the exchange counters from zero,
+        the same on every rank (a worker that joins has none)."""
+        coll = graph_collectives(self.process_set)
+        if coll is self.exchange.coll:
+            return
+        self.exchange.coll = coll
+        if self.device_exchange is not None:
+            self.device_exchange.coll = coll
+        self.verified.clear()
+        self.steps.clear()
+
+    def world_size(self):
+        """A graph op: the process set's size when the graph runs (elastic: not the traced one)."""
+        import horovod.tensorflow as hvd
+        return hvd.size_op(process_set_id=self.process_set.process_set_id)
+
     def take_seconds(self):
         """Seconds from the first exchange start to the last finish since the last call (None if no
         exchange ran)."""
@@ -174,7 +194,9 @@ class GraphExchange:
         hs_name = op_name(name or f"{ex.prefix}.hs.{key}")
 
         def need():
-            return np.bool_(key not in self.verified)
+            with self.lock:
+                self.rebind()
+                return np.bool_(key not in self.verified)
 
         def check(gathered):
             with self.lock:
@@ -183,7 +205,10 @@ class GraphExchange:
             return np.bool_(True)
 
         def run():
-            rec = tf.constant(np.frombuffer(record, dtype=np.uint8))
+            # from a stateful step, not a constant: Grappler would fold an allgather of a constant
+            # once, when the function is first optimized, and a new world would never see it
+            rec = _numpy_step(lambda: np.frombuffer(record, dtype=np.uint8), [], tf.uint8,
+                              [len(record)], "hvdq_handshake_record")
             gathered = hvd.allgather(rec, name=hs_name, ignore_name_scope=True, process_set=ps)
             return _numpy_step(check, [gathered], tf.bool, [], "hvdq_handshake_check")
 
@@ -191,14 +216,20 @@ class GraphExchange:
         return tf.cond(flag, run, lambda: tf.constant(True))
 
     # -- the exchange -------------------------------------------------------------------------------
-    def static_sizes(self, numel):
-        """(bytes this rank sends first, bytes it sends second or None) for ``numel`` elements."""
+    def sizes(self, numel):
+        """(bytes this rank sends first, bytes it sends second or None) for ``numel`` elements, in the
+        current world (SRA's depend on its rank and size, allgather's do not)."""
         ex = self.exchange
         if ex.reduction == "allgather":
             return ex.payload_nbytes(numel), None
         bounds = ex.bounds(numel)
         a, b = bounds[ex.coll.rank]
         return sum(ex.payload_nbytes(y - x) for x, y in bounds), ex.payload_nbytes(b - a)
+
+    def _splits(self, numel):
+        with self.lock:
+            ex = self.exchange
+            return np.array([ex.payload_nbytes(b - a) for a, b in ex.bounds(numel)], np.int32)
 
     def build(self, key, flat, header=None, deps=(), device=None):
         """Graph ops computing the float32 **sum over ranks** of the 1-D float32 ``flat`` (static
@@ -209,7 +240,10 @@ class GraphExchange:
         ex, ps = self.exchange, self.process_set
         numel = int(flat.shape[0])
         header = key if header is None else header
-        first, second = self.static_sizes(numel)
+        # SRA's payload sizes follow the world, which elastic Horovod changes under a trace: they
+        # are computed when the steps run, and the shapes left open
+        sra = ex.reduction == "sra"
+        shape = [None] if sra else [self.sizes(numel)[0]]
         slot = _Slot()
         nm = op_name(key)
         if device is None:
@@ -219,15 +253,16 @@ class GraphExchange:
             start, advance, finish = (functools.partial(f, device) for f in
                                       (self._start_dev, self._advance_dev, self._finish_dev))
         with tf.control_dependencies(list(deps)):
-            send = step(functools.partial(start, slot, key, header, first), [flat],
-                        tf.uint8, [first], "hvdq_start")
-        if ex.reduction == "sra":
-            splits = [ex.payload_nbytes(b - a) for a, b in ex.bounds(numel)]
-            recv, _ = hvd.alltoall(send, splits=tf.constant(splits, tf.int32),
-                                   name=op_name(f"{ex.prefix}.a2a.{nm}"), ignore_name_scope=True,
-                                   process_set=ps)
-            send = step(functools.partial(advance, slot, second), [recv], tf.uint8,
-                        [second], "hvdq_advance")
+            send = step(functools.partial(start, slot, key, header, numel), [flat],
+                        tf.uint8, shape, "hvdq_start")
+        if sra:
+            with tf.control_dependencies([send]):      # after start has bound the current world
+                splits = _numpy_step(functools.partial(self._splits, numel), [], tf.int32, [None],
+                                     "hvdq_splits")
+            recv, _ = hvd.alltoall(send, splits=splits, name=op_name(f"{ex.prefix}.a2a.{nm}"),
+                                   ignore_name_scope=True, process_set=ps)
+            send = step(functools.partial(advance, slot, numel), [recv], tf.uint8, shape,
+                        "hvdq_advance")
         gathered = hvd.allgather(send, name=op_name(f"{ex.prefix}.ag.{nm}"), ignore_name_scope=True,
                                  process_set=ps)
         return step(functools.partial(finish, slot, numel), [gathered], tf.float32,
@@ -235,22 +270,23 @@ class GraphExchange:
 
     # The numpy steps (run at execution time, under one lock per engine: the core and the codec
     # keep per-name state).
-    def _start(self, slot, key, header, expected, flat):
+    def _start(self, slot, key, header, numel, flat):
         with self.lock:
+            self.rebind()
             if self.t_first is None:
                 self.t_first = time.perf_counter()
             step = self.steps.get(key, 0)
             self.steps[key] = step + 1
             slot.pending = self.exchange.start(key, _readonly(flat, np.float32), step=step,
                                                header=header)
-            return self._out(slot.pending.handle.tensor, expected, key)
+            return self._out(slot.pending.handle.tensor, self.sizes(numel)[0], key)
 
-    def _advance(self, slot, expected, recv):
+    def _advance(self, slot, numel, recv):
         with self.lock:
             p = self._pending(slot)
             p.handle.result = np.asarray(recv).reshape(-1)
             self.exchange.advance(p)
-            return self._out(p.handle.tensor, expected, p.name)
+            return self._out(p.handle.tensor, self.sizes(numel)[1], p.name)
 
     def _finish(self, slot, numel, gathered):
         with self.lock:
@@ -262,9 +298,10 @@ class GraphExchange:
             return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
 
     # The same steps on a GPU (tf.py_function; inputs are GPU EagerTensors). Written, never run.
-    def _start_dev(self, device, slot, key, header, expected, flat):
+    def _start_dev(self, device, slot, key, header, numel, flat):
         from . import _device as D
         with self.lock:
+            self.rebind()
             if self.t_first is None:
                 self.t_first = time.perf_counter()
             D.sync_tensorflow()
@@ -272,16 +309,16 @@ class GraphExchange:
             step = self.steps.get(key, 0)
             self.steps[key] = step + 1
             slot.pending = self.device_exchange.start(key, own, step=step, header=header)
-            return self._out_dev(slot.pending.handle.tensor, expected, key, device)
+            return self._out_dev(slot.pending.handle.tensor, self.sizes(numel)[0], key, device)
 
-    def _advance_dev(self, device, slot, expected, recv):
+    def _advance_dev(self, device, slot, numel, recv):
         from . import _device as D
         with self.lock:
             D.sync_tensorflow()
             p = self._pending(slot)
             p.handle.result = D.tf_view(recv).reshape(-1)
             self.device_exchange.advance(p)
-            return self._out_dev(p.handle.tensor, expected, p.name, device)
+            return self._out_dev(p.handle.tensor, self.sizes(numel)[1], p.name, device)
 
     def _finish_dev(self, device, slot, numel, gathered):
         from . import _device as D
@@ -299,7 +336,7 @@ class GraphExchange:
         from . import _device as D
         if int(arr.size) != expected:
             raise RuntimeError(f"hvd_quant: internal error: exchange {key!r} produced {arr.size} "
-                               f"bytes, {expected} were planned when tracing")
+                               f"bytes, {expected} were planned")
         return D.to_tf(arr, tf.uint8, device)
 
     @staticmethod
@@ -313,7 +350,7 @@ class GraphExchange:
         arr = np.ascontiguousarray(np.asarray(arr, dtype=np.uint8).reshape(-1))
         if arr.size != expected:
             raise RuntimeError(f"hvd_quant: internal error: exchange {key!r} produced {arr.size} "
-                               f"bytes, {expected} were planned when tracing")
+                               f"bytes, {expected} were planned")
         return arr
 
 
@@ -394,11 +431,12 @@ class _GraphCtx:
     __slots__ = ("result", "info", "size")
 
     def __init__(self, result, info, size):
-        self.result, self.info, self.size = result, info, size
+        self.result, self.info, self.size = result, info, size     # size: a graph op
 
     def stock_decompress(self, summed_placeholder):
         # placeholder sum / N = the factor Horovod would apply to the sum (op, pre/postscale).
-        factor = tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32) / float(self.size)
+        factor = (tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32)
+                  / tf.cast(self.size, tf.float32))
         out = tf.reshape(self.result * factor, self.info.shape)
         return out if self.info.dtype == tf.float32 else tf.cast(out, self.info.dtype)
 
@@ -411,6 +449,12 @@ def stock_compress(sc, tensor):
     if tf.executing_eagerly() and hasattr(tensor, "numpy"):
         return sc.compress_on(_backend, tensor)
     import horovod.tensorflow as hvd
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        raise ValueError(
+            "hvd_quant: a codec as compression= of Horovod's TensorFlow tape or optimizer inside a "
+            "tf.function does not support elastic Horovod (HOROVOD_ELASTIC=1): use "
+            "hvd_quant.tensorflow.DistributedGradientTape / DistributedOptimizer, which do "
+            "(docs/TENSORFLOW.md, \"Elastic\")")
     adapter = _backend.stock_adapter()
     info = adapter.describe(tensor)
     hctx = horovod_context(tensor)
@@ -422,4 +466,4 @@ def stock_compress(sc, tensor):
     ok = eng.handshake(key, sc.record(key, info.shape), f"tensor {key!r}")
     flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
     result = eng.build(key, flat, header=_stock.header(key, info.shape), deps=[ok])
-    return adapter.placeholder(tensor), _GraphCtx(result, info, eng.exchange.coll.size)
+    return adapter.placeholder(tensor), _GraphCtx(result, info, eng.world_size())

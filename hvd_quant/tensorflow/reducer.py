@@ -31,13 +31,14 @@ checkpoints of the optimizer carry it.
 """
 import io
 import json
+import os
 import threading
 
 import numpy as np
 import tensorflow as tf
 
 from .. import plan as _plan
-from ..exchange import HANDSHAKE_NAME, Exchange, Traffic
+from ..exchange import AVERAGE, HANDSHAKE_NAME, Exchange, Traffic
 from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
 from . import _backend
@@ -242,13 +243,18 @@ class GradientReducer(_Trackable):
         return None if "CPU" in dev.upper() else "/GPU:0"
 
     def _compressed(self, engine, plan, grads):
-        scale = self.config.result_scale(engine.exchange.coll.size)
+        # op=Average: 1/N of the size when the graph runs (elastic Horovod changes it under a trace),
+        # rounded to float32 as a Python constant 1/N would be
+        scale = None
+        if self.op == AVERAGE:
+            n = tf.cast(engine.world_size(), tf.float64)
+            scale = tf.cast(tf.constant(1.0, tf.float64) / n, tf.float32)
         out = {}
         for b in plan.buckets:
             parts = [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in b.members]
             flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
             total = engine.build(b.name, flat, header=b.header, device=self._device_of(flat))
-            if scale != 1.0:
+            if scale is not None:
                 total = total * scale
             pieces = tf.split(total, list(b.numels)) if len(b.members) > 1 else [total]
             for i, piece, shape in zip(b.members, pieces, b.shapes):
@@ -263,8 +269,8 @@ class GradientReducer(_Trackable):
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         ps = self.process_set
-        if not ps.included() or ps.size() <= 1:
-            return grads
+        if not ps.included() or (ps.size() <= 1 and os.environ.get("HOROVOD_ELASTIC") != "1"):
+            return grads        # elastic: the world may grow under this trace, as in Horovod
         with self._lock:
             engine = self._connect()
             trace = self._trace_for(grads, variables, list(names))
@@ -297,11 +303,10 @@ class GradientReducer(_Trackable):
         return out
 
     def _account_op(self, engine, trace, extra_bytes, extra_numel):
-        size = engine.exchange.coll.size
-
         def account(nbytes, numel):
             seconds = engine.take_seconds()
             with engine.lock:
+                size = engine.exchange.coll.size
                 t = engine.exchange.traffic
                 t.add_allreduce(trace.plain_nbytes + int(nbytes), trace.plain_numel + int(numel), size)
                 t.seconds = seconds
