@@ -121,6 +121,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                           if process_set.process_set_id == 0 else None)   # hvd.join() is global
         self.last_traffic = Traffic()  # the last completed step
         self._t_first = None          # when this step's first gradient was handed in
+        self._compress_now = False    # this step's buckets take a compressed exchange
         self._last_routes = ((), ())  # (route, buckets started compressed) of the last step
         self._make_plan(groups)
 
@@ -229,13 +230,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._connect()             # the first gradient of a step: the world may have changed
             if not self._step_agreed:
                 self._agree_step(p.device)
-            if self._presence is not None and self._coll.size > 1 and self._compressing():
+            self._compress_now = bool(self._buckets) and not self._in_warmup() \
+                and self._route() != ALLREDUCE
+            if self._compress_now and self._presence is not None and self._coll.size > 1:
                 self._presence.start(self._coll)
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
         k = self._p_bucket.get(p)
-        if k is None or not self._compressing():
+        if k is None or not self._compress_now:
             self._launch_plain(p)
             return
         if p.grad.is_sparse and not self.sparse_as_dense:
@@ -249,19 +252,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._complete:
             self._start_complete(wait=False)
 
-    def _compressing(self):
-        """True when this step's buckets take a compressed exchange."""
-        return (self._buckets and not self._in_warmup() and self._route() != ALLREDUCE
-                and not (self._presence is not None and self._presence.absent(self._coll)))
-
     def _start_complete(self, wait):
         """Start the complete buckets' exchanges once this step's presence count is known (``wait``:
         block for it); if a rank is inside ``hvd.join()``, their gradients go through Horovod's
         allreduce instead, as with Horovod's own optimizer."""
         if self._presence is not None and not self._presence.known(self._coll, wait):
             return
+        if self._presence is not None and self._presence.absent(self._coll):
+            self._compress_now = False
         complete, self._complete = self._complete, []
-        if not self._compressing():
+        if not self._compress_now:
             # every bucket member that arrived so far, complete bucket or not; later ones go plain
             for q in sorted(self._launched, key=self._parameter_names.get):
                 if q in self._p_bucket and q not in self._handles:

@@ -28,15 +28,11 @@ from horovod.common.exceptions import HorovodInternalError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checks as _checks  # noqa: E402
+from elastic_schedule import SIZES, TOTAL, next_phase  # noqa: E402
 
 import hvd_quant  # noqa: E402
 import hvd_quant.tensorflow as hqt  # noqa: E402
 
-HOSTS = os.environ["HVDQ_ELASTIC_HOSTS"]
-PHASE_STEPS = int(os.environ.get("HVDQ_ELASTIC_STEPS", "6"))
-SIZES = (2, 3, 2)
-TOTAL = PHASE_STEPS * len(SIZES)
-WAIT_S = float(os.environ.get("HVDQ_ELASTIC_WAIT_S", "90"))
 
 faulthandler.dump_traceback_later(float(os.environ.get("HVDQ_TEST_HANG_S", "200")), exit=True)
 hvd.init()
@@ -90,13 +86,6 @@ for i, (key, (codec, reduction)) in enumerate(CODECS.items()):
 state = hvd.elastic.TensorFlowKerasState(MODELS[MODE], OPTS[MODE], batch=0, phase=0)
 
 
-def write_hosts(slots):
-    tmp = HOSTS + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"localhost:{slots}\n")
-    os.replace(tmp, HOSTS)
-
-
 def same_everywhere(arrays, name):
     blob = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in arrays]).view(np.uint8)
     g = hvd.allgather(tf.constant(blob[None]), name=name).numpy()
@@ -109,28 +98,11 @@ def batch_for(b):
             tf.constant(rng.integers(0, 10, 8)))
 
 
-def wait_for_change(st):
-    """Commit and poll until Horovod raises HostsUpdatedInterrupt (every rank at the same poll)."""
-    t0 = time.monotonic()
-    while True:
-        st.check_host_updates()
-        if time.monotonic() - t0 > WAIT_S:
-            raise RuntimeError(f"no membership change within {WAIT_S}s")
-        time.sleep(0.25)
-
-
 @hvd.elastic.run
 def train(st):
     while st.batch < TOTAL:
         b, size = st.batch, hvd.size()
-        if b == PHASE_STEPS * (st.phase + 1):
-            st.phase += 1
-            if hvd.rank() == 0:
-                write_hosts(SIZES[st.phase])
-                print(f"PHASE {st.phase}: rank 0 wrote localhost:{SIZES[st.phase]} at batch {b}",
-                      flush=True)
-            st.commit()
-            wait_for_change(st)
+        next_phase(st, b, hvd.rank())
         check(size == SIZES[st.phase], f"size.b{b}", f"phase {st.phase} runs at {size} ranks")
         x, y = batch_for(b)
         for key, step in STEPS.items():

@@ -28,6 +28,7 @@ import horovod.torch as hvd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checks as _checks  # noqa: E402
+from elastic_schedule import SIZES, TOTAL, next_phase  # noqa: E402
 
 import hvd_quant  # noqa: E402
 import hvd_quant.torch  # noqa: E402
@@ -36,11 +37,6 @@ from hvd_quant.memory import Memory  # noqa: E402
 from hvd_quant.plan import AutoChoice  # noqa: E402
 
 MODE = sys.argv[1]
-HOSTS = os.environ["HVDQ_ELASTIC_HOSTS"]
-PHASE_STEPS = int(os.environ.get("HVDQ_ELASTIC_STEPS", "20"))
-SIZES = (2, 3, 2)
-TOTAL = PHASE_STEPS * len(SIZES)
-WAIT_S = float(os.environ.get("HVDQ_ELASTIC_WAIT_S", "90"))
 
 hvd.init()
 check = _checks.Checks(hvd)
@@ -81,13 +77,6 @@ state = hvd.elastic.TorchState(batch=0, phase=0, **kwargs)
 
 # What this process saw at the end of its last step (survives Horovod's reset, not a new process).
 LAST = {"size": None, "worker": None, "server": {}, "fp32": {}, "seen": set()}
-
-
-def write_hosts(slots):
-    tmp = HOSTS + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"localhost:{slots}\n")
-    os.replace(tmp, HOSTS)
 
 
 def gather_same(t, name):
@@ -207,28 +196,11 @@ def after_step(b, size, first):
     LAST["seen"].add((rank, size))
 
 
-def wait_for_change(state):
-    """Commit and poll until Horovod raises HostsUpdatedInterrupt (every rank at the same poll)."""
-    t0 = time.monotonic()
-    while True:
-        state.check_host_updates()
-        if time.monotonic() - t0 > WAIT_S:
-            raise RuntimeError(f"no membership change within {WAIT_S}s")
-        time.sleep(0.25)
-
-
 @hvd.elastic.run
 def train(state):
     while state.batch < TOTAL:
         b, size = state.batch, hvd.size()
-        if b == PHASE_STEPS * (state.phase + 1):
-            state.phase += 1
-            if hvd.rank() == 0:
-                write_hosts(SIZES[state.phase])
-                print(f"PHASE {state.phase}: rank 0 wrote localhost:{SIZES[state.phase]} at batch {b}",
-                      flush=True)
-            state.commit()
-            wait_for_change(state)
+        next_phase(state, b, hvd.rank())
         first = LAST["size"] != size
         if first:
             before_step(b, size)
