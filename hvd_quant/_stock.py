@@ -269,7 +269,7 @@ class StockCompression:
     """
 
     def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
-                 error_feedback=None, bucket_bytes=4 << 20):
+                 error_feedback=None, bucket_bytes=_plan.BUCKET_BYTES):
         self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=bucket_bytes,
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,

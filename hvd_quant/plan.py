@@ -79,13 +79,20 @@ def check_groups(groups, what):
         raise ValueError(f"groups should be a non-negative integer or a list of list of {what}.")
 
 
+# Default fusion bucket: float32 bytes of gradients per compressed bucket (torch DDP's bucket_cap_mb).
+# Each bucket costs Horovod collectives and host work per step whatever its size; with 4 MiB buckets a
+# ResNet-50 step on one H100 at world size 1 (exchange forced) took 57-61 ms against 51-52 ms with
+# 25 MiB (docs/BENCHMARKS.md), and a 1 Gbit/s CPU exchange was slower than fp32.
+BUCKET_BYTES = 25 << 20
+
+
 @dataclass(frozen=True)
 class Config:
     """What every rank must agree on. None: does not apply (the stock path has no buckets, warm-up or
     op), left out of :meth:`summary`; ``extra``: a frontend's own ``(label, value)`` pairs."""
     codec: Any
     reduction: str = "sra"
-    bucket_bytes: Optional[int] = 4 << 20
+    bucket_bytes: Optional[int] = BUCKET_BYTES
     min_compress_numel: int = 1024
     compress_1d: bool = False
     warmup_steps: Optional[int] = 0
@@ -116,7 +123,7 @@ class Config:
         return 1.0 / size if self.op == AVERAGE else 1.0
 
 
-def configure(compression, namespace=None, *, reduction="sra", bucket_bytes=4 << 20,
+def configure(compression, namespace=None, *, reduction="sra", bucket_bytes=BUCKET_BYTES,
               min_compress_numel=1024, compress_1d=False, warmup_steps=0, error_feedback=None,
               op=AVERAGE, predivide=1.0, extra=()):
     """A checked :class:`Config`; ``namespace``: the framework's ``Compression``, ``op``: a core op,

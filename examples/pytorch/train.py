@@ -147,10 +147,13 @@ def estimate_traffic(args, model, codec, kind, world_size):
     if codec is None or codec.spec().split(":", 1)[0] in ("none", "nocompression"):
         return traffic.bytes_per_step(shapes, world_size)  # plain fp32 allreduce
     wire = codec.wire_nbytes
+    from hvd_quant.plan import BUCKET_BYTES
     if kind == "horovod":  # the stock path fuses an optimizer's gradients into StockCompression's buckets
-        bucket = 4 << 20
+        bucket = BUCKET_BYTES
     else:
-        bucket = args.bucket_bytes if args.bucket_bytes is not None else _frontend_default("bucket_bytes", 4 << 20)
+        bucket = args.bucket_bytes
+        if bucket is None:
+            bucket = _frontend_default("bucket_bytes", BUCKET_BYTES)
     return traffic.bytes_per_step(shapes, world_size, wire, args.reduction, args.min_compress_numel,
                                   bucket_bytes=bucket)
 

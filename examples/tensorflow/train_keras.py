@@ -97,9 +97,10 @@ def estimate_traffic(args, model, codec, kind, world_size):
         return traffic.bytes_per_step(shapes, world_size, codec.wire_nbytes, "sra",
                                       args.min_compress_numel, bucket_bytes=1)
     # (bytes_per_step fuses in reverse variable order, as hvd_quant does)
+    from hvd_quant.plan import BUCKET_BYTES
     return traffic.bytes_per_step(shapes, world_size, codec.wire_nbytes,
                                   args.reduction, args.min_compress_numel,
-                                  bucket_bytes=args.bucket_bytes or (4 << 20))
+                                  bucket_bytes=args.bucket_bytes or BUCKET_BYTES)
 
 
 class _Scalars:

@@ -98,7 +98,7 @@ class GradientReducer(_Trackable):
     Arguments are Horovod's (``op``, ``gradient_predivide_factor``, ``groups``, ``sparse_as_dense``,
     ``process_set``, ``device_dense``, ``device_sparse``) plus ``compression`` (a codec, a spec
     string or ``hvd.Compression.none/fp16``), ``reduction`` (``"sra"`` | ``"allgather"``),
-    ``bucket_bytes`` (default 4 MiB), ``min_compress_numel`` (default 1024), ``compress_1d``,
+    ``bucket_bytes`` (default 25 MiB), ``min_compress_numel`` (default 1024), ``compress_1d``,
     ``warmup_steps`` and ``error_feedback`` (default: what the codec wants), and
     ``device_exchange`` (GPU gradients: keep the exchange on the GPU through DLPack and Numba device
     arrays, ``_device.py``; **untested with TensorFlow**; default off: host steps).
@@ -107,7 +107,7 @@ class GradientReducer(_Trackable):
     ``None``), eagerly (it wraps itself in a ``tf.function``) or inside a graph.
     """
 
-    def __init__(self, compression=None, op=None, reduction="sra", bucket_bytes=4 << 20,
+    def __init__(self, compression=None, op=None, reduction="sra", bucket_bytes=_plan.BUCKET_BYTES,
                  min_compress_numel=1024, warmup_steps=0, error_feedback=None, compress_1d=False,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=None, device_dense="", device_sparse="", device_exchange=False):

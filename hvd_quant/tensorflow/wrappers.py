@@ -78,7 +78,7 @@ def _tape_key(kw):
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=None,
                             sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
                             num_groups=0, groups=None, process_set=hvd.global_process_set,
-                            scale_local_gradients=True, reduction="sra", bucket_bytes=4 << 20,
+                            scale_local_gradients=True, reduction="sra", bucket_bytes=_plan.BUCKET_BYTES,
                             min_compress_numel=1024, warmup_steps=0, error_feedback=None,
                             compress_1d=False, device_exchange=False, reducer=None):
     """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange.
@@ -89,7 +89,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
         compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``), a spec
             string (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``.
         reduction: ``"sra"`` (scatter-reduce-allgather, default) or ``"allgather"``.
-        bucket_bytes: fusion bucket size in float32 bytes (default 4 MiB).
+        bucket_bytes: fusion bucket size in float32 bytes (default 25 MiB).
         min_compress_numel: smaller gradients, and 1-D ones unless ``compress_1d``, go uncompressed.
         warmup_steps: full-precision steps first.
         error_feedback: keep per-rank residuals (default: what the codec wants).
@@ -142,7 +142,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                          op=hvd.Average, gradient_predivide_factor=1.0,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=hvd.global_process_set, scale_local_gradients=True,
-                         reduction="sra", bucket_bytes=4 << 20, min_compress_numel=1024,
+                         reduction="sra", bucket_bytes=_plan.BUCKET_BYTES, min_compress_numel=1024,
                          warmup_steps=0, error_feedback=None, compress_1d=False,
                          device_exchange=False):
     """``horovod.tensorflow.DistributedOptimizer`` with a compressed gradient exchange: a
@@ -157,7 +157,7 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
                               op=hvd.Average, backward_passes_per_step=1,
                               average_aggregated_gradients=False, num_groups=0, groups=None,
                               process_set=hvd.global_process_set, scale_local_gradients=True,
-                              reduction="sra", bucket_bytes=4 << 20, min_compress_numel=1024,
+                              reduction="sra", bucket_bytes=_plan.BUCKET_BYTES, min_compress_numel=1024,
                               warmup_steps=0, error_feedback=None, compress_1d=False,
                               device_exchange=False):
     """``horovod.tensorflow.keras.DistributedOptimizer`` with a compressed gradient exchange

@@ -472,7 +472,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=hvd.global_process_set,
-                         reduction="auto", bucket_bytes=4 << 20, min_compress_numel=1024,
+                         reduction="auto", bucket_bytes=_plan.BUCKET_BYTES, min_compress_numel=1024,
                          warmup_steps=0, error_feedback=None, compress_1d=False):
     """Wrap ``optimizer`` so that gradients are averaged across ranks with a compressed exchange.
 
@@ -490,7 +490,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             requantization; traffic flat in the number of ranks) or ``"allgather"`` (each rank
             decodes every rank's payload; one quantization).
         bucket_bytes: compressed gradients are fused into buckets of at most this many float32 bytes,
-            in reverse parameter order (a larger tensor is a bucket alone). Default 4 MiB.
+            in reverse parameter order (a larger tensor is a bucket alone). Default 25 MiB.
         min_compress_numel: gradients with fewer elements go uncompressed through Horovod's
             allreduce, as do 1-D gradients unless ``compress_1d=True``. Default 1024.
         warmup_steps: full-precision allreduce for this many first steps. Default 0.
