@@ -269,9 +269,12 @@ class Codec:
         return {}
 
     def spec(self):
-        """Canonical string spec; ``from_spec(c.spec()) == c``."""
-        items = [f"{k}={_fmt(v)}" for k, v in self._config().items() if v is not None]
-        return self.name + (":" + ",".join(items) if items else "")
+        """Canonical string spec; ``from_spec(c.spec()) == c`` (built once: the codec is immutable)."""
+        s = self.__dict__.get("_spec")
+        if s is None:
+            items = [f"{k}={_fmt(v)}" for k, v in self._config().items() if v is not None]
+            s = self.__dict__["_spec"] = self.name + (":" + ",".join(items) if items else "")
+        return s
 
     def __eq__(self, other):
         return type(self) is type(other) and self._config() == other._config()

@@ -6,8 +6,10 @@ the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / `
 
 1. At construction the gradients are planned (``hvd_quant.plan``, shared with TensorFlow): tensors
    that are 1-D or have fewer than ``min_compress_numel`` elements go through plain ``hvd.allreduce``
-   (Horovod fuses them itself); the others are fused into buckets of at most ``bucket_bytes`` of
-   float32, in reverse parameter order (the order backward produces them), or as ``groups`` says.
+   (float32 ones fused into plain groups of at most ``bucket_bytes``: one allreduce of a flat buffer
+   per group, its views their ``.grad``); the others are fused into buckets of at most
+   ``bucket_bytes`` of float32, in reverse parameter order (the order backward produces them), or as
+   ``groups`` says.
    Every rank checks, through one
    blocking allgather under a fixed name, that every rank made the same plan with the same codec:
    ranks configured differently raise :class:`hvd_quant.exchange.ConfigMismatchError` at once.
@@ -146,6 +148,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = self._grad_plan.buckets
         self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
         self._p_bucket = {p: k for k, ps in enumerate(self._bucket_params) for p in ps}
+        # The float32 gradients left uncompressed (1-D and small: ResNet-50 has 107 of its 161) are
+        # fused as well, into plain groups of the same size in reverse order, each one Horovod
+        # allreduce of a flat buffer whose views become their .grad: one call per group instead
+        # of one per tensor (host time per step, docs/BENCHMARKS.md).
+        plain = [i for i, p in enumerate(params) if p not in self._p_bucket and p.dtype == torch.float32]
+        self._plain = [[params[i] for i in g]
+                       for g in _plan.fuse(list(reversed(plain)), [p.numel() for p in params],
+                                           self.config.bucket_bytes)]
+        self._p_plain = {p: j for j, ps in enumerate(self._plain) for p in ps}
+        self._plain_arrived = [0] * len(self._plain)
+        self._plain_handles = {}      # plain group -> its allreduce's handle
         self._arrived = [0] * len(self._buckets)
         self._pending = [None] * len(self._buckets)
         self._complete = []           # buckets complete, waiting for this step's presence count
@@ -237,6 +250,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
+        j = self._p_plain.get(p)
+        if j is not None:
+            if p.grad.is_sparse and not self.sparse_as_dense:
+                self._launch_plain(p)       # its slot in the group carries zeros (_bucket_grad)
+            self._plain_arrived[j] += 1
+            if self._plain_arrived[j] == len(self._plain[j]):
+                self._launch_plain_group(j)
+            return
         k = self._p_bucket.get(p)
         if k is None or not self._compress_now:
             self._launch_plain(p)
@@ -280,6 +301,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if q in self._handles:
             return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         return q.grad.to_dense() if q.grad.is_sparse else q.grad
+
+    def _launch_plain_group(self, j):
+        """Plain group ``j``: one uncompressed allreduce of its members' gradients, flattened."""
+        flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._plain[j]])
+        pre, post = self.config.allreduce_factors()
+        self._traffic.add_allreduce(4 * flat.numel(), flat.numel(), self._coll.size)
+        self._plain_handles[j] = self._coll.allreduce_async(flat, f"{self._prefix}.plain.{j}",
+                                                            self.op, pre, post)
 
     def _launch_plain(self, p):
         name = self._parameter_names.get(p)
@@ -328,6 +357,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     p.grad.copy_(piece)
             self._pending[k] = None
+        for j, handle in self._plain_handles.items():
+            out, off = hvd.synchronize(handle), 0
+            for p in self._plain[j]:
+                piece = out[off:off + p.numel()].view(p.shape)
+                off += p.numel()
+                if p in self._handles:          # a sparse gradient, reduced by Horovod below
+                    continue
+                if p.grad.is_sparse:
+                    p.grad.zero_().add_(piece.to_sparse())
+                else:
+                    p.grad = piece              # a view of the group's result, as for buckets
+        self._plain_handles.clear()
+        self._plain_arrived = [0] * len(self._plain)
         for p, h in self._handles.items():
             if callable(h):
                 p.grad.zero_().add_(h())
@@ -434,6 +476,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles = {}
         self._launched = set()
         self._arrived = [0] * len(self._buckets)
+        self._plain_arrived = [0] * len(self._plain)
+        self._plain_handles = {}
         self._pending = [None] * len(self._buckets)
         self._complete = []
         self._synchronized = False
@@ -492,7 +536,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         bucket_bytes: compressed gradients are fused into buckets of at most this many float32 bytes,
             in reverse parameter order (a larger tensor is a bucket alone). Default 25 MiB.
         min_compress_numel: gradients with fewer elements go uncompressed through Horovod's
-            allreduce, as do 1-D gradients unless ``compress_1d=True``. Default 1024.
+            allreduce (float32 ones fused into groups of ``bucket_bytes``), as do 1-D gradients
+            unless ``compress_1d=True``. Default 1024.
         warmup_steps: full-precision allreduce for this many first steps. Default 0.
         error_feedback: keep each rank's quantization residual and add it to the next gradient.
             Default: what the codec wants (``OneBit``: yes; ``QSGD``: no).
