@@ -81,7 +81,7 @@ def check_groups(groups, what):
 
 # Default fusion bucket: float32 bytes of gradients per compressed bucket (torch DDP's bucket_cap_mb).
 # Each bucket costs Horovod collectives and host work per step whatever its size; with 4 MiB buckets a
-# ResNet-50 step on one H100 at world size 1 (exchange forced) took 57-61 ms against 51-52 ms with
+# ResNet-50 step on one H100 at world size 1 (exchange forced) took 55-62 ms against 51-52 ms with
 # 25 MiB (docs/BENCHMARKS.md), and a 1 Gbit/s CPU exchange was slower than fp32.
 BUCKET_BYTES = 25 << 20
 
