@@ -93,7 +93,8 @@ def main():
         times.append((time.perf_counter() - t) / 10)
     times.sort()
     res = {"model": args.model, "method": args.method, "bucket_mb": args.bucket_mb,
-           "cycle": os.environ.get("HOROVOD_CYCLE_TIME", ""), "async": os.environ.get("HOROVOD_ENABLE_ASYNC_COMPLETION", ""),
+           "cycle": os.environ.get("HOROVOD_CYCLE_TIME", ""),
+           "async": os.environ.get("HOROVOD_ENABLE_ASYNC_COMPLETION", ""),
            "ms_median": 1e3 * times[len(times) // 2], "ms_min": 1e3 * times[0],
            "in_step_ms": 1e3 * in_step[0] / (10 * len(times)),
            "noadv": os.environ.get("WS1_NO_ADVANCE_READY", "")}
