@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """One configuration of a world-size-1 forced-exchange step (``HOROVOD_ELASTIC=1``, plain python),
-timed with where the host waits: step time, and the host time spent inside ``opt.step()``.
+timed with where the host time goes: the step, the forward and backward calls, ``opt.step()``, and
+for ``hvd_quant.torch`` the optimizer's ``_ready`` / ``_start_complete`` / ``_launch_plain``.
 
     HOROVOD_ELASTIC=1 python scripts/ws1_sweep.py --method sra --model resnet50 --bucket-mb 4
 
 Methods: ``fp32`` (Horovod's optimizer), ``sra`` / ``allgather`` (``hvd_quant.torch``, QSGD 4-bit),
-``stock-sra`` / ``stock-allgather``. Prints one ``WS1 {json}`` line.
+``stock-sra`` / ``stock-allgather``. Prints one ``WS1 {json}`` line (times in ms per step);
+``--cprofile F`` / ``--trace F`` write a cProfile table / a chrome trace of a few more steps.
+``WS1_NO_ADVANCE_READY=1`` keeps SRA's second phase out of backward (an experiment).
+``scripts/ws1_sweep.sh`` runs a list of configurations.
 """
 import argparse
 import json
