@@ -95,16 +95,6 @@ def make_optimizer(args, model, lr):
                            weight_decay=args.weight_decay)
 
 
-def _frontend_default(name, fallback):
-    try:
-        import inspect
-
-        import hvd_quant.torch as hq
-        return inspect.signature(hq.DistributedOptimizer).parameters[name].default
-    except Exception:
-        return fallback
-
-
 def make_codec(spec):
     try:
         import hvd_quant
@@ -151,9 +141,7 @@ def estimate_traffic(args, model, codec, kind, world_size):
     if kind == "horovod":  # the stock path fuses an optimizer's gradients into StockCompression's buckets
         bucket = BUCKET_BYTES
     else:
-        bucket = args.bucket_bytes
-        if bucket is None:
-            bucket = _frontend_default("bucket_bytes", BUCKET_BYTES)
+        bucket = args.bucket_bytes if args.bucket_bytes is not None else BUCKET_BYTES
     return traffic.bytes_per_step(shapes, world_size, wire, args.reduction, args.min_compress_numel,
                                   bucket_bytes=bucket)
 

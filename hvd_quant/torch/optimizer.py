@@ -310,6 +310,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._plain_handles[j] = self._coll.allreduce_async(flat, f"{self._prefix}.plain.{j}",
                                                             self.op, pre, post)
 
+    def _hand_out(self, params, flat):
+        """Each of ``params`` gets its piece of ``flat`` (a bucket's or plain group's result, laid out
+        in their order) as its gradient: float32 ``p.grad`` become views of it (as DDP's
+        gradient_as_bucket_view), other dtypes copies; sparse gradients reduced by Horovod's sparse
+        allreduce (in ``_handles``) are left to it."""
+        off = 0
+        for p in params:
+            piece = flat[off:off + p.numel()].view(p.shape)
+            off += p.numel()
+            if p in self._handles:
+                continue
+            if p.grad.is_sparse:
+                p.grad.zero_().add_(piece.to(p.grad.dtype).to_sparse())
+            elif p.grad.dtype == piece.dtype:
+                p.grad = piece
+            else:
+                p.grad.copy_(piece)
+
     def _launch_plain(self, p):
         name = self._parameter_names.get(p)
         tensor = p.grad
@@ -345,29 +363,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for k, flat in zip(started, flats):
             if scale != 1.0:
                 flat = _backend.OPS.scale_(flat, scale)
-            b = self._buckets[k]
-            for i, p in enumerate(self._bucket_params[k]):
-                if p in self._handles:          # a sparse gradient, reduced by Horovod below
-                    continue
-                piece = flat[b.offsets[i]:b.offsets[i + 1]].view(b.shapes[i])
-                if p.grad.is_sparse:
-                    p.grad.zero_().add_(piece.to(p.grad.dtype).to_sparse())
-                elif p.grad.dtype == piece.dtype:
-                    p.grad = piece      # a view of the bucket's result (DDP's gradient_as_bucket_view)
-                else:
-                    p.grad.copy_(piece)
+            self._hand_out(self._bucket_params[k], flat)
             self._pending[k] = None
         for j, handle in self._plain_handles.items():
-            out, off = hvd.synchronize(handle), 0
-            for p in self._plain[j]:
-                piece = out[off:off + p.numel()].view(p.shape)
-                off += p.numel()
-                if p in self._handles:          # a sparse gradient, reduced by Horovod below
-                    continue
-                if p.grad.is_sparse:
-                    p.grad.zero_().add_(piece.to_sparse())
-                else:
-                    p.grad = piece              # a view of the group's result, as for buckets
+            self._hand_out(self._plain[j], hvd.synchronize(handle))
         self._plain_handles.clear()
         self._plain_arrived = [0] * len(self._plain)
         for p, h in self._handles.items():
