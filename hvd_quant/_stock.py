@@ -215,7 +215,8 @@ class _Group:
     first ``compress``, and each bucket's state in the current step: the gradients recorded so far,
     the exchange once started, the scaled result once finished, and the members not yet returned."""
 
-    def __init__(self, sc, session, owner, one=None):
+    def __init__(self, sc, session, owner, backend, process_set):
+        self.backend, self.process_set = backend, process_set
         names = owner._parameter_names
         todo = getattr(owner, "_requires_update", None) or set()
         params = [p for g in owner.param_groups for p in g["params"]
@@ -226,15 +227,9 @@ class _Group:
         self.session = session
         self.where = {params[m]: (k, i) for k, b in enumerate(self.plan.buckets)
                       for i, m in enumerate(b.members)}
-        n = len(self.plan.buckets)
-        self.grads = [[None] * len(b.members) for b in self.plan.buckets]
-        self.arrived = [0] * n
-        self.left = [0] * n            # members still to be returned by decompress
-        self.pending = [None] * n      # (exchange, Pending) once started
-        self.result = [None] * n
-        self.routes = [_plan.ALLREDUCE] * n   # how each bucket travelled in its last step
-        self.seen = set()              # parameters whose gradient arrived in this step
-        self.complete = []             # complete buckets waiting for this step's presence count
+        self.index = {p: i for i, p in enumerate(params)}
+        self.routes = [_plan.ALLREDUCE] * len(self.plan.buckets)  # how each bucket last travelled
+        one = getattr(backend, "host_one", None)
         ps = session.coll.process_set
         # named by the gradients alone: ranks configured differently must still meet, in the handshake
         self.presence = (_plan.Presence(f"hvdq.stock.present.{_plan.digest([t.name for t in tensors])}",
@@ -242,6 +237,40 @@ class _Group:
                          if one is not None and getattr(ps, "process_set_id", 0) == 0 else None)
         self.auto = _plan.AutoChoice() if sc.reduction == _plan.AUTO else None
         self.key = self.plan.record[:8].hex()      # names this plan in state_dict()["auto"]
+        self.infos = {}                # parameter -> (dtype, layout, adapter.describe of its gradient)
+        self.ones = {}                 # (dtype, device) -> one placeholder slot per parameter
+        self.new_step()
+
+    def new_step(self):
+        """Start with no step in progress (at creation, or when the world's change cut one short)."""
+        n = len(self.plan.buckets)
+        self.grads = [[None] * len(b.members) for b in self.plan.buckets]
+        self.arrived = [0] * n
+        self.left = [0] * n            # members still to be returned by decompress
+        self.pending = [None] * n      # (exchange, Pending) once started
+        self.result = [None] * n
+        self.seen = set()              # parameters whose gradient arrived in this step
+        self.complete = []             # complete buckets waiting for this step's presence count
+        if self.presence is not None:
+            self.presence.handle = self.presence.count = None
+
+    def describe(self, param, tensor):
+        """``adapter.describe(tensor)`` of ``param``'s gradient, made once per dtype and layout."""
+        known = self.infos.get(param)
+        if known is None or known[0] is not tensor.dtype or known[1] is not tensor.layout:
+            info = self.session.adapter.describe(tensor)
+            known = self.infos[param] = (tensor.dtype, tensor.layout, info)
+        return known[2]
+
+    def placeholder(self, param, tensor):
+        """``param``'s placeholder (module doc): a view of one buffer per dtype and device, refilled
+        with ones at each step's first gradient, instead of a new tensor per gradient."""
+        key = (tensor.dtype, tensor.device)
+        ones = self.ones.get(key)
+        if ones is None:
+            ones = self.ones[key] = self.session.adapter.placeholder(tensor, len(self.index))
+        i = self.index[param]
+        return ones[i:i + 1]
 
     def route(self):
         """How this step's buckets travel (the configured reduction, or auto's current one)."""
@@ -307,18 +336,24 @@ class StockCompression:
             if saved is not None and s.memory is not None:
                 s.memory.load_state_dict(saved)
         else:
-            coll = backend.stock_backend(process_set)[0]
-            if coll is not s.coll:     # the process set's rank or size changed (elastic)
-                s.rebind(coll)
-                # Another world: the ranks that joined start their exchanges afresh, so every rank
-                # does (handshake with the first exchange of each name, step counts, auto's schedule).
-                self._steps.clear()
-                for _, group in self._groups.values():
-                    if group.session is s:
-                        group.seen = set()      # the step before the change is not continued
-                        if group.auto is not None:
-                            group.auto.reset()  # measure again
+            self._follow_world(s, backend, process_set)
         return s
+
+    def _follow_world(self, s, backend, process_set):
+        """Rebind session ``s`` when the process set's rank or size changed (elastic); True then."""
+        coll = backend.stock_backend(process_set)[0]
+        if coll is s.coll:
+            return False
+        s.rebind(coll)
+        # Another world: the ranks that joined start their exchanges afresh, so every rank does
+        # (handshake with the first exchange of each name, step counts, auto's schedule).
+        self._steps.clear()
+        for _, group in self._groups.values():
+            if group.session is s:
+                group.new_step()            # the step before the change is not continued
+                if group.auto is not None:
+                    group.auto.reset()      # measure again
+        return True
 
     def compressible(self, info):
         """Whether a tensor ``adapter.describe`` described is compressed (:class:`hvd_quant.plan.Config`)."""
@@ -352,22 +387,14 @@ class StockCompression:
 
     def compress_on(self, backend, tensor):
         """``compress`` through ``backend`` (a module as in :data:`FRONTENDS`) with its hook skipped."""
-        adapter = backend.stock_adapter()
-        info = adapter.describe(tensor)
         caller = _frame_context(tensor)
-        session = self.session(backend, caller.process_set)
         if caller.param is not None:
-            group = self._group(session, backend, caller.owner)
-            where = group.where.get(caller.param)
-            if where is not None and self.compressible(info):
-                self._arrived(group, caller.param)
-                route = group.route()
-                if route == _plan.ALLREDUCE or group.absent():
-                    group.routes[where[0]] = _plan.ALLREDUCE
-                    return self._uncompressed(session, adapter, tensor, info)
-                return adapter.placeholder(tensor), self._record(group, where, tensor, info, route)
+            return self._compress_member(self._group(backend, caller), caller.param, tensor)
+        session = self.session(backend, caller.process_set)
+        adapter = session.adapter
+        info = adapter.describe(tensor)
         if not self.compressible(info):
-            return self._uncompressed(session, adapter, tensor, info)
+            return self._uncompressed(session, tensor, info)
         name = caller.name
         if name is None:
             if not self._pending:
@@ -383,11 +410,25 @@ class StockCompression:
         self._pending[name] = (session, pending)
         return adapter.placeholder(tensor), _Ctx(session, pending, info, session.exchange.coll.size)
 
+    def _compress_member(self, group, param, tensor):
+        """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters."""
+        self._arrived(group, param)
+        session = group.session
+        info = group.describe(param, tensor)
+        where = group.where.get(param)
+        if where is None or not self.compressible(info):
+            return self._uncompressed(session, tensor, info)
+        route = group.route()
+        if route == _plan.ALLREDUCE or group.absent():
+            group.routes[where[0]] = _plan.ALLREDUCE
+            return self._uncompressed(session, tensor, info)
+        return group.placeholder(param, tensor), self._record(group, where, tensor, info, route)
+
     @staticmethod
-    def _uncompressed(session, adapter, tensor, info):
-        out = uncompressed(adapter, tensor, info)
-        session.exchange.traffic.add_allreduce(info.numel * adapter.describe(out[0]).itemsize,
-                                               info.numel, session.coll.size)
+    def _uncompressed(session, tensor, info):
+        out = uncompressed(session.adapter, tensor, info)
+        itemsize = info.itemsize if out[0] is tensor else session.adapter.describe(out[0]).itemsize
+        session.exchange.traffic.add_allreduce(info.numel * itemsize, info.numel, session.coll.size)
         return out
 
     def _start(self, exchange, name, flat, record, head):
@@ -398,14 +439,21 @@ class StockCompression:
         return pending
 
     def _arrived(self, group, param):
-        """Note a planned gradient; one seen before in this step starts the next step, which ends
-        the step before for ``reduction="auto"`` (and may take its decision, the same on every rank)."""
+        """Note a gradient of ``group``; one seen before in this step starts the next step, which
+        ends the step before for ``reduction="auto"`` (and may take its decision, the same on every
+        rank). A step's first gradient follows the world's changes (elastic), once per step."""
         if param not in group.seen:
             group.seen.add(param)
             if len(group.seen) == 1:
+                if self._follow_world(group.session, group.backend, group.process_set):
+                    group.seen.add(param)
                 self._step_begins(group)
             return
         group.seen = {param}
+        if self._follow_world(group.session, group.backend, group.process_set):
+            group.seen.add(param)
+            self._step_begins(group)
+            return
         auto = group.auto
         if auto is not None and not group.absent() and auto.end_step():
             coll = group.session.coll
@@ -416,20 +464,24 @@ class StockCompression:
 
     @staticmethod
     def _step_begins(group):
-        """A step's first gradient: count the ranks that step (hvd.join())."""
+        """A step's first gradient: refill the placeholders, count the ranks that step (hvd.join())."""
+        for ones in group.ones.values():
+            ones.fill_(1)
         if group.presence is not None:
             coll = group.session.coll
             group.presence.end_step(coll)
             if coll.size > 1 and group.route() != _plan.ALLREDUCE:
                 group.presence.start(coll)
 
-    def _group(self, session, backend, owner):
-        """The :class:`_Group` of Horovod optimizer ``owner`` (planned on its first gradient)."""
+    def _group(self, backend, caller):
+        """The :class:`_Group` of the Horovod optimizer that called (planned on its first gradient)."""
+        owner = caller.owner
         entry = self._groups.get(id(owner))
-        if entry is not None and entry[0]() is owner and entry[1].session is session:
+        if entry is not None and entry[0]() is owner:
             return entry[1]
         _refuse_adasum(backend, owner)
-        group = _Group(self, session, owner, getattr(backend, "host_one", None))
+        group = _Group(self, self.session(backend, caller.process_set), owner, backend,
+                       caller.process_set)
         saved = self._restored_auto.pop(group.key, None)
         if saved is not None and group.auto is not None:
             group.auto.load_state_dict(saved)

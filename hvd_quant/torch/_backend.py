@@ -151,11 +151,11 @@ class _StockAdapter:
         return _Info(t)
 
     @staticmethod
-    def placeholder(t):
+    def placeholder(t, n=1):
         # 1.0 in the gradient's dtype (exact in fp16) so that Horovod's grouped allreduce, which wants
         # one dtype per group, sees the same dtypes as without hvd_quant; float32 for dtypes Horovod
         # cannot reduce (bfloat16).
-        return torch.ones(1, dtype=sendable_dtype(t.dtype), device=t.device)
+        return torch.ones(n, dtype=sendable_dtype(t.dtype), device=t.device)
 
     @staticmethod
     def sendable(t):
