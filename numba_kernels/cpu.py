@@ -321,7 +321,7 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
         e0 = b0 * bs                    # a multiple of 8 (chunk_buckets)
         e1 = min(numel, b1 * bs)
         ng = (e1 - e0 + 7) >> 3
-        codes = np.empty(8 * ng, np.int32)
+        codes = np.empty(8 * ng, np.uint16)
         for k in range(e1 - e0, 8 * ng):
             codes[k] = 0
         for b in range(b0, b1):
