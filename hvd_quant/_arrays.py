@@ -271,6 +271,10 @@ class DeviceAdapter:
 
 
 _DTYPE_NAMES = {}
+# NumPy's built-in dtypes are singletons: ``a.dtype is _F32`` is a pointer test, where ``a.dtype !=
+# np.float32`` converts the type on every call (a measurable part of a small encode or decode); an
+# equal dtype that is another object (with metadata, say) takes the full comparison.
+_F32, _U8 = np.dtype(np.float32), np.dtype(np.uint8)
 
 
 class NumpyAdapter(HostAdapter):
@@ -289,11 +293,13 @@ class NumpyAdapter(HostAdapter):
         return np.ascontiguousarray(x).reshape(-1)
 
     def input_f32(self, x):
+        if type(x) is np.ndarray and x.dtype is _F32 and x.ndim == 1 and x.flags.c_contiguous:
+            return x
         return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
 
     def payload_np(self, payload):
         p = np.asarray(payload)
-        if p.dtype != np.uint8 or p.ndim != 1:
+        if (p.dtype is not _U8 and p.dtype != _U8) or p.ndim != 1:
             raise UnsupportedInputError(f"a payload is a 1-D uint8 array; got {p.dtype} with shape {p.shape}")
         return p
 
@@ -301,7 +307,8 @@ class NumpyAdapter(HostAdapter):
         return arr
 
     def out_np(self, out):
-        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous \
+        if not isinstance(out, np.ndarray) or (out.dtype is not _F32 and out.dtype != _F32) \
+                or not out.flags.c_contiguous \
                 or not out.flags.writeable:
             raise UnsupportedInputError("decode_into needs a writable C-contiguous float32 NumPy array; "
                                         f"got {type(out).__name__} {getattr(out, 'dtype', '')}")

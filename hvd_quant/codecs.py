@@ -364,7 +364,11 @@ class Codec:
                 self._encode_dev(arrays, x, pt, pdev, words, lay, key, arrays.stream(x))
                 return pt
         pay = np.empty(lay.total, np.uint8)
-        self._encode_host(arrays, x, pay, words, lay, key)
+        launch = _host_launch(self, arrays, lay.numel, None)
+        if launch is None:
+            self._encode_host(arrays, x, pay, words, lay, key)
+        else:
+            launch(arrays.input_f32(x), pay, words, key, None, None)
         return arrays.wrap_payload(pay, x)
 
     def encode_into(self, x, payload, words, lay, key, arrays=None, residual=None):
@@ -559,7 +563,11 @@ class Codec:
         out_np, commit = arrays.out_np(out)
         if out_np.size != h.numel:
             raise PayloadError(f"payload holds {h.numel} elements but out has {out_np.size}")
-        self._decode_host(pay, out_np, accumulate)
+        launch = _host_launch(self, arrays, h.numel, bool(accumulate))
+        if launch is None:
+            self._decode_host(pay, out_np, accumulate)
+        else:
+            launch(pay, out_np)
         if commit is not None:
             commit()
         return out
@@ -851,6 +859,13 @@ class QSGD(Codec):
             return _raw_decode_dev(arrays, payload, pdev, out_t, "float32", accumulate, stream, status_t,
                                    status_dev, expect)
         _cuda_decoder(self, arrays.numel(out_t), accumulate)(pdev, out_dev, stream, status_dev, expect)
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_launch(codec, arrays, numel, accumulate):
+    """The codec's prepared CPU launch of ``numel`` elements (``Codec._bound_kernel``: the encode when
+    ``accumulate`` is None), built once; None where the generic path serves."""
+    return codec._bound_kernel(arrays, numel, accumulate) if numel else None
 
 
 @functools.lru_cache(maxsize=4096)
