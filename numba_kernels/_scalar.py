@@ -245,10 +245,6 @@ def build(jit, fmul):
                            onebit_scales=onebit_scales)
 
 
-def _mul_py(a, b):
-    return a * b
-
-
 def mix64_py(z):
     """Pure-Python splitmix64 finalizer on ints (host-side key derivation)."""
     m = (1 << 64) - 1

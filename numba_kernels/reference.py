@@ -281,12 +281,6 @@ def header_errors_ref(payload, method, bits, mode, norm, bucket_size, numel, nam
 # to back; the decode-sum is a float32 left fold in payload order, starting from decode(p_0).
 
 
-def _method_mode(two_mean=None):
-    if two_mean is None:
-        return wire.METHODS["qsgd"], 0
-    return wire.METHODS["onebit"], wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-
-
 def split_payloads(payloads, n, total):
     """The ``n`` payloads of ``total`` bytes each held back to back in ``payloads``."""
     if n < 1:
