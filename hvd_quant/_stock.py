@@ -252,7 +252,7 @@ class _Group:
         self.seen = set()              # parameters whose gradient arrived in this step
         self.complete = []             # complete buckets waiting for this step's presence count
         if self.presence is not None:
-            self.presence.handle = self.presence.count = None
+            self.presence.reset()
 
     def describe(self, param, tensor):
         """``adapter.describe(tensor)`` of ``param``'s gradient, made once per dtype and layout."""
@@ -442,24 +442,20 @@ class StockCompression:
         """Note a gradient of ``group``; one seen before in this step starts the next step, which
         ends the step before for ``reduction="auto"`` (and may take its decision, the same on every
         rank). A step's first gradient follows the world's changes (elastic), once per step."""
-        if param not in group.seen:
+        repeat = param in group.seen
+        if not repeat:
             group.seen.add(param)
-            if len(group.seen) == 1:
-                if self._follow_world(group.session, group.backend, group.process_set):
-                    group.seen.add(param)
-                self._step_begins(group)
-            return
-        group.seen = {param}
+            if len(group.seen) > 1:
+                return
+        else:
+            group.seen = {param}
         if self._follow_world(group.session, group.backend, group.process_set):
-            group.seen.add(param)
-            self._step_begins(group)
-            return
-        auto = group.auto
-        if auto is not None and not group.absent() and auto.end_step():
+            group.seen.add(param)       # (new_step emptied it) this gradient opens the new world's step
+        elif repeat and group.auto is not None and not group.absent() and group.auto.end_step():
             coll = group.session.coll
-            auto.decide(coll, group.session.ops, "hvdq.stock.auto")
+            group.auto.decide(coll, group.session.ops, "hvdq.stock.auto")
             if coll.rank == 0:
-                print(f"hvd_quant (compression=): {auto.summary()}", flush=True)
+                print(f"hvd_quant (compression=): {group.auto.summary()}", flush=True)
         self._step_begins(group)
 
     @staticmethod

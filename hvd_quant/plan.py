@@ -387,6 +387,10 @@ class Presence:
 
     def __init__(self, name, one):
         self.name, self.one = name, one
+        self.reset()
+
+    def reset(self):
+        """No count in flight or known (a new world: the old one's allreduce is not waited for)."""
         self.handle = None
         self.count = None
 
