@@ -4,6 +4,7 @@
     python examples/sweep.py horovodrun_configs/experiments/qnccl.yaml --only model=resnet20 --dry-run
     python examples/sweep.py --only experiment=mnist-resnet18 --max-gpus 2 --out-dir runs/mnist
     python examples/sweep.py --summarize --out-dir runs/mnist   # table of ours beside the published
+    python examples/sweep.py horovodrun_configs/experiments/accuracy.yaml --plot --out-dir runs/accuracy
 
 A matrix file (schema in docs/EXAMPLES.md) has ``launch`` (script, controller, horovod_config,
 reduction), optional named ``precisions`` and a list of ``experiments``. An experiment expands to runs
@@ -11,8 +12,12 @@ either as a matrix (``precisions`` x ``gpus``) or from an explicit ``runs`` list
 ``precision``, give its own ``compression``, or inherit the experiment's ``precisions`` list). Every
 run becomes one ``horovodrun`` command that passes the tuning YAML with ``--config-file``; real runs
 write ``<out-dir>/<run>.log`` and ``<run>.jsonl`` (the driver's ``--metrics-out``) and, at the end,
-``<out-dir>/summary.csv`` with our numbers beside the reference ones. A compressed run on one rank is
-skipped (there is nothing to exchange), as are experiments marked ``runnable: false``.
+``<out-dir>/summary.csv`` with our numbers beside the reference ones; with ``--plot``, also the
+accuracy table over seeds and the figures (:mod:`examples.common.results`). An experiment (or the
+matrix) may list ``seeds``: each run is then made once per seed (``--seed``, run ids ending
+``.s<seed>``); ``--seeds`` overrides them and ``--resume`` skips runs already finished. A compressed
+run on one rank is skipped (there is nothing to exchange), as are experiments marked
+``runnable: false``.
 """
 import argparse
 import csv
@@ -34,10 +39,12 @@ if __package__ in (None, ""):
 
 import yaml  # noqa: E402
 
+from examples.common import results  # noqa: E402
 from examples.common.cli import parse_spec  # noqa: E402
 from examples.common.runlog import parse_log, read_metrics  # noqa: E402
 
 CONFIG_DIR = ROOT / "horovodrun_configs" / "experiments"
+NEEDS_DATA = "needs its data files: --data {}=DIR"   # skip reason of a needs_data experiment
 # Experiment keys passed to the driver as --flags (value None: left to the driver's default).
 DRIVER_KEYS = ("task", "model", "batch_size", "epochs", "max_steps")
 
@@ -64,12 +71,17 @@ class Run:
     launch: Dict = field(default_factory=dict)
     args: Dict = field(default_factory=dict)
     skip: Optional[str] = None
+    seed: Optional[int] = None
+    key: str = ""              # the precision's key in the matrix (``32bit``, ``qsgd4``, ...)
+    baseline: Optional[str] = None     # the precision key accuracy is compared with
+    target: Optional[float] = None     # the largest allowed drop below the baseline, in points
+    needs_data: bool = False           # runs only with --data <dataset>=DIR (no offline stand-in)
 
     def fields(self):
         return {"matrix": self.matrix, "experiment": self.experiment, "model": self.model,
                 "dataset": self.dataset, "precision": self.precision, "compression": self.compression,
                 "bits": self.bits, "bucket": self.bucket, "mode": self.mode, "gpus": self.gpus,
-                "nodes": self.nodes, "batch_size": self.batch_size, "run": self.run_id}
+                "nodes": self.nodes, "batch_size": self.batch_size, "seed": self.seed, "run": self.run_id}
 
 
 # ----------------------------------------------------------------------------- expansion
@@ -122,8 +134,8 @@ def _reference_for(exp, prec_name, gpus, run_ref, ref_precision):
     return out
 
 
-def expand(cfg):
-    """Every :class:`Run` of a matrix file."""
+def expand(cfg, seeds=None):
+    """Every :class:`Run` of a matrix file (``seeds``: instead of the matrix's own)."""
     runs = []
     mname = cfg["name"]
     for exp in cfg["experiments"]:
@@ -147,7 +159,9 @@ def expand(cfg):
                 for g in exp["gpus"]:
                     items.append((_precision(cfg, pname), g, exp.get("nodes", 1), {}, None, None, None))
         seen = {}
-        for prec, gpus, nodes, overrides, run_ref, ref_prec, notes in items:
+        for (prec, gpus, nodes, overrides, run_ref, ref_prec, notes), seed in (
+                (item, seed) for item in items
+                for seed in (seeds or exp.get("seeds", cfg.get("seeds")) or [None])):
             fields = dict(base, **overrides)
             ref = _reference_for(exp, prec["name"], gpus, run_ref, ref_prec)
             if notes:
@@ -155,17 +169,23 @@ def expand(cfg):
             rid = f"{mname}.{exp['id']}.{prec['name']}.{gpus}g"
             if nodes > 1:
                 rid += f"{nodes}n"
+            if seed is not None:
+                rid += f".s{seed}"
             seen[rid] = seen.get(rid, 0) + 1
             if seen[rid] > 1:
                 rid += f".v{seen[rid]}"
             rskip = skip
+            if rskip is None and exp.get("needs_data"):
+                rskip = NEEDS_DATA.format(fields["dataset"])
             if rskip is None and gpus == 1 and prec.get("compression", "none") not in ("none", "fp32"):
                 rskip = "compressed run on 1 rank: nothing to exchange"
             runs.append(Run(rid, mname, exp["id"], fields["model"], fields["dataset"], fields["task"],
                             prec.get("label", prec["name"]), prec.get("compression", "none"),
                             prec.get("bits"), prec.get("bucket"), prec.get("mode"), int(gpus), int(nodes),
                             fields.get("batch_size"), fields.get("epochs"), fields.get("max_steps"),
-                            ref, cfg["launch"], dict(exp.get("args") or {}), rskip))
+                            ref, cfg["launch"], dict(exp.get("args") or {}), rskip, seed, prec["name"],
+                            cfg.get("baseline", "32bit"), (cfg.get("targets") or {}).get(prec["name"]),
+                            bool(exp.get("needs_data"))))
     return runs
 
 
@@ -179,17 +199,25 @@ def command(run: Run, opts) -> List[str]:
     launch = run.launch
     controller = opts.controller or launch.get("controller", "gloo")
     hosts = opts.hosts or f"localhost:{run.gpus}"
-    cmd = [opts.horovodrun, "-np", str(run.gpus), "-H", hosts, f"--{controller}"]
-    if launch.get("horovod_config"):
-        cmd += ["--config-file", launch["horovod_config"]]
-    if opts.timeline:
-        cmd += ["--timeline-filename", str(Path(opts.out_dir) / f"{run.run_id}.timeline.json")]
+    if opts.slownet:
+        # one network namespace per rank, Gloo over rate-limited links (scripts/slownet.py, root);
+        # slownet starts the ranks itself, so horovodrun's flags and tuning file do not apply
+        cmd = [opts.python, str(ROOT / "scripts" / "slownet.py"), "--np", str(run.gpus),
+               "--rate", opts.slownet, "--"]
+    else:
+        cmd = [opts.horovodrun, "-np", str(run.gpus), "-H", hosts, f"--{controller}"]
+        if launch.get("horovod_config"):
+            cmd += ["--config-file", launch["horovod_config"]]
+        if opts.timeline:
+            cmd += ["--timeline-filename", str(Path(opts.out_dir) / f"{run.run_id}.timeline.json")]
     cmd += [opts.python, launch.get("script", "examples/pytorch/train.py")]
     for key in DRIVER_KEYS:
         value = getattr(run, key)
         if value is not None:
             cmd += [_flag(key), str(value)]
     cmd += ["--compression", run.compression, "--reduction", launch.get("reduction", "sra")]
+    if run.seed is not None:
+        cmd += ["--seed", str(run.seed)]
     for key, value in run.args.items():
         if value is True:
             cmd.append(_flag(key))
@@ -290,6 +318,15 @@ def build_parser():
     p.add_argument("configs", nargs="*", help="matrix YAML files (default: horovodrun_configs/experiments/*.yaml)")
     p.add_argument("--dry-run", action="store_true", help="print the launch commands, run nothing")
     p.add_argument("--summarize", action="store_true", help="only rebuild <out-dir>/summary.csv")
+    p.add_argument("--plot", action="store_true",
+                   help="after the runs (or alone, with --summarize) write <out-dir>/accuracy.md and .csv "
+                        "(final test accuracy over seeds against the baseline) and the PNG figures under "
+                        "<out-dir>/figures (examples/common/results.py)")
+    p.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                   help="run each run once per seed given here instead of the matrix's seeds")
+    p.add_argument("--resume", action="store_true",
+                   help="skip runs whose metrics file under --out-dir already holds a finished summary")
+    p.add_argument("--note", default="", help="a line for the figures' titles (the machine, say)")
     p.add_argument("--only", action="append", default=[], metavar="KEY=V1|V2",
                    help="keep runs whose KEY (matrix, experiment, model, dataset, precision, compression, "
                         "bits, bucket, mode, gpus, nodes, run) is one of the values; repeatable")
@@ -300,6 +337,10 @@ def build_parser():
                    help="pass --data-dir DIR to runs of DATASET (mnist, cifar10, sst5); repeatable")
     p.add_argument("--extra-args", default="", help="appended to every driver command (e.g. tiny sizes)")
     p.add_argument("--timeline", action="store_true", help="write a Horovod timeline per run")
+    p.add_argument("--slownet", default=None, metavar="RATE",
+                   help="run each job through scripts/slownet.py at this link rate (e.g. 1gbit): one "
+                        "network namespace per rank on this machine, Gloo between them (needs root); "
+                        "the tuning YAML and --hosts/--controller/--timeline do not apply")
     p.add_argument("--out-dir", default="runs/sweep")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--horovodrun", default=_tool("horovodrun"))
@@ -316,19 +357,28 @@ def main(argv=None):
         if not sep:
             raise SystemExit(f"--only expects KEY=VALUE, got {item!r}")
         filters.append((key.strip(), value.strip()))
+    try:
+        seeds = [int(x) for x in opts.seeds.split(",")] if opts.seeds else None
+    except ValueError:
+        raise SystemExit(f"--seeds expects comma-separated integers, got {opts.seeds!r}")
     paths = opts.configs or sorted(glob.glob(str(CONFIG_DIR / "*.yaml")))
     if not paths:
         raise SystemExit(f"no matrix files under {CONFIG_DIR}")
     runs = []
     for path in paths:
-        runs += expand(load_matrix(path))
+        runs += expand(load_matrix(path), seeds)
     runs = [r for r in runs if matches(r, filters)]
+    for r in runs:
+        if r.needs_data and r.dataset in opts.data and r.skip == NEEDS_DATA.format(r.dataset):
+            r.skip = None
     if opts.max_gpus:
         for r in runs:
             if r.skip is None and r.gpus > opts.max_gpus:
                 r.skip = f"needs {r.gpus} processes > --max-gpus {opts.max_gpus}"
     if opts.summarize:
         write_summary(runs, Path(opts.out_dir))
+        if opts.plot:
+            results.report(runs, opts.out_dir, opts.note)
         return 0
     todo = [r for r in runs if r.skip is None]
     print(f"# {len(runs)} runs from {len(paths)} matrix file(s): {len(todo)} to launch, "
@@ -342,6 +392,9 @@ def main(argv=None):
             print(f"{head}\n# skipped: {run.skip}")
             continue
         cmd = command(run, opts)
+        if opts.resume and results.load(Path(opts.out_dir) / f"{run.run_id}.jsonl") is not None:
+            print(f"{head}\n# finished before (--resume): {run.run_id}.jsonl")
+            continue
         if run.nodes > 1 and not opts.hosts:
             head += f"\n# {run.nodes} nodes: give --hosts (e.g. host1:2,host2:2); shown on localhost"
         print(f"{head}\n{shlex.join(cmd)}", flush=True)
@@ -349,6 +402,8 @@ def main(argv=None):
             failures += execute(run, cmd, opts) != 0
     if not opts.dry_run and todo:
         write_summary(runs, Path(opts.out_dir))
+        if opts.plot:
+            results.report(runs, opts.out_dir, opts.note)
     return 1 if failures else 0
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything hvd_quant needs on a fresh Debian machine (Python 3.11, CPU):
 #   OpenMPI (Debian), a virtual environment at .venv, torch 2.13.0 (CPU), tensorflow-cpu 2.15.1,
-#   numba, mpi4py, pytest, and Horovod 0.28.1 built from its sdist with PyTorch + TensorFlow and the
-#   MPI + Gloo controllers, then hvd_quant in editable mode.
+#   numba, mpi4py, pytest, matplotlib (the examples' figures), and Horovod 0.28.1 built from its
+#   sdist with PyTorch + TensorFlow and the MPI + Gloo controllers, then hvd_quant in editable mode.
 # Idempotent: on a ready machine it checks a stamp and returns in seconds.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,10 +11,11 @@ VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
 HOROVOD_VERSION=0.28.1
 # Versions are pinned: Horovod 0.28.1 builds against these (DESIGN.md). TF >= 2.16 brings Keras 3,
-# which breaks horovod.tensorflow.keras; TF 2.15 needs numpy < 2.
+# which breaks horovod.tensorflow.keras; TF 2.15 needs numpy < 2. pyparsing 3.3 deprecates names that
+# matplotlib 3.9's mathtext (log-scale tick labels) still calls, with a warning each time.
 REQS=(torch==2.13.0 tensorflow-cpu==2.15.1 "numpy==1.26.4" numba==0.61.2 mpi4py==4.1.2
       pytest==8.4.2 pytest-timeout==2.4.0 cloudpickle psutil pyyaml packaging cffi
-      scikit-learn==1.6.1 tqdm)
+      scikit-learn==1.6.1 tqdm matplotlib==3.9.4 "pyparsing<3.3")
 STAMP_KEY="$(cat scripts/bootstrap.sh setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 STAMP="$VENV/.hvd_quant_bootstrap_$STAMP_KEY"
 # Some machines list local package folders in their pip configuration; pip warns once per missing one.
