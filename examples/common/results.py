@@ -292,6 +292,7 @@ def plot_throughput(rows, fig_dir, note=""):
             cols = list(OrderedDict.fromkeys((r["gpus"], r["nodes"]) for r in erows))
             labels = list(OrderedDict.fromkeys(r["label"] for r in erows))
             width = 0.8 / (2 * len(labels))
+            named = set()           # legend entries already made (the first bar of each kind)
             for i, label in enumerate(labels):
                 color = plt.cm.tab10(i % 10)
                 for j, (gpus, nodes) in enumerate(cols):
@@ -301,15 +302,17 @@ def plot_throughput(rows, fig_dir, note=""):
                     x = j + (2 * i - len(labels) + 0.5) * width
                     for ax, ours, theirs in ((ax_rate, r["rate"], r["published"]),
                                              (ax_speed, r["speedup"], r["published_speedup"])):
-                        if ours:
-                            ax.bar(x, ours, width, color=color, label=label if j == 0 else None)
-                        if theirs:
-                            ax.bar(x + width, theirs, width, color=color, alpha=0.45, hatch="//",
-                                   label=f"{label}, published" if j == 0 else None)
-            ticks = [f"{g} GPU{'s' if g > 1 else ''}" + (f", {n} nodes" if n > 1 else "") for g, n in cols]
+                        for value, name, style in ((ours, label, {}),
+                                                   (theirs, f"{label}, published",
+                                                    {"alpha": 0.45, "hatch": "//"})):
+                            if value:
+                                ax.bar(x + (width if style else 0), value, width, color=color,
+                                       label=None if (ax, name) in named else name, **style)
+                                named.add((ax, name))
+            ticks = [f"N={g}" + (f", {n} nodes" if n > 1 else "") for g, n in cols]
             for ax, ylabel in ((ax_rate, "data/sec (all ranks)"), (ax_speed, "speedup over 32bit")):
                 ax.set_xticks(range(len(cols)), ticks)
-                ax.set(ylabel=ylabel, title=exp)
+                ax.set(ylabel=ylabel, title=exp, xlabel="GPUs (published) or ranks (ours)")
                 ax.grid(axis="y", alpha=0.3)
             ax_speed.axhline(1.0, color="black", lw=0.8)
             ax_rate.legend(fontsize=6, ncol=2)
