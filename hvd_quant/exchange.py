@@ -27,8 +27,18 @@ submits the allgather, ``finish`` waits and decodes. Callers with several exchan
 all of them before finishing any, so every rank's second-phase collectives are in flight together.
 Exchanges are matched across ranks by name, as Horovod matches its collectives, so the order in which
 a rank starts them does not matter.
+
+Several Exchange objects at once (an optimizer per Horovod process set, say) would each wait on its
+own collectives, and SRA's second phase is submitted by the host: a rank blocked on set A's
+collective while its set-B exchange is still in its first phase holds back the set-B allgather that
+B's other members wait for, and they may be the ranks A waits for. So an exchange that must wait
+while SRA exchanges *of other Exchange objects* in this process are still in their first phase
+polls instead (``Collectives.poll``, sleeping 20 µs doubling to 1 ms between polls) and advances each
+of those whose alltoall has completed (:func:`_wait`). With one Exchange in flight it simply blocks.
 """
 import hashlib
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -319,13 +329,43 @@ def _tag(header, part):
     return f"{header}#{part}"
 
 
+# SRA exchanges of this process in their first phase, over every Exchange: id(pending) -> pending,
+# held weakly (a step abandoned by its owner, an elastic reset say, leaves nothing behind). Added by
+# start, removed by advance (module doc: several exchanges at once).
+_FIRST_PHASE = weakref.WeakValueDictionary()
+
+
+def _wait(exchange, handle):
+    """``exchange.coll.synchronize(handle)``, advancing other Exchange objects' first-phase SRA exchanges
+    meanwhile (module doc)."""
+    coll = exchange.coll
+    if coll.poll is not None and any(q.owner is not exchange for q in _FIRST_PHASE.values()):
+        delay = 2e-5
+        while not coll.poll(handle):
+            others = [q for q in list(_FIRST_PHASE.values()) if q.owner is not exchange]
+            if not others:
+                break
+            for q in others:
+                try:
+                    done = q.owner.coll.poll(q.handle)
+                except Exception:           # a handle from before Horovod re-initialised: drop it
+                    _FIRST_PHASE.pop(id(q), None)
+                    continue
+                if done:
+                    q.owner.advance(q)
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+    return coll.synchronize(handle)
+
+
 class Pending:
     """One exchange in flight. ``stage``: "first" (alltoall or allgather submitted), "second" (SRA
     allgather submitted), "done"."""
-    __slots__ = ("name", "plan", "step", "like", "handle", "stage", "hs", "record", "result", "key")
+    __slots__ = ("name", "plan", "step", "like", "handle", "stage", "hs", "record", "result", "key",
+                 "owner", "__weakref__")
 
-    def __init__(self, name, plan, step, like):
-        self.name, self.plan, self.step, self.like = name, plan, step, like
+    def __init__(self, name, plan, step, like, owner=None):
+        self.name, self.plan, self.step, self.like, self.owner = name, plan, step, like, owner
         self.handle = self.hs = self.record = self.result = None
         self.stage = "first"
 
@@ -417,7 +457,7 @@ class Exchange:
         if step is None:
             step = plan.steps
         plan.steps += 1
-        p = Pending(name, plan, step, flat)
+        p = Pending(name, plan, step, flat, self)
         if record is not None:
             p.record = record
             p.hs = handshake_async(coll, ops, record, f"{self.prefix}.hs.{name}")
@@ -431,6 +471,7 @@ class Exchange:
             p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}")
         else:
             p.handle = coll.alltoall_async(send, [c.size for c in plan.send], f"{self.prefix}.a2a.{name}")
+            _FIRST_PHASE[id(p)] = p
         return p
 
     def _check_hs(self, p):
@@ -472,9 +513,10 @@ class Exchange:
         and submit its allgather. A no-op for allgather exchanges and after the first call."""
         if p.stage != "first" or self.reduction != "sra":
             return
+        _FIRST_PHASE.pop(id(p), None)
         self._check_hs(p)
         ops, coll, plan = self.ops, self.coll, p.plan
-        data = coll.synchronize(p.handle)
+        data = _wait(self, p.handle)
         own, red = plan.own, plan.reduced
         n, each = own.b - own.a, own.size
         self._received(p, data, coll.size * each, "the alltoall")
@@ -510,7 +552,7 @@ class Exchange:
             self.advance(p)
         else:
             self._check_hs(p)
-        data = coll.synchronize(p.handle)
+        data = _wait(self, p.handle)
         self._received(p, data, plan.gather_nbytes, "the allgather")
         out = (plan.buffer("out", lambda: ops.empty(plan.numel, p.like)) if self.reuse_result
                else ops.empty(plan.numel, p.like))

@@ -11,9 +11,13 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 
 
 @pytest.mark.parametrize("np_,controller,groups", [
-    pytest.param(2, "gloo", ["grads", "options", "bytes", "resume", "train", "auto"], id="np2-gloo"),
-    pytest.param(3, "mpi", ["grads", "options", "bytes", "resume", "auto"], id="np3-mpi",
+    pytest.param(2, "gloo", ["grads", "options", "bytes", "resume", "train", "auto", "process-sets"],
+                 id="np2-gloo"),
+    pytest.param(3, "mpi", ["grads", "options", "bytes", "resume", "auto", "process-sets"], id="np3-mpi",
                  marks=pytest.mark.mpi),
+    # several process sets at once: {0,1} and {1,2} overlapping; {0,1}, {2,3} disjoint and {1,2,3}
+    pytest.param(3, "gloo", ["process-sets"], id="np3-gloo-sets"),
+    pytest.param(4, "mpi", ["process-sets"], id="np4-mpi-sets", marks=pytest.mark.mpi),
 ])
 def test_optimizer_entry_points(np_, controller, groups):
     result = run_horovod("torch_optim.py", np=np_, controller=controller, args=groups, timeout=600)

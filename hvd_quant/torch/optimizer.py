@@ -36,7 +36,6 @@ As in Horovod: a sparse gradient goes through ``hvd.sparse_allreduce_async`` unc
 only, with no exchange (only the ranks with an empty state call it). docs/EXCHANGE.md, "Horovod's
 usage patterns".
 """
-import itertools
 import os
 import sys
 import time
@@ -58,7 +57,10 @@ from . import _backend
 __all__ = ["DistributedOptimizer", "resolve_codec"]
 
 _STATE_KEY = "hvd_quant"
-_instances = itertools.count()
+# optimizers made in this process, per process set id: names their collectives, so that ranks agree
+# on them whatever other process sets each rank is in (every member makes the set's optimizers in
+# the same order)
+_instances = {}
 
 
 def resolve_codec(compression):
@@ -105,7 +107,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.warmup_steps = config.warmup_steps
         self.error_feedback = config.error_feedback
 
-        self._prefix = f"hvdq{next(_instances)}"
+        ps_id = process_set.process_set_id
+        n = _instances[ps_id] = _instances.get(ps_id, -1) + 1
+        self._prefix = f"hvdq{n}" if ps_id == 0 else f"hvdq{n}.ps{ps_id}"
         self._memory = Memory(_backend.OPS) if self.error_feedback else None
         self._coll = None             # the process set's Collectives, once connected
         self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")

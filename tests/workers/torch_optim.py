@@ -16,9 +16,9 @@ optimizer's hooks), allreduces them uncompressed as the reference, then runs the
 * after ``step()``, every parameter has the same bytes on every rank.
 
 Then: op Sum, gradient_predivide_factor, groups (Horovod's grouped path for stock), hook order that
-differs between ranks, backward_passes_per_step, warmup, NaN, process sets, bytes per step, Adasum
-refusal, state_dict / TorchState resume (bit-exact, residuals included), and training to a loss close
-to fp32's (argv ``train``).
+differs between ranks, backward_passes_per_step, warmup, NaN, process sets (one, and several at once:
+``process-sets``), bytes per step, Adasum refusal, state_dict / TorchState resume (bit-exact, residuals
+included), and training to a loss close to fp32's (argv ``train``).
 """
 import copy
 import io
@@ -39,10 +39,13 @@ import hvd_quant.torch as hqt
 from torch_common import DEVICE, Checks, gather_max, init, params_identical, same_on_all_ranks
 
 # A process set of ranks 0 and 1 (with 2 ranks it would duplicate the global set, which Horovod
-# refuses; then the global set stands in).
+# refuses; then the global set stands in), and more sets for several at once (process_set_cases):
+# 2 ranks {0} and {1}; 3 ranks {0,1} and {1,2}, overlapping in rank 1; 4 ranks {0,1} and {2,3},
+# disjoint, and {1,2,3}, overlapping both.
 _WORLD = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 0)
 PS01 = hvd.ProcessSet([0, 1]) if _WORLD > 2 else None
-R, N = init(process_sets=[PS01] if PS01 is not None else None)
+MORE_SETS = [hvd.ProcessSet(r) for r in {2: [[0], [1]], 3: [[1, 2]], 4: [[2, 3], [1, 2, 3]]}.get(_WORLD, [])]
+R, N = init(process_sets=([PS01] if PS01 is not None else []) + MORE_SETS)
 PS01 = PS01 or hvd.global_process_set
 check = Checks()
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
@@ -113,6 +116,35 @@ def is_compressed(p, min_numel=1024):
     return p.dim() > 1 and p.numel() >= min_numel
 
 
+def grads_within_bound(params, ref, m, spec, reduction, op, size, compressed=True, min_cos=None):
+    """``(ok, worst error / bound)`` of the exchanged ``p.grad`` against ``ref`` (module doc); ``m``:
+    every member's largest |gradient|, ``size`` the members; ``compressed=False``: warm-up steps."""
+    ok, worst = True, 0.0
+    dtype = params[0].dtype
+    for p, r_ in zip(params, ref):
+        got = p.grad.float()
+        if is_compressed(p) and compressed:
+            if spec.startswith("qsgd") and min_cos is None:
+                bits = int(spec.split("bits=")[1].split(",")[0])
+                s = (1 << (bits - 1)) - 1
+                b = q_factor(spec, reduction) * sum(m) / s
+                if op == hvd.Average:
+                    b /= size
+                tol = b + 2 * torch.finfo(dtype).eps * (r_.abs() + b) + 1e-6 * sum(m)
+                err = (got - r_).abs()
+                worst = max(worst, float((err / tol).max()))
+                ok &= bool((err <= tol).all())
+            else:
+                cos = float(F.cosine_similarity(got.reshape(1, -1), r_.reshape(1, -1)))
+                ok &= math.isfinite(cos) and cos > (0.3 if min_cos is None else min_cos)
+                worst = max(worst, 1 - cos)
+        else:
+            tol = 4 * torch.finfo(dtype).eps * size * (r_.abs().max() + 1e-3)
+            e = float((got - r_).abs().max())
+            ok &= e <= tol
+    return ok, worst
+
+
 def step_checks(label, model, opt, spec, reduction="sra", op=hvd.Average, steps=3, passes=1,
                 order=None, nan=False, warmup=0, process_set=None, salt=0, min_cos=None):
     """Run ``steps`` steps checking gradients against the uncompressed reference (module doc).
@@ -157,31 +189,8 @@ def step_checks(label, model, opt, spec, reduction="sra", op=hvd.Average, steps=
                 ls[i].backward(retain_graph=True)
         opt.synchronize()
         if members:
-            in_warmup = step < warmup
-            ok, worst = True, 0.0
-            for p, r_ in zip(params, ref):
-                got = p.grad.float()
-                if nan:
-                    continue
-                if is_compressed(p) and not in_warmup:
-                    if spec.startswith("qsgd") and min_cos is None:
-                        bits = int(spec.split("bits=")[1].split(",")[0])
-                        s = (1 << (bits - 1)) - 1
-                        b = q_factor(spec, reduction) * sum(m) / s
-                        if op == hvd.Average:
-                            b /= size
-                        tol = b + 2 * torch.finfo(dtype).eps * (r_.abs() + b) + 1e-6 * sum(m)
-                        err = (got - r_).abs()
-                        worst = max(worst, float((err / tol).max()))
-                        ok &= bool((err <= tol).all())
-                    else:
-                        cos = float(F.cosine_similarity(got.reshape(1, -1), r_.reshape(1, -1)))
-                        ok &= math.isfinite(cos) and cos > (0.3 if min_cos is None else min_cos)
-                        worst = max(worst, 1 - cos)
-                else:
-                    tol = 4 * torch.finfo(dtype).eps * size * (r_.abs().max() + 1e-3)
-                    e = float((got - r_).abs().max())
-                    ok &= e <= tol
+            ok, worst = (True, 0.0) if nan else grads_within_bound(
+                params, ref, m, spec, reduction, op, size, compressed=step >= warmup, min_cos=min_cos)
             if nan:
                 w = model.b.weight.grad.float()
                 k = next(i for i, p in enumerate(params) if p is model.b.weight)
@@ -557,10 +566,60 @@ def auto_cases():
               f"{entry}/auto schedule", f"{seen}")
 
 
+def process_set_cases():
+    """Several process sets at once: a model and optimizer for every set this rank is in (the global
+    set too), every backward pass before any ``synchronize()`` (all the sets' exchanges in flight
+    together), synchronized in an order that differs between ranks, then checked. Each set's
+    gradients are within the bound of its own uncompressed allreduce and its members' parameters stay
+    identical. (The checks' own blocking collectives come after every ``synchronize()``: SRA's second
+    phase is submitted by the host, so a rank blocked in a collective of its own holds it back;
+    docs/EXCHANGE.md, limitations.)"""
+    sets = [hvd.global_process_set] + ([PS01] if PS01 is not hvd.global_process_set else []) + MORE_SETS
+    mine = [(k, ps) for k, ps in enumerate(sets) if ps.included()]
+    # hvd_quant.torch.DistributedOptimizer only: the stock path starts a global-set bucket once the
+    # step's presence count (hvd.join()) has arrived, possibly only in synchronize(), which another
+    # set's wait can hold back (docs/EXCHANGE.md, limitations)
+    for entry in ("ours",):
+        for reduction in ("sra", "allgather"):
+            label = f"{entry}/{reduction}/process-sets"
+            models = {k: fresh() for k, _ in mine}
+            opts = {k: make_opt(entry, models[k], Q4D, reduction=reduction, process_set=ps)
+                    for k, ps in mine}
+            for step in range(3):
+                refs, maxes, losses = {}, {}, {}
+                for k, ps in mine:
+                    params = list(models[k].parameters())
+                    x, y = batch(step, salt=k)
+                    losses[k] = F.cross_entropy(models[k](x), y)
+                    local = torch.autograd.grad(losses[k], params, retain_graph=True)
+                    refs[k] = [hvd.allreduce(g.clone(), name=f"ref.{label}.{k}.{step}.{i}", process_set=ps)
+                               for i, g in enumerate(local)]
+                    top = max(float(g.abs().max()) for p, g in zip(params, local) if is_compressed(p))
+                    maxes[k] = hvd.allgather(torch.tensor([top], dtype=torch.float64), process_set=ps,
+                                             name=f"refmax.{label}.{k}.{step}").tolist()
+                for k, _ in mine:
+                    losses[k].backward()
+                for k, _ in (mine if R % 2 == 0 else mine[::-1]):
+                    opts[k].synchronize()
+                for k, ps in mine:
+                    ok, worst = grads_within_bound(list(models[k].parameters()), refs[k], maxes[k], Q4D,
+                                                   reduction, hvd.Average, ps.size())
+                    name = "global" if ps is hvd.global_process_set else ps.ranks
+                    check(ok, f"grad {label} set {name} step {step}", f"worst error/bound {worst:.3f}")
+                    with opts[k].skip_synchronize():
+                        opts[k].step()
+                    opts[k].zero_grad()
+                    flat = torch.cat([p.detach().reshape(-1) for p in models[k].parameters()])
+                    rows = hvd.allgather(flat[None], name=f"idps.{label}.{k}.{step}", process_set=ps)
+                    check(all(torch.equal(rows[0], row) for row in rows),
+                          f"identical params {label} set {name} step {step}")
+
+
 def main():
-    groups = sys.argv[1:] or ["grads", "options", "bytes", "resume", "train", "auto"]
+    groups = sys.argv[1:] or ["grads", "options", "bytes", "resume", "train", "auto", "process-sets"]
     table = {"grads": grad_cases, "options": option_cases, "bytes": bytes_cases,
-             "resume": resume_cases, "train": train_cases, "auto": auto_cases}
+             "resume": resume_cases, "train": train_cases, "auto": auto_cases,
+             "process-sets": process_set_cases}
     for g in groups:
         check.run(g, table[g])
     check.finish()
