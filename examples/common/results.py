@@ -82,12 +82,17 @@ def final_accuracy(data):
     return data["epochs"][-1][1] if data["epochs"] else None
 
 
+def final_accuracies(group):
+    """``{seed: final test accuracy}`` of a group's finished runs that have one."""
+    acc = {s: final_accuracy(d) for s, d in group["data"].items()}
+    return {s: a for s, a in acc.items() if a is not None}
+
+
 def accuracy_rows(groups):
     """One row per group with a test accuracy (module doc)."""
     rows = []
     for (matrix, exp, gpus, nodes, key), g in groups.items():
-        acc = {s: final_accuracy(d) for s, d in g["data"].items()}
-        acc = {s: a for s, a in acc.items() if a is not None}
+        acc = final_accuracies(g)
         if not acc:
             continue
         run = g["runs"][0]
@@ -98,8 +103,7 @@ def accuracy_rows(groups):
                           target_pp=run.target, verdict=None)
         base = groups.get((matrix, exp, gpus, nodes, run.baseline)) if run.baseline else None
         if base is not None and run.baseline != key:
-            bacc = {s: final_accuracy(d) for s, d in base["data"].items()}
-            bacc = {s: a for s, a in bacc.items() if a is not None}
+            bacc = final_accuracies(base)
             if bacc:
                 row["delta_pp"] = 100 * (mean - statistics.fmean(bacc.values()))
                 paired = [100 * (acc[s] - bacc[s]) for s in acc if s in bacc]
@@ -218,7 +222,7 @@ def plot_accuracy(groups, fig_dir, note=""):
             ax_acc.fill_between(xs, lo, hi, color=color, alpha=0.15)
             xs, mean, _, _ = _mean_curve([d["loss"] for d in data])
             ax_loss.plot(xs, mean, color=color, label=label)
-            finals = [100 * final_accuracy(d) for d in data if d["epochs"]]
+            finals = [100 * a for a in final_accuracies(g).values()]
             labels.append(label)
             means.append(statistics.fmean(finals))
             errs.append(statistics.stdev(finals) if len(finals) > 1 else 0.0)
@@ -343,9 +347,10 @@ def report(runs, out_dir, note=""):
         print(f"accuracy table: {out_dir / 'accuracy.md'}, {out_dir / 'accuracy.csv'}")
     fig_dir = out_dir / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
-    paths = plot_accuracy(groups, fig_dir, note) + plot_throughput(throughput_rows(groups), fig_dir, note)
+    speed = throughput_rows(groups)
+    paths = plot_accuracy(groups, fig_dir, note) + plot_throughput(speed, fig_dir, note)
     for p in paths:
         print(f"figure: {p}")
     with open(out_dir / "throughput.json", "w") as f:
-        json.dump(throughput_rows(groups), f, indent=1)
+        json.dump(speed, f, indent=1)
     return rows, paths

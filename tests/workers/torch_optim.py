@@ -145,6 +145,18 @@ def grads_within_bound(params, ref, m, spec, reduction, op, size, compressed=Tru
     return ok, worst
 
 
+def reference(label, params, local, op=hvd.Average, process_set=None):
+    """The uncompressed allreduce of the local gradients ``local`` over ``process_set`` (None: every
+    rank), and every member's largest |gradient| over the compressed tensors (the M_j of the bound)."""
+    kw = {} if process_set is None else {"process_set": process_set}
+    ref = [hvd.allreduce(g.clone(), op=op, name=f"ref.{label}.{i}", **kw) for i, g in enumerate(local)]
+    comp = torch.cat([g.reshape(-1) for p, g in zip(params, local) if is_compressed(p)])
+    m = gather_max(comp) if process_set is None else \
+        hvd.allgather(torch.tensor([float(comp.abs().max())], dtype=torch.float64),
+                      process_set=process_set, name=f"refmax.{label}").tolist()
+    return ref, m
+
+
 def step_checks(label, model, opt, spec, reduction="sra", op=hvd.Average, steps=3, passes=1,
                 order=None, nan=False, warmup=0, process_set=None, salt=0, min_cos=None):
     """Run ``steps`` steps checking gradients against the uncompressed reference (module doc).
@@ -175,14 +187,7 @@ def step_checks(label, model, opt, spec, reduction="sra", op=hvd.Average, steps=
             losses.append(ls if isinstance(model, TwoBranch) else [loss])
         ref = None
         if members:
-            kw = {} if process_set is None else {"process_set": process_set}
-            ref = [hvd.allreduce(g.clone(), op=op, name=f"ref.{label}.{step}.{i}", **kw)
-                   for i, g in enumerate(local)]
-            comp = [g for p, g in zip(params, local) if is_compressed(p)]
-            m = gather_max(torch.cat([g.reshape(-1) for g in comp])) if process_set is None else \
-                hvd.allgather(torch.tensor([float(torch.cat([g.reshape(-1) for g in comp]).abs().max())],
-                                           dtype=torch.float64), process_set=process_set,
-                              name=f"refmax.{label}.{step}").tolist()
+            ref, m = reference(f"{label}.{step}", params, local, op, process_set)
         for ls in losses:
             order_ = order(step) if order else range(len(ls))
             for i in order_:
@@ -592,11 +597,7 @@ def process_set_cases():
                     x, y = batch(step, salt=k)
                     losses[k] = F.cross_entropy(models[k](x), y)
                     local = torch.autograd.grad(losses[k], params, retain_graph=True)
-                    refs[k] = [hvd.allreduce(g.clone(), name=f"ref.{label}.{k}.{step}.{i}", process_set=ps)
-                               for i, g in enumerate(local)]
-                    top = max(float(g.abs().max()) for p, g in zip(params, local) if is_compressed(p))
-                    maxes[k] = hvd.allgather(torch.tensor([top], dtype=torch.float64), process_set=ps,
-                                             name=f"refmax.{label}.{k}.{step}").tolist()
+                    refs[k], maxes[k] = reference(f"{label}.{k}.{step}", params, local, process_set=ps)
                 for k, _ in mine:
                     losses[k].backward()
                 for k, _ in (mine if R % 2 == 0 else mine[::-1]):
