@@ -297,15 +297,17 @@ class AutoChoice:
     time is the host time from the end of the previous step to the end of this one (:meth:`end_step`),
     so it includes everything the reduction costs the step, overlap included. Then every rank
     allgathers its median per candidate (:meth:`decide`, blocking, once), and all take the candidate
-    with the lowest mean over ranks; ties go to the earlier candidate, and Horovod's allreduce comes
-    first, so compression is chosen only where it measured faster. The choice holds for every
-    bucket of the plan until :meth:`reset` (the world size changed).
+    with the lowest mean over ranks, but a compressed way only where it measured at least
+    ``margin`` (10%) faster than Horovod's allreduce: single steps on a busy host vary by 10-20%, so
+    medians of five can put a way that is slower in the steady state a few percent ahead. Ties go to
+    the earlier candidate, Horovod's allreduce first. The choice holds for every bucket of the plan
+    until :meth:`reset` (the world size changed).
     """
     CANDIDATES = (ALLREDUCE, "allgather", "sra")
     WARM_ORDER = ("sra", "allgather", ALLREDUCE)
 
-    def __init__(self, trials=5, clock=time.perf_counter):
-        self.trials, self.clock = int(trials), clock
+    def __init__(self, trials=5, clock=time.perf_counter, margin=0.1):
+        self.trials, self.clock, self.margin = int(trials), clock, float(margin)
         self.reset()
 
     def reset(self):
@@ -335,16 +337,25 @@ class AutoChoice:
 
     def decide(self, coll, ops, name):
         """Allgather every rank's medians (seconds, float64) and take the same choice on every rank."""
-        mine = [statistics.median(self.times[c]) for c in self.CANDIDATES]
-        record = struct.pack(f"<{len(mine)}d", *mine)
+        record = self.record()
         if coll.size > 1:
-            data = ops.to_bytes(coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)))
-        else:
-            data = record
-        n = len(mine)
-        rows = [struct.unpack_from(f"<{n}d", data, r * 8 * n) for r in range(len(data) // (8 * n))]
+            record = ops.to_bytes(coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)))
+        return self.choose(record)
+
+    def record(self):
+        """This rank's median step time per candidate (float64 seconds), as bytes to allgather."""
+        return struct.pack(f"<{len(self.CANDIDATES)}d",
+                           *[statistics.median(self.times[c]) for c in self.CANDIDATES])
+
+    def choose(self, gathered):
+        """Take the choice from every rank's :meth:`record`, concatenated (the same on every rank)."""
+        n = len(self.CANDIDATES)
+        rows = [struct.unpack_from(f"<{n}d", gathered, r * 8 * n) for r in range(len(gathered) // (8 * n))]
         self.medians = [sum(r[i] for r in rows) / len(rows) for i in range(n)]
         best = min(range(n), key=lambda i: (self.medians[i], i))
+        plain = self.CANDIDATES.index(ALLREDUCE)
+        if self.medians[best] > (1.0 - self.margin) * self.medians[plain]:
+            best = plain
         self.choice = self.CANDIDATES[best]
         return self.choice
 

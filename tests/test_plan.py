@@ -1,6 +1,8 @@
 """hvd_quant.plan in one process, no framework: which tensors are compressed, fusion boundaries,
 explicit groups, bucket names, the handshake record, op mapping, argument checks and residual
 checkpoints. Everything here is exact (integers, names, bytes, bit patterns): no tolerance applies."""
+import struct
+
 import numpy as np
 import pytest
 
@@ -337,3 +339,9 @@ def test_auto_choice_schedule_and_decision():
         pass
     tie.decide(coll, None, "unused")
     assert tie.choice == "allreduce"            # equal times: no compression
+    # a compressed way is taken only where it measured at least `margin` (10%) faster
+    near = plan.AutoChoice()
+    assert near.choose(struct.pack("<3d", 1.0, 0.91, 0.95)) == "allreduce"
+    assert near.choose(struct.pack("<3d", 1.0, 0.95, 0.89)) == "sra"
+    assert near.choose(struct.pack("<6d", 1.0, 0.86, 0.95, 1.0, 0.98, 0.95)) == "allreduce"  # 0.92
+    assert near.choose(struct.pack("<6d", 1.0, 0.8, 0.9, 1.0, 0.95, 0.9)) == "allgather"

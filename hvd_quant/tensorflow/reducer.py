@@ -43,14 +43,14 @@ from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
 from . import _backend
 from ._backend import OPS, op_name
-from ._graph import GraphExchange, graph_collectives
+from ._graph import (GraphExchange, build_buckets, describe_gradient, graph_collectives,
+                     gradient_names)
 
 
 __all__ = ["GradientReducer", "resolve_codec"]
 
 _PREFIX = "hvdq.tf"
 _Trackable = tf.__internal__.tracking.Trackable
-_FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 
 def resolve_codec(compression):
@@ -71,25 +71,6 @@ def _host_copy(a):
 
 def _join(arrays):
     return np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in arrays])
-
-
-def _describe(name, g):
-    """A gradient as the plan sees it (None stays None: no gradient)."""
-    if g is None:
-        return None
-    shape = g.shape
-    static = shape.rank is not None and shape.is_fully_defined()
-    return _plan.Tensor(name, tuple(shape.as_list()) if shape.rank is not None else None,
-                        isinstance(g, tf.Tensor) and g.dtype in _FLOATS and static)
-
-
-def _unique(names):
-    seen, out = {}, []
-    for n in names:
-        k = seen.get(n, 0)
-        seen[n] = k + 1
-        out.append(n if k == 0 else f"{n}#{k}")
-    return out
 
 
 class GradientReducer(_Trackable):
@@ -174,11 +155,6 @@ class GradientReducer(_Trackable):
         return self._engine
 
     # -- plan -----------------------------------------------------------------------------------------
-    @staticmethod
-    def _names(grads, variables):
-        return tuple(_unique([getattr(v, "name", None) or f"grad_{i}" for i, v in enumerate(variables)]
-                             if variables is not None else [f"grad_{i}" for i in range(len(grads))]))
-
     def _trace_for(self, grads, variables, names):
         sig = tuple((n, None if g is None else (type(g).__name__, g.dtype.name, str(g.shape)))
                     for n, g in zip(names, grads))
@@ -190,7 +166,7 @@ class GradientReducer(_Trackable):
             index = {v.ref(): i for i, v in enumerate(variables or ())}
             groups = [[index[v.ref()] for v in grp if v.ref() in index] for grp in groups] \
                 if variables is not None else None
-        plan = _plan.make_plan(self.config, [_describe(n, g) for n, g in zip(names, grads)], groups,
+        plan = _plan.make_plan(self.config, [describe_gradient(n, g) for n, g in zip(names, grads)], groups,
                                prefix=self._prefix)
         trace = _Trace()
         trace.plan, trace.names = plan, names
@@ -214,7 +190,7 @@ class GradientReducer(_Trackable):
         # The names are a Python argument, hence part of the trace key: tf.function would otherwise
         # reuse a trace (and its names, hence its collectives' names) for other variables of the
         # same shapes.
-        names = self._names(grads, variables)
+        names = gradient_names(grads, variables)
         if tf.executing_eagerly():
             return self._eager_fn(grads, variables, names)
         return self._reduce(grads, variables, names)
@@ -249,23 +225,15 @@ class GradientReducer(_Trackable):
         if self.op == AVERAGE:
             n = tf.cast(engine.world_size(), tf.float64)
             scale = tf.cast(tf.constant(1.0, tf.float64) / n, tf.float32)
-        out = {}
-        for b in plan.buckets:
-            parts = [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in b.members]
-            flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-            total = engine.build(b.name, flat, header=b.header, device=self._device_of(flat))
-            if scale is not None:
-                total = total * scale
-            pieces = tf.split(total, list(b.numels)) if len(b.members) > 1 else [total]
-            for i, piece, shape in zip(b.members, pieces, b.shapes):
-                piece = tf.reshape(piece, shape)
-                out[i] = piece if grads[i].dtype == tf.float32 else tf.cast(piece, grads[i].dtype)
-        return [out[i] for i in plan.compressed]
+        out = build_buckets(plan.buckets, grads, lambda b, flat: engine.build(
+            b.name, flat, header=b.header, device=self._device_of(flat)), scale)
+        return [out[i] if grads[i].dtype == tf.float32 else tf.cast(out[i], grads[i].dtype)
+                for i in plan.compressed]
 
     def _reduce(self, grads, variables, names=None):
         grads = list(grads)
         if names is None:
-            names = self._names(grads, variables)
+            names = gradient_names(grads, variables)
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         ps = self.process_set

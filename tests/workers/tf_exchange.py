@@ -22,6 +22,7 @@ fp16, and reduction sra and allgather:
   tapefn    the same inside a user ``tf.function``
   v1        ``hvd_quant.tensorflow.DistributedOptimizer(tf.compat.v1 optimizer)``
   keras     ``hvd_quant.tensorflow.keras.DistributedOptimizer`` compute_gradients
+  stockauto the stock tape with ``reduction="auto"`` (once, 4-bit QSGD: :func:`run_stockauto`)
 
 Gradients are made exact: loss = sum(v * g_r) has gradient g_r with respect to v.
 """
@@ -39,6 +40,7 @@ hvd.init()
 import hvd_quant  # noqa: E402
 import hvd_quant.tensorflow as hqt  # noqa: E402
 import hvd_quant.tensorflow.keras as hqk  # noqa: E402
+from hvd_quant.tensorflow import _graph as tf_graph  # noqa: E402
 from hvd_quant.exchange import Exchange  # noqa: E402
 from tf_common import Checks, bound, same_on_all_ranks, FP32_EPS  # noqa: E402
 
@@ -151,9 +153,44 @@ def run_stocktape(spec, reduction, case):
         tape = hvd.DistributedGradientTape(tape, compression=comp)
         got = [g.numpy() for g in tape.gradient(loss, vs)]
         verify(f"stocktape.step{step}", spec, reduction, comp.codec, got, allg)
-    if comp.error_feedback:       # residuals are keyed by the variables' names, found in Horovod's frames
-        names = sorted(k for s in comp.state_dict()["residuals"].values() for k in s)
-        check(names == ["w1:0", "w2:0"], f"stocktape residual names {spec} {reduction}", str(names))
+    # Fused: the two compressible gradients travel in one bucket, named after the variables found
+    # in Horovod's frames (reverse order, as backward makes them): one exchange per step, not two
+    bucket = "hvdq.stock.w2:0..w1:0"
+    started = tf_graph._engine(comp, hvd.global_process_set).steps
+    check([k.split("(")[0] for k in started] == [bucket] and list(started.values()) == [2],
+          f"stocktape one exchange per step {spec} {reduction}", str(started))
+    if comp.error_feedback:       # residuals are keyed by the bucket's exchange name
+        names = [k.split("(")[0] for s in comp.state_dict()["residuals"].values() for k in s]
+        check(names == [bucket], f"stocktape residual names {spec} {reduction}", str(names))
+
+
+def run_stockauto():
+    """reduction="auto" on the stock tape: AutoChoice's schedule (each way once to warm up, then 5
+    timed steps of each, interleaved: 18 steps), then one choice taken alike on every rank from the
+    allgathered medians. Every step's result within the codec's bound (SRA's, the widest of the
+    three ways), each compressed way's exchange run exactly as often as the schedule says."""
+    spec = "qsgd:bits=4,bucket_size=128,mode=stochastic,seed=7"
+    allg = grads_of(700)
+    comp = hvd_quant.StockCompression(codec_of(spec), reduction="auto")
+    vs = variables()
+    steps = 20
+    for step in range(steps):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(vs, allg[R])
+        tape = hvd.DistributedGradientTape(tape, compression=comp)
+        verify(f"stockauto.step{step}", spec, "sra", comp.codec, [g.numpy() for g in tape.gradient(loss, vs)],
+               allg)
+    (auto,) = tf_graph._AUTOS[comp].values()
+    cands = list(auto.CANDIDATES)
+    choice = auto.choice.choice
+    mine = cands.index(choice) if choice in cands else -1
+    every = hvd.allgather(tf.constant([mine], tf.int32), name="stockauto.choice").numpy().tolist()
+    check(mine >= 0 and every == [mine] * N, "stockauto same choice on every rank", f"{every} {choice}")
+    sched = 3 + 3 * 5
+    for red in ("allgather", "sra"):
+        started = list(tf_graph._engine(comp, hvd.global_process_set, red).steps.values())
+        want = [6 + (steps - sched) * (choice == red)]
+        check(started == want, f"stockauto {red} exchanges", f"{started}, expected {want}")
 
 
 def run_stockv1(spec, reduction, case):
@@ -272,17 +309,19 @@ def run_dtypes():
 def main():
     t0 = time.time()
     only = sys.argv[1:] or ["core", "stock", "stocktape", "stockv1", "stockkeras", "tape", "tapefn",
-                            "v1", "keras", "dtypes"]
+                            "v1", "keras", "dtypes", "stockauto"]
     case = 0
     for spec in SPECS:
         for reduction in REDUCTIONS:
             for path in only:
-                if path == "dtypes":
+                if path in ("dtypes", "stockauto"):
                     continue
                 case += 1
                 check.run(f"{path} {spec} {reduction}", globals()[f"run_{path}"], spec, reduction, case)
     if "dtypes" in only:
         check.run("dtypes", run_dtypes)
+    if "stockauto" in only:
+        check.run("stockauto", run_stockauto)
     check(same_on_all_ranks(RESULTS), "results bit-identical on every rank",
           f"{len(RESULTS)} tensors, {sum(np.asarray(r).nbytes for r in RESULTS)} bytes")
     print(f"TIME total {time.time() - t0:.1f}s", flush=True)
