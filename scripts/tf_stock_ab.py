@@ -17,7 +17,6 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf
 import horovod.tensorflow as hvd
 
 
@@ -35,22 +34,11 @@ def main():
     hvd.init()
     import hvd_quant
     from hvd_quant.tensorflow import _graph
-    tf.random.set_seed(1)
-    model = getattr(tf.keras.applications, args.model)(
-        weights=None, input_shape=(args.image, args.image, 3))
-    opt = tf.optimizers.SGD(0.01)
-    data = tf.random.uniform([args.batch_size, args.image, args.image, 3])
-    target = tf.random.uniform([args.batch_size, 1], minval=0, maxval=999, dtype=tf.int64)
+    from tf_synthetic import training_step
+    make_step = training_step(args.model, args.image, args.batch_size)
 
     def make(compression):
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                loss = tf.losses.sparse_categorical_crossentropy(target, model(data, training=True))
-            tape = hvd.DistributedGradientTape(tape, compression=compression)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-        return step
+        return make_step(lambda tape: hvd.DistributedGradientTape(tape, compression=compression))
 
     ways = args.ways.split(",")
     steps = {}

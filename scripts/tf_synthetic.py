@@ -34,6 +34,31 @@ def compression_of(spec, reduction):
     return hvd_quant.StockCompression(hvd_quant.from_spec(spec), reduction=reduction)
 
 
+def training_step(model_name, image, batch_size):
+    """A Keras application model, SGD and one synthetic batch; returns ``make(make_tape)``: a
+    ``tf.function`` ``step(first_batch=False)`` whose tape is ``make_tape(tf.GradientTape)``
+    (the first batch also broadcasts the variables from rank 0)."""
+    tf.random.set_seed(1)
+    model = getattr(tf.keras.applications, model_name)(weights=None, input_shape=(image, image, 3))
+    opt = tf.optimizers.SGD(0.01)
+    data = tf.random.uniform([batch_size, image, image, 3])
+    target = tf.random.uniform([batch_size, 1], minval=0, maxval=999, dtype=tf.int64)
+
+    def make(make_tape):
+        @tf.function
+        def step(first_batch=False):
+            with tf.GradientTape() as tape:
+                loss = tf.losses.sparse_categorical_crossentropy(target, model(data, training=True))
+            tape = make_tape(tape)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            if first_batch:
+                hvd.broadcast_variables(model.variables, root_rank=0)
+                hvd.broadcast_variables(opt.variables(), root_rank=0)
+        return step
+    return make
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="MobileNetV2", help="a tf.keras.applications model")
@@ -50,12 +75,6 @@ def main():
     args = p.parse_args()
 
     hvd.init()
-    tf.random.set_seed(1)
-    model = getattr(tf.keras.applications, args.model)(
-        weights=None, input_shape=(args.image, args.image, 3))
-    opt = tf.optimizers.SGD(0.01)
-    data = tf.random.uniform([args.batch_size, args.image, args.image, 3])
-    target = tf.random.uniform([args.batch_size, 1], minval=0, maxval=999, dtype=tf.int64)
     if args.tape == "hvdq":
         import hvd_quant.tensorflow as hq
         comp = "none" if args.compression == "none" else args.compression
@@ -64,18 +83,7 @@ def main():
     else:
         compression = compression_of(args.compression, args.reduction)
         make_tape = lambda tape: hvd.DistributedGradientTape(tape, compression=compression)
-
-    @tf.function
-    def step(first_batch):
-        with tf.GradientTape() as tape:
-            probs = model(data, training=True)
-            loss = tf.losses.sparse_categorical_crossentropy(target, probs)
-        tape = make_tape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        if first_batch:
-            hvd.broadcast_variables(model.variables, root_rank=0)
-            hvd.broadcast_variables(opt.variables(), root_rank=0)
+    step = training_step(args.model, args.image, args.batch_size)(make_tape)
 
     def log(s):
         if hvd.rank() == 0:

@@ -522,8 +522,8 @@ def build_buckets(buckets, grads, total_of, scale=None):
 class GraphAuto:
     """``reduction="auto"`` in a graph (:class:`hvd_quant.plan.AutoChoice`'s schedule and choice):
     :meth:`route` is an op, run once per execution of the reduction, giving the index in
-    ``AutoChoice.CANDIDATES`` of the way this step's buckets travel; :meth:`total` builds a bucket's
-    three ways under a ``tf.switch_case`` on it. The step time is the host time between two
+    ``AutoChoice.CANDIDATES`` of the way this step's buckets travel; :meth:`bucket` builds a bucket's
+    compressed ways under a ``tf.switch_case`` on it, :meth:`plain` each gradient's allreduce. The step time is the host time between two
     executions of the route op. When the schedule ends, the ranks allgather their medians in the
     graph (a ``tf.cond`` that later steps skip) and take the same choice; rank 0 logs it once."""
     CANDIDATES = _plan.AutoChoice.CANDIDATES
@@ -594,7 +594,8 @@ class GraphAuto:
 
 
 # The fused reductions built for Horovod's allreduce_grads calls: outermost graph -> {(id(grads),
-# id(sc), process set id): (grads, {gradient index: float32 sum over ranks})}
+# id(sc), process set id): (grads, {gradient index: float32 sum over ranks}, GraphAuto or None,
+# its route op, the gradients' names)}
 _FUSED = weakref.WeakKeyDictionary()
 
 
