@@ -315,6 +315,7 @@ class StockCompression:
         self._anon = 0          # fallback names: call order since nothing was pending
         self._restored = {}     # residuals loaded before their session existed
         self._restored_auto = {}    # reduction=auto states loaded before their optimizer's group
+        self._graph_autos = {}      # plan key -> AutoChoice of a TensorFlow graph (_graph.GraphAuto)
 
     # -- configuration ----------------------------------------------------------------------------
     def summary(self):
@@ -601,6 +602,7 @@ class StockCompression:
                        for k, s in self._sessions.items() if s.memory is not None})
         auto = dict(self._restored_auto)
         auto.update({g.key: g.auto.state_dict() for _, g in self._groups.values() if g.auto is not None})
+        auto.update({k: a.state_dict() for k, a in self._graph_autos.items()})
         return {"residuals": {k: dict(v.get(Memory.WORKER, {})) for k, v in states.items()},
                 "server_residuals": {k: dict(v.get(Memory.SERVER, {})) for k, v in states.items()},
                 "steps": dict(self._steps), "auto": auto}
@@ -608,6 +610,10 @@ class StockCompression:
     def load_state_dict(self, state):
         self._steps = dict(state.get("steps", {}))
         self._restored_auto = dict(state.get("auto", {}))
+        for k, a in self._graph_autos.items():
+            saved = self._restored_auto.pop(k, None)
+            if saved is not None:
+                a.load_state_dict(saved)
         for _, g in self._groups.values():
             saved = self._restored_auto.pop(g.key, None)
             if saved is not None and g.auto is not None:

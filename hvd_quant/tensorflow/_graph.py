@@ -628,8 +628,13 @@ def _fused(sc, ps, hctx):
                 auto = autos.get((ps.process_set_id, plan.record))
                 if auto is None:
                     engines = {r: _engine(sc, ps, r) for r in ("allgather", "sra")}
+                    plan_key = plan.record[:8].hex()   # names this plan in sc.state_dict()["auto"]
                     auto = autos[(ps.process_set_id, plan.record)] = GraphAuto(
-                        f"hvdq.stock.{plan.record[:8].hex()}", ps, engines)
+                        f"hvdq.stock.{plan_key}", ps, engines)
+                    saved = sc._restored_auto.pop(plan_key, None)
+                    if saved is not None:
+                        auto.choice.load_state_dict(saved)
+                    sc._graph_autos[plan_key] = auto.choice
                 route = auto.route()
                 out = {i: piece for b in plan.buckets
                        for i, piece in zip(b.members, auto.bucket(route, b, grads))}

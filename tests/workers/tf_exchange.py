@@ -191,6 +191,18 @@ def run_stockauto():
         started = list(tf_graph._engine(comp, hvd.global_process_set, red).steps.values())
         want = [6 + (steps - sched) * (choice == red)]
         check(started == want, f"stockauto {red} exchanges", f"{started}, expected {want}")
+    # the choice travels in state_dict(): a restored compression takes it from its first step on
+    again = hvd_quant.StockCompression(codec_of(spec), reduction="auto")
+    again.load_state_dict(comp.state_dict())
+    with tf.GradientTape() as tape:
+        loss = loss_fn(vs, allg[R])
+    got = [g.numpy() for g in hvd.DistributedGradientTape(tape, compression=again).gradient(loss, vs)]
+    verify("stockauto.restored", spec, "sra", again.codec, got, allg)
+    (restored,) = tf_graph._AUTOS[again].values()
+    started = {red: sum(tf_graph._engine(again, hvd.global_process_set, red).steps.values())
+               for red in ("allgather", "sra")}
+    check(restored.choice.choice == choice and started == {r: int(r == choice) for r in started},
+          "stockauto choice restored", f"{restored.choice.choice} {started}")
 
 
 def run_stockv1(spec, reduction, case):
