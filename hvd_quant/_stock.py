@@ -236,7 +236,7 @@ class _Group:
                                         one)
                          if one is not None and getattr(ps, "process_set_id", 0) == 0 else None)
         self.auto = _plan.AutoChoice() if sc.reduction == _plan.AUTO else None
-        self.key = self.plan.record[:8].hex()      # names this plan in state_dict()["auto"]
+        self.key = self.plan.key                   # names this plan in state_dict()["auto"]
         self.infos = {}                # parameter -> (dtype, layout, adapter.describe of its gradient)
         self.ones = {}                 # (dtype, device) -> one placeholder slot per parameter
         self.new_step()
@@ -479,9 +479,8 @@ class StockCompression:
         _refuse_adasum(backend, owner)
         group = _Group(self, self.session(backend, caller.process_set), owner, backend,
                        caller.process_set)
-        saved = self._restored_auto.pop(group.key, None)
-        if saved is not None and group.auto is not None:
-            group.auto.load_state_dict(saved)
+        if group.auto is not None:
+            self._restore_auto(group.key, group.auto)
         self._groups[id(owner)] = (weakref.ref(owner), group)
         weakref.finalize(owner, self._groups.pop, id(owner), None)
         return group
@@ -607,17 +606,25 @@ class StockCompression:
                 "server_residuals": {k: dict(v.get(Memory.SERVER, {})) for k, v in states.items()},
                 "steps": dict(self._steps), "auto": auto}
 
+    def adopt_auto(self, key, choice):
+        """Keep ``choice``, the :class:`hvd_quant.plan.AutoChoice` of plan ``key`` made by a
+        framework's graph path, in :meth:`state_dict`, restored from a loaded state if one waits."""
+        self._restore_auto(key, choice)
+        self._graph_autos[key] = choice
+
+    def _restore_auto(self, key, choice):
+        saved = self._restored_auto.pop(key, None)
+        if saved is not None:
+            choice.load_state_dict(saved)
+
     def load_state_dict(self, state):
         self._steps = dict(state.get("steps", {}))
         self._restored_auto = dict(state.get("auto", {}))
         for k, a in self._graph_autos.items():
-            saved = self._restored_auto.pop(k, None)
-            if saved is not None:
-                a.load_state_dict(saved)
+            self._restore_auto(k, a)
         for _, g in self._groups.values():
-            saved = self._restored_auto.pop(g.key, None)
-            if saved is not None and g.auto is not None:
-                g.auto.load_state_dict(saved)
+            if g.auto is not None:
+                self._restore_auto(g.key, g.auto)
         server = state.get("server_residuals", {})
         self._restored = {k: {Memory.WORKER: v, Memory.SERVER: server.get(k, {})}
                           for k, v in state.get("residuals", {}).items()}

@@ -186,6 +186,11 @@ class Plan:
     def compressed_numel(self):
         return sum(b.numel for b in self.buckets)
 
+    @property
+    def key(self):
+        """Names this plan in saved state (``reduction="auto"``'s, per plan)."""
+        return self.record[:8].hex()
+
 
 def fuse(idxs, numels, bucket_bytes):
     """Greedy, in the given order: groups of at most ``bucket_bytes`` of float32 (a bigger tensor

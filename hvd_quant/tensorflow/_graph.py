@@ -27,7 +27,8 @@ exchange's collectives wait for it, so ranks configured differently raise
 Stock path. ``hvd_quant._stock`` dispatches TensorFlow tensors to this module: :func:`stock_compress`
 hands eager tensors to ``StockCompression.compress_on`` with the eager tables of ``_backend.py`` and
 builds the exchange of a symbolic one into the graph, through ``StockCompression``'s public surface
-(``session``, ``compressible``, ``record``, ``config``, ``_stock.header``, ``_stock.uncompressed``).
+(``session``, ``compressible``, ``record``, ``config``, ``reduction``, ``adopt_auto``,
+``_stock.header``, ``_stock.uncompressed``).
 Inside Horovod's ``allreduce_grads`` the gradients are fused: the first ``compress`` of the call
 plans the whole list and builds one exchange per bucket in the graph that holds the gradients
 (:func:`_fused`); ``reduction="auto"`` measures and chooses there (:class:`GraphAuto`). This module
@@ -628,13 +629,9 @@ def _fused(sc, ps, hctx):
                 auto = autos.get((ps.process_set_id, plan.record))
                 if auto is None:
                     engines = {r: _engine(sc, ps, r) for r in ("allgather", "sra")}
-                    plan_key = plan.record[:8].hex()   # names this plan in sc.state_dict()["auto"]
                     auto = autos[(ps.process_set_id, plan.record)] = GraphAuto(
-                        f"hvdq.stock.{plan_key}", ps, engines)
-                    saved = sc._restored_auto.pop(plan_key, None)
-                    if saved is not None:
-                        auto.choice.load_state_dict(saved)
-                    sc._graph_autos[plan_key] = auto.choice
+                        f"hvdq.stock.{plan.key}", ps, engines)
+                    sc.adopt_auto(plan.key, auto.choice)
                 route = auto.route()
                 out = {i: piece for b in plan.buckets
                        for i, piece in zip(b.members, auto.bucket(route, b, grads))}
@@ -667,7 +664,6 @@ def stock_compress(sc, tensor):
     ps = hctx.process_set if hasattr(hctx.process_set, "process_set_id") else hvd.global_process_set
     if not sc.compressible(info):
         return _stock.uncompressed(adapter, tensor, info)
-    eng = _engine(sc, ps)
     if hctx.grads is not None:
         out, auto, route, names = _fused(sc, ps, hctx)
         result = out.get(hctx.index)
@@ -675,6 +671,7 @@ def stock_compress(sc, tensor):
             plain = (None if auto is None
                      else auto.plain(route, tensor, hctx, f"hvdq.stock.{names[hctx.index]}"))
             return adapter.placeholder(tensor), _GraphCtx(result, info, ps.size(), plain)
+    eng = _engine(sc, ps)
     key = eng.unique_key(hctx.name or hctx.variable or tensor.name)
     ok = eng.handshake(key, sc.record(key, info.shape), f"tensor {key!r}")
     flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
