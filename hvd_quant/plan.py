@@ -304,9 +304,9 @@ class AutoChoice:
     allgathers its median per candidate (:meth:`decide`, blocking, once), and all take the candidate
     with the lowest mean over ranks, but a compressed way only where it measured at least
     ``margin`` (10%) faster than Horovod's allreduce: step times on a busy host vary by ±8-14%
-    (docs/EXCHANGE.md), so medians of five can put a way that is slower in the steady state a few percent ahead. Ties go to
-    the earlier candidate, Horovod's allreduce first. The choice holds for every bucket of the plan
-    until :meth:`reset` (the world size changed).
+    (docs/EXCHANGE.md), so medians of five can put a way that is slower in the steady state a few
+    percent ahead. Ties go to the earlier candidate, Horovod's allreduce first. The choice holds for
+    every bucket of the plan until :meth:`reset` (the world size changed).
     """
     CANDIDATES = (ALLREDUCE, "allgather", "sra")
     WARM_ORDER = ("sra", "allgather", ALLREDUCE)
