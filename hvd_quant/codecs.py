@@ -351,24 +351,27 @@ class Codec:
         payload the exchange sends for that name at step s from rank r."""
         arrays = adapter_for(x)
         shape, dtype = arrays.describe(x)
+        direct = _direct_encoder(self, arrays, shape, dtype, name)
+        if direct is not None:          # a prepared kernel launch: nothing else to resolve
+            nh, total, words, launch = direct
+            key = self._direct_key(nh, step, rank)
+            if arrays.device:
+                t, px = arrays.input_f32(x)
+                pt, pp = arrays.new_bytes(total, t)
+                launch(px, pp, words, key, arrays.stream(t), None)
+                return pt
+            pay = np.empty(total, np.uint8)
+            launch(arrays.input_f32(x), pay, words, key, None, None)
+            return arrays.wrap_payload(pay, x)
         nh, words, lay = _prepared(self, shape, dtype, name)
         key = self._direct_key(nh, step, rank)
         if arrays.device:
-            bound = _device_encoder(self, arrays, shape, dtype, name)
-            if bound is not None:       # a prepared kernel launch: nothing else to resolve
-                pt = arrays.new_bytes(lay.total, x)[0]
-                bound(x, pt, key)
-                return pt
             with arrays.context(x):
                 pt, pdev = arrays.new_bytes(lay.total, x)
                 self._encode_dev(arrays, x, pt, pdev, words, lay, key, arrays.stream(x))
                 return pt
         pay = np.empty(lay.total, np.uint8)
-        launch = _host_launch(self, arrays, lay.numel, None)
-        if launch is None:
-            self._encode_host(arrays, x, pay, words, lay, key)
-        else:
-            launch(arrays.input_f32(x), pay, words, key, None, None)
+        self._encode_host(arrays, x, pay, words, lay, key)
         return arrays.wrap_payload(pay, x)
 
     def encode_into(self, x, payload, words, lay, key, arrays=None, residual=None):
@@ -563,7 +566,7 @@ class Codec:
         out_np, commit = arrays.out_np(out)
         if out_np.size != h.numel:
             raise PayloadError(f"payload holds {h.numel} elements but out has {out_np.size}")
-        launch = _host_launch(self, arrays, h.numel, bool(accumulate))
+        launch = _prepared_launch(self, arrays, h.numel, bool(accumulate))
         if launch is None:
             self._decode_host(pay, out_np, accumulate)
         else:
@@ -619,19 +622,15 @@ class Codec:
             return arrays.result(out_t if res is None else res, dtype_name, shape)
 
     def _decode_into_device(self, arrays, payload, out, accumulate, name, expect):
-        numel = arrays.numel(out)
-        bound = None
         if arrays.views:
-            if arrays.payload_nbytes(payload) != self.wire_nbytes(numel):
+            numel = arrays.numel(out)
+            total, bound = _device_decoder(self, arrays, payload, numel, bool(accumulate), name, expect)
+            if arrays.payload_nbytes(payload) != total:
                 raise PayloadError(f"payload has {arrays.payload_nbytes(payload)} bytes; out has {numel} "
-                                   f"elements, which take {self.wire_nbytes(numel)}")
-            if expect is None:
-                expect = expectation(self, numel, name)
-            bound = _device_decoder(self, arrays, numel, bool(accumulate), expect,
-                                    status_for(self, arrays, payload)[1])
-        if bound is not None:           # a prepared kernel launch: nothing else to resolve
-            bound(payload, out)
-            return out
+                                   f"elements, which take {total}")
+            if bound is not None:       # a prepared kernel launch: nothing else to resolve
+                bound(payload, out)
+                return out
         with arrays.context(payload):
             numel = arrays.numel(out)
             nbytes = arrays.payload_nbytes(payload)
@@ -862,39 +861,43 @@ class QSGD(Codec):
 
 
 @functools.lru_cache(maxsize=4096)
-def _host_launch(codec, arrays, numel, accumulate):
-    """The codec's prepared CPU launch of ``numel`` elements (``Codec._bound_kernel``: the encode when
-    ``accumulate`` is None), built once; None where the generic path serves."""
+@functools.lru_cache(maxsize=4096)
+def _prepared_launch(codec, arrays, numel, accumulate):
+    """The codec's prepared launch of ``numel`` elements on ``arrays``' device or the CPU
+    (``Codec._bound_kernel``: the encode when ``accumulate`` is None), built once; None where the
+    generic path serves."""
     return codec._bound_kernel(arrays, numel, accumulate) if numel else None
 
 
 @functools.lru_cache(maxsize=4096)
-def _device_encoder(codec, arrays, shape, dtype_name, name):
-    """A direct device ``encode``'s bound launch ``f(x, payload, key)``, or None (generic path)."""
+def _direct_encoder(codec, arrays, shape, dtype_name, name):
+    """A direct ``encode``'s (name hash, payload bytes, header words, prepared launch
+    ``f(x, payload, words, key, stream, residual)`` taking the adapter's device handles or NumPy
+    arrays), or None (generic path)."""
     nh, words, lay = _prepared(codec, shape, dtype_name, name)
-    if not lay.numel or codec._bound_kernel(arrays, lay.numel, None) is None:
-        return None
-    return codec.bind_encode(arrays, lay, words, None)
+    launch = _prepared_launch(codec, arrays, lay.numel, None)
+    return None if launch is None else (nh, lay.total, words, launch)
 
 
 _DEVICE_DECODERS = {}
 
 
-def _device_decoder(codec, arrays, numel, accumulate, expect, status):
-    """A direct device ``decode_into``'s bound launch ``f(payload, out)``, or None (generic path);
-    ``status`` (a device handle kept for good in ``_arrays``' status table) is keyed by identity."""
-    key = (codec, arrays, numel, accumulate, expect, id(status))
-    try:
-        return _DEVICE_DECODERS[key]
-    except KeyError:
-        pass
-    bound = None
-    if numel and codec._bound_kernel(arrays, numel, accumulate) is not None:
-        bound = codec.bind_decode(arrays, numel, accumulate, expect, None, status=status)
-    if len(_DEVICE_DECODERS) >= 4096:
-        _DEVICE_DECODERS.clear()
-    _DEVICE_DECODERS[key] = bound
-    return bound
+def _device_decoder(codec, arrays, payload, numel, accumulate, name, expect):
+    """A direct device ``decode_into``'s (payload bytes, bound launch ``f(payload, out)`` or None for
+    the generic path), per device (the launch reports to that device's status word of ``codec``)."""
+    key = (codec, arrays, arrays.device_key(payload), numel, accumulate, name, expect)
+    hit = _DEVICE_DECODERS.get(key)
+    if hit is None:
+        if expect is None:
+            expect = expectation(codec, numel, name)
+        bound = None
+        if numel and codec._bound_kernel(arrays, numel, accumulate) is not None:
+            bound = codec.bind_decode(arrays, numel, accumulate, expect, None,
+                                      status=status_for(codec, arrays, payload)[1])
+        if len(_DEVICE_DECODERS) >= 4096:
+            _DEVICE_DECODERS.clear()
+        hit = _DEVICE_DECODERS[key] = (codec.wire_nbytes(numel), bound)
+    return hit
 
 
 @functools.lru_cache(maxsize=4096)

@@ -235,6 +235,35 @@ def _byte_of(lo, hi, j):
 
 
 @_inline
+def _pack_groups(codes, g0, g1, payload, base, BITS):
+    """Groups [g0, g1) of eight codes, each into its BITS bytes at payload[base + g*BITS:], a byte at
+    a time from the codes that overlap its bits: with BITS a constant, which codes and shifts is
+    decided at compile time."""
+    for g in range(g0, g1):
+        cg = codes[8 * g:8 * g + 8]
+        pg = payload[base + g * BITS:base + g * BITS + BITS]
+        if BITS < 8:                               # up to 4 codes per byte
+            for j in range(BITS):
+                v = np.uint32(0)
+                for k in range(8):
+                    off = k * BITS - 8 * j         # where code k starts, relative to byte j
+                    if off > -BITS and off < 8:
+                        if off >= 0:
+                            v |= np.uint32(cg[k]) << np.uint32(off)
+                        else:
+                            v |= np.uint32(cg[k]) >> np.uint32(-off)
+                pg[j] = np.uint8(v & np.uint32(0xFF))
+        else:                                      # one or two codes per byte
+            for j in range(BITS):
+                k = (8 * j) // BITS
+                sh = 8 * j - k * BITS
+                v = np.uint32(cg[k]) >> np.uint32(sh)
+                if sh + 8 > BITS:
+                    v |= np.uint32(cg[k + 1]) << np.uint32(BITS - sh)
+                pg[j] = np.uint8(v & np.uint32(0xFF))
+
+
+@_inline
 def _pack(codes, ng, payload, base, lim, BITS):
     """codes[0:8*ng] as BITS-bit little-endian fields into payload[base:lim] (lim - base <= ng*BITS
     bytes): eight codes fill exactly BITS bytes. ``BITS`` is a compile-time constant, so the shifts
@@ -257,31 +286,33 @@ def _pack(codes, ng, payload, base, lim, BITS):
             pb[2 * j + 1] = np.uint8(codes[j] >> 8)
         return
     whole = min(ng, (lim - base) // BITS)          # groups whose BITS bytes all lie before lim
-    for g in range(whole):
-        # byte j of a group from the codes that overlap its bits: with BITS a constant, which codes
-        # and shifts is decided at compile time (odd-width encodes 8-15% faster than from two 64-bit
-        # words, BENCHMARKS)
-        cg = codes[8 * g:8 * g + 8]
-        pg = payload[base + g * BITS:base + g * BITS + BITS]
-        if BITS < 8:                               # up to 4 codes per byte
-            for j in range(BITS):
-                v = np.uint32(0)
-                for k in range(8):
-                    off = k * BITS - 8 * j         # where code k starts, relative to byte j
-                    if off > -BITS and off < 8:
-                        if off >= 0:
-                            v |= np.uint32(cg[k]) << np.uint32(off)
-                        else:
-                            v |= np.uint32(cg[k]) >> np.uint32(-off)
-                pg[j] = np.uint8(v & np.uint32(0xFF))
-        else:                                      # one or two codes per byte
-            for j in range(BITS):
-                k = (8 * j) // BITS
-                sh = 8 * j - k * BITS
-                v = np.uint32(cg[k]) >> np.uint32(sh)
-                if sh + 8 > BITS:
-                    v |= np.uint32(cg[k + 1]) << np.uint32(BITS - sh)
-                pg[j] = np.uint8(v & np.uint32(0xFF))
+    # groups [head, head + 8*nsg) as BITS 64-bit words per 64 codes (1.6-2.9x faster than a byte at a
+    # time, BENCHMARKS); the groups before head bring the words to an 8-byte boundary
+    head = 0
+    addr = payload.ctypes.data + base
+    while head < 8 and (addr + head * BITS) & 7:
+        head += 1
+    if head == 8:                                  # no group starts on one: bytes only
+        head = whole
+    head = min(head, whole)
+    nsg = (whole - head) >> 3
+    _pack_groups(codes, 0, head, payload, base, BITS)
+    if nsg:
+        pw = payload[base + head * BITS:base + (head + 8 * nsg) * BITS].view(np.uint64)
+        for sg in range(nsg):
+            cb = codes[8 * head + 64 * sg:8 * head + 64 * sg + 64]
+            wb = pw[sg * BITS:sg * BITS + BITS]
+            acc = np.uint64(0)
+            for s8 in range(8):                    # 8 x 8, not 64: the compiler unrolls both
+                for k8 in range(8):
+                    k = 8 * s8 + k8
+                    off = (k * BITS) & 63          # a constant once unrolled
+                    c = np.uint64(cb[k])
+                    acc |= c << np.uint64(off)
+                    if off + BITS >= 64:
+                        wb[(k * BITS) >> 6] = acc
+                        acc = c >> np.uint64(64 - off)
+    _pack_groups(codes, head + 8 * nsg, whole, payload, base, BITS)
     for g in range(whole, ng):                     # the group that lim cuts short
         cg = codes[8 * g:8 * g + 8]
         lo = np.uint64(0)

@@ -194,6 +194,26 @@ def test_cpu_every_width_equal_reference(cpu, n, bs, bits):
         assert nan_bits_equal(a, b)
 
 
+ALIGN_CASES = [(n, bits, off) for n in (4097, 70001) for bits in (3, 5, 6, 12, 13, 15) for off in (0, 1, 4, 6)]
+
+
+@pytest.mark.parametrize("n,bits,off", ALIGN_CASES, ids=[f"n{n}-b{b}-at{o}" for n, b, o in ALIGN_CASES])
+def test_cpu_pack_at_any_alignment(cpu, n, bits, off):
+    """The odd widths' encode packs 64 codes at a time as 64-bit words from the first group that
+    starts on an 8-byte boundary, the groups before it and after the last whole 64 byte by byte: a
+    payload starting at any byte offset of its buffer (and, at 70001 elements, chunks starting at
+    every offset) holds the reference's bytes, and nothing outside the payload is written."""
+    bs = 7
+    x, h, lay = qsgd_case(n, bs, bits, True, False)
+    want = np.zeros(lay.total, np.uint8)
+    R.qsgd_encode_ref(x, want, h, bits, bs, True, False, KEY)
+    buf = np.full(lay.total + 16, 0xA5, np.uint8)
+    got = buf[off:off + lay.total]
+    cpu.qsgd_encode_cpu(x, got, h, bits, bs, True, False, KEY)
+    assert np.array_equal(want, got), f"first differing byte {np.flatnonzero(want != got)[:5]}"
+    assert (buf[:off] == 0xA5).all() and (buf[off + lay.total:] == 0xA5).all()
+
+
 def test_canonical_sum_order():
     """lane_sum_ref is exactly: 32 sequential lane sums, then the stride-16..1 tree."""
     rng = np.random.default_rng(3)

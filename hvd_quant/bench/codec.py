@@ -27,7 +27,8 @@ rate: 1.0 = memory-bound), ``torch-ops / ours`` (higher is better).
 
 ``tiny enc+dec us``: wall time per ``decode_into(encode(x))`` call on a tiny tensor
 (``--tiny-numel``, 4096 elements), many calls back to back then one synchronisation: the per-call
-host cost (Python + kernel launches), which the large-tensor GPU times do not show.
+host cost (Python + kernel launches), which the large-tensor GPU times do not show. The rows of this
+column are timed together after the others, taking turns for 5 rounds, each keeping its best.
 
 On CUDA each configuration takes the kernel path ``numba_kernels.cuda.kernel_path`` selects (``warp``
 or ``block``, the general path); the table's heading says which for the benchmarked bucket size.
@@ -195,20 +196,24 @@ class CpuTimer:
         return time.perf_counter() - t0
 
 
-def tiny_overhead_us(fn, calls, sync):
-    """Wall time per call of ``fn`` (µs), ``calls`` calls back to back then one ``sync``: for a tiny
-    tensor this is the host cost of a call (Python, adapters, kernel launches)."""
-    for _ in range(max(3, calls // 10)):
-        fn()
-    sync()
-    best = None
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def tiny_overhead_us(fns, calls, sync, rounds=5):
+    """Wall time per call (µs) of each of ``fns``, ``calls`` calls back to back then one ``sync``:
+    for a tiny tensor this is the host cost of a call (Python, adapters, kernel launches). The
+    functions take turns, ``rounds`` times, and each keeps its best round, so that a slow stretch
+    of the host (clock ramps, another process) does not fall on one row alone."""
+    for fn in fns:
+        for _ in range(max(3, calls // 10)):
             fn()
-        sync()
-        t = (time.perf_counter() - t0) / calls * 1e6
-        best = t if best is None else min(best, t)
+    sync()
+    best = [None] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            t = (time.perf_counter() - t0) / calls * 1e6
+            best[i] = t if best[i] is None else min(best[i], t)
     return best
 
 
@@ -255,11 +260,10 @@ def run_device(args, device, threads=None):
     cp, cp_host = timer(copy, args.repeat, args.warmup)
     rows.append(dict(codec="copy", spec="memcpy", encode=None, decode=None, encdec=cp, host=cp_host,
                      bytes_per_elem=4.0))
+    tiny_fns = []           # (row, fn): timed together at the end (tiny_overhead_us)
     if tiny:
-        if device == "cuda":
-            rows[0]["tiny_us"] = tiny_overhead_us(lambda: outs.copy_(xs), calls, sync)
-        else:
-            rows[0]["tiny_us"] = tiny_overhead_us(lambda: np.copyto(outs, xs), calls, sync)
+        tiny_fns.append((rows[0], (lambda: outs.copy_(xs)) if device == "cuda"
+                         else (lambda: np.copyto(outs, xs))))
     for name, spec in codec_specs(args.codecs):
         c = hq.from_spec(spec.format(bs=bs))
         first_enc = timer.first(lambda: c.encode(x))
@@ -272,7 +276,7 @@ def run_device(args, device, threads=None):
                    first_encode_s=first_enc, first_decode_s=first_dec,
                    bytes_per_elem=c.wire_nbytes(n) / n)
         if tiny:
-            row["tiny_us"] = tiny_overhead_us(lambda: c.decode_into(c.encode(xs), outs), calls, sync)
+            tiny_fns.append((row, lambda c=c: c.decode_into(c.encode(xs), outs)))
         if torch is not None and not args.no_torch_ops:
             xt = x if device == "cuda" else torch.from_numpy(x)
             ot = out if device == "cuda" else torch.from_numpy(out)
@@ -282,6 +286,9 @@ def run_device(args, device, threads=None):
             row["torch_decode"] = timer(lambda: t_dec(st, ot), args.repeat, args.warmup)[0]
             row["torch_encdec"] = timer(lambda: t_dec(t_enc(xt), ot), args.repeat, args.warmup)[0]
         rows.append(row)
+    if tiny_fns:
+        for (row, _), us in zip(tiny_fns, tiny_overhead_us([f for _, f in tiny_fns], calls, sync)):
+            row["tiny_us"] = us
     return rows
 
 

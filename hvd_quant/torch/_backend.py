@@ -262,12 +262,12 @@ class TorchCudaAdapter(DeviceAdapter):
         return _describe(x)
 
     def device_key(self, x):
-        return ("torch", x.device.index)
+        return ("torch", x.get_device())
 
     def stream(self, x):
         if self._raw_stream is not None:
             try:
-                return self._raw_stream(x.device.index)
+                return self._raw_stream(x.get_device())
             except Exception:           # pragma: no cover - private torch API changed
                 self._raw_stream = None
         return torch.cuda.current_stream(x.device).cuda_stream
@@ -320,21 +320,18 @@ class TorchCudaAdapter(DeviceAdapter):
         t = torch.zeros(2, dtype=torch.int32, device=like.device)
         return t, self._dev(t)
 
-    def _check_payload(self, payload):
+    def bytes_dev(self, payload):
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
             raise UnsupportedInputError(f"a payload is a 1-D uint8 tensor; got {type(payload).__name__} "
                                         f"{getattr(payload, 'dtype', '')}")
         if not payload.is_contiguous():
             payload = payload.contiguous()
-        if payload.data_ptr() % 4:
+        ptr = payload.data_ptr()
+        if ptr % 4:
             from numba_kernels.wire import PayloadError
             raise PayloadError("a device payload must start on a 4-byte boundary (payload sizes are "
                                "multiples of 4, so slices of concatenated payloads are)")
-        return payload
-
-    def bytes_dev(self, payload):
-        payload = self._check_payload(payload)
-        return self._dev(payload)
+        return ptr
 
     def payload_nbytes(self, payload):
         return payload.numel()
@@ -344,7 +341,7 @@ class TorchCudaAdapter(DeviceAdapter):
 
     def out_dev(self, out):
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
-                or out.device.type != "cuda":
+                or not out.is_cuda:
             raise UnsupportedInputError("decode_into needs a contiguous float32 CUDA tensor; got "
                                         f"{type(out).__name__} {getattr(out, 'dtype', '')} "
                                         f"{getattr(out, 'device', '')}")
@@ -402,6 +399,8 @@ _CUDA = None
 
 def adapter(obj):
     global _CUDA
+    if getattr(obj, "is_cuda", False) and _CUDA is not None:
+        return _CUDA
     dev = getattr(obj, "device", None)
     if dev is not None and dev.type == "cuda":
         if _CUDA is None:
