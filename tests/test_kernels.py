@@ -214,6 +214,38 @@ def test_cpu_pack_at_any_alignment(cpu, n, bits, off):
     assert (buf[:off] == 0xA5).all() and (buf[off + lay.total:] == 0xA5).all()
 
 
+def test_half_conversions_equal_numpy(cpu):
+    """The fp16 codec's CPU kernels convert as NumPy's astype does, bit for bit: every float16 pattern
+    back to float32 (written and accumulated), and float32 patterns of every exponent with the
+    significands around each rounding tie, NaN payloads and random bits, to float16, with the
+    residual x - float32(float16(x)) written in place."""
+    hb = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want = hb.view(np.float16).astype(np.float32)
+    out = np.full(hb.size, np.nan, np.float32)
+    cpu.half_decode_cpu(hb, out, False)
+    assert bits_equal(want, out)
+    acc = np.full(hb.size, 1.5, np.float32)
+    cpu.half_decode_cpu(hb, acc, True)
+    with np.errstate(invalid="ignore"):              # inf + -inf
+        assert nan_bits_equal(np.float32(1.5) + want, acc)
+    rng = np.random.default_rng(11)
+    ties = np.array([0, 1, 0x7FF, 0x800, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x2FFF, 0x3000, 0x3001,
+                     0x7FE000, 0x7FEFFF, 0x7FF000, 0x7FF001, 0x7FFFFF, 0x400000, 0x400001], np.uint32)
+    sigs = np.concatenate([ties, rng.integers(0, 1 << 23, 200, dtype=np.uint32)])
+    bits = ((np.arange(256, dtype=np.uint32) << 23)[:, None] | sigs[None, :]).ravel()
+    bits = np.concatenate([bits, bits | np.uint32(1 << 31),
+                           rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)])
+    x = bits.view(np.float32)
+    with np.errstate(all="ignore"):
+        h_want = x.astype(np.float16)
+        r_want = x - h_want.astype(np.float32)
+    h = np.zeros(x.size, np.uint16)
+    xin = x.copy()
+    cpu.half_encode_cpu(xin, h, residual=xin)
+    assert np.array_equal(h_want.view(np.uint16), h), f"first differing input {bits[np.flatnonzero(h_want.view(np.uint16) != h)[:3]]}"
+    assert nan_bits_equal(r_want, xin)
+
+
 def test_canonical_sum_order():
     """lane_sum_ref is exactly: 32 sequential lane sums, then the stride-16..1 tree."""
     rng = np.random.default_rng(3)

@@ -46,16 +46,24 @@ WIDTHS = tuple(f"qsgd{b}" for b in range(2, 17))     # any of these may be named
 
 
 def codec_specs(names):
-    """[(name, spec template)] for the comma-separated ``names``: the default set, ``qsgdN`` for any
-    width N in 2..16, or ``all`` (every width and onebit)."""
+    """[(name, spec template)] for the ``names`` (separated by commas, or by semicolons when a spec
+    string with commas is among them): the default set, ``qsgdN`` for any width N in 2..16, ``all``
+    (every width and onebit), or any codec spec string (``qsgd:bits=5,mode=deterministic``, ``fp16``),
+    named by itself."""
     known = dict(CODECS)
     known.update((w, f"qsgd:bits={w[4:]},bucket_size={{bs}}") for w in WIDTHS)
     wanted = []
-    for name in names.split(","):
+    for name in names.split(";" if ";" in names or ":" in names else ","):
         for one in (WIDTHS + ("onebit",) if name == "all" else (name,)):
             if one not in known:
-                raise SystemExit(f"unknown codec {one!r}; known: {', '.join(n for n, _ in CODECS)}, "
-                                 f"qsgd2 .. qsgd16, all")
+                from hvd_quant import from_spec
+                try:
+                    from_spec(one)
+                except ValueError as e:
+                    raise SystemExit(f"unknown codec {one!r} ({e}); known: "
+                                     f"{', '.join(n for n, _ in CODECS)}, qsgd2 .. qsgd16, all, "
+                                     "or a codec spec string") from None
+                known[one] = one.replace("{", "{{").replace("}", "}}")
             if one not in wanted:
                 wanted.append(one)
     return [(n, known[n]) for n in wanted]
@@ -71,7 +79,8 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", default=None, help="CPU: comma-separated Numba/torch thread counts")
     p.add_argument("--codecs", default=",".join(n for n, _ in CODECS),
-                   help="comma-separated: " + ",".join(n for n, _ in CODECS) + ", qsgd2 .. qsgd16, or all")
+                   help="comma-separated: " + ",".join(n for n, _ in CODECS) + ", qsgd2 .. qsgd16, all, "
+                   "or codec spec strings (then separated by semicolons; no plain-PyTorch row for those)")
     p.add_argument("--no-torch-ops", action="store_true", help="skip the plain-PyTorch baseline")
     p.add_argument("--tiny-numel", type=int, default=4096,
                    help="elements of the tensor for the per-call host overhead column (0: skip)")
@@ -277,7 +286,7 @@ def run_device(args, device, threads=None):
                    bytes_per_elem=c.wire_nbytes(n) / n)
         if tiny:
             tiny_fns.append((row, lambda c=c: c.decode_into(c.encode(xs), outs)))
-        if torch is not None and not args.no_torch_ops:
+        if torch is not None and not args.no_torch_ops and name in dict(codec_specs("all")):
             xt = x if device == "cuda" else torch.from_numpy(x)
             ot = out if device == "cuda" else torch.from_numpy(out)
             t_enc, t_dec = _torch_ops(name, bs)
