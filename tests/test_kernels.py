@@ -202,16 +202,22 @@ def test_cpu_pack_at_any_alignment(cpu, n, bits, off):
     """The odd widths' encode packs 64 codes at a time as 64-bit words from the first group that
     starts on an 8-byte boundary, the groups before it and after the last whole 64 byte by byte: a
     payload starting at any byte offset of its buffer (and, at 70001 elements, chunks starting at
-    every offset) holds the reference's bytes, and nothing outside the payload is written."""
-    bs = 7
-    x, h, lay = qsgd_case(n, bs, bits, True, False)
-    want = np.zeros(lay.total, np.uint8)
-    R.qsgd_encode_ref(x, want, h, bits, bs, True, False, KEY)
-    buf = np.full(lay.total + 16, 0xA5, np.uint8)
-    got = buf[off:off + lay.total]
-    cpu.qsgd_encode_cpu(x, got, h, bits, bs, True, False, KEY)
-    assert np.array_equal(want, got), f"first differing byte {np.flatnonzero(want != got)[:5]}"
-    assert (buf[:off] == 0xA5).all() and (buf[off + lay.total:] == 0xA5).all()
+    every offset) holds the reference's bytes and decodes (written and accumulated) to the
+    reference's values, and nothing outside the payload is written."""
+    for bs in (7, 512):
+        x, h, lay = qsgd_case(n, bs, bits, True, False)
+        want = np.zeros(lay.total, np.uint8)
+        R.qsgd_encode_ref(x, want, h, bits, bs, True, False, KEY)
+        buf = np.full(lay.total + 16, 0xA5, np.uint8)
+        got = buf[off:off + lay.total]
+        cpu.qsgd_encode_cpu(x, got, h, bits, bs, True, False, KEY)
+        assert np.array_equal(want, got), f"bs {bs}: first differing byte {np.flatnonzero(want != got)[:5]}"
+        assert (buf[:off] == 0xA5).all() and (buf[off + lay.total:] == 0xA5).all()
+        for accumulate in (False, True):
+            a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+            R.qsgd_decode_ref(want, a, bits, bs, accumulate)
+            cpu.qsgd_decode_cpu(got, b, bits, bs, accumulate)
+            assert bits_equal(a, b), f"bs {bs}: decode differs at {np.flatnonzero(a != b)[:5]}"
 
 
 def test_half_conversions_equal_numpy(cpu):
