@@ -861,7 +861,6 @@ class QSGD(Codec):
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=4096)
 def _prepared_launch(codec, arrays, numel, accumulate):
     """The codec's prepared launch of ``numel`` elements on ``arrays``' device or the CPU
     (``Codec._bound_kernel``: the encode when ``accumulate`` is None), built once; None where the
