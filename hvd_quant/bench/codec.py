@@ -286,7 +286,7 @@ def run_device(args, device, threads=None):
                    bytes_per_elem=c.wire_nbytes(n) / n)
         if tiny:
             tiny_fns.append((row, lambda c=c: c.decode_into(c.encode(xs), outs)))
-        if torch is not None and not args.no_torch_ops and name in dict(codec_specs("all")):
+        if torch is not None and not args.no_torch_ops and (name in WIDTHS or name == "onebit"):
             xt = x if device == "cuda" else torch.from_numpy(x)
             ot = out if device == "cuda" else torch.from_numpy(out)
             t_enc, t_dec = _torch_ops(name, bs)
