@@ -79,6 +79,7 @@ def test_train_driver_cpu(tmp_path, job_env, capsys):
     assert q["best_peer"] == "hvd-fp32" and float(q["vs_best_peer"]) == pytest.approx(
         float(q["img_per_sec"]) / float(fp32["img_per_sec"]), rel=1e-3)
     assert float(q["bytes_ratio"]) > 2                 # 4-bit payloads: several times fewer bytes
+    assert q["replicas"] == fp32["replicas"] == "identical", (q, fp32)
     assert "mlp/loopback/hvdq-qsgd4-allgather" in text.split("id ")[-1]          # the final table
     assert "chart" not in text                                                  # --no-plot
 
@@ -115,6 +116,7 @@ def test_train_driver_ddp_and_single(tmp_path, job_env, capsys):
     by_id, _ = rows_of(out)
     single, ddp = by_id["mlp/local/single"], by_id["mlp/loopback/ddp-fp16"]
     assert single["procs"] == "1" and float(single["vs_single"]) == pytest.approx(1.0)
+    assert single["replicas"] == "one" and ddp["replicas"] == "identical", (single, ddp)
     assert "torch.distributed.run" in ddp["command"] and ddp["best_peer"] == "ddp-fp16"
     assert float(ddp["vs_single"]) == pytest.approx(
         float(ddp["img_per_sec"]) / float(single["img_per_sec"]), rel=1e-3)

@@ -16,8 +16,13 @@ of ``--num-batches-per-iter`` steps each (zero_grad, forward, cross-entropy, bac
 the device is synchronised at the end of each timed iteration. Rank 0 prints ``Iter #i: x img/sec per
 GPU`` (or CPU) for each iteration, the mean +- 1.96 * std per rank and the total (mean * size), then
 one machine-readable line ``HVDQ_TRAIN_RESULT {json}`` that the driver parses.
+
+After the timed steps every rank hashes its parameters (SHA-256 of their bytes, in order) and the ranks
+compare the digests: ``replicas`` is ``identical`` when every rank holds bit-for-bit the same model,
+``DIFFER`` otherwise (a data-parallel run must never drift), ``one`` for a single process.
 """
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -168,6 +173,28 @@ def build_parser():
     return p
 
 
+def parameters_digest(model):
+    """SHA-256 (hex, first 16 digits) of every parameter's bytes, in the model's order."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(-1).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def replicas_state(model, launcher, size, hvd):
+    """``identical`` / ``DIFFER`` across the ranks' parameters, or ``one`` for one process."""
+    if launcher == "single" or size == 1:
+        return "one"
+    mine = parameters_digest(model)
+    if launcher == "horovod":
+        digests = hvd.allgather_object(mine)
+    else:
+        import torch.distributed as dist
+        digests = [None] * size
+        dist.all_gather_object(digests, mine)
+    return "identical" if len(set(digests)) == 1 else "DIFFER"
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     spec = parse_method(args.method)
@@ -306,6 +333,8 @@ def main(argv=None):
             traffic = None
     mean = float(np.mean(img_secs))
     conf = float(1.96 * np.std(img_secs))
+    replicas = replicas_state(model, launcher, size, hvd)
+    log(f"Replicas: {replicas}")
     log(f"Img/sec per {devname}: {mean:.1f} +-{conf:.1f}")
     log(f"Total img/sec on {size} {devname}(s): {size * mean:.1f} +-{size * conf:.1f}")
     if rank == 0:
@@ -317,7 +346,8 @@ def main(argv=None):
                       params=nparams, tensors=ntensors, img_per_sec=mean, conf=conf,
                       total_img_per_sec=size * mean, total_conf=size * conf, iters=img_secs,
                       warmup_s=warmup_s, bytes_sent=None if traffic is None else traffic["sent"],
-                      bytes_fp32=None if traffic is None else traffic["fp32"], bytes_ratio=ratio)
+                      bytes_fp32=None if traffic is None else traffic["fp32"], bytes_ratio=ratio,
+                      replicas=replicas)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     if launcher == "horovod":
         hvd.shutdown()

@@ -53,6 +53,9 @@ Ratios (per-rank img/sec): ``vs_best_peer`` = this / the best peer on the same m
 where the peers are ddp-* and hvd-* (not single, not the hvd_quant codecs); ``vs_single`` = this /
 ``single`` of the same model and N (the scaling efficiency).
 
+Every job also checks that its ranks end with bit-identical parameters (column ``replicas``:
+``identical``, ``DIFFER``, or ``one`` for one process; the worker compares SHA-256 digests).
+
 Output (``--out DIR``, default ``bench-train/``): one line per finished config, a final table,
 ``DIR/train.csv`` (each finished row appended at once; ratios refreshed at the end of a run),
 ``DIR/logs/``, and the bar chart ``DIR/train.png`` when matplotlib is importable. A run resumes: a
@@ -90,7 +93,8 @@ GPU_DEFAULTS = dict(models="resnet50,vgg16,vit_b_16", batch_size=64, image_size=
 CPU_DEFAULTS = dict(models="cpu_resnet", batch_size=16, image_size=32, num_classes=10,
                     num_warmup_batches=20, num_batches_per_iter=5, num_iters=5)
 COLUMNS = ("id", "model", "network", "np", "procs", "method", "status", "img_per_sec", "conf",
-           "total_img_per_sec", "vs_best_peer", "best_peer", "vs_single", "bytes_ratio", "seconds",
+           "total_img_per_sec", "vs_best_peer", "best_peer", "vs_single", "bytes_ratio", "replicas",
+           "seconds",
            "error", "device", "batch_size", "image_size", "model_source", "finished", "log", "command")
 ROOT = Path(__file__).resolve().parents[2]      # the directory holding the hvd_quant package
 
@@ -292,7 +296,7 @@ def kill_job(proc):
         pass
 
 
-_PREFIX = re.compile(r"^\[\d+\]<(stdout|stderr)>:")
+_PREFIX = re.compile(r"^\[\d+(?:,\d+)?\]<(stdout|stderr)>:")
 _ERROR = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit)|Killed|Segmentation fault)\b")
 _GENERIC = ("Horovod detected that one or more processes exited", "ChildFailedError",
             "CalledProcessError", "subprocess.CalledProcessError")
@@ -381,7 +385,7 @@ def run_job(cfg, args, out_dir, index, total):
     elif proc.returncode == 0 and result is not None:
         row.update(status="ok", error="", img_per_sec=result["img_per_sec"], conf=result["conf"],
                    total_img_per_sec=result["total_img_per_sec"], bytes_ratio=result.get("bytes_ratio"),
-                   model_source=result.get("model_source", ""))
+                   replicas=result.get("replicas", ""), model_source=result.get("model_source", ""))
     else:
         why = last_error(text) if proc.returncode != 0 else "no result line"
         row.update(status="failed", error=f"exit {proc.returncode}: {why}"[:300])
@@ -502,11 +506,14 @@ def describe(r):
         parts.append(f"{_ratio(r['vs_single'])} single")
     if _num(r.get("bytes_ratio")) is not None:
         parts.append(f"{_num(r['bytes_ratio']):.2f}x fewer bytes than fp32")
+    if r.get("replicas") and r["replicas"] != "one":
+        parts.append(f"replicas {r['replicas']}")
     return "; ".join(parts)
 
 
 def print_table(rows):
-    head = ("id", "N", "img/sec/rank", "+-", "total", "vs peer", "vs single", "bytes x", "status", "s")
+    head = ("id", "N", "img/sec/rank", "+-", "total", "vs peer", "vs single", "bytes x", "replicas", "status",
+            "s")
     body = []
     for r in rows:
         ok = r.get("status") == "ok"
@@ -515,7 +522,7 @@ def print_table(rows):
                      f"{c:.1f}" if ok and c is not None else "-", f"{t:.1f}" if ok and t is not None else "-",
                      _ratio(r.get("vs_best_peer")), _ratio(r.get("vs_single")),
                      "-" if _num(r.get("bytes_ratio")) is None else f"{_num(r['bytes_ratio']):.2f}",
-                     r.get("status", ""),
+                     r.get("replicas") or "-", r.get("status", ""),
                      "-" if _num(r.get("seconds")) is None else f"{_num(r['seconds']):.0f}"))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731

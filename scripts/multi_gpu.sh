@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The multi-GPU training matrix (docs/RESULTS.md, "Two and four GPUs") on one host of 4 GPUs, in
+# one go: builds Horovod with NCCL (scripts/build_horovod_gpu.sh), then
+#   phase 1, two 2-GPU lanes at once on disjoint GPU pairs: GPUs 0,1 run the NVLink configs, then
+#            the two-rank GPU tests (tests/test_torch_gpu.py, NCCL); GPUs 2,3 run the sockets configs
+#            (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1); the issue's main rows first, the rest after;
+#   phase 2, all 4 GPUs: the 4-rank rows, sockets first.
+# Each phase stops at its deadline (seconds from the start: PHASE1_END, END); a stopped `bench train`
+# ends its running job and keeps every finished row (its CSV resumes). Results go to $RESULTS
+# (default /tmp/mgpu): one `bench train` folder per lane and N, the tests' log, the GPU topology.
+# Wheels needed offline sit in $WHEELS (default .gpu), as for scripts/gpu_suite.sh.
+#   bash scripts/multi_gpu.sh
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+R="${RESULTS:-/tmp/mgpu}"; mkdir -p "$R"
+WHEELS="${WHEELS:-$ROOT/.gpu}"
+PHASE1_END="${PHASE1_END:-1000}"; END="${END:-1500}"
+T0=$(date +%s)
+left() { echo $(( $1 - ($(date +%s) - T0) )); }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --target /tmp/np "$WHEELS"/numpy-2.4.6-*.whl
+export PYTHONPATH="/tmp/np:$ROOT"
+nvidia-smi topo -m > "$R/topology.txt" 2>&1
+nvidia-smi --query-gpu=index,name,memory.total --format=csv >> "$R/topology.txt" 2>&1
+[[ -f /tmp/hvd_gpu_build/env.sh ]] || bash scripts/build_horovod_gpu.sh "$WHEELS/horovod-0.28.1.tar.gz" \
+    > "$R/build.txt" 2>&1 || { echo "build failed: $R/build.txt"; exit 1; }
+source /tmp/hvd_gpu_build/env.sh
+MODELS=resnet50,vgg16,vit_b_16
+bench() {   # bench SECONDS_LEFT_UNTIL ARGS...: one `bench train` run, stopped (SIGINT) at the deadline
+  local until=$1; shift
+  local s; s=$(left "$until"); (( s > 30 )) || return 0
+  timeout -s INT "$s" python3 -m hvd_quant.bench train --num-iters 5 --timeout 150 --no-plot "$@"
+}
+nvlink_lane() {
+  export CUDA_VISIBLE_DEVICES=0,1
+  bench "$PHASE1_END" --np 2 --networks nvlink --models $MODELS --out "$R/n2-nvlink" \
+      --methods single,hvd-fp32,ddp-fp32,hvdq-qsgd4-auto,stock-qsgd4
+  s=$(left "$PHASE1_END"); (( s > 60 )) && timeout -s INT "$s" python3 -m pytest tests/test_torch_gpu.py \
+      -ra -q -p no:cacheprovider > "$R/gpu_tests.txt" 2>&1
+  bench "$PHASE1_END" --np 2 --networks nvlink --models $MODELS --out "$R/n2-nvlink" \
+      --methods hvdq-qsgd4-allgather,hvdq-qsgd4-sra,hvdq-qsgd8-auto,hvdq-onebit-allgather,hvd-fp16,ddp-fp16,ddp-powersgd4
+}
+sockets_lane() {
+  export CUDA_VISIBLE_DEVICES=2,3
+  bench "$PHASE1_END" --np 2 --networks sockets --models $MODELS --out "$R/n2-sockets" \
+      --methods ddp-fp32,ddp-fp16,ddp-powersgd4,hvd-fp32,hvd-fp16,stock-qsgd4,hvdq-qsgd4-auto,hvdq-qsgd4-allgather
+  bench "$PHASE1_END" --np 2 --networks sockets --models $MODELS --out "$R/n2-sockets" \
+      --methods hvdq-qsgd4-sra,hvdq-qsgd8-auto,hvdq-onebit-allgather
+}
+echo "phase 1 (2 GPUs, two lanes) from $(date +%T)"
+nvlink_lane > "$R/lane-nvlink.txt" 2>&1 &
+sockets_lane > "$R/lane-sockets.txt" 2>&1 &
+wait
+echo "phase 2 (4 GPUs) from $(date +%T)"
+unset CUDA_VISIBLE_DEVICES
+{
+  bench "$END" --np 4 --networks sockets --models resnet50,vgg16 --out "$R/n4" \
+      --methods hvd-fp32,hvdq-qsgd4-auto,hvdq-qsgd4-sra,hvdq-qsgd4-allgather
+  bench "$END" --np 4 --networks nvlink --models resnet50,vgg16 --out "$R/n4" --methods hvd-fp32,hvdq-qsgd4-auto
+  bench "$END" --np 4 --networks sockets,nvlink --models resnet50,vgg16,vit_b_16 --out "$R/n4" \
+      --methods hvd-fp32,ddp-fp32,hvd-fp16,hvdq-qsgd4-auto,hvdq-qsgd4-sra,hvdq-qsgd4-allgather,hvdq-qsgd8-auto,hvdq-onebit-allgather
+} > "$R/phase-4gpu.txt" 2>&1
+echo "done at $(date +%T)"
