@@ -47,6 +47,10 @@ def test_method_ids():
     assert train.last_error("[1]<stderr>:Traceback\n[1]<stderr>:ValueError: bad thing\n"
                             "RuntimeError: Horovod detected that one or more processes exited\n") \
         == "ValueError: bad thing"
+    # both launchers' prefixes: Gloo's [rank] and Open MPI's [job,rank]
+    for prefix in ("[0]<stdout>:", "[1,0]<stdout>:"):
+        assert train.parse_result(f"{prefix}Iter #0\n{prefix}{train.RESULT_PREFIX}" '{"a": 1}\n') == {"a": 1}
+    assert train.last_error("[1,1]<stderr>:KeyError: 'x'\n") == "KeyError: 'x'"
 
 
 def test_train_driver_cpu(tmp_path, job_env, capsys):
