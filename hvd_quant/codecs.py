@@ -952,8 +952,9 @@ class OneBit(Codec):
     bucket's **sum is preserved** (up to float32 rounding). ``scale="mean_abs"``: (||x||_1/d)·sign(x)
     of EF-SignSGD, one scale per bucket. Both are **biased**: use error feedback, which
     ``wants_error_feedback`` asks of the caller (``error_feedback=True``); the residual lives where
-    tensor names are known (``hvd_quant.memory``). ``bucket_size=None``: one bucket per tensor (on a
-    GPU its reduction runs in one 32-thread group: slow for large tensors, prefer a bucket size).
+    tensor names are known (``hvd_quant.memory``). ``bucket_size=None``: one bucket per tensor (its sums
+    are taken over segments of 8192 elements, docs/CODECS.md, so on a GPU a large tensor's reduction
+    is spread over the whole device).
 
     Wire: 64-byte header, ceil(numel/8) bit bytes (zero padded to 4), then 8 (two_mean) or 4
     (mean_abs) bytes of scales per bucket. A bucket holding NaN/Inf decodes to NaN (two_mean) or to a

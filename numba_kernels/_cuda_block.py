@@ -11,9 +11,12 @@ fewer than 32 elements or not holding whole code words, buckets above ``FUSE_MAX
   16..1), keeps scale and unit = scale/s in shared memory and writes the scales. Phase 2: one thread
   per 32-bit word of codes: it quantizes the elements that touch its word (x is re-read from L1/L2)
   and stores the word; the padding words come out zero. Block 0 also writes the header. Larger
-  buckets take ``reduce`` (one warp per bucket: the scales), then ``block_encode`` in pack-only mode
+  buckets take ``reduce`` and ``combine`` (the scales), then ``block_encode`` in pack-only mode
   (``fused=False``): block ``blk`` packs the G words ``[blk*G, blk*G + G)`` (G a multiple of ``bits``:
-  every block starts on an element boundary).
+  every block starts on an element boundary). The scales of such buckets are sums over segments of
+  ``SEGMENT`` elements (``numba_kernels.reference``): ``reduce`` gives each segment one warp and
+  writes its lane sums to scratch, ``combine`` gives each bucket one warp over its segments' sums, so
+  one bucket of a whole tensor (OneBit's default) is read by the whole GPU.
   With ``resid`` the encode also writes ``residual[i] = x[i] - d[i]`` (d: what the decode writes).
   An element whose bits straddle two words is read by both words' threads and its residual written
   by the thread of its last word after a block barrier, so ``residual`` may be ``x`` (in place).
@@ -30,9 +33,9 @@ from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX,
                            PACK_STOCH, SHARED, SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of,
                            hdr_err, header_errors, max_nan, mul, onebit_scales, qsgd_code,
                            sqrt32)
-from ._scalar import F0, FNAN, U8, UFF
+from ._scalar import F0, FNAN, SEGMENT, U8, UFF
 
-FUSE_MAX = 8192                     # buckets above this take reduce + pack-only
+FUSE_MAX = SEGMENT                  # buckets above this take reduce + combine + pack-only
 ENC_ELEMS = 256 if SIMULATOR else 4096   # elements per block targeted by the fused encode
 MAXG = 1024                         # buckets per encode block (shared memory: 2 floats per bucket)
 PACK_WORDS = 2 * BLOCK              # about this many words per block in pack-only mode
@@ -172,18 +175,25 @@ def dec_kind(red, pack):
 
 
 def make_reduce(spec):
-    """``spec``: (red,) or (red, bits, pack, True): the values are the sums of payloads (``source``)."""
+    """``spec``: (red,) or (red, bits, pack, True): the values are the sums of payloads (``source``).
+
+    The first of a long bucket's two launches: one group of 32 threads per segment (SEGMENT elements
+    of one bucket; the canonical order, ``numba_kernels.reference``) writes the segment's lane sum to
+    ``parts`` (``p`` at ``w``, ``q`` at ``nseg + w``, the count at ``2*nseg + w``, w the segment's
+    index, bucket-major); ``make_combine`` turns them into the scales."""
     red = spec[0]
     SRC = len(spec) > 1
     source = make_source(spec[1], dec_kind(red, spec[2])) if SRC else None
 
     @cuda.jit
-    def reduce(x, scales, numel, bs, nb, ppay, pwords, pscales, status, expect, check, check_name,
+    def reduce(x, parts, numel, bs, nb, ppay, pwords, pscales, status, expect, check, check_name,
                npay, pw, psoff, rin, has_rin):
-        """One group of 32 threads per bucket: its scale(s), canonical order."""
         tid = cuda.threadIdx.x
         lane = tid % 32
-        b = np.int64(cuda.blockIdx.x) * (cuda.blockDim.x // 32) + tid // 32
+        spb = (bs + SEGMENT - 1) // SEGMENT
+        nseg = nb * spb
+        w = np.int64(cuda.blockIdx.x) * (cuda.blockDim.x // 32) + tid // 32
+        b = w // spb
         sp = cuda.shared.array(SHARED, float32)
         sq = cuda.shared.array(SHARED, float32)
         sc = cuda.shared.array(SHARED, int64)
@@ -195,9 +205,9 @@ def make_reduce(spec):
         p = F0
         q = F0
         cnt = 0
-        st = b * bs
-        en = min(numel, st + bs)
-        if b < nb:
+        st = b * bs + (w - b * spb) * SEGMENT
+        en = min(numel, b * bs + bs, st + SEGMENT)
+        if w < nseg:
             i = st + lane
             while i < en:
                 if SRC:
@@ -208,23 +218,51 @@ def make_reduce(spec):
                     xv = x[i]
                 p, q, cnt = add_term(red, xv, p, q, cnt)
                 i += 32
-        sp[tid] = p
-        sq[tid] = q
-        sc[tid] = cnt
-        cuda.syncthreads()
-        stride = 16
-        while stride > 0:
-            if lane < stride:
+        lane_tree(red, p, q, cnt, sp, sq, sc, tid, lane)
+        if lane == 0 and w < nseg:
+            parts[w] = sp[tid]
+            if red != MAX:
+                parts[nseg + w] = sq[tid]
+                parts[2 * nseg + w] = float32(sc[tid])     # at most SEGMENT: exact
+    return reduce
+
+
+def make_combine(spec):
+    """``spec``: (red,). The second launch: one group of 32 threads per bucket adds its segments' sums
+    from ``parts`` in the canonical order and writes the bucket's scale(s). Same parameters as
+    ``reduce``."""
+    red = spec[0]
+
+    @cuda.jit
+    def combine(parts, scales, numel, bs, nb, ppay, pwords, pscales, status, expect, check, check_name,
+                npay, pw, psoff, rin, has_rin):
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        spb = (bs + SEGMENT - 1) // SEGMENT
+        nseg = nb * spb
+        b = np.int64(cuda.blockIdx.x) * (cuda.blockDim.x // 32) + tid // 32
+        sp = cuda.shared.array(SHARED, float32)
+        sq = cuda.shared.array(SHARED, float32)
+        sc = cuda.shared.array(SHARED, int64)
+        p = F0
+        q = F0
+        cnt = 0
+        if b < nb:
+            k = lane
+            while k < spb:
+                w = b * spb + k
                 if red == MAX:
-                    sp[tid] = max_nan(sp[tid], sp[tid + stride])
+                    p = max_nan(p, parts[w])
                 else:
-                    sp[tid] = sp[tid] + sp[tid + stride]
-                    sq[tid] = sq[tid] + sq[tid + stride]
-                    sc[tid] = sc[tid] + sc[tid + stride]
-            cuda.syncthreads()
-            stride //= 2
+                    p = p + parts[w]
+                    q = q + parts[nseg + w]
+                    cnt += int64(parts[2 * nseg + w])
+                k += 32
+        lane_tree(red, p, q, cnt, sp, sq, sc, tid, lane)
         if lane == 0 and b < nb:
             p = sp[tid]
+            st = b * bs
+            en = min(numel, st + bs)
             if red == MAX:
                 scales[b] = p
             elif red == L2:
@@ -236,7 +274,28 @@ def make_reduce(spec):
                     scales[2 * b + 1] = lo
                 else:
                     scales[b] = hi
-    return reduce
+    return combine
+
+
+@cuda.jit(device=True)
+def lane_tree(red, p, q, cnt, sp, sq, sc, tid, lane):
+    """Each group of 32 threads' tree (strides 16..1) over its lanes' (p, q, cnt), into sp/sq/sc at
+    the group's first thread. Every thread of the block calls it (barriers)."""
+    sp[tid] = p
+    sq[tid] = q
+    sc[tid] = cnt
+    cuda.syncthreads()
+    stride = 16
+    while stride > 0:
+        if lane < stride:
+            if red == MAX:
+                sp[tid] = max_nan(sp[tid], sp[tid + stride])
+            else:
+                sp[tid] = sp[tid] + sp[tid + stride]
+                sq[tid] = sq[tid] + sq[tid + stride]
+                sc[tid] = sc[tid] + sc[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
 
 
 def make_encode(spec):

@@ -37,6 +37,7 @@ M32U = np.uint64(0xFFFFFFFF)
 FNV_OFFSET = np.uint64(0x811C9DC5)
 FNV_PRIME = np.uint64(0x01000193)
 
+SEGMENT = 8192          # elements per segment of a long bucket's canonical sum (numba_kernels.reference)
 F0 = np.float32(0.0)
 FHALF = np.float32(0.5)
 F2_24 = np.float32(16777216.0)

@@ -28,7 +28,7 @@ from numba import njit, prange
 
 from . import wire
 from ._memo import memo
-from ._scalar import F0, FINF, GAMMA, U8, U24M, U40, UFF, build
+from ._scalar import F0, FINF, GAMMA, SEGMENT, U8, U24M, U40, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
            "half_encode_cpu", "half_decode_cpu",
@@ -155,10 +155,9 @@ def _lane_add(p, q, l, v, kind):
 
 
 @_inline
-def _lane_sums(x, st, en, kind, p, q):
-    """Canonical lane sums (``reference.lane_sum_ref``) of the bucket x[st:en] into p (and q), by
-    :func:`_lane_add`; returns the count of x >= 0 for kind 2. Whole rows of 32 are sliced out so the
-    compiler sees 32 independent lanes."""
+def _lane_segment(x, st, en, kind, p, q):
+    """The lanes of x[st:en] (one segment) into p (and q), by :func:`_lane_add`; returns the count of
+    x >= 0 for kind 2. Whole rows of 32 are sliced out so the compiler sees 32 independent lanes."""
     for l in range(32):
         p[l] = F0
         q[l] = F0
@@ -171,6 +170,29 @@ def _lane_sums(x, st, en, kind, p, q):
     xr = x[st + 32 * full:en]
     for l in range(xr.size):
         npos += _lane_add(p, q, l, xr[l], kind)
+    return npos
+
+
+@_inline
+def _lane_sums(x, st, en, kind, p, q):
+    """Canonical lane sums (``reference.lane_sum_ref``) of the bucket x[st:en] into p (and q), whose
+    :func:`_tree` is the bucket's sum: one segment's lanes, or, for a bucket of more than SEGMENT
+    elements, the lanes of its segments' sums. Returns the count of x >= 0 for kind 2."""
+    if en - st <= SEGMENT:
+        return _lane_segment(x, st, en, kind, p, q)
+    tp = np.empty(32, np.float32)
+    tq = np.empty(32, np.float32)
+    for l in range(32):
+        p[l] = F0
+        q[l] = F0
+    npos = np.int64(0)
+    k = 0
+    for s0 in range(st, en, SEGMENT):
+        npos += _lane_segment(x, s0, min(en, s0 + SEGMENT), kind, tp, tq)
+        p[k & 31] = p[k & 31] + _tree(tp)
+        if kind == 2:
+            q[k & 31] = q[k & 31] + _tree(tq)
+        k += 1
     return npos
 
 

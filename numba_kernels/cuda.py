@@ -6,7 +6,8 @@ Two kernel paths, chosen per configuration, with the same results:
   buckets of 32..FUSE_MAX elements holding whole 32-bit code words (``_cuda_warp.supported``);
 * the general path (``numba_kernels/_cuda_block.py``) for everything else: a fused one-launch encode
   (a block owns whole buckets) for buckets of at most FUSE_MAX elements; above that (OneBit's one
-  bucket per tensor included) a reduce kernel, then the encode in pack-only mode; a grid-stride
+  bucket per tensor included) the scales' two kernels (a warp per segment of 8192 elements, then a
+  warp per bucket), then the encode in pack-only mode; a grid-stride
   decode. (The general path was chosen over the older two-kernel reduce+pack encode; see
   docs/ARCHITECTURE.md for the measurements.)
 
@@ -42,7 +43,7 @@ kernel path the configuration selects, like the single-payload launches:
   payload) or of ``block_decode_multi``; a bad chunk decodes to NaN; at most MAXCH chunks.
 * ``*_reduce_requantize_cuda`` / ``prepare_*_reduce_requantize`` ``(payloads, n, residual,
   out_payload, header, key, stream, status, expect)``: one launch of the warp or general encode (on
-  the general path, buckets above FUSE_MAX take two: the scales' reduce, then the pack) whose values
+  the general path, buckets above FUSE_MAX take three: the scales' two, then the pack) whose values
   are the payloads' sum plus ``residual``, recomputed where the encode reads them (no float32 array
   in global memory); a bad payload makes the sum NaN.
 """
@@ -327,7 +328,7 @@ class _Encode:
     """A prepared encode: ``__call__(x, payload, header, key, stream, residual=None)``."""
     __slots__ = ("numel", "total", "codes_off", "scales_off", "nwords", "nscales", "bits", "bs", "red",
                  "pack", "path", "grid", "args", "spec", "_raw", "_rgrid", "_reduce", "_hdr", "src",
-                 "_exp")
+                 "_exp", "_cgrid", "_combine", "_parts")
 
     def __init__(self, numel, bits, bs, red, pack, lay, src=False):
         self.src = src              # reduce_requantize: the values are sums of payloads
@@ -339,7 +340,7 @@ class _Encode:
         self.nscales = lay.nscales
         nb = lay.nbuckets
         self._raw = {}
-        self._reduce = None
+        self._reduce = self._combine = self._parts = None
         self._hdr = None
         if _W.supported(bits, bs, numel, FUSE_MAX):
             self.path = "warp"
@@ -361,7 +362,8 @@ class _Encode:
                 g = _B.PACK_WORDS // bits * bits       # blocks start on element boundaries
                 self.grid = max(1, _grid(self.nwords, g))
                 fused = False
-                self._rgrid = _grid(nb, BLOCK // 32)
+                self._rgrid = _grid(nb * -(-bs // _B.SEGMENT), BLOCK // 32)     # a warp per segment
+                self._cgrid = _grid(nb, BLOCK // 32)                            # a warp per bucket
             # n, nb, bs, inv_bs, G, fused
             self.args = (numel, nb, bs, 1.0 / bs, g, fused)
 
@@ -379,6 +381,12 @@ class _Encode:
             return _kernel("reduce_sum", _B.make_reduce, (self.red, self.bits, self.pack, True))
         return _kernel("reduce", _B.make_reduce, (self.red,))
 
+    def _scratch(self):
+        """The segments' sums of a long-bucket encode (3 float32 per segment), allocated once."""
+        if self._parts is None:
+            self._parts = cuda.device_array(3 * self._rgrid * (BLOCK // 32), np.float32)
+        return self._parts
+
     def _src_sizes(self):
         n = self.numel
         return [self.total, self.nwords, self.nscales, 2, None, 0, 0, 0, self.total // 4,
@@ -390,10 +398,28 @@ class _Encode:
                  + [0, self.numel] + self._src_sizes())
         raw = self._raw[resid] = _Raw(self._dispatcher(resid), sig, sizes)
         if self.path == "block" and not self.args[5] and self.numel and self._reduce is None:
+            parts = self._scratch()
             self._reduce = _Raw(self._reducer(), SIG_REDUCE,
-                                [self.numel, self.nscales, self.numel, self.bs, self.args[1]]
+                                [self.numel, parts.size, self.numel, self.bs, self.args[1]]
                                 + self._src_sizes())
+            self._combine = _Raw(_kernel("combine", _B.make_combine, (self.red,)), SIG_REDUCE,
+                                 [parts.size, self.nscales, self.numel, self.bs, self.args[1]]
+                                 + self._src_sizes())
+            self._reduce.slots[1].value = self._combine.slots[0].value = _ptr(parts)
         return raw
+
+    def _launch_scales(self, x_ptr, scales_ptr, st):
+        """A long-bucket encode's scales: the segments' sums, then the buckets'."""
+        self._reduce.slots[0].value = x_ptr
+        self._reduce.launch(self._rgrid, BLOCK, st)
+        self._combine.slots[1].value = scales_ptr
+        self._combine.launch(self._cgrid, BLOCK, st)
+
+    def _sim_scales(self, x, scales, stream, extra):
+        parts = self._scratch()
+        self._reducer()[self._rgrid, BLOCK, stream](x, parts, self.numel, self.bs, self.args[1], *extra)
+        _kernel("combine", _B.make_combine, (self.red,))[self._cgrid, BLOCK, stream](
+            parts, scales, self.numel, self.bs, self.args[1], *extra)
 
     def __call__(self, x, payload, header, key, stream=None, residual=None):
         resid = residual is not None
@@ -418,10 +444,7 @@ class _Encode:
         s[6 + nargs].value = _ptr(residual) if resid else px
         st = _stream(stream)
         if self._reduce is not None:
-            r = self._reduce.slots
-            r[0].value = px
-            r[1].value = pp + self.scales_off
-            self._reduce.launch(self._rgrid, BLOCK, st)
+            self._launch_scales(px, pp + self.scales_off, st)
         raw.launch(self.grid, BLOCK, st)
 
     def _sim(self, x, payload, header, key, stream, residual):
@@ -432,8 +455,7 @@ class _Encode:
         res = x if residual is None else (residual.reshape(-1) if residual.ndim != 1 else residual)
         extra = _sim_no_src()
         if self.path == "block" and not self.args[5] and self.numel:
-            self._reducer()[self._rgrid, BLOCK, stream](x, scales, self.numel, self.bs, self.args[1],
-                                                        *extra)
+            self._sim_scales(x, scales, stream, extra)
         self._dispatcher(residual is not None)[self.grid, BLOCK, stream](
             x, payload, words, scales, _words(header), *self.args, np.uint64(int(key)), res, *extra)
 
@@ -617,10 +639,7 @@ class _ReduceRequantize(_Encode):
             t[i0 + 10].value = pr
             t[i0 + 11].value = resid
         if self._reduce is not None:
-            r = self._reduce.slots
-            r[0].value = pp
-            r[1].value = pp + self.scales_off
-            self._reduce.launch(self._rgrid, BLOCK, st)
+            self._launch_scales(pp, pp + self.scales_off, st)
         raw.launch(self.grid, BLOCK, st)
 
     def _sim_src(self, payloads, n, residual, out_payload, header, key, stream, status, expect):
@@ -633,8 +652,7 @@ class _ReduceRequantize(_Encode):
                _zero_status() if status is None else status, exp, check, check_name, int(n),
                self.total // 4, self.scales_off // 4, rin, residual is not None)
         if self.path == "block" and not self.args[5] and self.numel:
-            self._reducer()[self._rgrid, BLOCK, stream](rin, scales, self.numel, self.bs, self.args[1],
-                                                        *src)
+            self._sim_scales(rin, scales, stream, src)
         self._dispatcher(residual is not None)[self.grid, BLOCK, stream](
             rin, out_payload, words, scales, _words(header), *self.args, np.uint64(int(key)), rin, *src)
 
@@ -893,8 +911,8 @@ def qsgd_decode_cuda(payload, out, bits, bucket_size, accumulate, stream=0, stat
 
 
 def onebit_encode_cuda(x, payload, header, bucket_size, two_mean, stream=0, residual=None):
-    """1-bit encode; ``bucket_size`` 0 = one bucket per tensor (the general path's reduce: one warp
-    sums the whole tensor in the canonical order, slow for large tensors; prefer a bucket size)."""
+    """1-bit encode; ``bucket_size`` 0 = one bucket per tensor (the general path's reduce: a warp per
+    segment of 8192 elements, then a warp per bucket over its segments' sums)."""
     n = _size_of(x, "x", "<f4")
     p = _cached((2, n, bucket_size, two_mean), prepare_onebit_encode, n, bucket_size, two_mean)
     _check_payload(payload, p.total)

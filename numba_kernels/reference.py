@@ -9,14 +9,18 @@ payload just encoded (float32 subtraction). Decoders take ``expect`` (a ``wire.E
 a header that fails the check raises ``PayloadError`` (``wire.describe_error_bits``) before anything
 is written.
 
-Canonical float32 summation (every sum: l2, two_mean, mean_abs): 32 lanes; lane ``l`` adds the terms of
-bucket elements ``l, l+32, l+64, ...`` sequentially in float32 starting from +0.0; then for stride in
-16, 8, 4, 2, 1: ``p[l] += p[l + stride]`` for ``l < stride``; the sum is ``p[0]``. (Max is order-free.)
+Canonical float32 summation (every sum: l2, two_mean, mean_abs), in two levels. The lane sum of a
+sequence of terms: 32 lanes; lane ``l`` adds terms ``l, l+32, l+64, ...`` sequentially in float32
+starting from +0.0; then for stride in 16, 8, 4, 2, 1: ``p[l] += p[l + stride]`` for ``l < stride``;
+the result is ``p[0]``. A bucket's sum is the lane sum of its segments' lane sums, segments being
+its consecutive runs of ``SEGMENT`` (8192) elements, so that a long bucket's sum can be taken by many
+threads at once. A bucket of at most ``SEGMENT`` elements is one segment, and its sum is its lane sum
+(a lane sum is never -0.0, so adding +0.0 to it changes nothing). (Max is order-free.)
 """
 import numpy as np
 
 from . import wire
-from ._scalar import F0, F2_24, FHALF, FINF, GAMMA, U40, mix64_np
+from ._scalar import F0, F2_24, FHALF, FINF, GAMMA, SEGMENT, U40, mix64_np
 
 __all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_ref",
            "onebit_encode_ref", "onebit_decode_ref", "write_header_ref", "uniform24_ref",
@@ -47,8 +51,8 @@ def _buckets(a, bs, fill=0):
     return out, valid
 
 
-def lane_sum_ref(terms):
-    """Canonical sum of each row of ``terms`` (float32, shape (nb, R*32), zero padded)."""
+def _lanes(terms):
+    """The lane sum of each row of ``terms`` (float32, shape (nb, R*32), zero padded)."""
     nb, width = terms.shape
     t = terms.astype(np.float32, copy=False).reshape(nb, width // 32, 32)
     if nb == 0:
@@ -57,6 +61,20 @@ def lane_sum_ref(terms):
     for stride in (16, 8, 4, 2, 1):
         p[:, :stride] = p[:, :stride] + p[:, stride:2 * stride]
     return p[:, 0]
+
+
+def lane_sum_ref(terms):
+    """Canonical sum of each row of ``terms`` (float32, shape (nb, R*32), zero padded): the lane sum
+    of its segments' lane sums (one segment: its lane sum)."""
+    nb, width = terms.shape
+    if width <= SEGMENT:
+        return _lanes(terms)
+    nseg = -(-width // SEGMENT)
+    t = np.zeros((nb, nseg * SEGMENT), np.float32)
+    t[:, :width] = terms
+    parts = np.zeros((nb, -(-nseg // 32) * 32), np.float32)
+    parts[:, :nseg] = _lanes(t.reshape(nb * nseg, SEGMENT)).reshape(nb, nseg)
+    return _lanes(parts)
 
 
 def bucket_scales_ref(x, bucket_size, kind):

@@ -238,9 +238,9 @@ def test_bad_payload_raises_before_writing(cpu, where):
 SIM_SUM = [(1, 65, 64, 4, True, False), (2, 129, 32, 2, False, True), (3, 257, 7, 3, True, True),
            (2, 300, 64, 8, True, False), (3, 100, 9000, 3, False, False), (2, 128, 16, 16, True, True),
            (1, 1, 7, 5, False, False), (2, 0, 7, 4, True, False), (2, 1100, 1024, 4, True, False),
-           (3, 300, 64, 4, True, True)]
+           (3, 300, 64, 4, True, True), (2, 17000, 9000, 4, True, True)]   # (the last: sums over segments)
 SIM_ONEBIT = [(2, 100, 0, True), (3, 70, 7, False), (1, 130, 64, True), (2, 200, 9000, False),
-              (2, 65, 32, False)]
+              (2, 65, 32, False), (2, 20000, 0, True)]      # (the last: a sum over segments)
 SIM_CHUNKS = [(100, 7, 21, 3, None), (129, 64, 64, 4, None), (300, 32, 96, 2, None),
               (257, 16, 128, 8, None), (100, 0, 100, 1, True), (130, 64, 64, 1, False),
               (2100, 1024, 1024, 4, None)]

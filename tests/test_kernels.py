@@ -170,6 +170,32 @@ def test_cpu_parallel_chunks_equal_reference(cpu, n, bs, bits, stochastic, l2):
         assert bits_equal(a, b)
 
 
+LONG_CASES = [(70001, 0), (70001, 20000), (40000, 8193), (8192, 0), (8193, 0)]
+
+
+@pytest.mark.parametrize("n,bs", LONG_CASES, ids=[f"n{n}-bs{bs or 'tensor'}" for n, bs in LONG_CASES])
+@pytest.mark.parametrize("special", [False, True], ids=["plain", "special"])
+def test_cpu_long_buckets_equal_reference(cpu, n, bs, special):
+    """Buckets of more than 8192 elements: sums over segments (reference.lane_sum_ref), on the two
+    codecs whose scales are sums (QSGD with the L2 norm, both 1-bit scales)."""
+    for tm in (True, False):
+        x, h, lay = onebit_case(n, bs, tm, special)
+        want = np.zeros(lay.total, np.uint8)
+        got = np.full(lay.total, 0xA5, np.uint8)
+        with np.errstate(all="ignore"):
+            R.onebit_encode_ref(x, want, h, bs, tm)
+        cpu.onebit_encode_cpu(x, got, h, bs, tm)
+        assert np.array_equal(want, got), tm
+    qbs = bs or n
+    x, h, lay = qsgd_case(n, qbs, 4, True, True, make_x(n, n * 13 + qbs, special))
+    want = np.zeros(lay.total, np.uint8)
+    got = np.full(lay.total, 0xA5, np.uint8)
+    with np.errstate(all="ignore"):
+        R.qsgd_encode_ref(x, want, h, 4, qbs, True, True, KEY)
+    cpu.qsgd_encode_cpu(x, got, h, 4, qbs, True, True, KEY)
+    assert np.array_equal(want, got)
+
+
 WIDTH_CASES = [(4097, 7, bits) for bits in range(2, 17)] + [(70001, 512, 7), (70001, 512, 13)]
 
 
@@ -253,19 +279,24 @@ def test_half_conversions_equal_numpy(cpu):
 
 
 def test_canonical_sum_order():
-    """lane_sum_ref is exactly: 32 sequential lane sums, then the stride-16..1 tree."""
-    rng = np.random.default_rng(3)
-    for n in (1, 31, 32, 33, 100, 1000):
-        t = (rng.standard_normal(n) * 10 ** rng.uniform(-3, 3, n)).astype(np.float32)
+    """lane_sum_ref is exactly: 32 sequential lane sums, then the stride-16..1 tree; above 8192 terms,
+    that lane sum taken over the lane sums of the runs of 8192."""
+    def lanes(t):
         p = [np.float32(0)] * 32
         for i, v in enumerate(t):
             p[i % 32] = np.float32(p[i % 32] + v)
         for stride in (16, 8, 4, 2, 1):
             for l in range(stride):
                 p[l] = np.float32(p[l] + p[l + stride])
+        return p[0]
+
+    rng = np.random.default_rng(3)
+    for n in (1, 31, 32, 33, 100, 1000, 8192, 8193, 20000, 300000):
+        t = (rng.standard_normal(n) * 10 ** rng.uniform(-3, 3, n)).astype(np.float32)
+        want = lanes(t) if n <= 8192 else lanes([lanes(t[i:i + 8192]) for i in range(0, n, 8192)])
         padded = np.zeros((1, -(-n // 32) * 32), np.float32)
         padded[0, :n] = t
-        assert bits_equal(R.lane_sum_ref(padded), [p[0]])
+        assert bits_equal(R.lane_sum_ref(padded), [want]), n
 
 
 def _fast_quotient_mismatches():
@@ -403,8 +434,10 @@ def test_header_check_reference():
 
 SIM_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, False), (33, 64, 5, True, True),
             (33, 1, 16, False, True), (100, 64, 8, True, False), (100, 7, 12, False, True),
-            (65, 32, 2, False, False), (130, 64, 16, True, True)]
-SIM_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True), (70, 1, True)]
+            (65, 32, 2, False, False), (130, 64, 16, True, True),
+            (20000, 20000, 4, True, True)]                # a bucket of 3 segments (its sum in two levels)
+SIM_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True), (70, 1, True),
+              (20000, 0, True), (17000, 9000, False)]
 
 
 def _child():
