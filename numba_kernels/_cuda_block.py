@@ -358,21 +358,7 @@ def make_encode(spec):
                             xv = x[i]
                         p, q, cnt = add_term(red, xv, p, q, cnt)
                         i += 32
-                sp[tid] = p
-                sq[tid] = q
-                sc[tid] = cnt
-                cuda.syncthreads()
-                stride = 16
-                while stride > 0:
-                    if lane < stride:
-                        if red == MAX:
-                            sp[tid] = max_nan(sp[tid], sp[tid + stride])
-                        else:
-                            sp[tid] = sp[tid] + sp[tid + stride]
-                            sq[tid] = sq[tid] + sq[tid + stride]
-                            sc[tid] = sc[tid] + sc[tid + stride]
-                    cuda.syncthreads()
-                    stride //= 2
+                lane_tree(red, p, q, cnt, sp, sq, sc, tid, lane)
                 if lane == 0 and lb < nbl:
                     b = b0 + lb
                     p = sp[tid]
