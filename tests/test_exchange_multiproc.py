@@ -1,5 +1,6 @@
 """The exchange on real Horovod processes: tests/workers/torch_exchange.py (see its docstring for
-every check and the error bounds), 2 ranks over Gloo and 3 ranks over MPI."""
+every check and the error bounds), 2 and 4 ranks over Gloo, 3 and 8 ranks over MPI (more ranks than
+cores: SRA's chunks and the traffic formula at the world sizes of the scaling runs)."""
 import re
 
 import pytest
@@ -23,6 +24,8 @@ def assert_all_ranks_passed(result, np_):
 @pytest.mark.parametrize("np_,controller", [
     pytest.param(2, "gloo", id="np2-gloo"),
     pytest.param(3, "mpi", id="np3-mpi", marks=pytest.mark.mpi),
+    pytest.param(4, "gloo", id="np4-gloo"),
+    pytest.param(8, "mpi", id="np8-mpi", marks=pytest.mark.mpi),
 ])
 def test_exchange_on_real_collectives(np_, controller):
     result = run_horovod("torch_exchange.py", np=np_, controller=controller, timeout=400)
