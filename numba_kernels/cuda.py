@@ -382,7 +382,9 @@ class _Encode:
         return _kernel("reduce", _B.make_reduce, (self.red,))
 
     def _scratch(self):
-        """The segments' sums of a long-bucket encode (3 float32 per segment), allocated once."""
+        """The segments' sums of a long-bucket encode (3 float32 per segment), allocated once and
+        reused by every call: calls of one prepared launch must be ordered (one stream, as the
+        frontends launch everything on the caller's current stream)."""
         if self._parts is None:
             self._parts = cuda.device_array(3 * self._rgrid * (BLOCK // 32), np.float32)
         return self._parts
