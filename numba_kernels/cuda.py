@@ -593,10 +593,11 @@ def _expect_args(expect):
 
 class _ReduceRequantize(_Encode):
     """A prepared reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
-    status, expect)``, one launch of the general path's encode (two above FUSE_MAX: the scales' reduce,
-    then the pack) whose values are the payloads' sums plus ``residual``, computed where the encode
-    reads them (registers; nothing float32 goes through global memory). A bad payload among the n
-    makes the sum NaN (the reference's encode of NaN); its error bits go to ``status``."""
+    status, expect)``, one launch of the general path's encode (three above FUSE_MAX: the scales'
+    reduce and combine, then the pack) whose values are the payloads' sums plus ``residual``,
+    computed where the encode reads them (registers; nothing float32 goes through global memory). A
+    bad payload among the n makes the sum NaN (the reference's encode of NaN); its error bits go to
+    ``status``."""
     __slots__ = ()
 
     def __call__(self, payloads, n, residual, out_payload, header, key=0, stream=None, status=None,
