@@ -381,6 +381,9 @@ class _Encode:
             return _kernel("reduce_sum", _B.make_reduce, (self.red, self.bits, self.pack, True))
         return _kernel("reduce", _B.make_reduce, (self.red,))
 
+    def _combiner(self):
+        return _kernel("combine", _B.make_combine, (self.red,))
+
     def _scratch(self):
         """The segments' sums of a long-bucket encode (3 float32 per segment), allocated once and
         reused by every call: calls of one prepared launch must be ordered (one stream, as the
@@ -404,7 +407,7 @@ class _Encode:
             self._reduce = _Raw(self._reducer(), SIG_REDUCE,
                                 [self.numel, parts.size, self.numel, self.bs, self.args[1]]
                                 + self._src_sizes())
-            self._combine = _Raw(_kernel("combine", _B.make_combine, (self.red,)), SIG_REDUCE,
+            self._combine = _Raw(self._combiner(), SIG_REDUCE,
                                  [parts.size, self.nscales, self.numel, self.bs, self.args[1]]
                                  + self._src_sizes())
             self._reduce.slots[1].value = self._combine.slots[0].value = _ptr(parts)
@@ -420,8 +423,8 @@ class _Encode:
     def _sim_scales(self, x, scales, stream, extra):
         parts = self._scratch()
         self._reducer()[self._rgrid, BLOCK, stream](x, parts, self.numel, self.bs, self.args[1], *extra)
-        _kernel("combine", _B.make_combine, (self.red,))[self._cgrid, BLOCK, stream](
-            parts, scales, self.numel, self.bs, self.args[1], *extra)
+        self._combiner()[self._cgrid, BLOCK, stream](parts, scales, self.numel, self.bs, self.args[1],
+                                                     *extra)
 
     def __call__(self, x, payload, header, key, stream=None, residual=None):
         resid = residual is not None

@@ -94,8 +94,8 @@ CPU_DEFAULTS = dict(models="cpu_resnet", batch_size=16, image_size=32, num_class
                     num_warmup_batches=20, num_batches_per_iter=5, num_iters=5)
 COLUMNS = ("id", "model", "network", "np", "procs", "method", "status", "img_per_sec", "conf",
            "total_img_per_sec", "vs_best_peer", "best_peer", "vs_single", "bytes_ratio", "replicas",
-           "seconds",
-           "error", "device", "batch_size", "image_size", "model_source", "finished", "log", "command")
+           "seconds", "error", "device", "batch_size", "image_size", "model_source", "finished", "log",
+           "command")
 ROOT = Path(__file__).resolve().parents[2]      # the directory holding the hvd_quant package
 
 
@@ -512,8 +512,8 @@ def describe(r):
 
 
 def print_table(rows):
-    head = ("id", "N", "img/sec/rank", "+-", "total", "vs peer", "vs single", "bytes x", "replicas", "status",
-            "s")
+    head = ("id", "N", "img/sec/rank", "+-", "total", "vs peer", "vs single", "bytes x", "replicas",
+            "status", "s")
     body = []
     for r in rows:
         ok = r.get("status") == "ok"
