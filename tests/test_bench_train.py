@@ -3,6 +3,8 @@
 configuration is a real subprocess). The DDP test is opt-in (HVDQ_TEST_BENCH_DDP=1) to keep this file
 near 60 s on 2 busy cores."""
 import csv
+import gzip
+import json
 import os
 import sys
 
@@ -71,8 +73,8 @@ def test_train_driver_cpu(tmp_path, job_env, capsys):
     bad = by_id["mlp/loopback/hvdq-qsgd5-sra"]
     assert bad["status"] == "failed" and "unknown method" in bad["error"]
 
-    # 2. everything: hvd-fp32 is resumed from the CSV, the compressed config runs
-    rc = train.main(TINY + ["--methods", "hvd-fp32,hvdq-qsgd4-allgather", "--out", str(out)])
+    # 2. everything: hvd-fp32 is resumed from the CSV, the compressed config runs, traced
+    rc = train.main(TINY + ["--methods", "hvd-fp32,hvdq-qsgd4-allgather", "--out", str(out), "--trace"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "skip mlp/loopback/hvd-fp32" in text
@@ -86,6 +88,13 @@ def test_train_driver_cpu(tmp_path, job_env, capsys):
     assert q["replicas"] == fp32["replicas"] == "identical", (q, fp32)
     assert "mlp/loopback/hvdq-qsgd4-allgather" in text.split("id ")[-1]          # the final table
     assert "chart" not in text                                                  # --no-plot
+    stem = out / "traces" / "mlp__loopback__hvdq-qsgd4-allgather"
+    for r in (0, 1):        # --trace: every rank's profile of 3 more steps, Horovod's timeline
+        with gzip.open(f"{stem}.rank{r}.json.gz", "rt") as f:
+            names = {e.get("name") for e in json.load(f)["traceEvents"]}
+        assert {"train_step#0", "train_step#2"} <= names, sorted(map(str, names))[:20]
+    assert "ALLGATHER" in open(f"{stem}.horovod.json").read()
+    assert "Trace of 3 steps" in (out / q["log"]).read_text()
 
     # 3. --list: both done now; --only narrows it
     train.main(TINY + ["--methods", "hvd-fp32,hvdq-qsgd4-allgather", "--out", str(out), "--list",

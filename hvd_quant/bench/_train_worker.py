@@ -170,7 +170,38 @@ def build_parser():
                    help="ddp-powersgd<R>: steps of plain allreduce before PowerSGD (>= 2)")
     p.add_argument("--threads", type=int, default=0, help="CPU: torch threads per rank (0: leave)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--trace", metavar="PREFIX", default=None,
+                   help="after the timed steps, profile --trace-steps more: every rank writes "
+                        "PREFIX.rank<r>.json.gz (torch.profiler, Chrome trace format), Horovod jobs' "
+                        "rank 0 also PREFIX.horovod.json (Horovod timeline), and rank 0 logs the top ops")
+    p.add_argument("--trace-steps", type=int, default=3)
     return p
+
+
+def trace_steps(step, sync, n, prefix, rank, hvd, cuda, log):
+    """Profile ``n`` training steps (untimed, after the timed ones): one Chrome trace per rank, the
+    Horovod timeline of the same steps on rank 0 of a Horovod job, the ops' table in the log."""
+    import gzip
+    import shutil
+    from torch.profiler import ProfilerActivity, profile, record_function
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    if hvd is not None:
+        hvd.start_timeline(f"{prefix}.horovod.json")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for i in range(n):
+            with record_function(f"train_step#{i}"):
+                step()
+                sync()
+    if hvd is not None:
+        hvd.stop_timeline()
+    raw = f"{prefix}.rank{rank}.json"
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    os.remove(raw)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    log(f"Trace of {n} steps: {raw}.gz\n" + prof.key_averages().table(sort_by=key, row_limit=25))
 
 
 def parameters_digest(model):
@@ -331,6 +362,8 @@ def main(argv=None):
         except Exception as e:
             log(f"hvd_quant bytes_per_step: not available ({type(e).__name__}: {e})")
             traffic = None
+    if args.trace:
+        trace_steps(step, sync, args.trace_steps, args.trace, rank, hvd, cuda, log)
     mean = float(np.mean(img_secs))
     conf = float(1.96 * np.std(img_secs))
     replicas = replicas_state(model, launcher, size, hvd)

@@ -127,6 +127,9 @@ def build_parser():
                    help="CPU threads per process (default: this host's cores / N)")
     p.add_argument("--controller", choices=("auto", "gloo", "mpi"), default="auto",
                    help="horovodrun controller (auto: --gloo on CPU, horovodrun's choice on GPU)")
+    p.add_argument("--trace", action="store_true",
+                   help="each job also profiles 3 steps after the timed ones: DIR/traces/<id>.rank<r>.json.gz "
+                        "(Chrome trace), <id>.horovod.json (Horovod timeline), the top ops in its log")
     p.add_argument("--progress-every", type=float, default=30, help="seconds between progress lines")
     p.add_argument("--plot", metavar="CSV", default=None, help="only draw the chart of this CSV")
     p.add_argument("--no-plot", action="store_true", help="do not draw the chart after the run")
@@ -201,8 +204,12 @@ def command(cfg, args):
               "--num-batches-per-iter", args.num_batches_per_iter, "--num-iters", args.num_iters]
     if args.device == "cpu":
         worker += ["--threads", args.threads]
+    if args.trace:
+        worker += ["--trace", Path(args.out).resolve() / "traces" / file_stem(cfg)]
     worker = [str(a) for a in worker]
     env = dict(NETWORK_ENV.get(cfg.network, {}))
+    if args.trace:
+        env["HOROVOD_TIMELINE"] = "DYNAMIC"     # hvd.start_timeline at the traced steps
     if args.device == "cuda":
         env.update(GPU_ENV)
     if args.device == "cpu":
@@ -328,8 +335,12 @@ def parse_result(text):
     return json.loads(found) if found else None
 
 
+def file_stem(cfg):
+    return cfg.id.replace("/", "__")
+
+
 def log_name(cfg):
-    return cfg.id.replace("/", "__") + ".log"
+    return file_stem(cfg) + ".log"
 
 
 def run_job(cfg, args, out_dir, index, total):

@@ -1,0 +1,153 @@
+"""Where one training step's time goes, from the traces of ``python -m hvd_quant.bench train --trace``.
+
+    python scripts/plot_trace.py DIR/traces/<id>.rank0.json.gz [--step -1] [--out step.png]
+
+Reads one rank's Chrome trace (torch.profiler) and one traced step (``train_step#i``; default the last),
+prints the step's wall time, the busy time of each GPU stream split into compute, NCCL and hvd_quant
+(Numba) kernels and copies, the time no kernel ran on the GPU, the host's top-level work on each
+thread, and, where the Horovod timeline of the same job lies beside it (``<id>.horovod.json``), the time
+of each of Horovod's activities over the traced steps; with ``--out``, a PNG of the step's timeline
+(one lane per host thread and GPU stream).
+"""
+import argparse
+import gzip
+import json
+import os
+import re
+from collections import defaultdict
+
+COLORS = {"nccl": "tab:red", "hvd_quant": "tab:green", "copy": "tab:purple", "compute": "tab:blue",
+          "step": "tab:orange", "backward": "tab:cyan", "host": "tab:gray"}
+
+
+def kernel_class(e):
+    name = e["name"]
+    if e.get("cat") in ("gpu_memcpy", "gpu_memset"):
+        return "copy"
+    if "nccl" in name.lower():
+        return "nccl"
+    if "cudapy" in name or "numba" in name:     # Numba's kernels: hvd_quant's codec
+        return "hvd_quant"
+    return "compute"
+
+
+def host_class(e):
+    name = e["name"]
+    if name.startswith("Optimizer.step") or name.startswith("Optimizer.zero_grad"):
+        return "step"
+    if name.startswith("autograd::") or "Backward" in name:
+        return "backward"
+    return "host"
+
+
+def union(intervals):
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def top_level(events):
+    """The events not nested inside another one of the same list (one host thread)."""
+    out, end = [], -1.0
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= end:
+            out.append(e)
+            end = e["ts"] + e["dur"]
+    return out
+
+
+def load_step(path, which):
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in events if re.fullmatch(r"train_step#\d+", str(e["name"]))),
+                   key=lambda e: e["ts"])
+    if not steps:
+        raise SystemExit(f"{path}: no train_step#i ranges (a trace of bench train --trace?)")
+    s = steps[which]
+    t0, t1 = s["ts"], s["ts"] + s["dur"]
+    inside = [e for e in events if e is not s and e["ts"] < t1 and e["ts"] + e["dur"] > t0
+              and not str(e["name"]).startswith("train_step#")]
+    return s, inside
+
+
+def horovod_activities(path):
+    """Total microseconds and count of each activity in a Horovod timeline (B/E pairs per tensor)."""
+    with open(path) as f:
+        text = f.read().rstrip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    open_, total = {}, defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "B":
+            open_.setdefault(e["pid"], []).append(e)
+        elif e.get("ph") == "E" and open_.get(e["pid"]):
+            b = open_[e["pid"]].pop()
+            total[b["name"]][0] += e["ts"] - b["ts"]
+            total[b["name"]][1] += 1
+    return total
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("--step", type=int, default=-1, help="which traced step (index; default the last)")
+    p.add_argument("--out", default=None, help="write the step's timeline as this PNG")
+    args = p.parse_args(argv)
+    s, inside = load_step(args.trace, args.step)
+    t0, wall = s["ts"], s["dur"]
+    gpu = [e for e in inside if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    host = [e for e in inside if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+    clip = [(max(e["ts"], t0), min(e["ts"] + e["dur"], t0 + wall)) for e in gpu]
+    print(f"{s['name']}: {wall / 1e3:.2f} ms wall")
+    lanes = defaultdict(list)
+    for e in gpu:
+        lanes[("GPU", e["pid"], e["tid"])].append(e)
+    for e in host:
+        lanes[("host", e["pid"], e["tid"])].append(e)
+    if gpu:
+        print(f"  GPU idle (no kernel or copy on any stream): {(wall - union(clip)) / 1e3:.2f} ms")
+    for key in sorted(lanes, key=str):
+        evs = lanes[key] if key[0] == "GPU" else top_level(lanes[key])
+        by = defaultdict(float)
+        for e in evs:
+            by[(kernel_class if key[0] == "GPU" else host_class)(e)] += e["dur"]
+        parts = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+        print(f"  {key[0]} {key[1]}/{key[2]}: {parts} (ms)")
+    hv = args.trace.replace(re.search(r"\.rank\d+\.json(\.gz)?$", args.trace).group(0), ".horovod.json")
+    if os.path.exists(hv):
+        print(f"Horovod timeline of all traced steps ({os.path.basename(hv)}), ms (count):")
+        for name, (us, n) in sorted(horovod_activities(hv).items(), key=lambda kv: -kv[1][0]):
+            print(f"  {name:32s} {us / 1e3:9.2f} ({n})")
+    if args.out:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        keys = sorted(lanes, key=lambda k: (k[0] != "host", str(k)))
+        fig, ax = plt.subplots(figsize=(14, 0.5 * len(keys) + 1.5))
+        for y, key in enumerate(keys):
+            evs = lanes[key] if key[0] == "GPU" else top_level(lanes[key])
+            cls = kernel_class if key[0] == "GPU" else host_class
+            by = defaultdict(list)
+            for e in evs:
+                by[cls(e)].append(((e["ts"] - t0) / 1e3, e["dur"] / 1e3))
+            for c, bars in by.items():
+                ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS[c])
+        ax.set_yticks(range(len(keys)), [f"{k[0]} {k[2]}" for k in keys])
+        ax.set_xlim(0, wall / 1e3)
+        ax.set_xlabel("ms from the step's start")
+        ax.legend(handles=[matplotlib.patches.Patch(color=v, label=k) for k, v in COLORS.items()],
+                  ncol=len(COLORS), loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize=8)
+        ax.set_title(f"{os.path.basename(args.trace)}: {s['name']}, {wall / 1e3:.1f} ms")
+        fig.tight_layout()
+        fig.savefig(args.out, dpi=110)
+        print(f"chart: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
