@@ -33,6 +33,7 @@ MODELS="${MODELS:-resnet50,vgg16,vit_b_16}"
 # The matrix; each list may be overridden from the environment (a later run's extra rows):
 NVLINK_FIRST="${NVLINK_FIRST-single,hvd-fp32,ddp-fp32,hvdq-qsgd4-auto,stock-qsgd4}"
 NVLINK_REST="${NVLINK_REST-hvdq-qsgd4-allgather,hvdq-qsgd4-sra,hvdq-qsgd8-auto,hvdq-onebit-allgather,hvd-fp16,ddp-fp16,ddp-powersgd4}"
+NVLINK_REST_NETWORK="${NVLINK_REST_NETWORK:-nvlink}"   # sockets: GPUs 0,1 then take part of the sockets rows
 SOCKETS_FIRST="${SOCKETS_FIRST-ddp-fp32,ddp-fp16,ddp-powersgd4,hvd-fp32,hvd-fp16,stock-qsgd4,hvdq-qsgd4-auto,hvdq-qsgd4-allgather}"
 SOCKETS_REST="${SOCKETS_REST-hvdq-qsgd4-sra,hvdq-qsgd8-auto,hvdq-onebit-allgather}"
 TRACE_IDS="${TRACE_IDS-resnet50/sockets/hvdq-qsgd4-allgather}"    # profiled (bench train --trace)
@@ -45,7 +46,7 @@ bench() {   # bench SECONDS_LEFT_UNTIL ARGS...: one `bench train` run, stopped (
   local s; s=$(left "$until"); (( s > 30 )) || return 0
   timeout -s INT "$s" python3 -m hvd_quant.bench train --num-iters 5 --timeout 150 --no-plot "$@"
 }
-lane() {    # lane GPUS NETWORK FIRST REST: the lane's rows; sockets profiles first, NVLink tests after FIRST
+lane() {    # lane GPUS NETWORK FIRST REST [REST_NETWORK]: sockets profiles first, NVLink tests after FIRST
   export CUDA_VISIBLE_DEVICES=$1
   if [[ $2 == sockets && -n "$TRACE_IDS" ]]; then
     bench "$PHASE1_END" --np 2 --networks sockets --models "$MODELS" --out "$R/n2-traces" --trace \
@@ -57,10 +58,10 @@ lane() {    # lane GPUS NETWORK FIRST REST: the lane's rows; sockets profiles fi
     s=$(left "$PHASE1_END"); (( s > 60 )) && timeout -s INT "$s" python3 -m pytest $GPU_TESTS \
         -ra -q -p no:cacheprovider > "$R/gpu_tests.txt" 2>&1
   fi
-  [[ -n "$4" ]] && bench "$PHASE1_END" --np 2 --networks "$2" --models "$MODELS" --out "$R/n2-$2" --methods "$4"
+  [[ -n "$4" ]] && bench "$PHASE1_END" --np 2 --networks "${5:-$2}" --models "$MODELS" --out "$R/n2-$2" --methods "$4"
 }
 echo "phase 1 (2 GPUs, two lanes) from $(date +%T)"
-lane 0,1 nvlink "$NVLINK_FIRST" "$NVLINK_REST" > "$R/lane-nvlink.txt" 2>&1 &
+lane 0,1 nvlink "$NVLINK_FIRST" "$NVLINK_REST" "$NVLINK_REST_NETWORK" > "$R/lane-nvlink.txt" 2>&1 &
 lane 2,3 sockets "$SOCKETS_FIRST" "$SOCKETS_REST" > "$R/lane-sockets.txt" 2>&1 &
 wait
 echo "phase 2 (4 GPUs) from $(date +%T)"
