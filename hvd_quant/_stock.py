@@ -48,7 +48,7 @@ import sys
 import weakref
 
 from . import plan as _plan
-from .exchange import SUM as _SUM, Exchange, Gate, Traffic, handshake_record
+from .exchange import SUM as _SUM, Exchange, Traffic, handshake_record
 from .memory import Memory
 
 __all__ = ["StockCompression", "compress", "decompress", "FRONTENDS", "register_frontend",
@@ -149,11 +149,10 @@ class _Session:
 class _Caller:
     """What ``compress`` learns from the Horovod function that called it: the tensor's ``name``, the
     ``process_set``, the optimizer (``owner``) and the parameter (``param``) where there are ones."""
-    __slots__ = ("name", "process_set", "owner", "param", "grouped")
+    __slots__ = ("name", "process_set", "owner", "param")
 
-    def __init__(self, name=None, process_set=None, owner=None, param=None, grouped=False):
+    def __init__(self, name=None, process_set=None, owner=None, param=None):
         self.name, self.process_set, self.owner, self.param = name, process_set, owner, param
-        self.grouped = grouped      # Horovod's grouped allreduce: one device for the whole group
 
 
 def _frame_context(tensor):
@@ -180,7 +179,7 @@ def _frame_context(tensor):
                 # Horovod's grouped allreduce: one name for the group; find this tensor's parameter.
                 for i, p in enumerate(group):
                     if getattr(p, "grad", None) is tensor:
-                        return _Caller(names.get(p, f"{name}.{i}"), ps, owner, p, grouped=True)
+                        return _Caller(names.get(p, f"{name}.{i}"), ps, owner, p)
                 return _Caller(None, ps, owner)
             p = loc.get("p")
             return _Caller(name, ps, owner, p if p in names else None)
@@ -263,15 +262,13 @@ class _Group:
             known = self.infos[param] = (tensor.dtype, tensor.layout, info)
         return known[2]
 
-    def placeholder(self, param, tensor, host):
+    def placeholder(self, param, tensor):
         """``param``'s placeholder (module doc): a view of one buffer per dtype and device, refilled
-        with ones at each step's first gradient, instead of a new tensor per gradient. ``host``: in
-        host memory where the adapter allows. A device placeholder's allreduce would wait in Horovod
-        until the device has computed up to the hook (exchange.Gate); a host one is ready at once."""
-        key = (tensor.dtype, tensor.device, host)
+        with ones at each step's first gradient, instead of a new tensor per gradient."""
+        key = (tensor.dtype, tensor.device)
         ones = self.ones.get(key)
         if ones is None:
-            ones = self.ones[key] = self.session.adapter.placeholder(tensor, len(self.index), host)
+            ones = self.ones[key] = self.session.adapter.placeholder(tensor, len(self.index))
         i = self.index[param]
         return ones[i:i + 1]
 
@@ -314,7 +311,6 @@ class StockCompression:
         self._groups = {}       # id(optimizer) -> its _Group (dropped with the optimizer)
         self._pending = {}      # exchange name -> (session, Pending) of unfused tensors in flight
         self._unadvanced = []   # (session, Pending) started since the last decompress advanced them
-        self._gate = Gate()     # buckets' collectives waiting for the device to compute their input
         self._steps = {}        # exchange name -> how many exchanges of that name were started
         self._anon = 0          # fallback names: call order since nothing was pending
         self._restored = {}     # residuals loaded before their session existed
@@ -353,8 +349,6 @@ class StockCompression:
         # Another world: the ranks that joined start their exchanges afresh, so every rank does
         # (handshake with the first exchange of each name, step counts, auto's schedule).
         self._steps.clear()
-        self._gate.clear()
-        self._unadvanced = []
         for _, group in self._groups.values():
             if group.session is s:
                 group.new_step()            # the step before the change is not continued
@@ -396,8 +390,7 @@ class StockCompression:
         """``compress`` through ``backend`` (a module as in :data:`FRONTENDS`) with its hook skipped."""
         caller = _frame_context(tensor)
         if caller.param is not None:
-            return self._compress_member(self._group(backend, caller), caller.param, tensor,
-                                         host=not caller.grouped)
+            return self._compress_member(self._group(backend, caller), caller.param, tensor)
         session = self.session(backend, caller.process_set)
         adapter = session.adapter
         info = adapter.describe(tensor)
@@ -418,9 +411,8 @@ class StockCompression:
         self._pending[name] = (session, pending)
         return adapter.placeholder(tensor), _Ctx(session, pending, info, session.exchange.coll.size)
 
-    def _compress_member(self, group, param, tensor, host):
-        """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters;
-        ``host``: its placeholder may live in host memory (:meth:`_Group.placeholder`)."""
+    def _compress_member(self, group, param, tensor):
+        """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters."""
         self._arrived(group, param)
         session = group.session
         info = group.describe(param, tensor)
@@ -431,7 +423,7 @@ class StockCompression:
         if route == _plan.ALLREDUCE or group.absent():
             group.routes[where[0]] = _plan.ALLREDUCE
             return self._uncompressed(session, tensor, info)
-        return group.placeholder(param, tensor, host), self._record(group, where, tensor, info, route)
+        return group.placeholder(param, tensor), self._record(group, where, tensor, info, route)
 
     @staticmethod
     def _uncompressed(session, tensor, info):
@@ -440,10 +432,10 @@ class StockCompression:
         session.exchange.traffic.add_allreduce(info.numel * itemsize, info.numel, session.coll.size)
         return out
 
-    def _start(self, exchange, name, flat, record, head, submit=True):
+    def _start(self, exchange, name, flat, record, head):
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        pending = exchange.start(name, flat, step=step, record=record, header=head, submit=submit)
+        pending = exchange.start(name, flat, step=step, record=record, header=head)
         self._unadvanced.append((exchange, pending))
         return pending
 
@@ -532,9 +524,7 @@ class StockCompression:
         else:
             record = group.plan.record if b.name not in self._steps else None
             ex = session.exchange_for(route)
-            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header, submit=False)
-            self._gate.add(session.ops, flat, ex.submit, group.pending[k][1])   # once computed
-            self._gate.drain(wait=False)
+            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header)
             ex.advance_ready([q for e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
         group.left[k] = sum(g is not None for g in grads)     # the members decompress will return
         group.grads[k] = [None] * len(grads)
@@ -542,8 +532,7 @@ class StockCompression:
 
     def _advance_all(self):
         """Move every exchange still in its first phase to its second before waiting on any (the
-        overlap rule), once per step, not once per tensor; first what the gate still holds."""
-        self._gate.drain(wait=True)
+        overlap rule), once per step, not once per tensor."""
         started, self._unadvanced = self._unadvanced, []
         for exchange, pending in started:
             exchange.advance(pending)

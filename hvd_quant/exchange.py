@@ -36,7 +36,6 @@ while SRA exchanges *of other Exchange objects* in this process are still in the
 polls instead (``Collectives.poll``, sleeping 20 µs doubling to 1 ms between polls) and advances each
 of those whose alltoall has completed (:func:`_wait`). With one Exchange in flight it simply blocks.
 """
-import collections
 import hashlib
 import time
 import weakref
@@ -116,48 +115,6 @@ class ArrayOps:
     to_like: Callable[[Any, Any], Any]               # move t to like's device (restored residuals)
     clone: Callable[[Any], Any]
     reusable: bool = False      # buffers may be kept and rewritten across steps (not handed to the framework)
-    # t -> a marker of the device's progress now (query() / synchronize()), or None where t is
-    # computed once the call returns (host tensors); see Gate
-    computed: Optional[Callable[[Any], Any]] = None
-
-
-class Gate:
-    """Collectives held back until the device has computed their input, then submitted in order.
-
-    Horovod fuses the collectives submitted before one of its cycles into one response and waits, in
-    its single background thread, until every input of it is computed (WAIT_FOR_DATA) before
-    anything behind it moves. On a GPU the host runs far ahead of the kernels: collectives submitted
-    from the gradient hooks all meet in one response whose last input is computed at the end of
-    backward, and the whole exchange runs after backward instead of beside it (docs/RESULTS.md has
-    the timeline). ``add`` submits at once where ``ops.computed`` gives no marker (host tensors) and
-    nothing waits before it; ``drain`` submits those whose input is computed (``wait``: all)."""
-
-    def __init__(self):
-        self._queue = collections.deque()
-
-    def __len__(self):
-        return len(self._queue)
-
-    def add(self, ops, t, submit, *args):
-        mark = ops.computed(t) if ops.computed is not None else None
-        if mark is None and not self._queue:
-            submit(*args)
-        else:
-            self._queue.append((mark, submit, args))
-
-    def drain(self, wait):
-        queue = self._queue
-        while queue:
-            mark, submit, args = queue[0]
-            if mark is not None and not mark.query():
-                if not wait:
-                    return
-                mark.synchronize()
-            queue.popleft()
-            submit(*args)
-
-    def clear(self):
-        self._queue.clear()
 
 
 def codec_alignment(codec):
@@ -402,16 +359,15 @@ def _wait(exchange, handle):
 
 
 class Pending:
-    """One exchange in flight. ``stage``: "encoded" (payload written, collective not yet submitted:
-    ``start(submit=False)``), "first" (alltoall or allgather submitted), "second" (SRA allgather
-    submitted), "done"."""
+    """One exchange in flight. ``stage``: "first" (alltoall or allgather submitted), "second" (SRA
+    allgather submitted), "done"."""
     __slots__ = ("name", "plan", "step", "like", "handle", "stage", "hs", "record", "result", "key",
-                 "owner", "send", "__weakref__")
+                 "owner", "__weakref__")
 
     def __init__(self, name, plan, step, like, owner=None):
         self.name, self.plan, self.step, self.like, self.owner = name, plan, step, like, owner
-        self.handle = self.hs = self.record = self.result = self.send = None
-        self.stage = "encoded"
+        self.handle = self.hs = self.record = self.result = None
+        self.stage = "first"
 
 
 class Exchange:
@@ -488,15 +444,13 @@ class Exchange:
         return buf
 
     # -- phase 1 ----------------------------------------------------------------------------------
-    def start(self, name, flat, step=None, record=None, header=None, submit=True):
+    def start(self, name, flat, step=None, record=None, header=None):
         """Encode ``flat`` (a float32 1-D buffer this exchange may overwrite) and submit the first
         collective, named after ``name`` (what Horovod matches across ranks). ``header`` (default
         ``name``) is what goes into the payload headers, with the chunk: a receiver expecting another
         header raises. ``step`` keys seeded stochastic rounding (default: this plan's own count).
         With ``record`` (see :func:`handshake_record`), a configuration handshake travels with the
-        exchange and is checked before anything is decoded. ``submit=False``: the caller submits
-        later (:meth:`submit`), e.g. once the encode has run on the device; :meth:`advance` and
-        :meth:`finish` submit what is still unsubmitted."""
+        exchange and is checked before anything is decoded."""
         ops, coll = self.ops, self.coll
         numel = ops.numel(flat)
         plan = self.plan(name, numel, flat, header)
@@ -513,22 +467,12 @@ class Exchange:
         send = self._payloads(plan, plan.send, plan.send_nbytes, flat, step, "send",
                               None if mem is None else (mem.WORKER, name))
         self.traffic.add(plan.traffic)
-        p.send = send
-        if submit:
-            self.submit(p)
-        return p
-
-    def submit(self, p):
-        """Submit the first collective of ``p`` (started with ``submit=False``); once only."""
-        if p.stage != "encoded":
-            return
-        send, p.send, coll = p.send, None, self.coll
         if self.reduction == "allgather":
-            p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{p.name}")
+            p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}")
         else:
-            p.handle = coll.alltoall_async(send, [c.size for c in p.plan.send], f"{self.prefix}.a2a.{p.name}")
+            p.handle = coll.alltoall_async(send, [c.size for c in plan.send], f"{self.prefix}.a2a.{name}")
             _FIRST_PHASE[id(p)] = p
-        p.stage = "first"
+        return p
 
     def _check_hs(self, p):
         if p.hs is not None:
@@ -567,7 +511,6 @@ class Exchange:
     def advance(self, p):
         """SRA: wait for the alltoall, sum the received chunks in float32, requantize the reduced chunk
         and submit its allgather. A no-op for allgather exchanges and after the first call."""
-        self.submit(p)
         if p.stage != "first" or self.reduction != "sra":
             return
         _FIRST_PHASE.pop(id(p), None)
@@ -608,7 +551,6 @@ class Exchange:
         if self.reduction == "sra":
             self.advance(p)
         else:
-            self.submit(p)
             self._check_hs(p)
         data = _wait(self, p.handle)
         self._received(p, data, plan.gather_nbytes, "the allgather")

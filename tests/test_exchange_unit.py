@@ -5,15 +5,13 @@ process: a collective's result is computed once every rank has submitted it, whi
 phases allow (start all, advance all, finish all). The real collectives are covered by
 tests/test_exchange_multiproc.py; these tests cover sizes, rank counts and error paths cheaply.
 """
-import dataclasses
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import hvd_quant  # noqa: E402
-from hvd_quant.exchange import (ConfigMismatchError, Collectives, Exchange, Gate,  # noqa: E402
-                                PayloadMismatchError, chunk_bounds, check_handshake, handshake_record)
+from hvd_quant.exchange import (ConfigMismatchError, Collectives, Exchange, PayloadMismatchError,  # noqa: E402
+                                chunk_bounds, check_handshake, handshake_record)
 from hvd_quant.memory import Memory  # noqa: E402
 from hvd_quant.torch import _backend  # noqa: E402  (imports horovod.torch; no init needed)
 
@@ -66,59 +64,6 @@ def run(world, specs, xs, reduction, memories=None, headers=None, records=None, 
     for ex, p in zip(exs, ps):
         ex.advance(p)
     return [ex.finish(p) for ex, p in zip(exs, ps)], exs
-
-
-class Mark:
-    """A device-progress marker (what ``ArrayOps.computed`` returns on a GPU), moved by hand."""
-    def __init__(self):
-        self.done = self.waited = False
-
-    def query(self):
-        return self.done
-
-    def synchronize(self):
-        self.waited = self.done = True
-
-
-@pytest.mark.parametrize("reduction", ["sra", "allgather"])
-def test_gate_submits_in_order_once_computed(reduction):
-    """exchange.Gate: collectives leave in the order they were added, each once its input is computed
-    (drain(wait=False) stops at the first that is not; wait=True waits for each in turn); a host
-    input (no marker) behind a held one waits its turn; the results are those of submitting at once."""
-    spec, n = "qsgd:bits=4,bucket_size=64,mode=deterministic", 3000
-    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(2)]
-    want = {name: run(SimWorld(2), [spec] * 2, xs, reduction, name=name)[0] for name in "ab"}
-    world, marks = SimWorld(2), []
-
-    def computed(t):
-        if t.dtype == torch.float64:        # this test's stand-in for a host tensor
-            return None
-        marks.append(Mark())
-        return marks[-1]
-
-    ops = dataclasses.replace(OPS, computed=computed)
-    exs = [Exchange(hvd_quant.from_spec(spec), world.coll(r), ops, reduction=reduction) for r in range(2)]
-    gates, ps, host = [Gate(), Gate()], [], []
-    for r, ex in enumerate(exs):
-        for name in "ab":
-            ps.append(ex.start(name, xs[r].clone(), step=0, submit=False))
-            gates[r].add(ops, xs[r], ex.submit, ps[-1])
-        gates[r].add(ops, torch.zeros(1, dtype=torch.float64), host.append, r)
-    submitted = lambda: sum(len(v) for v in world.subs.values())     # noqa: E731
-    assert submitted() == 0 and [len(g) for g in gates] == [3, 3]
-    marks[0].done = True                        # rank 0's "a" is computed, its "b" not yet
-    for g in gates:
-        g.drain(wait=False)
-    assert submitted() == 1 and [len(g) for g in gates] == [2, 3] and host == []
-    for g in gates:
-        g.drain(wait=True)
-    assert submitted() == 4 and host == [0, 1] and [len(g) for g in gates] == [0, 0]
-    assert [m.waited for m in marks] == [False, True, True, True]
-    for ex, p in zip(exs * 2, [ps[0], ps[2], ps[1], ps[3]]):
-        ex.advance(p)
-    for r, ex in enumerate(exs):
-        for i, name in enumerate("ab"):
-            assert torch.equal(ex.finish(ps[2 * r + i]), want[name][r])
 
 
 @pytest.mark.parametrize("n,size,align", [(0, 3, 512), (1, 3, 512), (513, 2, 512), (5000, 4, 128),

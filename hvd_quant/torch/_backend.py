@@ -45,15 +45,6 @@ def _to_like(t, like):
     return t if t.device == like.device else t.to(like.device)
 
 
-def _computed(t):
-    """An event recorded on the current stream for a CUDA tensor (exchange.Gate), else None."""
-    if not t.is_cuda:
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
 OPS = ArrayOps(
     flatten=_flatten,
     zeros=_zeros,
@@ -69,7 +60,6 @@ OPS = ArrayOps(
     to_like=_to_like,
     clone=lambda t: t.detach().clone(),
     reusable=True,
-    computed=_computed,
 )
 
 
@@ -161,11 +151,11 @@ class _StockAdapter:
         return _Info(t)
 
     @staticmethod
-    def placeholder(t, n=1, host=False):
+    def placeholder(t, n=1):
         # 1.0 in the gradient's dtype (exact in fp16) so that Horovod's grouped allreduce, which wants
         # one dtype per group, sees the same dtypes as without hvd_quant; float32 for dtypes Horovod
-        # cannot reduce (bfloat16). ``host``: in host memory, whatever the gradient's device.
-        return torch.ones(n, dtype=sendable_dtype(t.dtype), device="cpu" if host else t.device)
+        # cannot reduce (bfloat16).
+        return torch.ones(n, dtype=sendable_dtype(t.dtype), device=t.device)
 
     @staticmethod
     def sendable(t):
@@ -178,9 +168,7 @@ class _StockAdapter:
 
     @staticmethod
     def as_float(t):
-        """A reduced placeholder as a float32 factor: a Python float from host memory (read without
-        waiting for the device, and usable with a tensor on any device)."""
-        return t.to(torch.float32) if t.is_cuda else float(t)
+        return t.to(torch.float32)
 
     @staticmethod
     def restore(flat, info):

@@ -14,9 +14,8 @@ the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / `
    blocking allgather under a fixed name, that every rank made the same plan with the same codec:
    ranks configured differently raise :class:`hvd_quant.exchange.ConfigMismatchError` at once.
 2. A gradient hook counts the ready gradients of each bucket; when the last one arrives the bucket is
-   flattened into a float32 buffer and encoded, and its exchange (``hvd_quant.exchange``: ``sra`` or
-   ``allgather``) is handed to Horovod once the device has computed the payload
-   (:class:`hvd_quant.exchange.Gate`; plain groups likewise), overlapping with the rest of backward.
+   flattened into a float32 buffer and its exchange (``hvd_quant.exchange``: ``sra`` or
+   ``allgather``) starts, overlapping with the rest of backward.
 3. ``synchronize()`` launches what is missing, advances every bucket to its last phase, then finishes
    each and divides by N for ``op=hvd.Average``; each float32 ``p.grad`` becomes a view of its
    bucket's result (as DDP's ``gradient_as_bucket_view``: no per-parameter copy; the buffer is
@@ -48,7 +47,7 @@ import torch
 import horovod.torch as hvd
 
 from .. import plan as _plan
-from ..exchange import Exchange, Gate, HANDSHAKE_NAME, Traffic, handshake
+from ..exchange import Exchange, HANDSHAKE_NAME, Traffic, handshake
 from ..plan import ALLREDUCE, AUTO, AutoChoice
 from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
@@ -164,7 +163,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._p_plain = {p: j for j, ps in enumerate(self._plain) for p in ps}
         self._plain_arrived = [0] * len(self._plain)
         self._plain_handles = {}      # plain group -> its allreduce's handle
-        self._gate = Gate()           # collectives waiting for the device to compute their input
         self._arrived = [0] * len(self._buckets)
         self._pending = [None] * len(self._buckets)
         self._complete = []           # buckets complete, waiting for this step's presence count
@@ -298,10 +296,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for k in complete:
             b = self._buckets[k]
             flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._bucket_params[k]])
-            p = self._pending[k] = ex.start(b.name, flat, step=self._step, header=b.header, submit=False)
-            self._gate.add(_backend.OPS, flat, ex.submit, p)   # once computed (exchange.Gate)
-        self._gate.drain(wait=False)
-        ex.advance_ready(self._pending)      # earlier buckets whose alltoall is done: phase two
+            self._pending[k] = ex.start(b.name, flat, step=self._step, header=b.header)
+            ex.advance_ready(self._pending)      # earlier buckets whose alltoall is done: phase two
 
     def _bucket_grad(self, q):
         """What ``q`` puts into its bucket: its gradient, densified if sparse (``sparse_as_dense``), or
@@ -313,12 +309,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _launch_plain_group(self, j):
         """Plain group ``j``: one uncompressed allreduce of its members' gradients, flattened."""
         flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._plain[j]])
-        self._traffic.add_allreduce(4 * flat.numel(), flat.numel(), self._coll.size)
-        self._gate.add(_backend.OPS, flat, self._submit_plain_group, j, flat)
-        self._gate.drain(wait=False)
-
-    def _submit_plain_group(self, j, flat):
         pre, post = self.config.allreduce_factors()
+        self._traffic.add_allreduce(4 * flat.numel(), flat.numel(), self._coll.size)
         self._plain_handles[j] = self._coll.allreduce_async(flat, f"{self._prefix}.plain.{j}",
                                                             self.op, pre, post)
 
@@ -367,7 +359,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in sorted(self._requires_update - self._launched, key=self._parameter_names.get):
             self._ready(p)
         self._start_complete(wait=True)
-        self._gate.drain(wait=True)
         started = [k for k, pending in enumerate(self._pending) if pending is not None]
         self._last_routes = (self._route(), started)
         flats = self._exchange_for(self._route()).finish_all([self._pending[k] for k in started]) \
@@ -491,7 +482,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._plain_arrived = [0] * len(self._plain)
         self._plain_handles = {}
         self._pending = [None] * len(self._buckets)
-        self._gate.clear()
         self._complete = []
         self._synchronized = False
         self._should_synchronize = True
