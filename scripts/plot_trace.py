@@ -65,7 +65,8 @@ def top_level(events):
 def load_step(path, which):
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    steps = sorted((e for e in events if re.fullmatch(r"train_step#\d+", str(e["name"]))),
+    steps = sorted((e for e in events if re.fullmatch(r"train_step#\d+", str(e["name"]))
+                    and e.get("cat") == "user_annotation"),
                    key=lambda e: e["ts"])
     if not steps:
         raise SystemExit(f"{path}: no train_step#i ranges (a trace of bench train --trace?)")
@@ -137,7 +138,7 @@ def main(argv=None):
                 by[cls(e)].append(((e["ts"] - t0) / 1e3, e["dur"] / 1e3))
             for c, bars in by.items():
                 ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS[c])
-        ax.set_yticks(range(len(keys)), [f"{k[0]} {k[2]}" for k in keys])
+        ax.set_yticks(range(len(keys)), [("GPU stream " if k[0] == "GPU" else "host thread ") + str(k[2]) for k in keys])
         ax.set_xlim(0, wall / 1e3)
         ax.set_xlabel("ms from the step's start")
         ax.legend(handles=[matplotlib.patches.Patch(color=v, label=k) for k, v in COLORS.items()],

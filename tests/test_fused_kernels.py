@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from numba_kernels import reference as R, wire
+from numba_kernels._scalar import SEGMENT
 
 sys.path.insert(0, os.path.dirname(__file__))
 from data import KEY_FUSED as KEY, chunk_payloads, make_x, onebit_payloads, qsgd_payloads  # noqa: E402
@@ -235,12 +236,17 @@ def test_bad_payload_raises_before_writing(cpu, where):
 # buckets of 32/64 elements with 2/4/8/16 bits are what the warp path takes for single payloads;
 # 9000 > FUSE_MAX takes the reduce + pack encode.
 
-SIM_SUM = [(1, 65, 64, 4, True, False), (2, 129, 32, 2, False, True), (3, 257, 7, 3, True, True),
+SIM_SUM = [(1, 65, 64, 4, True, False), (2, 129, 32, 2, False, True), (3, 57, 7, 3, True, True),
            (2, 300, 64, 8, True, False), (3, 100, 9000, 3, False, False), (2, 128, 16, 16, True, True),
-           (1, 1, 7, 5, False, False), (2, 0, 7, 4, True, False), (2, 1100, 1024, 4, True, False),
-           (3, 300, 64, 4, True, True), (2, 17000, 9000, 4, True, True)]   # (the last: sums over segments)
+           (1, 1, 7, 5, False, False), (2, 0, 7, 4, True, False), (2, 600, 576, 4, True, False),
+           (2, 8200, 8200, 4, True, True)]   # (the last: a bucket's sums over two segments, 8192 + 8)
 SIM_ONEBIT = [(2, 100, 0, True), (3, 70, 7, False), (1, 130, 64, True), (2, 200, 9000, False),
-              (2, 65, 32, False), (2, 20000, 0, True)]      # (the last: a sum over segments)
+              (2, 65, 32, False), (2, 8200, 0, True)]      # (the last: a sum over two segments)
+
+
+def _sum_variants(m):
+    """Plain and special-valued payloads; a bucket over segments (slow in the simulator) only the latter."""
+    return ("-special",) if m > SEGMENT else ("", "-special")
 SIM_CHUNKS = [(100, 7, 21, 3, None), (129, 64, 64, 4, None), (300, 32, 96, 2, None),
               (257, 16, 128, 8, None), (100, 0, 100, 1, True), (130, 64, 64, 1, False),
               (2100, 1024, 1024, 4, None)]
@@ -249,7 +255,7 @@ SIM_CHUNKS = [(100, 7, 21, 3, None), (129, 64, 64, 4, None), (300, 32, 96, 2, No
 def _sim_sum_names():
     names = []
     for c in SIM_SUM:
-        for sp in ("", "-special"):
+        for sp in _sum_variants(c[1]):
             names += [f"{what}-{_qid(*c)}{sp}" for what in ("sum", "rr", "rr-resid")]
         names += [f"bad-sum-{_qid(*c)}", f"bad-rr-{_qid(*c)}"]
     for n, m, bs, tm in SIM_ONEBIT:
@@ -321,7 +327,7 @@ def _child():
         n, m, bs, bits, st_, l2 = c
         tag = _qid(*c)
         dsum = lambda p, k, o, s, stt, e: K.qsgd_decode_sum_cuda(p, k, o, bits, bs, s, stt, e)  # noqa: E731
-        for special in ("", "-special"):
+        for special in _sum_variants(m):
             buf, h, lay, exp = qsgd_payloads(n, m, bits, bs, st_, l2, special=bool(special))
             rr = lambda p, k, r, q, s, stt, e: K.qsgd_reduce_requantize_cuda(  # noqa: E731
                 p, k, r, q, h, bits, bs, st_, l2, KEY, s, stt, e)

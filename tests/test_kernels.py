@@ -435,9 +435,9 @@ def test_header_check_reference():
 SIM_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, False), (33, 64, 5, True, True),
             (33, 1, 16, False, True), (100, 64, 8, True, False), (100, 7, 12, False, True),
             (65, 32, 2, False, False), (130, 64, 16, True, True),
-            (20000, 20000, 4, True, True)]                # a bucket of 3 segments (its sum in two levels)
+            (8200, 8200, 4, True, True)]                  # a bucket of 2 segments (its sum in two levels)
 SIM_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True), (70, 1, True),
-              (20000, 0, True), (17000, 9000, False)]
+              (8200, 0, True), (8300, 8250, False)]        # (the last two: sums over segments)
 
 
 def _child():
