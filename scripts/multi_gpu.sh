@@ -33,7 +33,9 @@ MODELS="${MODELS:-resnet50,vgg16,vit_b_16}"
 # The matrix; each list may be overridden from the environment (a later run's extra rows):
 NVLINK_FIRST="${NVLINK_FIRST-single,hvd-fp32,ddp-fp32,hvdq-qsgd4-auto,stock-qsgd4}"
 NVLINK_REST="${NVLINK_REST-hvdq-qsgd4-allgather,hvdq-qsgd4-sra,hvdq-qsgd8-auto,hvdq-onebit-allgather,hvd-fp16,ddp-fp16,ddp-powersgd4}"
-NVLINK_REST_NETWORK="${NVLINK_REST_NETWORK:-nvlink}"   # sockets: GPUs 0,1 then take part of the sockets rows
+NVLINK_REST_NETWORK="${NVLINK_REST_NETWORK:-nvlink}"   # sockets: GPUs 0,1 take part of the sockets rows
+# (not for timings: two sockets lanes share the host; with them at once, RESULTS.md "Two GPUs again"
+# read the unchanged peers 12-28% low)
 SOCKETS_FIRST="${SOCKETS_FIRST-ddp-fp32,ddp-fp16,ddp-powersgd4,hvd-fp32,hvd-fp16,stock-qsgd4,hvdq-qsgd4-auto,hvdq-qsgd4-allgather}"
 SOCKETS_REST="${SOCKETS_REST-hvdq-qsgd4-sra,hvdq-qsgd8-auto,hvdq-onebit-allgather}"
 TRACE_IDS="${TRACE_IDS-resnet50/sockets/hvdq-qsgd4-allgather}"    # profiled (bench train --trace)
