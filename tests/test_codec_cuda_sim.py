@@ -3,10 +3,11 @@ status) in the CUDA simulator, through a tiny test-only device adapter over simu
 
 Runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (set before ``numba.cuda`` is imported). Each case
 is reported back and checked here by name. The child also holds the kernels themselves equal to the
-NumPy reference (payload, decode, and the residual written in place by the encode) on the cases of
-both kernel paths that tests/test_kernels.py's simulator child does not run (warp path: partial last
-steps and buckets, recursive-halving word assembly; general path: the reduce + pack-only encode over
-several pack blocks at an odd bit width), and the header check run inside the decode (``expect``) or by the
+NumPy reference (payload, decode, and the residual written in place by the encode) on cases chosen
+for both kernel paths (warp: bit widths dividing 32, buckets of 32 or more elements, partial last
+steps and buckets; general: fused encode with several buckets per block and odd bucket sizes, the
+reduce + pack-only encode for buckets above ``FUSE_MAX`` over several pack blocks, straddling code
+words for odd bit widths), and the header check run inside the decode (``expect``) or by the
 standalone check kernel. The torch-CUDA adapter itself needs a GPU
 (``HVDQ_REAL_CUDA=1`` on a GPU machine runs tests/test_kernels.py's child on the real device; the
 GPU run recorded in docs/BENCHMARKS.md exercised the torch path).
@@ -27,16 +28,32 @@ CODECS = ["qsgd:bits=4,bucket_size=16,seed=3", "qsgd:bits=8,bucket_size=7,mode=d
           "qsgd:bits=2,bucket_size=32,mode=fake,seed=1", "onebit:bucket_size=16", "onebit:scale=mean_abs",
           "qsgd:bits=4,bucket_size=32,seed=5", "qsgd:bits=8,bucket_size=64,norm=l2,seed=2",
           "onebit:bucket_size=32", "fp16", "none"]
-# Beyond tests/test_kernels.py's simulator cases (which cover the general path's small cases and the
-# sums over segments): a bucket above FUSE_MAX over several pack-only blocks at an odd bit width; v3
-# (warp per bucket: bits dividing 32, buckets of >= 32 elements holding whole words) with a partial
-# last bucket, and its word assembly by recursive halving (steps in registers >= codes per word) with
-# partial steps. Each QSGD case runs plain, with special values and wide-range.
-KERNEL_QSGD = [(3000, 9000, 3, True, True), (65, 40, 4, False, True), (300, 128, 8, False, False),
+KERNEL_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, False),
+               (33, 64, 5, True, True), (33, 1, 16, False, True), (100, 64, 8, True, False),
+               (100, 7, 12, False, True), (300, 16, 4, True, False), (300, 9000, 3, True, True),
+               (70, 3, 7, True, False),
+               # general path, buckets above FUSE_MAX over several pack-only blocks
+               (3000, 9000, 3, True, True), (2500, 10000, 5, False, False),
+               # v3 (warp per bucket): bits dividing 32, buckets of >= 32 elements holding whole words
+               (1000, 96, 4, True, True), (257, 32, 2, False, False), (130, 64, 16, True, False),
+               (600, 512, 8, True, False), (65, 40, 4, False, True), (1100, 640, 4, True, False),
+               (300, 128, 4, True, False),
+               # v3's word assembly by recursive halving (steps in registers >= codes per word)
+               (600, 256, 4, True, False), (1100, 512, 2, True, True), (300, 128, 8, False, False),
                (700, 352, 4, True, True)]
-KERNEL_ONEBIT = [(200, 9000, False), (300, 96, False), (100, 32, True), (3000, 0, True), (5000, 0, False)]
+KERNEL_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True),
+                 (70, 1, True), (200, 9000, False), (300, 96, False), (100, 32, True), (3000, 0, True),
+                 (5000, 0, False)]
+
+
+def _variants(n):
+    """Plain, special-valued and wide-range inputs; above 300 elements (slow in the simulator, and the
+    data variants run on the same kernels at the smaller sizes) plain only."""
+    return ("", "-special", "-wide") if n <= 300 else ("",)
+
+
 KERNEL_CASES = ([f"qsgd-n{n}-bs{bs}-b{b}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}{sp}"
-                 for n, bs, b, st, l2 in KERNEL_QSGD for sp in ("", "-special", "-wide")]
+                 for n, bs, b, st, l2 in KERNEL_QSGD for sp in _variants(n)]
                 + [f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}" for n, bs, tm in KERNEL_ONEBIT]
                 + ["expect-bad", "expect-good", "check-then-decode", "check-raw-method", "expect-empty"])
 CHECKS = ["encode-bytes", "decode-header-read", "decode-shape-given", "decode-into-accumulate",
@@ -247,7 +264,7 @@ def _kernel_cases(nan_eq):
     out = {}
     dev = cuda.to_device
     for n, bs, bits, st, l2 in KERNEL_QSGD:
-        for variant in ("", "-special", "-wide"):
+        for variant in _variants(n):
             x, h, lay = qsgd_case(n, bs, bits, st, l2, x=make_x(n, n + bs, variant == "-special",
                                                                 variant == "-wide") if variant else None)
             want = np.zeros(lay.total, np.uint8)
