@@ -105,18 +105,20 @@ def main(argv=None):
     host = [e for e in inside if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
     clip = [(max(e["ts"], t0), min(e["ts"] + e["dur"], t0 + wall)) for e in gpu]
     print(f"{s['name']}: {wall / 1e3:.2f} ms wall")
-    lanes = defaultdict(list)
+    raw = defaultdict(list)
     for e in gpu:
-        lanes[("GPU", e["pid"], e["tid"])].append(e)
+        raw[("GPU", e["pid"], e["tid"])].append(e)
     for e in host:
-        lanes[("host", e["pid"], e["tid"])].append(e)
+        raw[("host", e["pid"], e["tid"])].append(e)
+    # each lane's events with their class: every kernel of a GPU stream, a host thread's top level
+    lanes = {key: [(kernel_class(e), e) for e in evs] if key[0] == "GPU"
+             else [(host_class(e), e) for e in top_level(evs)] for key, evs in raw.items()}
     if gpu:
         print(f"  GPU idle (no kernel or copy on any stream): {(wall - union(clip)) / 1e3:.2f} ms")
     for key in sorted(lanes, key=str):
-        evs = lanes[key] if key[0] == "GPU" else top_level(lanes[key])
         by = defaultdict(float)
-        for e in evs:
-            by[(kernel_class if key[0] == "GPU" else host_class)(e)] += e["dur"]
+        for c, e in lanes[key]:
+            by[c] += e["dur"]
         parts = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
         print(f"  {key[0]} {key[1]}/{key[2]}: {parts} (ms)")
     hv = args.trace.replace(re.search(r"\.rank\d+\.json(\.gz)?$", args.trace).group(0), ".horovod.json")
@@ -131,11 +133,9 @@ def main(argv=None):
         keys = sorted(lanes, key=lambda k: (k[0] != "host", str(k)))
         fig, ax = plt.subplots(figsize=(14, 0.5 * len(keys) + 1.5))
         for y, key in enumerate(keys):
-            evs = lanes[key] if key[0] == "GPU" else top_level(lanes[key])
-            cls = kernel_class if key[0] == "GPU" else host_class
             by = defaultdict(list)
-            for e in evs:
-                by[cls(e)].append(((e["ts"] - t0) / 1e3, e["dur"] / 1e3))
+            for c, e in lanes[key]:
+                by[c].append(((e["ts"] - t0) / 1e3, e["dur"] / 1e3))
             for c, bars in by.items():
                 ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS[c])
         ax.set_yticks(range(len(keys)), [("GPU stream " if k[0] == "GPU" else "host thread ") + str(k[2]) for k in keys])
