@@ -1,13 +1,14 @@
 """Where one training step's time goes, from the traces of ``python -m hvd_quant.bench train --trace``.
 
-    python scripts/plot_trace.py DIR/traces/<id>.rank0.json.gz [--step -1] [--out step.png]
+    python scripts/plot_trace.py DIR/traces/<id>.rank0.json.gz [--step -1] [--out step.png] [--responses 90]
 
 Reads one rank's Chrome trace (torch.profiler) and one traced step (``train_step#i``; default the last),
 prints the step's wall time, the busy time of each GPU stream split into compute, NCCL and hvd_quant
 (Numba) kernels and copies, the time no kernel ran on the GPU, the host's top-level work on each
 thread, and, where the Horovod timeline of the same job lies beside it (``<id>.horovod.json``), the time
-of each of Horovod's activities over the traced steps; with ``--out``, a PNG of the step's timeline
-(one lane per host thread and GPU stream).
+of each of Horovod's activities over the traced steps (with ``--responses MS``, also each activity
+of the timeline's last MS milliseconds, per tensor: which collectives Horovod fused, and what each
+waited for); with ``--out``, a PNG of the step's timeline (one lane per host thread and GPU stream).
 """
 import argparse
 import gzip
@@ -78,19 +79,22 @@ def load_step(path, which):
 
 
 def horovod_activities(path):
-    """Total microseconds and count of each activity in a Horovod timeline (B/E pairs per tensor)."""
+    """Every activity of a Horovod timeline: (start µs, duration µs, activity, tensor, nesting depth),
+    in start order (B/E pairs per tensor)."""
     with open(path) as f:
         text = f.read().rstrip().rstrip(",")
     events = json.loads(text if text.endswith("]") else text + "]")
-    open_, total = {}, defaultdict(lambda: [0.0, 0])
+    tensors = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name" and "name" in e.get("args", {})}
+    open_, out = {}, []
     for e in events:
         if e.get("ph") == "B":
             open_.setdefault(e["pid"], []).append(e)
         elif e.get("ph") == "E" and open_.get(e["pid"]):
             b = open_[e["pid"]].pop()
-            total[b["name"]][0] += e["ts"] - b["ts"]
-            total[b["name"]][1] += 1
-    return total
+            out.append((b["ts"], e["ts"] - b["ts"], b["name"], tensors.get(e["pid"], e["pid"]),
+                        len(open_[e["pid"]])))
+    return sorted(out)
 
 
 def main(argv=None):
@@ -98,6 +102,8 @@ def main(argv=None):
     p.add_argument("trace")
     p.add_argument("--step", type=int, default=-1, help="which traced step (index; default the last)")
     p.add_argument("--out", default=None, help="write the step's timeline as this PNG")
+    p.add_argument("--responses", type=float, default=0, metavar="MS",
+                   help="also list each Horovod activity, per tensor, of the timeline's last MS ms")
     args = p.parse_args(argv)
     s, inside = load_step(args.trace, args.step)
     t0, wall = s["ts"], s["dur"]
@@ -123,9 +129,21 @@ def main(argv=None):
         print(f"  {key[0]} {key[1]}/{key[2]}: {parts} (ms)")
     hv = args.trace.replace(re.search(r"\.rank\d+\.json(\.gz)?$", args.trace).group(0), ".horovod.json")
     if os.path.exists(hv):
+        activities = horovod_activities(hv)
+        total = defaultdict(lambda: [0.0, 0])
+        for _, dur, name, _, _ in activities:
+            total[name][0] += dur
+            total[name][1] += 1
         print(f"Horovod timeline of all traced steps ({os.path.basename(hv)}), ms (count):")
-        for name, (us, n) in sorted(horovod_activities(hv).items(), key=lambda kv: -kv[1][0]):
+        for name, (us, n) in sorted(total.items(), key=lambda kv: -kv[1][0]):
             print(f"  {name:32s} {us / 1e3:9.2f} ({n})")
+        if args.responses and activities:
+            end = max(ts + dur for ts, dur, *_ in activities)
+            start = end - args.responses * 1e3
+            print(f"Horovod's activities of the timeline's last {args.responses:g} ms: start, duration (ms)")
+            for ts, dur, name, tensor, depth in activities:
+                if ts >= start:
+                    print(f"  {(ts - start) / 1e3:8.2f} {dur / 1e3:8.2f} {'  ' * depth}{name:28s} {tensor}")
     if args.out:
         import matplotlib
         matplotlib.use("Agg")

@@ -95,6 +95,14 @@ def test_train_driver_cpu(tmp_path, job_env, capsys):
         assert {"train_step#0", "train_step#2"} <= names, sorted(map(str, names))[:20]
     assert "ALLGATHER" in open(f"{stem}.horovod.json").read()
     assert "Trace of 3 steps" in (out / q["log"]).read_text()
+    capsys.readouterr()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot_trace       # the traces' reader: the last step, Horovod's activities, per tensor
+    assert plot_trace.main([f"{stem}.rank0.json.gz", "--responses", "1e6"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("train_step#2: ") and "host " in text, text
+    listing = text.split("last 1e+06 ms")[1].splitlines()[1:]
+    assert any(" ALLGATHER " in line and ".ag." in line for line in listing), text   # our allgathers
 
     # 3. --list: both done now; --only narrows it
     train.main(TINY + ["--methods", "hvd-fp32,hvdq-qsgd4-allgather", "--out", str(out), "--list",
