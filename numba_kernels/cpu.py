@@ -9,7 +9,11 @@ them in a small cache keyed by ints), so a call costs little more than Numba's d
 Work is split into chunks of whole buckets whose first element is a multiple of 8 (so every chunk
 writes whole code bytes and no two threads touch one byte); ``prange`` runs over the chunks. Within a
 chunk each bucket's scale is computed, then its elements are quantized into a small code array while
-they are still in cache; the chunk's codes are then packed: one pass over ``x`` from memory.
+they are still in cache; the chunk's codes are then packed: one pass over ``x`` from memory. The 1-bit
+kernels split by elements instead (:func:`task_span`): whole buckets as above for buckets of at most
+SEGMENT elements; for longer ones (``OneBit()``'s one bucket per tensor) every segment's sums run in
+parallel, each bucket's scales follow from them in the canonical order, then the bits are written a
+span at a time, so a tensor of one bucket uses every thread.
 
 Every inner loop is written so the compiler vectorises it: loops run over slices with indices from
 zero (a negative index would need a wrap-around check per element), the max scale is an integer max
@@ -124,6 +128,16 @@ def chunk_buckets(bucket_size, numel):
     g = 8 // math.gcd(bucket_size, 8)
     per = max(1, _TARGET_CHUNK // (g * bucket_size))
     return g * per
+
+
+def task_span(bucket_size, numel):
+    """Elements per parallel task of the 1-bit kernels, a multiple of 8 (no byte of codes shared
+    between tasks): whole buckets (:func:`chunk_buckets`) for buckets of at most SEGMENT elements,
+    whole segments for longer ones, so that one long bucket (``OneBit()``'s default, one per tensor)
+    still spreads over the threads."""
+    if bucket_size <= SEGMENT:
+        return chunk_buckets(bucket_size, numel) * bucket_size
+    return SEGMENT * max(1, _TARGET_CHUNK // SEGMENT)
 
 
 @_inline
@@ -535,69 +549,137 @@ def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_t
             _qsgd_dec_range(p, o, codes_off, scales, bs, b0, min(nb, b0 + kchunk), False, _BITS)
 
 
-@_Kernel
-def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean, kchunk,
-                   residual, has_res):
-    numel = x.size
-    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+@_inline
+def _onebit_scale(x, scales, b, bs, two_mean, p, q):
+    """Bucket b's scales from its canonical sums (:func:`_lane_sums`)."""
+    st = b * bs
+    en = min(x.size, st + bs)
+    if two_mean:        # (the kind a literal: each loop compiled for its own)
+        npos = _lane_sums(x, st, en, 2, p, q)
+        hi, lo = _onebit_scales(True, _tree(p), _tree(q), npos, en - st)
+        scales[2 * b] = hi
+        scales[2 * b + 1] = lo
+    else:
+        npos = _lane_sums(x, st, en, 3, p, q)
+        hi, lo = _onebit_scales(False, _tree(p), F0, npos, en - st)
+        scales[b] = hi
+
+
+@_inline
+def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, has_res):
+    """The bits (x >= 0) of x[e0:e1], eight to a byte (e0 a multiple of 8), and their residual."""
+    xs = x[e0:e1]
+    pb = payload[codes_off + (e0 >> 3):codes_off + ((e1 + 7) >> 3)]
+    full = xs.size >> 3
+    for j in range(full):
+        xg = xs[8 * j:8 * j + 8]
+        v = np.int32(0)
+        for k in range(8):
+            v |= np.int32(xg[k] >= F0) << k
+        pb[j] = np.uint8(v)
+    if full < pb.size:
+        v = np.int32(0)
+        for k in range(xs.size - 8 * full):
+            v |= np.int32(xs[8 * full + k] >= F0) << k
+        pb[full] = np.uint8(v)
+    if has_res:
+        # what the decode writes for the bit (x >= 0) of each element
+        st = e0
+        while st < e1:
+            b = st // bs
+            en = min(e1, b * bs + bs)
+            if two_mean:
+                hi = scales[2 * b]
+                lo = scales[2 * b + 1]
+            else:
+                hi = scales[b]
+                lo = -hi
+            xb = x[st:en]
+            rb = residual[st:en]
+            for j in range(xb.size):
+                v = xb[j]
+                rb[j] = v - (hi if v >= F0 else lo)
+            st = en
+
+
+@_inline
+def _onebit_start(payload, header, codes_end, scales_off, nscales):
     _write_header(payload, header)
     for k in range(codes_end, scales_off):
         payload[k] = 0
+    return payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+
+
+@_Kernel
+def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean, span,
+                   residual, has_res):
+    """Buckets of at most SEGMENT elements: each task (``span`` elements, whole buckets) takes its
+    buckets' sums, then their bits, while they are in cache."""
+    numel = x.size
+    scales = _onebit_start(payload, header, codes_end, scales_off, nscales)
     nb = (numel + bs - 1) // bs
-    nchunks = (nb + kchunk - 1) // kchunk
-    for c in prange(nchunks):
+    per = span // bs
+    for c in prange((numel + span - 1) // span):
         p = np.empty(32, np.float32)
         q = np.empty(32, np.float32)
-        b0 = c * kchunk
-        b1 = min(nb, b0 + kchunk)
-        for b in range(b0, b1):
-            st = b * bs
-            en = min(numel, st + bs)
-            if two_mean:        # (the kind a literal: each loop compiled for its own)
-                npos = _lane_sums(x, st, en, 2, p, q)
-                qs = _tree(q)
-            else:
-                npos = _lane_sums(x, st, en, 3, p, q)
-                qs = F0
-            hi, lo = _onebit_scales(two_mean, _tree(p), qs, npos, en - st)
+        for b in range(c * per, min(nb, c * per + per)):
+            _onebit_scale(x, scales, b, bs, two_mean, p, q)
+        _onebit_bits(x, payload, codes_off, scales, bs, two_mean, c * span, min(numel, c * span + span),
+                     residual, has_res)
+
+
+@_Kernel
+def _onebit_encode_long(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean,
+                        span, residual, has_res):
+    """Buckets of more than SEGMENT elements (``OneBit()``'s one bucket per tensor): every segment's
+    sums in parallel, each bucket's scales from them in the canonical order (:func:`_lane_sums`),
+    then the bits, ``span`` elements (whole segments) per task."""
+    numel = x.size
+    scales = _onebit_start(payload, header, codes_end, scales_off, nscales)
+    nb = (numel + bs - 1) // bs
+    nseg = (bs + SEGMENT - 1) // SEGMENT
+    sp = np.zeros(nb * nseg, np.float32)
+    sq = np.zeros(nb * nseg, np.float32)
+    sn = np.zeros(nb * nseg, np.int64)
+    for t in prange(nb * nseg):
+        b = t // nseg
+        st = b * bs + (t - b * nseg) * SEGMENT
+        en = min(min(numel, b * bs + bs), st + SEGMENT)
+        if st < en:
+            tp = np.empty(32, np.float32)
+            tq = np.empty(32, np.float32)
             if two_mean:
-                scales[2 * b] = hi
-                scales[2 * b + 1] = lo
+                sn[t] = _lane_segment(x, st, en, 2, tp, tq)
+                sq[t] = _tree(tq)
             else:
-                scales[b] = hi
-        # the bits (x >= 0), eight to a byte: e0 is a multiple of 8 (chunk_buckets)
-        e0 = b0 * bs
-        e1 = min(numel, b1 * bs)
-        xs = x[e0:e1]
-        pb = payload[codes_off + (e0 >> 3):codes_off + ((e1 + 7) >> 3)]
-        full = xs.size >> 3
-        for j in range(full):
-            xg = xs[8 * j:8 * j + 8]
-            v = np.int32(0)
-            for k in range(8):
-                v |= np.int32(xg[k] >= F0) << k
-            pb[j] = np.uint8(v)
-        if full < pb.size:
-            v = np.int32(0)
-            for k in range(xs.size - 8 * full):
-                v |= np.int32(xs[8 * full + k] >= F0) << k
-            pb[full] = np.uint8(v)
-        if has_res:
-            # what the decode writes for the bit (x >= 0) of each element
-            for b in range(b0, b1):
-                st = b * bs
-                en = min(numel, st + bs)
-                if two_mean:
-                    hi = scales[2 * b]
-                    lo = scales[2 * b + 1]
-                else:
-                    hi = scales[b]
-                    lo = -hi
-                xb = x[st:en]
-                rb = residual[st:en]
-                for j in range(xb.size):
-                    v = xb[j]
-                    rb[j] = v - (hi if v >= F0 else lo)
+                sn[t] = _lane_segment(x, st, en, 3, tp, tq)
+            sp[t] = _tree(tp)
+    p = np.empty(32, np.float32)
+    q = np.empty(32, np.float32)
+    for b in range(nb):
+        st = b * bs
+        en = min(numel, st + bs)
+        if en - st <= SEGMENT:      # a short last bucket: its own lanes
+            _onebit_scale(x, scales, b, bs, two_mean, p, q)
+            continue
+        for l in range(32):
+            p[l] = F0
+            q[l] = F0
+        npos = np.int64(0)
+        for k in range((en - st + SEGMENT - 1) // SEGMENT):
+            p[k & 31] = p[k & 31] + sp[b * nseg + k]
+            q[k & 31] = q[k & 31] + sq[b * nseg + k]
+            npos += sn[b * nseg + k]
+        if two_mean:
+            hi, lo = _onebit_scales(True, _tree(p), _tree(q), npos, en - st)
+            scales[2 * b] = hi
+            scales[2 * b + 1] = lo
+        else:
+            hi, lo = _onebit_scales(False, _tree(p), F0, npos, en - st)
+            scales[b] = hi
+    for c in prange((numel + span - 1) // span):
+        _onebit_bits(x, payload, codes_off, scales, bs, two_mean, c * span, min(numel, c * span + span),
+                     residual, has_res)
 
 
 @_inline
@@ -619,12 +701,12 @@ def _onebit_unpack(payload, codes_off, st, ob, hi, lo, accumulate):
 
 
 @_inline
-def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, b0, b1, accumulate):
-    """out[i] (+)= the value of element i of a 1-bit payload, for the elements of buckets [b0, b1)."""
-    numel = out.size
-    for b in range(b0, b1):
-        st = b * bs
-        en = min(numel, st + bs)
+def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, e0, e1, accumulate):
+    """out[i] (+)= the value of element i of a 1-bit payload, for i in [e0, e1)."""
+    st = e0
+    while st < e1:
+        b = st // bs
+        en = min(e1, b * bs + bs)
         if two_mean:
             hi = scales[2 * b]
             lo = scales[2 * b + 1]
@@ -635,47 +717,43 @@ def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, b0, b1, acc
             _onebit_unpack(payload, codes_off, st, out[st:en], hi, lo, True)
         else:
             _onebit_unpack(payload, codes_off, st, out[st:en], hi, lo, False)
+        st = en
 
 
 @_Kernel
-def _onebit_decode(payload, out, codes_off, scales_off, nscales, bs, two_mean, accumulate, kchunk):
+def _onebit_decode(payload, out, codes_off, scales_off, nscales, bs, two_mean, accumulate, span):
     numel = out.size
     scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
-    nb = (numel + bs - 1) // bs
-    nchunks = (nb + kchunk - 1) // kchunk
-    for c in prange(nchunks):
-        b0 = c * kchunk
-        _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, b0, min(nb, b0 + kchunk),
-                          accumulate)
+    for c in prange((numel + span - 1) // span):
+        _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, c * span,
+                          min(numel, c * span + span), accumulate)
 
 
 @_Kernel
-def _onebit_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, two_mean, kchunk,
+def _onebit_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, two_mean, span,
                        addend, has_add):
     numel = out.size
-    nb = (numel + bs - 1) // bs
-    nchunks = (nb + kchunk - 1) // kchunk
-    for c in prange(nchunks):
-        b0 = c * kchunk
-        b1 = min(nb, b0 + kchunk)
+    for c in prange((numel + span - 1) // span):
+        e0 = c * span
+        e1 = min(numel, e0 + span)
         for k in range(npay):
             p = payloads[k * total:(k + 1) * total]
             scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
-            _onebit_dec_range(p, out, codes_off, scales, bs, two_mean, b0, b1, k > 0)
+            _onebit_dec_range(p, out, codes_off, scales, bs, two_mean, e0, e1, k > 0)
         if has_add:
-            for i in range(b0 * bs, min(numel, b1 * bs)):
+            for i in range(e0, e1):
                 out[i] = out[i] + addend[i]
 
 
 @_Kernel
 def _onebit_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
-                          last_nscales, codes_off, bs, two_mean, kchunk):
+                          last_nscales, codes_off, bs, two_mean, span):
     numel = out.size
     nch = (numel + chunk - 1) // chunk
-    per = (chunk // bs + kchunk - 1) // kchunk
+    per = (chunk + span - 1) // span
     for t in prange(nch * per):
         j = t // per
-        c = t - j * per
+        e0 = (t - j * per) * span
         a = j * chunk
         o = out[a:min(numel, a + chunk)]
         if j == nch - 1:
@@ -684,10 +762,8 @@ def _onebit_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last
         else:
             p = gathered[j * total:(j + 1) * total]
             scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
-        nb = (o.size + bs - 1) // bs
-        b0 = c * kchunk
-        if b0 < nb:
-            _onebit_dec_range(p, o, codes_off, scales, bs, two_mean, b0, min(nb, b0 + kchunk), False)
+        if e0 < o.size:
+            _onebit_dec_range(p, o, codes_off, scales, bs, two_mean, e0, min(o.size, e0 + span), False)
 
 
 # ---- half precision (the fp16 codec) ----------------------------------------------------------------
@@ -855,11 +931,17 @@ _NO_RESIDUAL = np.empty(0, np.float32)     # the kernels write a residual only w
 class _PreparedBase:
     __slots__ = ("numel", "total", "k", "nchunks", "_serial", "_kernel")
 
-    def _setup(self, kernel, lay, bs):
+    def _setup(self, kernel, lay, bs, span=False):
+        """``k``: the kernel's task size, buckets (:func:`chunk_buckets`), or elements with ``span``
+        (:func:`task_span`, the 1-bit kernels)."""
         self.numel = lay.numel
         self.total = lay.total
-        self.k = chunk_buckets(bs, lay.numel)
-        self.nchunks = -(-lay.nbuckets // self.k)
+        if span:
+            self.k = task_span(bs, lay.numel)
+            self.nchunks = -(-lay.numel // self.k)
+        else:
+            self.k = chunk_buckets(bs, lay.numel)
+            self.nchunks = -(-lay.nbuckets // self.k)
         self._kernel = kernel
         self._serial = kernel.serial if self.nchunks <= 1 else None
 
@@ -923,7 +1005,7 @@ class OnebitEncodeCPU(_PreparedBase):
         mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
         lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode)
         bs = int(bucket_size) or max(numel, 1)
-        self._setup(_onebit_encode, lay, bs)
+        self._setup(_onebit_encode if bs <= SEGMENT else _onebit_encode_long, lay, bs, span=True)
         self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
                      lay.nscales, bs, bool(two_mean))
 
@@ -951,7 +1033,7 @@ class OnebitDecodeCPU(_PreparedBase):
         mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
         lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode)
         bs = int(bucket_size) or max(numel, 1)
-        self._setup(_onebit_decode, lay, bs)
+        self._setup(_onebit_decode, lay, bs, span=True)
         self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(two_mean),
                      bool(accumulate))
 
@@ -1049,7 +1131,7 @@ class _DecodeSumCPU(_PreparedBase):
     def __init__(self, numel, bits, bucket_size, two_mean):
         lay, bs = _method_layout(numel, bits, bucket_size, two_mean)
         self.qsgd = two_mean is None
-        self._setup(_qsgd_decode_sum[bits] if self.qsgd else _onebit_decode_sum, lay, bs)
+        self._setup(_qsgd_decode_sum[bits] if self.qsgd else _onebit_decode_sum, lay, bs, not self.qsgd)
         if self.qsgd:
             self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs)
         else:
@@ -1119,11 +1201,14 @@ class _DecodeChunksCPU:
         self.offsets = [j * full.total for j in range(len(ranges))] + [
             (len(ranges) - 1) * full.total + last.total if ranges else 0]
         self.total = self.offsets[-1]
-        kchunk = chunk_buckets(bs, numel)
         if not bucket_size:
             chunk = bs                                   # one chunk of one bucket
-        self.kchunk = kchunk
-        self.ntasks = len(ranges) * -(-(chunk // bs) // kchunk)
+        if qsgd:            # a task: kchunk buckets of one chunk; 1-bit: kchunk elements (task_span)
+            self.kchunk = chunk_buckets(bs, numel)
+            self.ntasks = len(ranges) * -(-(chunk // bs) // self.kchunk)
+        else:
+            self.kchunk = task_span(bs, numel)
+            self.ntasks = len(ranges) * -(-chunk // self.kchunk)
         common = (chunk, full.total, full.scales_offset, full.nscales, last.total, last.scales_offset,
                   last.nscales, full.codes_offset)
         self.args = common + ((bs,) if qsgd else (bs, bool(two_mean)))

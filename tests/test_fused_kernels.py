@@ -143,7 +143,8 @@ def test_qsgd_decode_chunks_cpu_equals_reference(cpu, m, bs, chunk, bits):
 
 
 ONEBIT_SUM = [(n, m, bs, tm) for n in (1, 2, 3) for m in (1, 33, 200) for bs in (0, 7, 64)
-              for tm in (True, False)]
+              for tm in (True, False)] + [(2, 40000, 0, True), (2, 70001, 10000, False)]
+# (the last two: buckets of more than 8192 elements, several tasks each: cpu.task_span)
 
 
 @pytest.mark.parametrize("n,m,bs,tm", ONEBIT_SUM,

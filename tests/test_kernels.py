@@ -177,15 +177,31 @@ LONG_CASES = [(70001, 0), (70001, 20000), (40000, 8193), (8192, 0), (8193, 0)]
 @pytest.mark.parametrize("special", [False, True], ids=["plain", "special"])
 def test_cpu_long_buckets_equal_reference(cpu, n, bs, special):
     """Buckets of more than 8192 elements: sums over segments (reference.lane_sum_ref), on the two
-    codecs whose scales are sums (QSGD with the L2 norm, both 1-bit scales)."""
+    codecs whose scales are sums (QSGD with the L2 norm, both 1-bit scales). The 1-bit kernels split
+    such buckets into several tasks (cpu.task_span): encode, residual, decode and the fused decodes."""
+    assert n < 40000 or -(-n // cpu.task_span(bs or n, n)) > 1
     for tm in (True, False):
         x, h, lay = onebit_case(n, bs, tm, special)
         want = np.zeros(lay.total, np.uint8)
         got = np.full(lay.total, 0xA5, np.uint8)
+        rref, rcpu = np.empty(n, np.float32), np.empty(n, np.float32)
         with np.errstate(all="ignore"):
-            R.onebit_encode_ref(x, want, h, bs, tm)
-        cpu.onebit_encode_cpu(x, got, h, bs, tm)
+            R.onebit_encode_ref(x, want, h, bs, tm, residual=rref)
+        cpu.onebit_encode_cpu(x, got, h, bs, tm, residual=rcpu)
         assert np.array_equal(want, got), tm
+        assert nan_bits_equal(rref, rcpu)
+        for accumulate in (False, True):
+            a, b = make_x(n, 5), make_x(n, 5)
+            with np.errstate(all="ignore"):
+                R.onebit_decode_ref(want, a, bs, tm, accumulate)
+            cpu.onebit_decode_cpu(want, b, bs, tm, accumulate)
+            assert bits_equal(a, b)
+        two = np.concatenate([want, got])
+        a, b = np.empty(n, np.float32), np.empty(n, np.float32)
+        with np.errstate(all="ignore"):
+            R.onebit_decode_sum_ref(two, 2, a, bs, tm)
+        cpu.onebit_decode_sum_cpu(two, 2, b, bs, tm)
+        assert bits_equal(a, b)
     qbs = bs or n
     x, h, lay = qsgd_case(n, qbs, 4, True, True, make_x(n, n * 13 + qbs, special))
     want = np.zeros(lay.total, np.uint8)
