@@ -566,6 +566,14 @@ def _onebit_scale(x, scales, b, bs, two_mean, p, q):
 
 
 @_inline
+def _onebit_pair(scales, b, two_mean):
+    """(hi, lo): what bucket b's bits 1 and 0 decode to."""
+    if two_mean:
+        return scales[2 * b], scales[2 * b + 1]
+    return scales[b], -scales[b]
+
+
+@_inline
 def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, has_res):
     """The bits (x >= 0) of x[e0:e1], eight to a byte (e0 a multiple of 8), and their residual."""
     xs = x[e0:e1]
@@ -588,12 +596,7 @@ def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, 
         while st < e1:
             b = st // bs
             en = min(e1, b * bs + bs)
-            if two_mean:
-                hi = scales[2 * b]
-                lo = scales[2 * b + 1]
-            else:
-                hi = scales[b]
-                lo = -hi
+            hi, lo = _onebit_pair(scales, b, two_mean)
             xb = x[st:en]
             rb = residual[st:en]
             for j in range(xb.size):
@@ -707,12 +710,7 @@ def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, e0, e1, acc
     while st < e1:
         b = st // bs
         en = min(e1, b * bs + bs)
-        if two_mean:
-            hi = scales[2 * b]
-            lo = scales[2 * b + 1]
-        else:
-            hi = scales[b]
-            lo = -hi
+        hi, lo = _onebit_pair(scales, b, two_mean)
         if accumulate:
             _onebit_unpack(payload, codes_off, st, out[st:en], hi, lo, True)
         else:
