@@ -35,12 +35,14 @@ KERNEL_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, F
                # general path, buckets above FUSE_MAX over several pack-only blocks
                (3000, 9000, 3, True, True), (2500, 10000, 5, False, False),
                # v3 (warp per bucket): bits dividing 32, buckets of >= 32 elements holding whole words
-               (1000, 96, 4, True, True), (257, 32, 2, False, False), (130, 64, 16, True, False),
-               (600, 512, 8, True, False), (65, 40, 4, False, True), (1100, 640, 4, True, False),
+               # (the kernel follows bits, bucket and scale, not the length: lengths above 300, for
+               # plain data only, with a partial last bucket)
+               (310, 96, 4, True, True), (257, 32, 2, False, False), (130, 64, 16, True, False),
+               (600, 512, 8, True, False), (65, 40, 4, False, True), (700, 640, 4, True, False),
                (300, 128, 4, True, False),
                # v3's word assembly by recursive halving (steps in registers >= codes per word)
-               (600, 256, 4, True, False), (1100, 512, 2, True, True), (300, 128, 8, False, False),
-               (700, 352, 4, True, True)]
+               (301, 256, 4, True, False), (600, 512, 2, True, True), (300, 128, 8, False, False),
+               (400, 352, 4, True, True)]
 KERNEL_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True),
                  (70, 1, True), (200, 9000, False), (300, 96, False), (100, 32, True), (3000, 0, True),
                  (5000, 0, False)]

@@ -202,7 +202,11 @@ def run_steps(model, opt, step, stream_seed, skip, k):
 
 
 def group_resume():
-    d = tempfile.mkdtemp(prefix=f"hvdq_tf_resume_r{R}_")
+    with tempfile.TemporaryDirectory(prefix=f"hvdq_tf_resume_r{R}_") as d:
+        _resume_in(d)
+
+
+def _resume_in(d):
     for label, cfg in (("onebit-ef", dict(compression="onebit:bucket_size=64")),
                        ("qsgd4-seeded-ef", dict(compression="qsgd:bits=4,bucket_size=128,seed=3",
                                                 error_feedback=True, reduction="allgather"))):
