@@ -39,6 +39,9 @@ def horovod_env(extra=None):
     # Fail fast instead of hanging when ranks disagree on what to exchange.
     env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "5")
     env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
+    # Gloo gives up on a peer after 30 s by default; on 2 shared cores one rank's first Numba compiles
+    # have stalled its Horovod thread that long (a CI run's 3-rank job), which is not a hang.
+    env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "120")
     # Keep each rank on one thread: 2 cores are shared by all ranks.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         env.setdefault(var, "1")
