@@ -188,26 +188,37 @@ def _lane_segment(x, st, en, kind, p, q):
 
 
 @_inline
-def _lane_sums(x, st, en, kind, p, q):
-    """Canonical lane sums (``reference.lane_sum_ref``) of the bucket x[st:en] into p (and q), whose
-    :func:`_tree` is the bucket's sum: one segment's lanes, or, for a bucket of more than SEGMENT
-    elements, the lanes of its segments' sums. Returns the count of x >= 0 for kind 2."""
-    if en - st <= SEGMENT:
-        return _lane_segment(x, st, en, kind, p, q)
-    tp = np.empty(32, np.float32)
-    tq = np.empty(32, np.float32)
+def _segment_lanes(sp, sq, sn, p, q):
+    """The lanes of a bucket's segment sums sp (and sq), segment k on lane k % 32, into p (and q);
+    returns the sum of the counts sn."""
     for l in range(32):
         p[l] = F0
         q[l] = F0
     npos = np.int64(0)
-    k = 0
-    for s0 in range(st, en, SEGMENT):
-        npos += _lane_segment(x, s0, min(en, s0 + SEGMENT), kind, tp, tq)
-        p[k & 31] = p[k & 31] + _tree(tp)
-        if kind == 2:
-            q[k & 31] = q[k & 31] + _tree(tq)
-        k += 1
+    for k in range(sp.size):
+        p[k & 31] = p[k & 31] + sp[k]
+        q[k & 31] = q[k & 31] + sq[k]
+        npos += sn[k]
     return npos
+
+
+@_inline
+def _lane_sums(x, st, en, kind, p, q):
+    """Canonical lane sums (``reference.lane_sum_ref``) of the bucket x[st:en] into p (and q), whose
+    :func:`_tree` is the bucket's sum: one segment's lanes, or, for a bucket of more than SEGMENT
+    elements, the lanes of its segments' sums (:func:`_segment_lanes`). Returns the count of x >= 0
+    for kind 2."""
+    if en - st <= SEGMENT:
+        return _lane_segment(x, st, en, kind, p, q)
+    n = (en - st + SEGMENT - 1) // SEGMENT
+    sp = np.empty(n, np.float32)
+    sq = np.empty(n, np.float32)
+    sn = np.empty(n, np.int64)
+    for k in range(n):
+        sn[k] = _lane_segment(x, st + k * SEGMENT, min(en, st + k * SEGMENT + SEGMENT), kind, p, q)
+        sp[k] = _tree(p)
+        sq[k] = _tree(q)       # +0.0 unless kind 2
+    return _segment_lanes(sp, sq, sn, p, q)
 
 
 @_inline
@@ -550,19 +561,26 @@ def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_t
 
 
 @_inline
+def _onebit_store(scales, b, two_mean, sp, sq, npos, n):
+    """Stores bucket b's scales (:func:`_onebit_scales`) from its sums and count of x >= 0."""
+    hi, lo = _onebit_scales(two_mean, sp, sq, npos, n)
+    if two_mean:
+        scales[2 * b] = hi
+        scales[2 * b + 1] = lo
+    else:
+        scales[b] = hi
+
+
+@_inline
 def _onebit_scale(x, scales, b, bs, two_mean, p, q):
     """Bucket b's scales from its canonical sums (:func:`_lane_sums`)."""
     st = b * bs
     en = min(x.size, st + bs)
     if two_mean:        # (the kind a literal: each loop compiled for its own)
         npos = _lane_sums(x, st, en, 2, p, q)
-        hi, lo = _onebit_scales(True, _tree(p), _tree(q), npos, en - st)
-        scales[2 * b] = hi
-        scales[2 * b + 1] = lo
     else:
         npos = _lane_sums(x, st, en, 3, p, q)
-        hi, lo = _onebit_scales(False, _tree(p), F0, npos, en - st)
-        scales[b] = hi
+    _onebit_store(scales, b, two_mean, _tree(p), _tree(q), npos, en - st)
 
 
 @_inline
@@ -606,7 +624,8 @@ def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, 
 
 
 @_inline
-def _onebit_start(payload, header, codes_end, scales_off, nscales):
+def _onebit_header_pad(payload, header, codes_end, scales_off, nscales):
+    """Writes the header, zeroes the padding after the codes; returns the scales (float32)."""
     _write_header(payload, header)
     for k in range(codes_end, scales_off):
         payload[k] = 0
@@ -619,7 +638,7 @@ def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
     """Buckets of at most SEGMENT elements: each task (``span`` elements, whole buckets) takes its
     buckets' sums, then their bits, while they are in cache."""
     numel = x.size
-    scales = _onebit_start(payload, header, codes_end, scales_off, nscales)
+    scales = _onebit_header_pad(payload, header, codes_end, scales_off, nscales)
     nb = (numel + bs - 1) // bs
     per = span // bs
     for c in prange((numel + span - 1) // span):
@@ -638,7 +657,7 @@ def _onebit_encode_long(x, payload, header, codes_off, codes_end, scales_off, ns
     sums in parallel, each bucket's scales from them in the canonical order (:func:`_lane_sums`),
     then the bits, ``span`` elements (whole segments) per task."""
     numel = x.size
-    scales = _onebit_start(payload, header, codes_end, scales_off, nscales)
+    scales = _onebit_header_pad(payload, header, codes_end, scales_off, nscales)
     nb = (numel + bs - 1) // bs
     nseg = (bs + SEGMENT - 1) // SEGMENT
     sp = np.zeros(nb * nseg, np.float32)
@@ -653,33 +672,17 @@ def _onebit_encode_long(x, payload, header, codes_off, codes_end, scales_off, ns
             tq = np.empty(32, np.float32)
             if two_mean:
                 sn[t] = _lane_segment(x, st, en, 2, tp, tq)
-                sq[t] = _tree(tq)
             else:
                 sn[t] = _lane_segment(x, st, en, 3, tp, tq)
             sp[t] = _tree(tp)
+            sq[t] = _tree(tq)
+    # a short last bucket's missing segments add +0.0 (count 0): no lane changes (docs/CODECS.md)
     p = np.empty(32, np.float32)
     q = np.empty(32, np.float32)
     for b in range(nb):
-        st = b * bs
-        en = min(numel, st + bs)
-        if en - st <= SEGMENT:      # a short last bucket: its own lanes
-            _onebit_scale(x, scales, b, bs, two_mean, p, q)
-            continue
-        for l in range(32):
-            p[l] = F0
-            q[l] = F0
-        npos = np.int64(0)
-        for k in range((en - st + SEGMENT - 1) // SEGMENT):
-            p[k & 31] = p[k & 31] + sp[b * nseg + k]
-            q[k & 31] = q[k & 31] + sq[b * nseg + k]
-            npos += sn[b * nseg + k]
-        if two_mean:
-            hi, lo = _onebit_scales(True, _tree(p), _tree(q), npos, en - st)
-            scales[2 * b] = hi
-            scales[2 * b + 1] = lo
-        else:
-            hi, lo = _onebit_scales(False, _tree(p), F0, npos, en - st)
-            scales[b] = hi
+        t = b * nseg
+        npos = _segment_lanes(sp[t:t + nseg], sq[t:t + nseg], sn[t:t + nseg], p, q)
+        _onebit_store(scales, b, two_mean, _tree(p), _tree(q), npos, min(numel, b * bs + bs) - b * bs)
     for c in prange((numel + span - 1) // span):
         _onebit_bits(x, payload, codes_off, scales, bs, two_mean, c * span, min(numel, c * span + span),
                      residual, has_res)
