@@ -55,6 +55,16 @@ def test_method_ids():
     assert train.last_error("[1,1]<stderr>:KeyError: 'x'\n") == "KeyError: 'x'"
 
 
+def test_trace_timeline_switch(tmp_path):
+    """--trace asks the job for Horovod's timeline (HOROVOD_TIMELINE) unless --no-timeline."""
+    for extra, timeline in (([], "DYNAMIC"), (["--no-timeline"], None)):
+        args = train.resolve(train.build_parser().parse_args(
+            TINY + ["--methods", "hvd-fp32", "--out", str(tmp_path), "--trace"] + extra))
+        (cfg,) = train.plan(args)
+        argv, env = train.command(cfg, args)
+        assert "--trace" in argv and env.get("HOROVOD_TIMELINE") == timeline, (extra, env)
+
+
 def test_train_driver_cpu(tmp_path, job_env, capsys):
     out = tmp_path / "bench"
     methods = ["--methods", "hvd-fp32,hvdq-qsgd4-allgather,hvdq-qsgd5-sra"]

@@ -180,12 +180,14 @@ def build_parser():
 
 def trace_steps(step, sync, n, prefix, rank, hvd, cuda, log):
     """Profile ``n`` training steps (untimed, after the timed ones): one Chrome trace per rank, the
-    Horovod timeline of the same steps on rank 0 of a Horovod job, the ops' table in the log."""
+    Horovod timeline of the same steps on rank 0 of a Horovod job started with HOROVOD_TIMELINE set,
+    the ops' table in the log."""
     import gzip
     import shutil
     from torch.profiler import ProfilerActivity, profile, record_function
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    if hvd is not None:
+    timeline = hvd is not None and bool(os.environ.get("HOROVOD_TIMELINE"))
+    if timeline:
         hvd.start_timeline(f"{prefix}.horovod.json")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -193,7 +195,7 @@ def trace_steps(step, sync, n, prefix, rank, hvd, cuda, log):
             with record_function(f"train_step#{i}"):
                 step()
                 sync()
-    if hvd is not None:
+    if timeline:
         hvd.stop_timeline()
     raw = f"{prefix}.rank{rank}.json"
     prof.export_chrome_trace(raw)

@@ -130,6 +130,9 @@ def build_parser():
     p.add_argument("--trace", action="store_true",
                    help="each job also profiles 3 steps after the timed ones: DIR/traces/<id>.rank<r>.json.gz "
                         "(Chrome trace), <id>.horovod.json (Horovod timeline), the top ops in its log")
+    p.add_argument("--no-timeline", action="store_true",
+                   help="with --trace: no Horovod timeline (with it on, Horovod waits for a collective's "
+                        "inputs on the host, so the traced steps run slower than the timed ones)")
     p.add_argument("--progress-every", type=float, default=30, help="seconds between progress lines")
     p.add_argument("--plot", metavar="CSV", default=None, help="only draw the chart of this CSV")
     p.add_argument("--no-plot", action="store_true", help="do not draw the chart after the run")
@@ -208,7 +211,7 @@ def command(cfg, args):
         worker += ["--trace", Path(args.out).resolve() / "traces" / file_stem(cfg)]
     worker = [str(a) for a in worker]
     env = dict(NETWORK_ENV.get(cfg.network, {}))
-    if args.trace:
+    if args.trace and not args.no_timeline:
         env["HOROVOD_TIMELINE"] = "DYNAMIC"     # hvd.start_timeline at the traced steps
     if args.device == "cuda":
         env.update(GPU_ENV)
