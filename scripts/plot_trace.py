@@ -8,7 +8,9 @@ prints the step's wall time, the busy time of each GPU stream split into compute
 thread, and, where the Horovod timeline of the same job lies beside it (``<id>.horovod.json``), the time
 of each of Horovod's activities over the traced steps (with ``--responses MS``, also each activity
 of the timeline's last MS milliseconds, per tensor: which collectives Horovod fused, and what each
-waited for); with ``--out``, a PNG of the step's timeline (one lane per host thread and GPU stream).
+waited for); with ``--launches``, each hvd_quant, NCCL and Horovod kernel of the step with the time
+the host launched it and the time it ran (how far behind the host the GPU was); with ``--out``, a PNG
+of the step's timeline (one lane per host thread and GPU stream).
 """
 import argparse
 import gzip
@@ -75,7 +77,22 @@ def load_step(path, which):
     t0, t1 = s["ts"], s["ts"] + s["dur"]
     inside = [e for e in events if e is not s and e["ts"] < t1 and e["ts"] + e["dur"] > t0
               and not str(e["name"]).startswith("train_step#")]
-    return s, inside
+    return s, inside, events
+
+
+def launches(gpu, events, t0):
+    """Lines: each hvd_quant, NCCL or Horovod kernel of ``gpu``, with its host launch (the CUDA
+    runtime or driver call of the same correlation id) and its start on the GPU, ms from ``t0``."""
+    host = {e["args"]["correlation"]: e for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    out = []
+    for e in sorted(gpu, key=lambda e: e["ts"]):
+        kind = "horovod" if "horovod" in e["name"] else kernel_class(e)
+        if kind in ("nccl", "hvd_quant", "horovod"):
+            h = host.get(e.get("args", {}).get("correlation"))
+            at = f"{(h['ts'] - t0) / 1e3:8.2f}" if h else "       ?"
+            out.append(f"  {at} -> {(e['ts'] - t0) / 1e3:8.2f} {e['dur'] / 1e3:8.2f}  {kind:9s} {e['name'][:70]}")
+    return out
 
 
 def horovod_activities(path):
@@ -104,8 +121,10 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write the step's timeline as this PNG")
     p.add_argument("--responses", type=float, default=0, metavar="MS",
                    help="also list each Horovod activity, per tensor, of the timeline's last MS ms")
+    p.add_argument("--launches", action="store_true",
+                   help="also list the step's hvd_quant, NCCL and Horovod kernels: host launch -> GPU start")
     args = p.parse_args(argv)
-    s, inside = load_step(args.trace, args.step)
+    s, inside, events = load_step(args.trace, args.step)
     t0, wall = s["ts"], s["dur"]
     gpu = [e for e in inside if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     host = [e for e in inside if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
@@ -127,6 +146,9 @@ def main(argv=None):
             by[c] += e["dur"]
         parts = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
         print(f"  {key[0]} {key[1]}/{key[2]}: {parts} (ms)")
+    if args.launches:
+        print("hvd_quant, NCCL and Horovod kernels: host launch -> GPU start, duration (ms from the step's start)")
+        print("\n".join(launches(gpu, events, t0)))
     hv = args.trace.replace(re.search(r"\.rank\d+\.json(\.gz)?$", args.trace).group(0), ".horovod.json")
     if os.path.exists(hv):
         activities = horovod_activities(hv)

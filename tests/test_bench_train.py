@@ -151,3 +151,26 @@ def test_train_driver_ddp_and_single(tmp_path, job_env, capsys):
     assert "torch.distributed.run" in ddp["command"] and ddp["best_peer"] == "ddp-fp16"
     assert float(ddp["vs_single"]) == pytest.approx(
         float(ddp["img_per_sec"]) / float(single["img_per_sec"]), rel=1e-3)
+
+
+def test_plot_trace_launches(tmp_path, capsys):
+    """plot_trace --launches pairs each hvd_quant / NCCL / Horovod kernel with the host call of the same
+    correlation id (a hand-made trace: a step of 10 ms, an encode launched at 1 ms that ran at 4 ms,
+    an allgather launched at 2 ms that ran at 6 ms, a compute kernel that is not listed)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot_trace
+
+    def x(name, cat, ts, dur, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": 7, "args": args}
+    events = [x("train_step#0", "user_annotation", 1000, 10000),
+              x("cuLaunchKernel", "cuda_driver", 2000, 10, correlation=1),
+              x("cudaLaunchKernel", "cuda_runtime", 3000, 10, correlation=2),
+              x("numba_kernels::warp_encode", "kernel", 5000, 300, correlation=1, stream=7),
+              x("ncclDevKernel_AllGather_RING_LL", "kernel", 7000, 2000, correlation=2, stream=14),
+              x("sm90_xmma_dgrad", "kernel", 4000, 900, correlation=3, stream=7)]
+    path = tmp_path / "t.rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert plot_trace.main([str(path), "--launches"]) == 0
+    lines = capsys.readouterr().out.split("host launch -> GPU start")[1].splitlines()[1:]
+    assert [line.split()[:5] for line in lines] == [["1.00", "->", "4.00", "0.30", "hvd_quant"],
+                                                   ["2.00", "->", "6.00", "2.00", "nccl"]], lines
