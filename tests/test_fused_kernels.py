@@ -12,9 +12,7 @@
 """
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,9 +21,9 @@ from numba_kernels import reference as R, wire
 from numba_kernels._scalar import SEGMENT
 
 sys.path.insert(0, os.path.dirname(__file__))
+import children  # noqa: E402
 from data import KEY_FUSED as KEY, chunk_payloads, make_x, onebit_payloads, qsgd_payloads  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def bits_equal(a, b):
@@ -392,12 +390,7 @@ def _child():
 
 @pytest.fixture(scope="module")
 def cuda_results():
-    env = dict(os.environ)
-    if env.get("HVDQ_REAL_CUDA") != "1":
-        env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", "import tests.test_fused_kernels as t; t._child()"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    r = children.result("test_fused_kernels", "cuda_results")
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

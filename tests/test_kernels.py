@@ -21,6 +21,7 @@ import pytest
 from numba_kernels import reference as R, wire
 
 sys.path.insert(0, os.path.dirname(__file__))   # (the simulator's child imports this module too)
+import children  # noqa: E402
 from data import make_x  # noqa: E402,F401  (re-exported for the simulator's child)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -448,35 +449,52 @@ def test_header_check_reference():
 
 # ---- CUDA kernels, in a subprocess (simulator by default) ------------------------------------------------
 
+# (n, bucket, bits, stochastic, l2): both kernel paths' cases
 SIM_QSGD = [(0, 7, 4, True, False), (1, 7, 2, True, True), (9, 7, 3, False, False), (33, 64, 5, True, True),
             (33, 1, 16, False, True), (100, 64, 8, True, False), (100, 7, 12, False, True),
-            (65, 32, 2, False, False), (130, 64, 16, True, True),
-            (8200, 8200, 4, True, True)]                  # a bucket of 2 segments (its sum in two levels)
+            (300, 16, 4, True, False), (300, 9000, 3, True, True), (70, 3, 7, True, False),
+            # general path, buckets above FUSE_MAX over several pack-only blocks
+            (3000, 9000, 3, True, True), (2500, 10000, 5, False, False),
+            # a bucket of 2 segments (its scale summed in two levels)
+            (8200, 8200, 4, True, True),
+            # warp per bucket: bits dividing 32, buckets of >= 32 elements holding whole words (the
+            # kernel follows bits, bucket and scale, not the length), partial last buckets
+            (310, 96, 4, True, True), (257, 32, 2, False, False), (65, 32, 2, False, False),
+            (130, 64, 16, True, False), (130, 64, 16, True, True), (600, 512, 8, True, False),
+            (65, 40, 4, False, True), (700, 640, 4, True, False), (300, 128, 4, True, False),
+            # code words assembled by recursive halving (steps in registers >= codes per word)
+            (301, 256, 4, True, False), (600, 512, 2, True, True), (300, 128, 8, False, False),
+            (400, 352, 4, True, True)]
+# (n, bucket (0: the tensor), two_mean)
 SIM_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100, 64, True), (70, 1, True),
-              (8200, 0, True), (8300, 8250, False)]        # (the last two: sums over segments)
+              (200, 9000, False), (300, 96, False), (100, 32, True), (3000, 0, True), (5000, 0, False),
+              (8200, 0, True), (8300, 8250, False)]          # (the last two: sums over segments)
+
+
+def _variants(n):
+    """Plain, special-valued and wide-range inputs up to 300 elements; above, plain only (slow in the
+    simulator; the data variants run the same kernels at the smaller sizes), but special values in the
+    buckets of two segments too."""
+    return ("", "-special", "-wide") if n <= 300 else ("", "-special") if n > 8000 else ("",)
 
 
 def _child():
-    """Runs in the subprocess: every case, results as JSON on stdout."""
+    """Runs in the subprocess: every case, results as JSON on stdout (plus the kernels compiled)."""
     import warnings
     warnings.simplefilter("ignore")
     from numba import cuda
     import numba_kernels.cuda as K
     out = {}
-
-    def dev(a):
-        return cuda.to_device(a)
+    dev = cuda.to_device
 
     def nan_eq(a, b):
-        a = np.asarray(a, np.float32)
-        b = np.asarray(b, np.float32)
-        same_nan = np.isnan(a) == np.isnan(b)
-        return bool(same_nan.all() and bits_equal(np.where(np.isnan(a), 0, a), np.where(np.isnan(b), 0, b)))
+        return nan_bits_equal(a, b)
 
     for case in SIM_QSGD:
         n, bs, bits, st, l2 = case
-        for special in (False, True):
-            x, h, lay = qsgd_case(n, bs, bits, st, l2, x=make_x(n, n + bs, special) if special else None)
+        for variant in _variants(n):
+            x, h, lay = qsgd_case(n, bs, bits, st, l2, x=make_x(n, n + bs, variant == "-special",
+                                                                variant == "-wide") if variant else None)
             want = np.zeros(lay.total, np.uint8)
             rref = np.empty(n, np.float32)
             with np.errstate(all="ignore"):
@@ -489,13 +507,12 @@ def _child():
             sc = slice(lay.scales_offset, lay.total)
             ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
                 want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, xd.copy_to_host())
-            base = make_x(n, 5)
-            a = base.copy()
-            R.qsgd_decode_ref(want, a, bits, bs, True)
-            o = dev(base.copy())
+            a = make_x(n, 5)
+            o = dev(a.copy())
+            with np.errstate(all="ignore"):
+                R.qsgd_decode_ref(want, a, bits, bs, True)
             K.qsgd_decode_cuda(dev(want), o, bits, bs, True)
-            ok_dec = nan_eq(a, o.copy_to_host())
-            out["qsgd-" + _ids(*case) + ("-special" if special else "")] = [bool(ok), ok_dec]
+            out["qsgd-" + _ids(*case) + variant] = [bool(ok), nan_eq(a, o.copy_to_host())]
     for n, bs, tm in SIM_ONEBIT:
         x, h, lay = onebit_case(n, bs, tm, special=n > 50)
         want = np.zeros(lay.total, np.uint8)
@@ -503,19 +520,21 @@ def _child():
         with np.errstate(all="ignore"):
             R.onebit_encode_ref(x, want, h, bs, tm, residual=rref)
         d = dev(np.full(lay.total, 0xA5, np.uint8))
-        rd = dev(np.full(n, 7.0, np.float32))
-        K.onebit_encode_cuda(dev(x), d, h, bs, tm, residual=rd)
+        xd = dev(x)
+        K.onebit_encode_cuda(xd, d, h, bs, tm, residual=xd)
         got = d.copy_to_host()
         sc = slice(lay.scales_offset, lay.total)
         ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
-            want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, rd.copy_to_host())
+            want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, xd.copy_to_host())
         a = make_x(n, 5)
         o = dev(a.copy())
         with np.errstate(all="ignore"):
             R.onebit_decode_ref(want, a, bs, tm, False)
         K.onebit_decode_cuda(dev(want), o, bs, tm, False)
         out[f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}"] = [bool(ok), nan_eq(a, o.copy_to_host())]
-    # header check kernel == header_errors_ref, and a failed check makes the decode write NaN
+    # header check kernel == header_errors_ref, and a failed check makes the decode write NaN: by the
+    # standalone check kernel before a decode that reads status[0] ("check"), or inside the decode
+    # ("expect"); status[1] keeps the bits it had and gains the new ones
     h = wire.Header(2, 4, 0, 0, 64, 0, (100,), name_hash=wire.name_hash("w"))
     lay = wire.layout(2, 100, 4, 64)
     p = np.zeros(lay.total, np.uint8)
@@ -527,13 +546,13 @@ def _child():
         variants[name] = q
     expectations = {"as-sent": (2, 4, 0, 0, 64, 100, wire.name_hash("w"), True),
                     "other-config": (2, 8, 1, 1, 128, 101, wire.name_hash("v"), True),
-                    "no-name-check": (2, 4, 0, 0, 64, 100, 0, False)}
+                    "no-name-check": (2, 4, 0, 0, 64, 100, 0, False),
+                    "raw-method": (1, 16, 0, 0, 0, 100, 0, False)}
     for vname, q in variants.items():
         for ename, exp in expectations.items():
             want = R.header_errors_ref(q, *exp)
-            # standalone check kernel, then a decode that reads status[0]; and the check in the decode
             for how in ("check", "expect"):
-                status = dev(np.zeros(2, np.int32))
+                status = dev(np.array([0, 4096], np.int32))
                 dq = dev(q)
                 o = dev(np.zeros(100, np.float32))
                 if how == "check":
@@ -544,31 +563,32 @@ def _child():
                 st = status.copy_to_host()
                 y = o.copy_to_host()
                 nan_ok = bool(np.isnan(y).all()) if want else not np.isnan(y).any()
-                out[f"{how}-{vname}-{ename}"] = [int(st[0]) == want and int(st[1]) == want, nan_ok]
+                out[f"{how}-{vname}-{ename}"] = [int(st[0]) == want and int(st[1]) == want | 4096, nan_ok]
+    # nothing to decode: the check still runs and reports
+    p0 = np.zeros(wire.layout(2, 0, 4, 64).total, np.uint8)
+    R.qsgd_encode_ref(np.zeros(0, np.float32), p0, wire.Header(2, 4, 0, 0, 64, 0, (0,)).words(), 4, 64,
+                      True, False, KEY)
+    status = dev(np.zeros(2, np.int32))
+    K.qsgd_decode_cuda(dev(p0), dev(np.zeros(0, np.float32)), 4, 64, False, 0, status,
+                       wire.Expect(2, 4, 0, 0, 64, 0, 5, True))
+    out["expect-empty"] = [int(status.copy_to_host()[0]) == 256, True]
+    out["compiled"] = sorted(K.kernels)
     json.dump(out, sys.stdout)
-
-
-def _run_child():
-    env = dict(os.environ)
-    if env.get("HVDQ_REAL_CUDA") != "1":
-        env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", "import tests.test_kernels as t; t._child()"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def cuda_results():
-    return _run_child()
+    r = children.result("test_kernels", "cuda_results")
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-CUDA_NAMES = ([f"qsgd-{_ids(*c)}{s}" for c in SIM_QSGD for s in ("", "-special")]
+CUDA_NAMES = ([f"qsgd-{_ids(*c)}{v}" for c in SIM_QSGD for v in _variants(c[0])]
               + [f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}" for n, bs, tm in SIM_ONEBIT]
               + [f"{how}-{v}-{e}" for how in ("check", "expect")
                  for v in ("good", "magic", "version", "shape", "hdr_crc", "cfg_crc")
-                 for e in ("as-sent", "other-config", "no-name-check")])
+                 for e in ("as-sent", "other-config", "no-name-check", "raw-method")]
+              + ["expect-empty"])
 
 
 @pytest.mark.parametrize("case", CUDA_NAMES)
@@ -576,3 +596,29 @@ def test_cuda_kernel_equals_reference(cuda_results, case):
     """[payload/check equal, decode equal / NaN-on-error] for each CUDA case."""
     assert case in cuda_results, sorted(cuda_results)[:5]
     assert cuda_results[case] == [True, True]
+
+
+def test_cuda_both_kernel_paths_ran(cuda_results):
+    """The cases above went through the kernels of both paths (warp: qsgd at 2, 4, 8, 16 bits with
+    every scale, and 1-bit with both scales, buckets kept in registers (up to 512 elements) and re-read
+    (above), paired hash draws, code words assembled by recursive halving (steps in registers >= codes
+    per word), decodes of whole and partial buckets; general: its fused encode and decode, the reduce
+    + pack-only encode), with residuals (without: tests/test_codec_cuda_sim.py)."""
+    got = set(cuda_results["compiled"])
+    # warp_encode_<bits>_<scale>_<pack>_<steps in registers: 0 = run-time loop>_<paired>_<residual>
+    want = {"warp_encode_4_1_1_4_False_True", "warp_encode_2_0_0_1_False_True",
+            "warp_encode_16_0_1_2_True_True", "warp_encode_8_0_1_2_True_True",
+            "warp_encode_8_0_1_16_True_True", "warp_encode_4_1_0_2_False_True",
+            "warp_encode_4_0_1_0_False_True", "warp_encode_4_0_1_4_True_True",
+            "warp_encode_1_3_2_4_False_True", "warp_encode_1_2_2_1_False_True",
+            "warp_encode_1_2_2_2_False_True", "warp_encode_4_0_1_8_True_True",
+            "warp_encode_2_1_1_16_True_True", "warp_encode_8_0_0_4_False_True",
+            "warp_encode_4_1_1_16_False_True",
+            "warp_decode_4_0_4", "warp_decode_2_0_1", "warp_decode_16_0_2", "warp_decode_8_0_2",
+            "warp_decode_8_0_16", "warp_decode_4_0_2", "warp_decode_4_0_0",
+            "warp_decode_4_0_8", "warp_decode_4_0_11", "warp_decode_2_0_16",
+            "warp_decode_1_1_1", "warp_decode_1_1_2", "warp_decode_1_2_3",
+            "block_encode_3_1_1_True", "block_encode_5_0_0_True", "block_encode_1_2_2_True",
+            "block_encode_1_3_2_True", "block_decode_3_0",
+            "block_decode_1_1", "reduce_1", "reduce_0", "check"}
+    assert want <= got, sorted(want - got)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import children
+
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "workers" / "tf_device_child.py"
 
@@ -18,19 +20,25 @@ CHILD = ROOT / "tests" / "workers" / "tf_device_child.py"
 def _run(env_extra, args, timeout):
     env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    p = subprocess.run([sys.executable, str(CHILD), *args], capture_output=True, text=True,
-                       timeout=timeout, env=env, cwd=str(ROOT))
+    return _checked(subprocess.run([sys.executable, str(CHILD), *args], capture_output=True, text=True,
+                                   timeout=timeout, env=env, cwd=str(ROOT)))
+
+
+def _checked(p):
     assert p.returncode == 0 and "DEVICE-RESULT" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
     assert "DEVICE FAIL" not in p.stdout, p.stdout[-4000:]
     return p.stdout
 
 
-def test_device_exchange_in_cuda_simulator():
-    """CUDA simulator (kernels interpreted on the CPU): small sizes, 4-bit QSGD and 1-bit + EF."""
-    out = _run({"NUMBA_ENABLE_CUDASIM": "1"},
-               ["--sizes", "130", "--ranks", "2",
-                "--specs", "qsgd:bits=4,bucket_size=64,seed=5;onebit:bucket_size=64"], timeout=300)
-    assert out.count("DEVICE ok") == 5
+@pytest.fixture
+def simulator_output():
+    """The child in the CUDA simulator (started in the background at collection, tests/children.py):
+    small sizes, 4-bit QSGD and 1-bit + EF."""
+    return children.result("test_tf_device", "simulator_output")
+
+
+def test_device_exchange_in_cuda_simulator(simulator_output):
+    assert _checked(simulator_output).count("DEVICE ok") == 5
 
 
 @pytest.mark.gpu
