@@ -15,6 +15,9 @@ value on the host except the one-off configuration handshake (``to_bytes``) and
 ``Codec.check_device_errors``.
 """
 import contextlib
+import datetime
+import os
+import socket
 
 import numpy as np
 import torch
@@ -22,7 +25,8 @@ import torch
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
 from ..exchange import AVERAGE, ArrayOps, Collectives, SUM
 
-__all__ = ["OPS", "collectives", "hvd_op", "core_op", "adapter", "stock_adapter", "stock_backend"]
+__all__ = ["OPS", "collectives", "hvd_op", "core_op", "adapter", "stock_adapter", "stock_backend",
+           "PayloadGroup", "PAYLOAD_GROUP"]
 
 
 def _flatten(tensors):
@@ -82,6 +86,65 @@ def _alltoall_result(handle):
     return out[0] if isinstance(out, tuple) else out
 
 
+# Device type -> torch.distributed backend of the payload group (Collectives.gather_ordered); a
+# device type not listed gathers through Horovod.
+PAYLOAD_GROUP = {"cuda": "nccl"}
+STORE_TIMEOUT_S = 120
+
+
+class PayloadGroup:
+    """hvd_quant's own torch.distributed process group among a Horovod process set's ranks, for the
+    allgather reduction's payloads (``Collectives.gather_ordered``).
+
+    Why: Horovod 0.28.1 allocates an allgather's output on its background thread and orders its GPU
+    stream after an event it records there, on the device's default stream, which is the stream
+    training runs on (``TorchOpContext::AllocateOutput``); the host runs far ahead of the GPU, so each
+    allgather starts only when backward reaches the kernels the host had queued by the time Horovod
+    ran it, not when its bucket is encoded (docs/RESULTS.md, "Two GPUs, fourth session"). A
+    collective on an output allocated here, on the caller's stream, is ordered after the bucket's
+    encode and nothing else. Made collectively (a TCP store on the set's rank 0, whose address, or
+    ``HVD_QUANT_STORE_ADDR``, travels by Horovod broadcast); its collectives match by order, so
+    callers issue them in one order on every rank.
+    """
+
+    def __init__(self, process_set, backend):
+        import horovod.torch as hvd
+        import torch.distributed as dist
+        rank, size = process_set.rank(), process_set.size()
+        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        where = None
+        if rank == 0:
+            host = os.environ.get("HVD_QUANT_STORE_ADDR") or socket.gethostbyname(socket.gethostname())
+            store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
+            where = (host, store.port)
+        host, port = hvd.broadcast_object(
+            where, root_rank=0, process_set=process_set,
+            name=f"hvdq.payload_group.{backend}.ps{process_set.process_set_id}")
+        if rank != 0:
+            store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        self.store = store                  # rank 0 serves it for the group's lifetime
+        self.size = size
+        self.pg = getattr(dist, {"nccl": "ProcessGroupNCCL", "gloo": "ProcessGroupGloo"}[backend])(
+            store, rank, size)
+
+    def allgather(self, t):
+        """The concatenation of every rank's ``t`` (equal lengths) in rank order, as a handle."""
+        out = t.new_empty(t.numel() * self.size)
+        return _GroupWork(self.pg._allgather_base(out, t), out)
+
+
+class _GroupWork:
+    __slots__ = ("work", "out")
+
+    def __init__(self, work, out):
+        self.work, self.out = work, out
+
+    def wait(self):
+        """The result; on CUDA the current stream waits for the collective, the host does not."""
+        self.work.wait()
+        return self.out
+
+
 _CACHE = {}
 
 
@@ -103,12 +166,27 @@ def collectives(process_set=None):
             return hvd.allreduce_async_(t, name=name, op=hvd_op(op), prescale_factor=prescale_factor,
                                         postscale_factor=postscale_factor, process_set=ps)
 
+        groups = {}     # device type -> PayloadGroup, made at the first ordered gather
+
+        def gather_ordered(t, name):
+            kind = t.device.type
+            group = groups.get(kind)
+            if group is None:
+                if kind not in PAYLOAD_GROUP or ps.size() == 1:
+                    return allgather_async(t, name)
+                group = groups[kind] = PayloadGroup(ps, PAYLOAD_GROUP[kind])
+            return group.allgather(t)
+
         def synchronize(handle):
-            return _alltoall_result(handle)
+            return handle.wait() if type(handle) is _GroupWork else _alltoall_result(handle)
+
+        def poll(handle):
+            return handle.work.is_completed() if type(handle) is _GroupWork else hvd.poll(handle)
 
         coll = Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
-                           synchronize=synchronize, process_set=ps, poll=hvd.poll)
+                           synchronize=synchronize, process_set=ps, poll=poll,
+                           gather_ordered=gather_ordered)
         _CACHE[key] = coll
     return coll
 

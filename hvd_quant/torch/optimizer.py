@@ -166,6 +166,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._arrived = [0] * len(self._buckets)
         self._pending = [None] * len(self._buckets)
         self._complete = []           # buckets complete, waiting for this step's presence count
+        self._next_start = 0          # ordered exchanges: the next bucket to start, in plan order
 
     def _connect(self):
         """(Re)bind to the process set's current rank and size and check every rank agrees."""
@@ -186,9 +187,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ex = self._exchanges.get(reduction)
         if ex is None:
             # reuse_result: p.grad are views of the result, read before the next step rewrites it
+            # CUDA buckets' allgathers take the payload group (_backend.PayloadGroup), whose
+            # collectives match by order: _start_complete starts them in plan order
+            ordered = reduction == "allgather" and bool(self._buckets) and \
+                self._bucket_params[0][0].device.type in _backend.PAYLOAD_GROUP
             ex = self._exchanges[reduction] = Exchange(
                 self.codec, self._coll, _backend.OPS, reduction=reduction, memory=self._memory,
-                prefix=self._prefix, reuse_result=True)
+                prefix=self._prefix, reuse_result=True, ordered=ordered)
             ex.traffic = self._traffic
         return ex
 
@@ -293,6 +298,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._launch_plain(q)
             return
         ex = self._exchange_for(self._route())
+        if ex.ordered:          # in plan order, the same on every rank; later ones wait for it
+            waiting, complete = sorted(complete), []
+            while waiting and waiting[0] == self._next_start:
+                complete.append(waiting.pop(0))
+                self._next_start += 1
+            self._complete = waiting
         for k in complete:
             b = self._buckets[k]
             flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._bucket_params[k]])
@@ -386,6 +397,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         self._launched.clear()
         self._arrived = [0] * len(self._buckets)
+        self._next_start = 0
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         joined = self._presence is not None and self._presence.absent(self._coll)
@@ -483,6 +495,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._plain_handles = {}
         self._pending = [None] * len(self._buckets)
         self._complete = []
+        self._next_start = 0
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:

@@ -616,11 +616,61 @@ def process_set_cases():
                           f"identical params {label} set {name} step {step}")
 
 
+def payload_group_cases():
+    """hvd_quant's own process group for the allgather reduction's payloads (``torch._backend.
+    PayloadGroup``: NCCL on CUDA by default; forced onto the CPU here with Gloo): with buckets that
+    complete in an order differing between ranks, every gradient equals, bit for bit, that of the
+    same steps through Horovod's allgather (deterministic codecs: the payloads do not depend on the
+    optimizer's name)."""
+    from hvd_quant.torch import _backend
+    saved = dict(_backend.PAYLOAD_GROUP)
+    calls = [0]
+    plain_allgather = _backend.PayloadGroup.allgather
+
+    def counting(self, t):
+        calls[0] += 1
+        return plain_allgather(self, t)
+
+    _backend.PayloadGroup.allgather = counting
+    # buckets [c, b] and [a] (reverse order, 16 KiB): even ranks complete [a] first, odd ranks [c, b]
+    order = (lambda step: [0, 1, 2]) if R % 2 == 0 else (lambda step: [1, 2, 0])
+    try:
+        for spec in (Q4D, ONEBIT):
+            got = {}
+            for group in (False, True):
+                _backend.PAYLOAD_GROUP.clear()
+                if group:
+                    _backend.PAYLOAD_GROUP[DEVICE.type] = "nccl" if DEVICE.type == "cuda" else "gloo"
+                calls[0] = 0
+                m = fresh(TwoBranch)
+                opt = make_opt("ours", m, spec, reduction="allgather")
+                got[group] = []
+                for step in range(3):
+                    x, _ = batch(step, salt=17)
+                    losses = m.losses(x)
+                    for i in order(step):
+                        losses[i].backward()
+                    opt.synchronize()
+                    got[group].append([p.grad.detach().clone() for p in m.parameters()])
+                    with opt.skip_synchronize():
+                        opt.step()
+                    opt.zero_grad()
+                check(calls[0] == (3 * 2 if group else 0) and [len(b.members) for b in opt._buckets] == [2, 1], f"payload-group {spec} group={group} gathers",
+                      f"{calls[0]} through the group")
+            same = all(torch.equal(a, b) for ga, gb in zip(got[False], got[True]) for a, b in zip(ga, gb))
+            check(same, f"payload-group {spec} equals Horovod's allgather, bit for bit")
+    finally:
+        _backend.PAYLOAD_GROUP.clear()
+        _backend.PAYLOAD_GROUP.update(saved)
+        _backend.PayloadGroup.allgather = plain_allgather
+
+
 def main():
-    groups = sys.argv[1:] or ["grads", "options", "bytes", "resume", "train", "auto", "process-sets"]
+    groups = sys.argv[1:] or ["grads", "options", "bytes", "resume", "train", "auto", "process-sets",
+                              "payload-group"]
     table = {"grads": grad_cases, "options": option_cases, "bytes": bytes_cases,
              "resume": resume_cases, "train": train_cases, "auto": auto_cases,
-             "process-sets": process_set_cases}
+             "process-sets": process_set_cases, "payload-group": payload_group_cases}
     for g in groups:
         check.run(g, table[g])
     check.finish()
