@@ -21,7 +21,7 @@ ENV = {"HVDQ_TEST_DEVICE": "cuda"}
 
 @pytest.mark.parametrize("worker,args", [
     ("torch_exchange.py", ()),
-    ("torch_optim.py", ("grads", "options", "bytes", "resume", "train")),
+    ("torch_optim.py", ("grads", "options", "bytes", "resume", "train", "payload-group")),
     ("torch_mismatch.py", ()),
 ], ids=["exchange", "optimizer", "mismatch"])
 def test_workers_on_cuda(worker, args):

@@ -11,9 +11,11 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 
 
 @pytest.mark.parametrize("np_,controller,groups", [
-    pytest.param(2, "gloo", ["grads", "options", "bytes", "resume", "train", "auto", "process-sets"],
+    pytest.param(2, "gloo", ["grads", "options", "bytes", "resume", "train", "auto", "process-sets",
+                             "payload-group"],
                  id="np2-gloo"),
-    pytest.param(3, "mpi", ["grads", "options", "bytes", "resume", "auto", "process-sets"], id="np3-mpi",
+    pytest.param(3, "mpi", ["grads", "options", "bytes", "resume", "auto", "process-sets", "payload-group"],
+                 id="np3-mpi",
                  marks=pytest.mark.mpi),
     # several process sets at once: {0,1} and {1,2} overlapping; {0,1}, {2,3} disjoint and {1,2,3}
     pytest.param(3, "gloo", ["process-sets"], id="np3-gloo-sets"),
