@@ -83,11 +83,6 @@ class Collectives:
     allows, ``op`` one of :data:`AVERAGE` / :data:`SUM`.
     ``synchronize(handle)``: waits and returns the result tensor (alltoall: the data, not the splits).
     ``poll(handle)`` (optional): True once the collective has completed, without waiting.
-    ``gather_ordered(t, name)`` (optional): an allgather of equal-length contributions that every rank
-    issues in the same order (the torch frontend's own process group for CUDA payloads,
-    :class:`hvd_quant.torch._backend.PayloadGroup`; where it has none, ``allgather_async``); its
-    handles go to ``synchronize`` and ``poll`` like the others. :class:`Exchange` uses it for the allgather reduction's payloads when
-    made with ``ordered=True``.
     """
     rank: int
     size: int
@@ -97,7 +92,6 @@ class Collectives:
     synchronize: Callable[[Any], Any]
     process_set: Any = None
     poll: Callable[[Any], bool] = None
-    gather_ordered: Callable[[Any, str], Any] = None
 
 
 @dataclass(frozen=True)
@@ -387,12 +381,15 @@ class Exchange:
     requantization's error is carried to the next step too, not lost). ``reuse_result``: :meth:`finish` returns the
     plan's own result buffer, overwritten by the next step of the same name (for callers that copy
     the result out, where the frontend's ``ArrayOps.reusable``); otherwise a new buffer each step.
-    ``ordered``: the caller starts its exchanges in one order on every rank, so the allgather
-    reduction's payloads may take ``Collectives.gather_ordered`` where the frontend has one.
+    ``gather`` (optional): what carries the allgather reduction's payloads instead of
+    ``Collectives.allgather_async``, called as ``gather(t, name)`` with equal lengths on every rank;
+    its handles go to the collectives' ``synchronize`` and ``poll`` (the torch optimizer's payload
+    group, which matches collectives by order: that caller starts its exchanges in one order on
+    every rank).
     """
 
     def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq",
-                 reuse_result=False, ordered=False):
+                 reuse_result=False, gather=None):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.codec = codec
@@ -402,7 +399,7 @@ class Exchange:
         self.memory = memory
         self.prefix = prefix
         self.reuse_result = bool(reuse_result)
-        self.ordered = bool(ordered)
+        self.gather = gather
         self.align = codec_alignment(codec)
         self.traffic = Traffic()
         self._plans = {}            # (name, header, numel) -> _Plan
@@ -477,8 +474,7 @@ class Exchange:
                               None if mem is None else (mem.WORKER, name))
         self.traffic.add(plan.traffic)
         if self.reduction == "allgather":
-            gather = coll.gather_ordered if self.ordered and coll.gather_ordered else coll.allgather_async
-            p.handle = gather(send, f"{self.prefix}.ag.{name}")
+            p.handle = (self.gather or coll.allgather_async)(send, f"{self.prefix}.ag.{name}")
         else:
             p.handle = coll.alltoall_async(send, [c.size for c in plan.send], f"{self.prefix}.a2a.{name}")
             _FIRST_PHASE[id(p)] = p

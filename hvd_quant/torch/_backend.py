@@ -26,7 +26,7 @@ from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_f
 from ..exchange import AVERAGE, ArrayOps, Collectives, SUM
 
 __all__ = ["OPS", "collectives", "hvd_op", "core_op", "adapter", "stock_adapter", "stock_backend",
-           "PayloadGroup", "PAYLOAD_GROUP"]
+           "PayloadGroup", "PAYLOAD_GROUP", "payload_gather"]
 
 
 def _flatten(tensors):
@@ -86,15 +86,15 @@ def _alltoall_result(handle):
     return out[0] if isinstance(out, tuple) else out
 
 
-# Device type -> torch.distributed backend of the payload group (Collectives.gather_ordered); a
+# Device type -> torch.distributed backend of the optimizer's payload group (payload_gather); a
 # device type not listed gathers through Horovod.
 PAYLOAD_GROUP = {"cuda": "nccl"}
 STORE_TIMEOUT_S = 120
 
 
 class PayloadGroup:
-    """hvd_quant's own torch.distributed process group among a Horovod process set's ranks, for the
-    allgather reduction's payloads (``Collectives.gather_ordered``).
+    """hvd_quant's own torch.distributed process group among a Horovod process set's ranks, for one
+    optimizer's allgather payloads (:func:`payload_gather`).
 
     Why: Horovod 0.28.1 allocates an allgather's output on its background thread and orders its GPU
     stream after an event it records there, on the device's default stream, which is the stream
@@ -103,11 +103,11 @@ class PayloadGroup:
     ran it, not when its bucket is encoded (docs/RESULTS.md, "Two GPUs, fourth session"). A
     collective on an output allocated here, on the caller's stream, is ordered after the bucket's
     encode and nothing else. Made collectively (a TCP store on the set's rank 0, whose address, or
-    ``HVD_QUANT_STORE_ADDR``, travels by Horovod broadcast); its collectives match by order, so
-    callers issue them in one order on every rank.
+    ``HVD_QUANT_STORE_ADDR``, travels by Horovod broadcast); its collectives match by order, so its
+    one user issues them in one order on every rank.
     """
 
-    def __init__(self, process_set, backend):
+    def __init__(self, process_set, backend, label):
         import horovod.torch as hvd
         import torch.distributed as dist
         rank, size = process_set.rank(), process_set.size()
@@ -119,7 +119,7 @@ class PayloadGroup:
             where = (host, store.port)
         host, port = hvd.broadcast_object(
             where, root_rank=0, process_set=process_set,
-            name=f"hvdq.payload_group.{backend}.ps{process_set.process_set_id}")
+            name=f"{label}.payload_group")
         if rank != 0:
             store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
         self.store = store                  # rank 0 serves it for the group's lifetime
@@ -145,6 +145,23 @@ class _GroupWork:
         return self.out
 
 
+def payload_gather(process_set, device_type, label):
+    """The ``gather`` of an :class:`~hvd_quant.exchange.Exchange` for one optimizer's payloads on
+    ``device_type`` (``label``: the optimizer's collective prefix): a :class:`PayloadGroup` of its
+    own, made at the first call (so every rank makes it at the same bucket); None where
+    :data:`PAYLOAD_GROUP` has no backend for the device type or the set has one rank."""
+    backend = PAYLOAD_GROUP.get(device_type)
+    if backend is None or process_set.size() == 1:
+        return None
+    made = []
+
+    def gather(t, name):
+        if not made:
+            made.append(PayloadGroup(process_set, backend, label))
+        return made[0].allgather(t)
+    return gather
+
+
 _CACHE = {}
 
 
@@ -166,17 +183,6 @@ def collectives(process_set=None):
             return hvd.allreduce_async_(t, name=name, op=hvd_op(op), prescale_factor=prescale_factor,
                                         postscale_factor=postscale_factor, process_set=ps)
 
-        groups = {}     # device type -> PayloadGroup, made at the first ordered gather
-
-        def gather_ordered(t, name):
-            kind = t.device.type
-            group = groups.get(kind)
-            if group is None:
-                if kind not in PAYLOAD_GROUP or ps.size() == 1:
-                    return allgather_async(t, name)
-                group = groups[kind] = PayloadGroup(ps, PAYLOAD_GROUP[kind])
-            return group.allgather(t)
-
         def synchronize(handle):
             return handle.wait() if type(handle) is _GroupWork else _alltoall_result(handle)
 
@@ -185,8 +191,7 @@ def collectives(process_set=None):
 
         coll = Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
-                           synchronize=synchronize, process_set=ps, poll=poll,
-                           gather_ordered=gather_ordered)
+                           synchronize=synchronize, process_set=ps, poll=poll)
         _CACHE[key] = coll
     return coll
 

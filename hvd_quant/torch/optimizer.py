@@ -178,8 +178,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                       "hvd_quant.torch.DistributedOptimizer", name=HANDSHAKE_NAME)
         self._coll = coll
         self._step_agreed = False
-        for ex in self._exchanges.values():
-            ex.coll = coll
+        for reduction, ex in self._exchanges.items():
+            ex.coll, ex.gather = coll, self._gather_for(reduction)
         if self._auto is not None:
             self._auto.reset()          # another world: measure again
 
@@ -187,15 +187,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ex = self._exchanges.get(reduction)
         if ex is None:
             # reuse_result: p.grad are views of the result, read before the next step rewrites it
-            # CUDA buckets' allgathers take the payload group (_backend.PayloadGroup), whose
-            # collectives match by order: _start_complete starts them in plan order
-            ordered = reduction == "allgather" and bool(self._buckets) and \
-                self._bucket_params[0][0].device.type in _backend.PAYLOAD_GROUP
             ex = self._exchanges[reduction] = Exchange(
                 self.codec, self._coll, _backend.OPS, reduction=reduction, memory=self._memory,
-                prefix=self._prefix, reuse_result=True, ordered=ordered)
+                prefix=self._prefix, reuse_result=True, gather=self._gather_for(reduction))
             ex.traffic = self._traffic
         return ex
+
+    def _gather_for(self, reduction):
+        """CUDA buckets' allgathers take a process group of this optimizer's own, for this world
+        (``_backend.PayloadGroup``), whose collectives match by order: :meth:`_start_complete` then
+        starts the buckets in plan order. None: Horovod's allgather."""
+        if reduction != "allgather" or not self._buckets:
+            return None
+        return _backend.payload_gather(self.process_set, self._bucket_params[0][0].device.type,
+                                       self._prefix)
 
     def _route(self):
         """How this step's compressed buckets travel: ``"sra"``, ``"allgather"`` or ``"allreduce"``."""
@@ -298,7 +303,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._launch_plain(q)
             return
         ex = self._exchange_for(self._route())
-        if ex.ordered:          # in plan order, the same on every rank; later ones wait for it
+        if ex.gather is not None:       # in plan order on every rank; later ones wait for it
             waiting, complete = sorted(complete), []
             while waiting and waiting[0] == self._next_start:
                 complete.append(waiting.pop(0))
