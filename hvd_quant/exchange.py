@@ -381,15 +381,10 @@ class Exchange:
     requantization's error is carried to the next step too, not lost). ``reuse_result``: :meth:`finish` returns the
     plan's own result buffer, overwritten by the next step of the same name (for callers that copy
     the result out, where the frontend's ``ArrayOps.reusable``); otherwise a new buffer each step.
-    ``gather`` (optional): what carries the allgather reduction's payloads instead of
-    ``Collectives.allgather_async``, called as ``gather(t, name)`` with equal lengths on every rank;
-    its handles go to the collectives' ``synchronize`` and ``poll`` (the torch optimizer's payload
-    group, which matches collectives by order: that caller starts its exchanges in one order on
-    every rank).
     """
 
     def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq",
-                 reuse_result=False, gather=None):
+                 reuse_result=False):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.codec = codec
@@ -399,7 +394,6 @@ class Exchange:
         self.memory = memory
         self.prefix = prefix
         self.reuse_result = bool(reuse_result)
-        self.gather = gather
         self.align = codec_alignment(codec)
         self.traffic = Traffic()
         self._plans = {}            # (name, header, numel) -> _Plan
@@ -450,13 +444,17 @@ class Exchange:
         return buf
 
     # -- phase 1 ----------------------------------------------------------------------------------
-    def start(self, name, flat, step=None, record=None, header=None):
+    def start(self, name, flat, step=None, record=None, header=None, gather=None):
         """Encode ``flat`` (a float32 1-D buffer this exchange may overwrite) and submit the first
         collective, named after ``name`` (what Horovod matches across ranks). ``header`` (default
         ``name``) is what goes into the payload headers, with the chunk: a receiver expecting another
         header raises. ``step`` keys seeded stochastic rounding (default: this plan's own count).
         With ``record`` (see :func:`handshake_record`), a configuration handshake travels with the
-        exchange and is checked before anything is decoded."""
+        exchange and is checked before anything is decoded. ``gather``: what carries the allgather
+        reduction's payload instead of ``Collectives.allgather_async``, called as ``gather(t,
+        name)`` with equal lengths on every rank, its handles going to the collectives'
+        ``synchronize`` and ``poll`` (a torch payload group, which matches by order: its caller
+        starts the exchanges in one order on every rank)."""
         ops, coll = self.ops, self.coll
         numel = ops.numel(flat)
         plan = self.plan(name, numel, flat, header)
@@ -474,7 +472,7 @@ class Exchange:
                               None if mem is None else (mem.WORKER, name))
         self.traffic.add(plan.traffic)
         if self.reduction == "allgather":
-            p.handle = (self.gather or coll.allgather_async)(send, f"{self.prefix}.ag.{name}")
+            p.handle = (gather or coll.allgather_async)(send, f"{self.prefix}.ag.{name}")
         else:
             p.handle = coll.alltoall_async(send, [c.size for c in plan.send], f"{self.prefix}.a2a.{name}")
             _FIRST_PHASE[id(p)] = p

@@ -112,6 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._prefix = f"hvdq{n}" if ps_id == 0 else f"hvdq{n}.ps{ps_id}"
         self._memory = Memory(_backend.OPS) if self.error_feedback else None
         self._coll = None             # the process set's Collectives, once connected
+        self._gather = None           # allgather payloads' carrier in this world (_payload_gather)
         self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")
         self._auto = AutoChoice() if self.reduction == AUTO else None
         self._handles = {}           # param -> plain allreduce handle (or callable for sparse)
@@ -178,8 +179,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                       "hvd_quant.torch.DistributedOptimizer", name=HANDSHAKE_NAME)
         self._coll = coll
         self._step_agreed = False
-        for reduction, ex in self._exchanges.items():
-            ex.coll, ex.gather = coll, self._gather_for(reduction)
+        for ex in self._exchanges.values():
+            ex.coll = coll
+        self._gather = self._payload_gather()
         if self._auto is not None:
             self._auto.reset()          # another world: measure again
 
@@ -189,15 +191,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # reuse_result: p.grad are views of the result, read before the next step rewrites it
             ex = self._exchanges[reduction] = Exchange(
                 self.codec, self._coll, _backend.OPS, reduction=reduction, memory=self._memory,
-                prefix=self._prefix, reuse_result=True, gather=self._gather_for(reduction))
+                prefix=self._prefix, reuse_result=True)
             ex.traffic = self._traffic
         return ex
 
-    def _gather_for(self, reduction):
+    def _payload_gather(self):
         """CUDA buckets' allgathers take a process group of this optimizer's own, for this world
         (``_backend.PayloadGroup``), whose collectives match by order: :meth:`_start_complete` then
         starts the buckets in plan order. None: Horovod's allgather."""
-        if reduction != "allgather" or not self._buckets:
+        if not self._buckets:
             return None
         return _backend.payload_gather(self.process_set, self._bucket_params[0][0].device.type,
                                        self._prefix)
@@ -303,7 +305,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._launch_plain(q)
             return
         ex = self._exchange_for(self._route())
-        if ex.gather is not None:       # in plan order on every rank; later ones wait for it
+        gather = self._gather if ex.reduction == "allgather" else None
+        if gather is not None:          # in plan order on every rank; later ones wait for it
             waiting, complete = sorted(complete), []
             while waiting and waiting[0] == self._next_start:
                 complete.append(waiting.pop(0))
@@ -312,7 +315,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for k in complete:
             b = self._buckets[k]
             flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._bucket_params[k]])
-            self._pending[k] = ex.start(b.name, flat, step=self._step, header=b.header)
+            self._pending[k] = ex.start(b.name, flat, step=self._step, header=b.header, gather=gather)
             ex.advance_ready(self._pending)      # earlier buckets whose alltoall is done: phase two
 
     def _bucket_grad(self, q):

@@ -617,11 +617,11 @@ def process_set_cases():
 
 
 def payload_group_cases():
-    """hvd_quant's own process group for the allgather reduction's payloads (``torch._backend.
-    PayloadGroup``: NCCL on CUDA by default; forced onto the CPU here with Gloo): with buckets that
-    complete in an order differing between ranks, every gradient equals, bit for bit, that of the
-    same steps through Horovod's allgather (deterministic codecs: the payloads do not depend on the
-    optimizer's name)."""
+    """A process group of the optimizer's own for the allgather reduction's payloads (``torch.
+    _backend.PayloadGroup``: NCCL on CUDA by default; forced onto the CPU here with Gloo), both entry
+    points: with buckets that complete in an order differing between ranks, every gradient equals,
+    bit for bit, that of the same steps through Horovod's allgather (deterministic codecs: the
+    payloads do not depend on the optimizer's name)."""
     from hvd_quant.torch import _backend
     saved = dict(_backend.PAYLOAD_GROUP)
     calls = [0]
@@ -635,7 +635,7 @@ def payload_group_cases():
     # buckets [c, b] and [a] (reverse order, 16 KiB): even ranks complete [a] first, odd ranks [c, b]
     order = (lambda step: [0, 1, 2]) if R % 2 == 0 else (lambda step: [1, 2, 0])
     try:
-        for spec in (Q4D, ONEBIT):
+        for entry, spec in (("ours", Q4D), ("ours", ONEBIT), ("stock", Q4D)):
             got = {}
             for group in (False, True):
                 _backend.PAYLOAD_GROUP.clear()
@@ -643,7 +643,13 @@ def payload_group_cases():
                     _backend.PAYLOAD_GROUP[DEVICE.type] = "nccl" if DEVICE.type == "cuda" else "gloo"
                 calls[0] = 0
                 m = fresh(TwoBranch)
-                opt = make_opt("ours", m, spec, reduction="allgather")
+                if entry == "ours":
+                    opt = make_opt(entry, m, spec, reduction="allgather")
+                else:
+                    comp = hvd_quant.StockCompression(codec(spec), reduction="allgather", bucket_bytes=16384)
+                    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                                   named_parameters=list(m.named_parameters()),
+                                                   compression=comp)
                 got[group] = []
                 for step in range(3):
                     x, _ = batch(step, salt=17)
@@ -655,10 +661,12 @@ def payload_group_cases():
                     with opt.skip_synchronize():
                         opt.step()
                     opt.zero_grad()
-                check(calls[0] == (3 * 2 if group else 0) and [len(b.members) for b in opt._buckets] == [2, 1], f"payload-group {spec} group={group} gathers",
-                      f"{calls[0]} through the group")
+                buckets = opt._buckets if entry == "ours" else \
+                    [g for _, g in comp._groups.values()][0].plan.buckets
+                check(calls[0] == (3 * 2 if group else 0) and [len(b.members) for b in buckets] == [2, 1],
+                      f"payload-group {entry} {spec} group={group} gathers", f"{calls[0]} through the group")
             same = all(torch.equal(a, b) for ga, gb in zip(got[False], got[True]) for a, b in zip(ga, gb))
-            check(same, f"payload-group {spec} equals Horovod's allgather, bit for bit")
+            check(same, f"payload-group {entry} {spec} equals Horovod's allgather, bit for bit")
     finally:
         _backend.PAYLOAD_GROUP.clear()
         _backend.PAYLOAD_GROUP.update(saved)
