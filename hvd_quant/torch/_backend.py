@@ -102,9 +102,9 @@ class PayloadGroup:
     allgather starts only when backward reaches the kernels the host had queued by the time Horovod
     ran it, not when its bucket is encoded (docs/RESULTS.md, "Two GPUs, fourth session"). A
     collective on an output allocated here, on the caller's stream, is ordered after the bucket's
-    encode and nothing else. Made collectively (a TCP store on the set's rank 0, whose address, or
-    ``HVD_QUANT_STORE_ADDR``, travels by Horovod broadcast); its collectives match by order, so its
-    one user issues them in one order on every rank.
+    encode and nothing else. Made collectively (a TCP store on the set's rank 0, whose address,
+    :func:`_store_host`, travels by Horovod broadcast); its collectives match by order, so its one
+    user issues them in one order on every rank.
     """
 
     def __init__(self, process_set, backend, label):
@@ -114,7 +114,7 @@ class PayloadGroup:
         timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
         where = None
         if rank == 0:
-            host = os.environ.get("HVD_QUANT_STORE_ADDR") or socket.gethostbyname(socket.gethostname())
+            host = _store_host()
             store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
             where = (host, store.port)
         host, port = hvd.broadcast_object(
@@ -131,6 +131,21 @@ class PayloadGroup:
         """The concatenation of every rank's ``t`` (equal lengths) in rank order, as a handle."""
         out = t.new_empty(t.numel() * self.size)
         return _GroupWork(self.pg._allgather_base(out, t), out)
+
+
+def _store_host():
+    """An address of this host that the set's other ranks reach: ``HVD_QUANT_STORE_ADDR`` where set;
+    else, under a Gloo launch, this host's address on the route to Horovod's rendezvous server (which
+    every rank reaches); else the address of the host name."""
+    addr = os.environ.get("HVD_QUANT_STORE_ADDR")
+    if addr:
+        return addr
+    peer = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    if peer:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))        # no packet is sent: this only picks the route
+            return s.getsockname()[0]
+    return socket.gethostbyname(socket.gethostname())
 
 
 class _GroupWork:
