@@ -522,12 +522,8 @@ class StockCompression:
             return
         complete, group.complete = group.complete, []
         gather = group.payload_gather() if route == "allgather" else None
-        if gather is not None:          # in plan order on every rank; later ones wait for it
-            waiting, complete = sorted(complete), []
-            while waiting and waiting[0] == group.next_start:
-                complete.append(waiting.pop(0))
-                group.next_start += 1
-            group.complete = waiting
+        if gather is not None:
+            complete, group.complete, group.next_start = _plan.in_plan_order(complete, group.next_start)
         for k in complete:
             self._launch(group, k, route, gather)
 

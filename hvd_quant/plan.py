@@ -215,6 +215,17 @@ def split_even(items, n):
     return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
 
 
+def in_plan_order(complete, next_start):
+    """Buckets that start in plan order (a payload group matches collectives by order): of the
+    ``complete`` bucket indices, the run starting at ``next_start`` starts now and the rest wait.
+    Returns ``(start, waiting, next_start)``."""
+    waiting, start = sorted(complete), []
+    while waiting and waiting[0] == next_start:
+        start.append(waiting.pop(0))
+        next_start += 1
+    return start, waiting, next_start
+
+
 def digest(names):
     return f"{zlib.crc32(repr(list(names)).encode()) & 0xffffffff:08x}"
 

@@ -345,3 +345,12 @@ def test_auto_choice_schedule_and_decision():
     assert near.choose(struct.pack("<3d", 1.0, 0.95, 0.89)) == "sra"
     assert near.choose(struct.pack("<6d", 1.0, 0.86, 0.95, 1.0, 0.98, 0.95)) == "allreduce"  # 0.92
     assert near.choose(struct.pack("<6d", 1.0, 0.8, 0.9, 1.0, 0.95, 0.9)) == "allgather"
+
+
+def test_in_plan_order():
+    """Buckets that start in plan order: the run from next_start starts, the rest waits for it."""
+    from hvd_quant.plan import in_plan_order
+    assert in_plan_order([1], 0) == ([], [1], 0)               # 1 waits for 0
+    assert in_plan_order([1, 0, 3], 0) == ([0, 1], [3], 2)     # 0 and 1 go; 3 waits for 2
+    assert in_plan_order([2], 2) == ([2], [], 3)
+    assert in_plan_order([], 4) == ([], [], 4)

@@ -306,12 +306,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         ex = self._exchange_for(self._route())
         gather = self._gather if ex.reduction == "allgather" else None
-        if gather is not None:          # in plan order on every rank; later ones wait for it
-            waiting, complete = sorted(complete), []
-            while waiting and waiting[0] == self._next_start:
-                complete.append(waiting.pop(0))
-                self._next_start += 1
-            self._complete = waiting
+        if gather is not None:
+            complete, self._complete, self._next_start = _plan.in_plan_order(complete, self._next_start)
         for k in complete:
             b = self._buckets[k]
             flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._bucket_params[k]])
