@@ -665,7 +665,10 @@ def payload_group_cases():
                     [g for _, g in comp._groups.values()][0].plan.buckets
                 check(calls[0] == (3 * 2 if group else 0) and [len(b.members) for b in buckets] == [2, 1],
                       f"payload-group {entry} {spec} group={group} gathers", f"{calls[0]} through the group")
-            same = all(torch.equal(a, b) for ga, gb in zip(got[False], got[True]) for a, b in zip(ga, gb))
+            # the compressed (2-D) gradients; the biases go through Horovod's fp32 allreduce in both
+            # runs, whose sum order at 3+ ranks follows Horovod's fusion, hence timing
+            same = all(torch.equal(a, b) for ga, gb in zip(got[False], got[True]) for a, b in zip(ga, gb)
+                       if a.dim() > 1)
             check(same, f"payload-group {entry} {spec} equals Horovod's allgather, bit for bit")
     finally:
         _backend.PAYLOAD_GROUP.clear()
