@@ -107,25 +107,46 @@ class PayloadGroup:
     user issues them in one order on every rank.
     """
 
-    def __init__(self, process_set, backend, label):
+    def __init__(self, store, process_set, backend):
+        import torch.distributed as dist
+        self.store = store                  # rank 0 serves it for the group's lifetime
+        self.size = process_set.size()
+        self.pg = getattr(dist, {"nccl": "ProcessGroupNCCL", "gloo": "ProcessGroupGloo"}[backend])(
+            store, process_set.rank(), self.size)
+
+    @classmethod
+    def make(cls, process_set, backend, label):
+        """The group, made collectively; None on every rank where rank 0's ``HVD_QUANT_PAYLOAD_GROUP``
+        is ``0`` (rank 0 decides, so the ranks cannot disagree). A store that cannot be made or
+        reached raises on every rank, naming both variables."""
         import horovod.torch as hvd
         import torch.distributed as dist
-        rank, size = process_set.rank(), process_set.size()
         timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
-        where = None
-        if rank == 0:
-            host = _store_host()
-            store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
-            where = (host, store.port)
-        host, port = hvd.broadcast_object(
-            where, root_rank=0, process_set=process_set,
-            name=f"{label}.payload_group")
-        if rank != 0:
-            store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
-        self.store = store                  # rank 0 serves it for the group's lifetime
-        self.size = size
-        self.pg = getattr(dist, {"nccl": "ProcessGroupNCCL", "gloo": "ProcessGroupGloo"}[backend])(
-            store, rank, size)
+        name, size = f"{label}.payload_group", process_set.size()
+        way_out = ("set HVD_QUANT_STORE_ADDR on rank 0 to an address of its host that every rank "
+                   "reaches, or HVD_QUANT_PAYLOAD_GROUP=0 to carry the payloads through Horovod")
+        if process_set.rank() == 0:
+            store = where = None
+            if os.environ.get("HVD_QUANT_PAYLOAD_GROUP", "1").strip() != "0":
+                host = _store_host()
+                try:
+                    store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False,
+                                          timeout=timeout)
+                    where = (host, store.port)
+                except Exception as e:  # noqa: BLE001 -- torch raises several kinds; tell every rank
+                    where = f"rank 0 could not serve its payload group's store at {host} ({e}); {way_out}"
+            hvd.broadcast_object(where, root_rank=0, process_set=process_set, name=name)
+        else:
+            where = hvd.broadcast_object(None, root_rank=0, process_set=process_set, name=name)
+            if isinstance(where, tuple):
+                try:
+                    store = dist.TCPStore(*where, size, is_master=False, timeout=timeout)
+                except Exception as e:  # noqa: BLE001
+                    raise RuntimeError(f"hvd_quant: this rank could not reach rank 0's payload group "
+                                       f"store at {where[0]}:{where[1]} ({e}); {way_out}") from e
+        if isinstance(where, str):
+            raise RuntimeError(f"hvd_quant: {where}")
+        return None if where is None else cls(store, process_set, backend)
 
     def allgather(self, t):
         """The concatenation of every rank's ``t`` (equal lengths) in rank order, as a handle."""
@@ -172,7 +193,9 @@ def payload_gather(process_set, device_type, label):
 
     def gather(t, name):
         if not made:
-            made.append(PayloadGroup(process_set, backend, label))
+            made.append(PayloadGroup.make(process_set, backend, label))
+        if made[0] is None:             # turned off: Horovod's allgather
+            return collectives(process_set).allgather_async(t, name)
         return made[0].allgather(t)
     return gather
 

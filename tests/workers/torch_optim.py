@@ -621,7 +621,8 @@ def payload_group_cases():
     _backend.PayloadGroup``: NCCL on CUDA by default; forced onto the CPU here with Gloo), both entry
     points: with buckets that complete in an order differing between ranks, every gradient equals,
     bit for bit, that of the same steps through Horovod's allgather (deterministic codecs: the
-    payloads do not depend on the optimizer's name)."""
+    payloads do not depend on the optimizer's name). ``HVD_QUANT_PAYLOAD_GROUP=0`` on rank 0 turns
+    the group off on every rank; on another rank alone it changes nothing (rank 0 decides)."""
     from hvd_quant.torch import _backend
     saved = dict(_backend.PAYLOAD_GROUP)
     calls = [0]
@@ -634,42 +635,59 @@ def payload_group_cases():
     _backend.PayloadGroup.allgather = counting
     # buckets [c, b] and [a] (reverse order, 16 KiB): even ranks complete [a] first, odd ranks [c, b]
     order = (lambda step: [0, 1, 2]) if R % 2 == 0 else (lambda step: [1, 2, 0])
+
+    def run(entry, spec, group):
+        """Three steps; the gradients of each and the buckets' member counts."""
+        _backend.PAYLOAD_GROUP.clear()
+        if group:
+            _backend.PAYLOAD_GROUP[DEVICE.type] = "nccl" if DEVICE.type == "cuda" else "gloo"
+        m = fresh(TwoBranch)
+        if entry == "ours":
+            opt = make_opt(entry, m, spec, reduction="allgather")
+        else:
+            comp = hvd_quant.StockCompression(codec(spec), reduction="allgather", bucket_bytes=16384)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                           named_parameters=list(m.named_parameters()), compression=comp)
+        grads = []
+        for step in range(3):
+            x, _ = batch(step, salt=17)
+            losses = m.losses(x)
+            for i in order(step):
+                losses[i].backward()
+            opt.synchronize()
+            grads.append([p.grad.detach().clone() for p in m.parameters()])
+            with opt.skip_synchronize():
+                opt.step()
+            opt.zero_grad()
+        buckets = opt._buckets if entry == "ours" else [g for _, g in comp._groups.values()][0].plan.buckets
+        return grads, [len(b.members) for b in buckets]
+
+    def same(ga, gb):
+        # the compressed (2-D) gradients; the biases go through Horovod's fp32 allreduce in both
+        # runs, whose sum order at 3+ ranks follows Horovod's fusion, hence timing
+        return all(torch.equal(a, b) for sa, sb in zip(ga, gb) for a, b in zip(sa, sb) if a.dim() > 1)
+
     try:
+        horovods = {}
         for entry, spec in (("ours", Q4D), ("ours", ONEBIT), ("stock", Q4D)):
             got = {}
             for group in (False, True):
-                _backend.PAYLOAD_GROUP.clear()
-                if group:
-                    _backend.PAYLOAD_GROUP[DEVICE.type] = "nccl" if DEVICE.type == "cuda" else "gloo"
                 calls[0] = 0
-                m = fresh(TwoBranch)
-                if entry == "ours":
-                    opt = make_opt(entry, m, spec, reduction="allgather")
-                else:
-                    comp = hvd_quant.StockCompression(codec(spec), reduction="allgather", bucket_bytes=16384)
-                    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                                                   named_parameters=list(m.named_parameters()),
-                                                   compression=comp)
-                got[group] = []
-                for step in range(3):
-                    x, _ = batch(step, salt=17)
-                    losses = m.losses(x)
-                    for i in order(step):
-                        losses[i].backward()
-                    opt.synchronize()
-                    got[group].append([p.grad.detach().clone() for p in m.parameters()])
-                    with opt.skip_synchronize():
-                        opt.step()
-                    opt.zero_grad()
-                buckets = opt._buckets if entry == "ours" else \
-                    [g for _, g in comp._groups.values()][0].plan.buckets
-                check(calls[0] == (3 * 2 if group else 0) and [len(b.members) for b in buckets] == [2, 1],
+                got[group], sizes = run(entry, spec, group)
+                check(calls[0] == (3 * 2 if group else 0) and sizes == [2, 1],
                       f"payload-group {entry} {spec} group={group} gathers", f"{calls[0]} through the group")
-            # the compressed (2-D) gradients; the biases go through Horovod's fp32 allreduce in both
-            # runs, whose sum order at 3+ ranks follows Horovod's fusion, hence timing
-            same = all(torch.equal(a, b) for ga, gb in zip(got[False], got[True]) for a, b in zip(ga, gb)
-                       if a.dim() > 1)
-            check(same, f"payload-group {entry} {spec} equals Horovod's allgather, bit for bit")
+            horovods[entry, spec] = got[False]
+            check(same(got[False], got[True]), f"payload-group {entry} {spec} equals Horovod's allgather, bit for bit")
+        for off in {0, hvd.size() - 1}:
+            calls[0] = 0
+            if R == off:
+                os.environ["HVD_QUANT_PAYLOAD_GROUP"] = "0"
+            try:
+                grads, _ = run("ours", Q4D, True)
+            finally:
+                os.environ.pop("HVD_QUANT_PAYLOAD_GROUP", None)
+            check(calls[0] == (0 if off == 0 else 6) and same(grads, horovods["ours", Q4D]),
+                  f"payload-group HVD_QUANT_PAYLOAD_GROUP=0 on rank {off}", f"{calls[0]} through the group")
     finally:
         _backend.PAYLOAD_GROUP.clear()
         _backend.PAYLOAD_GROUP.update(saved)
