@@ -239,20 +239,7 @@ class _Group:
         self.key = self.plan.key                   # names this plan in state_dict()["auto"]
         self.infos = {}                # parameter -> (dtype, layout, adapter.describe of its gradient)
         self.ones = {}                 # (dtype, device) -> one placeholder slot per parameter
-        self.device_type = getattr(getattr(params[0], "device", None), "type", None) if params else None
-        self.gather = (None, None)     # (collectives, allgather payloads' carrier) of the current world
         self.new_step()
-
-    def payload_gather(self):
-        """What carries this optimizer's allgather payloads in the current world: the backend's
-        ``payload_gather`` where it has one (torch: a process group of its own on CUDA, whose
-        collectives match by order, so the buckets then start in plan order), else None (Horovod)."""
-        coll = self.session.coll
-        if self.gather[0] is not coll:
-            make = getattr(self.backend, "payload_gather", None)
-            self.gather = (coll, make(coll.process_set, self.device_type, f"hvdq.stock.{self.key}")
-                           if make is not None and self.device_type is not None else None)
-        return self.gather[1]
 
     def new_step(self):
         """Start with no step in progress (at creation, or when the world's change cut one short)."""
@@ -264,7 +251,6 @@ class _Group:
         self.result = [None] * n
         self.seen = set()              # parameters whose gradient arrived in this step
         self.complete = []             # complete buckets waiting for this step's presence count
-        self.next_start = 0            # with a payload gather: the next bucket to start, plan order
         if self.presence is not None:
             self.presence.reset()
 
@@ -446,10 +432,10 @@ class StockCompression:
         session.exchange.traffic.add_allreduce(info.numel * itemsize, info.numel, session.coll.size)
         return out
 
-    def _start(self, exchange, name, flat, record, head, gather=None):
+    def _start(self, exchange, name, flat, record, head):
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        pending = exchange.start(name, flat, step=step, record=record, header=head, gather=gather)
+        pending = exchange.start(name, flat, step=step, record=record, header=head)
         self._unadvanced.append((exchange, pending))
         return pending
 
@@ -476,7 +462,6 @@ class StockCompression:
     @staticmethod
     def _step_begins(group):
         """A step's first gradient: refill the placeholders, count the ranks that step (hvd.join())."""
-        group.next_start = 0
         for ones in group.ones.values():
             ones.fill_(1)
         if group.presence is not None:
@@ -521,18 +506,15 @@ class StockCompression:
         if group.presence is not None and not group.presence.known(group.session.coll, wait):
             return
         complete, group.complete = group.complete, []
-        gather = group.payload_gather() if route == "allgather" else None
-        if gather is not None:
-            complete, group.complete, group.next_start = _plan.in_plan_order(complete, group.next_start)
         for k in complete:
-            self._launch(group, k, route, gather)
+            self._launch(group, k, route)
 
-    def _launch(self, group, k, route, gather=None, like=None):
+    def _launch(self, group, k, route):
         """Start bucket ``k``'s exchange; members that never arrived contribute zeros (as Horovod
         allreduces zeros for a parameter without a gradient). While a rank is inside ``hvd.join()``
         the bucket goes through Horovod's allreduce (a Sum, scaled in ``decompress``)."""
         session, b, grads = group.session, group.plan.buckets[k], group.grads[k]
-        like = next((g for g in grads if g is not None), like)
+        like = next(g for g in grads if g is not None)
         parts = [g if g is not None else session.ops.zeros(b.numels[i], like) for i, g in enumerate(grads)]
         flat = session.ops.flatten(parts)
         group.routes[k] = _plan.ALLREDUCE if group.absent() else route
@@ -542,7 +524,7 @@ class StockCompression:
         else:
             record = group.plan.record if b.name not in self._steps else None
             ex = session.exchange_for(route)
-            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header, gather)
+            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header)
             ex.advance_ready([q for e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
         group.left[k] = sum(g is not None for g in grads)     # the members decompress will return
         group.grads[k] = [None] * len(grads)
@@ -578,12 +560,7 @@ class StockCompression:
             if group.pending[k] is None:
                 self._launch_complete(group, slot.route, wait=True)
             if group.pending[k] is None:        # a member never reached compress on this rank
-                gather = group.payload_gather() if slot.route == "allgather" else None
-                for j in range(group.next_start if gather is not None else k, k + 1):   # plan order
-                    if group.pending[j] is None:
-                        self._launch(group, j, slot.route, gather, like=tensor)
-                group.next_start = max(group.next_start, k + 1)
-                group.complete = [j for j in group.complete if group.pending[j] is None]
+                self._launch(group, k, slot.route)
             self._advance_all()
             ex, pending = group.pending[k]
             flat = ex.finish(pending) if ex is not None else session.coll.synchronize(pending)

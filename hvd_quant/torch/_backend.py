@@ -184,20 +184,16 @@ class _GroupWork:
 def payload_gather(process_set, device_type, label):
     """The ``gather`` of an :class:`~hvd_quant.exchange.Exchange` for one optimizer's payloads on
     ``device_type`` (``label``: the optimizer's collective prefix): a :class:`PayloadGroup` of its
-    own, made at the first call (so every rank makes it at the same bucket); None where
-    :data:`PAYLOAD_GROUP` has no backend for the device type or the set has one rank."""
+    own, made now. A collective (Horovod broadcast, then the store): call it where every rank is at
+    the same point with nothing of its step submitted yet (the optimizer's ``_connect``, beside its
+    handshake); made inside a gradient hook later in a step, it could wait for a rank that waits for
+    this rank's next Horovod op. None where :data:`PAYLOAD_GROUP` has no backend for the device
+    type, the set has one rank, or rank 0 turned the group off."""
     backend = PAYLOAD_GROUP.get(device_type)
     if backend is None or process_set.size() == 1:
         return None
-    made = []
-
-    def gather(t, name):
-        if not made:
-            made.append(PayloadGroup.make(process_set, backend, label))
-        if made[0] is None:             # turned off: Horovod's allgather
-            return collectives(process_set).allgather_async(t, name)
-        return made[0].allgather(t)
-    return gather
+    group = PayloadGroup.make(process_set, backend, label)
+    return None if group is None else (lambda t, name: group.allgather(t))
 
 
 _CACHE = {}
