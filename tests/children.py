@@ -7,6 +7,7 @@ A child is ``python <args>`` run from the repository root with ``ROOT`` on ``PYT
 named by the test module and the fixture that reads it. ``HVDQ_REAL_CUDA=1`` runs the kernel
 children on the real GPU instead of the simulator.
 """
+import json
 import os
 import subprocess
 import sys
@@ -73,6 +74,13 @@ def result(module, fixture):
     out.seek(0)
     err.seek(0)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+def json_result(module, fixture):
+    """The JSON the child printed as its last line, once it has ended with status 0."""
+    r = result(module, fixture)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def stop():

@@ -220,9 +220,7 @@ def _child():
 @pytest.fixture(scope="module")
 def results():
     import children     # (not at the top: the child imports this module without tests/ on its path)
-    r = children.result("test_codec_cuda_sim", "results")
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return children.json_result("test_codec_cuda_sim", "results")
 
 
 @pytest.mark.parametrize("check", CHECKS)

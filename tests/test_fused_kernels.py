@@ -390,9 +390,7 @@ def _child():
 
 @pytest.fixture(scope="module")
 def cuda_results():
-    r = children.result("test_fused_kernels", "cuda_results")
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return children.json_result("test_fused_kernels", "cuda_results")
 
 
 @pytest.mark.parametrize("case", _sim_sum_names())

@@ -578,9 +578,7 @@ def _child():
 
 @pytest.fixture(scope="module")
 def cuda_results():
-    r = children.result("test_kernels", "cuda_results")
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return children.json_result("test_kernels", "cuda_results")
 
 
 CUDA_NAMES = ([f"qsgd-{_ids(*c)}{v}" for c in SIM_QSGD for v in _variants(c[0])]
