@@ -16,9 +16,15 @@ Fusion. When ``compress`` is called by a Horovod optimizer (PyTorch: the frame o
 optimizer's gradients are planned once with :func:`hvd_quant.plan.make_plan`, exactly as
 ``hvd_quant.torch.DistributedOptimizer`` plans them: buckets of at most ``bucket_bytes`` of float32 in
 reverse parameter order. ``compress`` then only records the gradient; the bucket's exchange starts when
-its last member arrives, and ``decompress`` returns views of the bucket's scaled result (one scaling
-launch per bucket). Without such an owner (``hvd.allreduce(t, compression=...)``, TensorFlow) each
-tensor is its own exchange.
+its last member arrives, and ``decompress`` returns views of the bucket's result scaled by the factor
+of the optimizer's ``op`` (1/N for Average, 1 for Sum; one scaling launch per bucket; the placeholder
+Horovod still allreduces is not read). The optimizer's ``_allreduce_grad_async`` (not the grouped
+one) is taken over at its first gradient (:meth:`StockCompression._take_over`). From its second step
+its gradients go straight into their buckets, and the float32 ones left uncompressed into plain groups
+(one Horovod allreduce each), as in hvd_quant's optimizer; Horovod's ``synchronize`` gets each result
+from a callable handle, as for Horovod's own sparse path: no Horovod op and no frame lookup per tensor.
+Its allgather payloads stay on Horovod's allgather. Without such an owner
+(``hvd.allreduce(t, compression=...)``, TensorFlow) each tensor is its own exchange, as in 1-3 above.
 
 Tensors with fewer than ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and
 non-floating tensors are returned as they are, with a passthrough context, and Horovod allreduces them.
@@ -43,7 +49,9 @@ Frameworks. ``compress`` dispatches on the tensor's type through :data:`FRONTEND
 methods here and hands eager ones to :meth:`StockCompression.compress_on`. The configuration is a
 :class:`hvd_quant.plan.Config`, as in the frontends' optimizers.
 """
+import functools
 import importlib
+import itertools
 import sys
 import weakref
 
@@ -228,6 +236,25 @@ class _Group:
         self.where = {params[m]: (k, i) for k, b in enumerate(self.plan.buckets)
                       for i, m in enumerate(b.members)}
         self.index = {p: i for i, p in enumerate(params)}
+        # Taken over (StockCompression._take_over), the float32 gradients left uncompressed are fused
+        # as in hvd_quant's optimizer: plain groups in reverse order, one Horovod allreduce each.
+        float32 = [session.adapter.describe(q) for q in params]
+        plain = [i for i in self.plan.plain if float32[i].is_float and float32[i].itemsize == 4]
+        numels = [info.numel for info in float32]
+        fused = _plan.fuse(list(reversed(plain)), numels, sc.config.bucket_bytes)
+        self.plain_names = [f"hvdq.stock.plain.{_plan.bucket_header([tensors[i].name for i in g])}"
+                            for g in fused]
+        self.plain_offsets = [list(itertools.accumulate((numels[i] for i in g), initial=0))
+                              for g in fused]
+        self.plain_where = {params[i]: (j, m) for j, g in enumerate(fused) for m, i in enumerate(g)}
+        self.plain = fused
+        self.taken_over = False     # StockCompression._take_over replaced its _allreduce_grad_async
+        self.direct = False         # taken over: this step's gradients go straight into their buckets
+        # Horovod's factor on the sum (module doc): 1/N for Average; Sum: 1. Its pre/post-scale split.
+        op = getattr(owner, "op", None)
+        self.average = op is None or not hasattr(backend, "core_op") or backend.core_op(op) != _SUM
+        f = getattr(owner, "gradient_predivide_factor", 1.0) if self.average else 1.0
+        self.scale_split = (1.0 / f, f)
         self.routes = [_plan.ALLREDUCE] * len(self.plan.buckets)  # how each bucket last travelled
         one = getattr(backend, "host_one", None)
         ps = session.coll.process_set
@@ -250,7 +277,13 @@ class _Group:
         self.pending = [None] * n      # (exchange, Pending) once started
         self.result = [None] * n
         self.seen = set()              # parameters whose gradient arrived in this step
+        self.plain_grads = [[None] * len(g) for g in self.plain]
+        self.plain_arrived = [0] * len(self.plain)
+        self.plain_pending = [None] * len(self.plain)   # Horovod's handle once started
+        self.plain_result = [None] * len(self.plain)
+        self.plain_left = [0] * len(self.plain)
         self.complete = []             # complete buckets waiting for this step's presence count
+        self.like = None               # a gradient of this step (zeros for buckets none reached)
         if self.presence is not None:
             self.presence.reset()
 
@@ -263,8 +296,10 @@ class _Group:
         return known[2]
 
     def placeholder(self, param, tensor):
-        """``param``'s placeholder (module doc): a view of one buffer per dtype and device, refilled
-        with ones at each step's first gradient, instead of a new tensor per gradient."""
+        """``param``'s placeholder where Horovod still allreduces one (its grouped path; a taken-over
+        optimizer's first step): a view of one buffer per dtype and device, refilled with ones at
+        each step's first gradient, instead of a new tensor per gradient. Its value is not read: the
+        bucket's factor comes from the optimizer's op (:meth:`factor`)."""
         key = (tensor.dtype, tensor.device)
         ones = self.ones.get(key)
         if ones is None:
@@ -279,6 +314,10 @@ class _Group:
     def absent(self):
         """True when a rank is inside ``hvd.join()`` this step (:class:`hvd_quant.plan.Presence`)."""
         return self.presence is not None and self.presence.absent(self.session.coll)
+
+    def factor(self):
+        """What Horovod's op applies to the sum over the ranks (those in ``hvd.join()`` add zero)."""
+        return 1.0 / self.session.coll.size if self.average else 1.0
 
 
 def _key_str(key):
@@ -310,12 +349,13 @@ class StockCompression:
         self._sessions = {}
         self._groups = {}       # id(optimizer) -> its _Group (dropped with the optimizer)
         self._pending = {}      # exchange name -> (session, Pending) of unfused tensors in flight
-        self._unadvanced = []   # (session, Pending) started since the last decompress advanced them
+        self._unadvanced = []   # (group or None, exchange, Pending) started and not yet advanced
         self._steps = {}        # exchange name -> how many exchanges of that name were started
         self._anon = 0          # fallback names: call order since nothing was pending
         self._restored = {}     # residuals loaded before their session existed
         self._restored_auto = {}    # reduction=auto states loaded before their optimizer's group
         self._graph_autos = {}      # plan key -> AutoChoice of a TensorFlow graph (_graph.GraphAuto)
+        self._decided = None        # (gradient, compress's answer) decided by a taken-over optimizer
 
     # -- configuration ----------------------------------------------------------------------------
     def summary(self):
@@ -388,6 +428,9 @@ class StockCompression:
 
     def compress_on(self, backend, tensor):
         """``compress`` through ``backend`` (a module as in :data:`FRONTENDS`) with its hook skipped."""
+        decided = self._decided
+        if decided is not None and decided[0] is tensor:
+            return decided[1]
         caller = _frame_context(tensor)
         if caller.param is not None:
             return self._compress_member(self._group(backend, caller), caller.param, tensor)
@@ -413,17 +456,28 @@ class StockCompression:
 
     def _compress_member(self, group, param, tensor):
         """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters."""
+        out, ctx = self._member(group, param, tensor)
+        return (group.placeholder(param, tensor) if out is None else out), ctx
+
+    def _member(self, group, param, tensor, direct=False):
+        """``(None, ctx)`` when the gradient of ``param`` (one of ``group``'s optimizer's parameters)
+        was recorded into its bucket (``direct``: or its plain group; the ctx is then a callable
+        giving the result), else ``(what Horovod allreduces, ctx)``."""
         self._arrived(group, param)
         session = group.session
         info = group.describe(param, tensor)
         where = group.where.get(param)
         if where is None or not self.compressible(info):
-            return self._uncompressed(session, tensor, info)
+            spot = group.plain_where.get(param) if direct else None
+            if spot is None:
+                return self._uncompressed(session, tensor, info)
+            return None, self._record_plain(group, spot, tensor, info)
         route = group.route()
-        if route == _plan.ALLREDUCE or group.absent():
+        if not direct and (route == _plan.ALLREDUCE or group.absent()):
             group.routes[where[0]] = _plan.ALLREDUCE
             return self._uncompressed(session, tensor, info)
-        return group.placeholder(param, tensor), self._record(group, where, tensor, info, route)
+        slot = self._record(group, where, tensor, info, route)
+        return None, (functools.partial(self._finish_slot, slot) if direct else slot)
 
     @staticmethod
     def _uncompressed(session, tensor, info):
@@ -432,11 +486,11 @@ class StockCompression:
         session.exchange.traffic.add_allreduce(info.numel * itemsize, info.numel, session.coll.size)
         return out
 
-    def _start(self, exchange, name, flat, record, head):
+    def _start(self, exchange, name, flat, record, head, group=None):
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
         pending = exchange.start(name, flat, step=step, record=record, header=head)
-        self._unadvanced.append((exchange, pending))
+        self._unadvanced.append((group, exchange, pending))
         return pending
 
     def _arrived(self, group, param):
@@ -483,7 +537,92 @@ class StockCompression:
             self._restore_auto(group.key, group.auto)
         self._groups[id(owner)] = (weakref.ref(owner), group)
         weakref.finalize(owner, self._groups.pop, id(owner), None)
+        if caller.param is not None and getattr(owner, "_groups", None) is None:
+            self._take_over(owner, group)
         return group
+
+    def _take_over(self, owner, group):
+        """Give ``owner`` (a Horovod optimizer, one allreduce per parameter) an
+        ``_allreduce_grad_async`` of hvd_quant's own. While ``group.direct``, a planned gradient goes
+        straight into its bucket or plain group, and Horovod's ``synchronize`` gets the result from a
+        callable handle (as for Horovod's own sparse path): no placeholder, no Horovod op per tensor,
+        no frame lookup. ``direct`` turns on once every rank has handed out a bucket (the first
+        ``_finish_slot``), and off at a step's first gradient in a new world (elastic), for one step:
+        the ranks that joined start with Horovod's per-tensor path, so every rank does. Other
+        gradients (sparse, outside the plan) take Horovod's own path."""
+        horovod_async = owner._allreduce_grad_async
+
+        def allreduce_grad_async(p):
+            if p not in group.index:
+                return horovod_async(p)
+            if group.direct and (not group.seen or p in group.seen) and self._world_changed(group):
+                group.direct = False
+            if group.direct and p.grad is None:
+                p.grad = p.data.new(p.size()).zero_()   # as Horovod: a gradient of zeros
+            grad = p.grad
+            if grad is not None and not grad.is_sparse:
+                if group.direct:
+                    out, ctx = self._member(group, p, grad, direct=True)
+                    if out is None:
+                        return ctx, None
+                else:
+                    out, ctx = self._compress_member(group, p, grad)
+                self._decided = (grad, (out, ctx))      # what compress returns, with no frame lookup
+            try:
+                return horovod_async(p)
+            finally:
+                self._decided = None
+
+        owner._allreduce_grad_async = allreduce_grad_async
+        group.taken_over = True
+
+    @staticmethod
+    def _world_changed(group):
+        return group.backend.stock_backend(group.process_set)[0] is not group.session.coll
+
+    def _record_plain(self, group, spot, tensor, info):
+        """Keep plain member ``spot`` = (group, index); start its allreduce once the group is complete.
+        Returns the callable handle of its result."""
+        j, i = spot
+        grads = group.plain_grads[j]
+        if grads[i] is not None:
+            raise RuntimeError(f"hvd_quant: gradient of {group.plain_names[j]}[{i}] was handed over "
+                               f"twice before its result (backward run twice without a step?)")
+        grads[i] = tensor
+        group.plain_arrived[j] += 1
+        if group.plain_arrived[j] == len(grads):
+            self._launch_plain(group, j)
+        return functools.partial(self._finish_plain, group, j, i, info)
+
+    @staticmethod
+    def _launch_plain(group, j):
+        """Plain group ``j``: one Horovod allreduce of its gradients, flattened (zeros for a member
+        that never arrived), with the optimizer's op and Horovod's pre/post-scale split."""
+        session, grads, offsets = group.session, group.plain_grads[j], group.plain_offsets[j]
+        like = next(g for g in grads if g is not None)
+        flat = session.ops.flatten([g if g is not None else session.ops.zeros(b - a, like)
+                                    for g, a, b in zip(grads, offsets, offsets[1:])])
+        n = offsets[-1]
+        session.exchange.traffic.add_allreduce(4 * n, n, session.coll.size)
+        op = _plan.AVERAGE if group.average else _SUM
+        pre, post = group.scale_split
+        group.plain_pending[j] = session.coll.allreduce_async(flat, group.plain_names[j], op, pre, post)
+        group.plain_left[j] = sum(g is not None for g in grads)
+        group.plain_grads[j] = [None] * len(grads)
+        group.plain_arrived[j] = 0
+
+    def _finish_plain(self, group, j, i, info):
+        flat = group.plain_result[j]
+        if flat is None:
+            if group.plain_pending[j] is None:      # a member never reached this rank's hook
+                self._launch_plain(group, j)
+            flat = group.plain_result[j] = group.session.coll.synchronize(group.plain_pending[j])
+            group.plain_pending[j] = None
+        group.plain_left[j] -= 1
+        if group.plain_left[j] == 0:
+            group.plain_result[j] = None
+        offsets = group.plain_offsets[j]
+        return group.session.adapter.restore(flat[offsets[i]:offsets[i + 1]], info)
 
     def _record(self, group, where, tensor, info, route):
         """Keep member ``where`` = (bucket, index) of ``group``; start the bucket once it is complete."""
@@ -494,6 +633,7 @@ class StockCompression:
             raise RuntimeError(f"hvd_quant: gradient {b.names[i]!r} was compressed twice before "
                                f"its decompress (backward run twice without a step?)")
         grads[i] = tensor
+        group.like = tensor
         group.arrived[k] += 1
         if group.arrived[k] == len(grads):
             group.complete.append(k)
@@ -514,32 +654,39 @@ class StockCompression:
         allreduces zeros for a parameter without a gradient). While a rank is inside ``hvd.join()``
         the bucket goes through Horovod's allreduce (a Sum, scaled in ``decompress``)."""
         session, b, grads = group.session, group.plan.buckets[k], group.grads[k]
-        like = next(g for g in grads if g is not None)
-        parts = [g if g is not None else session.ops.zeros(b.numels[i], like) for i, g in enumerate(grads)]
+        parts = [g if g is not None else session.ops.zeros(b.numels[i], group.like)
+                 for i, g in enumerate(grads)]
         flat = session.ops.flatten(parts)
-        group.routes[k] = _plan.ALLREDUCE if group.absent() else route
         if group.absent():
+            route = _plan.ALLREDUCE
+        group.routes[k] = route
+        if route == _plan.ALLREDUCE:
             session.exchange.traffic.add_allreduce(4 * b.numel, b.numel, session.coll.size)
-            group.pending[k] = None, session.coll.allreduce_async(flat, f"{b.name}.joined", _SUM)
+            group.pending[k] = None, session.coll.allreduce_async(flat, f"{b.name}.sum", _SUM)
         else:
             record = group.plan.record if b.name not in self._steps else None
             ex = session.exchange_for(route)
-            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header)
-            ex.advance_ready([q for e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
+            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header, group)
+            ex.advance_ready([q for _, e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
         group.left[k] = sum(g is not None for g in grads)     # the members decompress will return
         group.grads[k] = [None] * len(grads)
         group.arrived[k] = 0
 
-    def _advance_all(self):
-        """Move every exchange still in its first phase to its second before waiting on any (the
-        overlap rule), once per step, not once per tensor."""
-        started, self._unadvanced = self._unadvanced, []
-        for exchange, pending in started:
-            exchange.advance(pending)
+    def _advance_all(self, group=None):
+        """Move every exchange of ``group`` (None: the unfused tensors) still in its first phase to its
+        second before waiting on any (the overlap rule), once per step, not once per tensor. Another
+        optimizer's exchanges are left to its own ``synchronize()``: advancing one blocks on its
+        alltoall, which a rank may start only there (its presence count was not known in backward),
+        after this optimizer's: two ranks would wait for each other."""
+        mine = [e for e in self._unadvanced if e[0] is group]
+        if mine:
+            self._unadvanced = [e for e in self._unadvanced if e[0] is not group]
+            for _, exchange, pending in mine:
+                exchange.advance(pending)
 
     def decompress(self, tensor, ctx):
         if isinstance(ctx, _Slot):
-            return self._finish_slot(tensor, ctx)
+            return self._finish_slot(ctx)
         if isinstance(ctx, _Cast):
             return ctx.adapter.cast_back(tensor, ctx.info)
         if not isinstance(ctx, _Ctx):
@@ -552,8 +699,9 @@ class StockCompression:
         flat = session.ops.scale_(flat, ctx.session.adapter.as_float(tensor) / ctx.size)
         return session.adapter.restore(flat, ctx.info)
 
-    def _finish_slot(self, tensor, slot):
+    def _finish_slot(self, slot):
         group, k = slot.group, slot.k
+        group.direct = group.taken_over    # every hook of this step has run on this rank
         session = group.session
         flat = group.result[k]
         if flat is None:
@@ -561,14 +709,11 @@ class StockCompression:
                 self._launch_complete(group, slot.route, wait=True)
             if group.pending[k] is None:        # a member never reached compress on this rank
                 self._launch(group, k, slot.route)
-            self._advance_all()
+            self._advance_all(group)
             ex, pending = group.pending[k]
             flat = ex.finish(pending) if ex is not None else session.coll.synchronize(pending)
-            # Every member carries the same factor (one optimizer: one op and pre/post-scale): the
-            # placeholder's allreduce over the ranks that stepped (those in hvd.join() add zero)
-            stepped = group.presence.count if group.absent() else session.coll.size
-            flat = group.result[k] = session.ops.scale_(
-                flat, session.adapter.as_float(tensor) / stepped)
+            factor = group.factor()
+            flat = group.result[k] = flat if factor == 1.0 else session.ops.scale_(flat, factor)
             group.pending[k] = None
         b = group.plan.buckets[k]
         group.left[k] -= 1

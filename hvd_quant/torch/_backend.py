@@ -289,7 +289,8 @@ class _StockAdapter:
 
     @staticmethod
     def restore(flat, info):
-        return flat.view(info.shape).to(info.dtype)
+        out = flat.view(info.shape)
+        return out if out.dtype == info.dtype else out.to(info.dtype)
 
 
 _ADAPTER = _StockAdapter()

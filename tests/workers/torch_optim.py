@@ -336,26 +336,36 @@ def option_cases():
     steps = comp.state_dict()["steps"]
     check(len(steps) == 1 and list(steps.values()) == [3], "stock path fuses into one bucket",
           f"exchanges started per name: {steps}")
-    # hvd_quant's optimizer fuses the uncompressed float32 gradients too (c.weight and the three
-    # biases: 778 floats, one plain group): one allreduce per step, none per tensor. The results are
-    # checked against the reference by every step_checks case.
-    m = fresh()
-    opt = make_opt("ours", m, Q4D)
-    names, real = [], hvd.allreduce_async_
+    # Both entry points fuse the uncompressed float32 gradients too (c.weight and the three biases:
+    # 778 floats, one plain group): one allreduce per step, none per tensor. The stock path does so
+    # from its second step (its first is Horovod's, one allreduce per tensor, placeholders for the
+    # compressed ones), and no longer allreduces a placeholder. The results are checked against the
+    # reference by every step_checks case.
+    import horovod.torch.optimizer as hvd_optimizer
+    for entry, first in (("ours", 0), ("stock", 1)):
+        m = fresh()
+        opt = make_opt(entry, m, Q4D)
+        names, real = [], hvd.allreduce_async_
 
-    def counting(tensor, *args, **kw):
-        names.append(kw.get("name"))
-        return real(tensor, *args, **kw)
-    hvd.allreduce_async_ = counting
-    try:
-        run_steps(m, opt, range(2), 69, [])
-    finally:
-        hvd.allreduce_async_ = real
-    plain = [n for n in names if ".plain." in str(n)]
-    per_tensor = [n for n in names if n in dict(m.named_parameters())]
-    check(len(plain) == 2 and len(set(plain)) == 1 and not per_tensor,
-          "ours: uncompressed gradients fused, one allreduce per step", f"allreduce names: {names}")
-    check(params_identical(m), "ours: replicas identical after fused plain groups")
+        def counting(tensor, *args, **kw):
+            names.append(kw.get("name"))
+            return real(tensor, *args, **kw)
+        hvd.allreduce_async_ = hvd_optimizer.allreduce_async_ = counting
+        try:
+            run_steps(m, opt, range(first), 69, [])
+            per_tensor_first = [n for n in names if n in dict(m.named_parameters())]
+            del names[:]
+            run_steps(m, opt, range(first, first + 2), 69, [])
+        finally:
+            hvd.allreduce_async_ = hvd_optimizer.allreduce_async_ = real
+        plain = [n for n in names if ".plain." in str(n)]
+        per_tensor = [n for n in names if n in dict(m.named_parameters())]
+        check(len(plain) == 2 and len(set(plain)) == 1 and not per_tensor,
+              f"{entry}: uncompressed gradients fused, one allreduce per step",
+              f"allreduce names: {names}")
+        check(len(per_tensor_first) == first * len(list(m.parameters())),
+              f"{entry}: first step's allreduces per tensor", f"{per_tensor_first}")
+        check(params_identical(m), f"{entry}: replicas identical after fused plain groups")
 
 
 def bytes_cases():
