@@ -53,6 +53,7 @@ import functools
 import importlib
 import itertools
 import sys
+import threading
 import weakref
 
 from . import plan as _plan
@@ -355,7 +356,9 @@ class StockCompression:
         self._restored = {}     # residuals loaded before their session existed
         self._restored_auto = {}    # reduction=auto states loaded before their optimizer's group
         self._graph_autos = {}      # plan key -> AutoChoice of a TensorFlow graph (_graph.GraphAuto)
-        self._decided = None        # (gradient, compress's answer) decided by a taken-over optimizer
+        # .decided: (gradient, compress's answer) decided by a taken-over optimizer, per thread
+        # (autograd runs hooks on one thread per device)
+        self._thread = threading.local()
 
     # -- configuration ----------------------------------------------------------------------------
     def summary(self):
@@ -428,7 +431,7 @@ class StockCompression:
 
     def compress_on(self, backend, tensor):
         """``compress`` through ``backend`` (a module as in :data:`FRONTENDS`) with its hook skipped."""
-        decided = self._decided
+        decided = getattr(self._thread, "decided", None)
         if decided is not None and decided[0] is tensor:
             return decided[1]
         caller = _frame_context(tensor)
@@ -567,11 +570,11 @@ class StockCompression:
                         return ctx, None
                 else:
                     out, ctx = self._compress_member(group, p, grad)
-                self._decided = (grad, (out, ctx))      # what compress returns, with no frame lookup
+                self._thread.decided = (grad, (out, ctx))   # what compress returns, no frame lookup
             try:
                 return horovod_async(p)
             finally:
-                self._decided = None
+                self._thread.decided = None
 
         owner._allreduce_grad_async = allreduce_grad_async
         group.taken_over = True
