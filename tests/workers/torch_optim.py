@@ -311,17 +311,26 @@ def option_cases():
         msg = str(e)
     check("Adasum" in msg and "not supported" in msg, "stock adasum refused", msg[:200])
     # SRA's second phase starts during backward for a bucket whose alltoall is done: b.weight's
-    # bucket starts first; a.weight's gradient is held back 0.5 s (on every rank), so when its own
-    # bucket starts, b's alltoall has completed and is advanced then, before synchronize(). (b.weight
-    # is held back 0.2 s too: a bucket starts once the step's presence count, hvd.join(), issued at
-    # c's gradient, is known, and no other gradient would look for it before a.weight's.)
+    # bucket starts first; a.weight's gradient is held back (on every rank) until b's alltoall has
+    # completed, so when a's own bucket starts, b's is advanced then, before synchronize(). (b.weight
+    # is held back 0.2 s: a bucket starts once the step's presence count, hvd.join(), issued at c's
+    # gradient, is known, and no other gradient would look for it before a.weight's.)
     m = fresh()
     opt = hqt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
                                    named_parameters=m.named_parameters(), compression=codec(Q4D),
                                    reduction="sra", bucket_bytes=16384)
     kb = next(k for k, ps in enumerate(opt._bucket_params) if ps == [m.b.weight])
+
+    def b_alltoall_done(g, deadline_s=60.0):
+        end = time.monotonic() + deadline_s      # b never started: the check below fails
+        while time.monotonic() < end:
+            p = opt._pending[kb]
+            if p is not None and p.handle is not None and hvd.poll(p.handle):
+                return
+            time.sleep(0.005)
+
     m.b.weight.register_hook(lambda g: time.sleep(0.2))
-    m.a.weight.register_hook(lambda g: time.sleep(0.5))
+    m.a.weight.register_hook(b_alltoall_done)
     x, y = batch(0, 68)
     F.cross_entropy(m(x), y).backward()
     stage = opt._pending[kb].stage
