@@ -251,6 +251,9 @@ class _Group:
         self.plain = fused
         self.taken_over = False     # StockCompression._take_over replaced its _allreduce_grad_async
         self.direct = False         # taken over: this step's gradients go straight into their buckets
+        self.device = getattr(params[0], "device", None) if params else None
+        self.gather = (None, None)  # (collectives, what carries the allgather payloads) in this world
+        self.next_gather = None     # made in this step, used from the next (_go_direct)
         # Horovod's factor on the sum (module doc): 1/N for Average; Sum: 1. Its pre/post-scale split.
         op = getattr(owner, "op", None)
         self.average = op is None or not hasattr(backend, "core_op") or backend.core_op(op) != _SUM
@@ -284,6 +287,7 @@ class _Group:
         self.plain_result = [None] * len(self.plain)
         self.plain_left = [0] * len(self.plain)
         self.complete = []             # complete buckets waiting for this step's presence count
+        self.next_start = 0            # with a payload gather: the next bucket to start, plan order
         self.like = None               # a gradient of this step (zeros for buckets none reached)
         if self.presence is not None:
             self.presence.reset()
@@ -315,6 +319,11 @@ class _Group:
     def absent(self):
         """True when a rank is inside ``hvd.join()`` this step (:class:`hvd_quant.plan.Presence`)."""
         return self.presence is not None and self.presence.absent(self.session.coll)
+
+    def payload_gather(self):
+        """What carries this step's allgather payloads: the payload group made for the current world
+        (its collectives match by order: the buckets then start in plan order), or None (Horovod)."""
+        return self.gather[1] if self.gather[0] is self.session.coll else None
 
     def factor(self):
         """What Horovod's op applies to the sum over the ranks (those in ``hvd.join()`` add zero)."""
@@ -489,10 +498,10 @@ class StockCompression:
         session.exchange.traffic.add_allreduce(info.numel * itemsize, info.numel, session.coll.size)
         return out
 
-    def _start(self, exchange, name, flat, record, head, group=None):
+    def _start(self, exchange, name, flat, record, head, group=None, gather=None):
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        pending = exchange.start(name, flat, step=step, record=record, header=head)
+        pending = exchange.start(name, flat, step=step, record=record, header=head, gather=gather)
         self._unadvanced.append((group, exchange, pending))
         return pending
 
@@ -518,7 +527,11 @@ class StockCompression:
 
     @staticmethod
     def _step_begins(group):
-        """A step's first gradient: refill the placeholders, count the ranks that step (hvd.join())."""
+        """A step's first gradient: refill the placeholders, count the ranks that step (hvd.join()),
+        take up a payload group made in the step before."""
+        group.next_start = 0
+        if group.next_gather is not None:
+            group.gather, group.next_gather = group.next_gather, None
         for ones in group.ones.values():
             ones.fill_(1)
         if group.presence is not None:
@@ -617,6 +630,8 @@ class StockCompression:
     def _finish_plain(self, group, j, i, info):
         flat = group.plain_result[j]
         if flat is None:
+            if group.complete:      # start the buckets before any wait of the step
+                self._launch_complete(group, group.route(), wait=True)
             if group.plain_pending[j] is None:      # a member never reached this rank's hook
                 self._launch_plain(group, j)
             flat = group.plain_result[j] = group.session.coll.synchronize(group.plain_pending[j])
@@ -649,10 +664,13 @@ class StockCompression:
         if group.presence is not None and not group.presence.known(group.session.coll, wait):
             return
         complete, group.complete = group.complete, []
+        gather = group.payload_gather() if route == "allgather" else None
+        if gather is not None:
+            complete, group.complete, group.next_start = _plan.in_plan_order(complete, group.next_start)
         for k in complete:
-            self._launch(group, k, route)
+            self._launch(group, k, route, gather)
 
-    def _launch(self, group, k, route):
+    def _launch(self, group, k, route, gather=None):
         """Start bucket ``k``'s exchange; members that never arrived contribute zeros (as Horovod
         allreduces zeros for a parameter without a gradient). While a rank is inside ``hvd.join()``
         the bucket goes through Horovod's allreduce (a Sum, scaled in ``decompress``)."""
@@ -669,7 +687,7 @@ class StockCompression:
         else:
             record = group.plan.record if b.name not in self._steps else None
             ex = session.exchange_for(route)
-            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header, group)
+            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header, group, gather)
             ex.advance_ready([q for _, e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
         group.left[k] = sum(g is not None for g in grads)     # the members decompress will return
         group.grads[k] = [None] * len(grads)
@@ -704,14 +722,20 @@ class StockCompression:
 
     def _finish_slot(self, slot):
         group, k = slot.group, slot.k
-        group.direct = group.taken_over    # every hook of this step has run on this rank
+        if group.taken_over and not group.direct:
+            self._go_direct(group, slot.route)
         session = group.session
         flat = group.result[k]
         if flat is None:
             if group.pending[k] is None:
                 self._launch_complete(group, slot.route, wait=True)
             if group.pending[k] is None:        # a member never reached compress on this rank
-                self._launch(group, k, slot.route)
+                gather = group.payload_gather() if slot.route == "allgather" else None
+                for j in range(group.next_start if gather is not None else k, k + 1):   # plan order
+                    if group.pending[j] is None:
+                        self._launch(group, j, slot.route, gather)
+                group.next_start = max(group.next_start, k + 1)
+                group.complete = [j for j in group.complete if group.pending[j] is None]
             self._advance_all(group)
             ex, pending = group.pending[k]
             flat = ex.finish(pending) if ex is not None else session.coll.synchronize(pending)
@@ -723,6 +747,21 @@ class StockCompression:
         if group.left[k] == 0:
             group.result[k] = None
         return session.adapter.restore(flat[b.offsets[slot.i]:b.offsets[slot.i + 1]], slot.info)
+
+    def _go_direct(self, group, route):
+        """A taken-over optimizer's first bucket result in this world: every hook of the step has run
+        on this rank and nothing of the step has been waited for, so every rank comes to this point.
+        Launch the complete buckets (other ranks may wait for them), make the payload group (a
+        collective; used from the next step, so that a bucket of this step does not go one way on
+        one rank and the other way on another), and from the next step on hand the gradients
+        straight to their buckets."""
+        self._launch_complete(group, route, wait=True)
+        make = getattr(group.backend, "payload_gather", None)
+        coll = group.session.coll
+        if make is not None and group.device is not None and not group.absent():
+            label = f"hvdq.stock.{group.key}"
+            group.next_gather = (coll, make(coll.process_set, group.device, label))
+        group.direct = True
 
     # -- state ------------------------------------------------------------------------------------
     @property

@@ -107,15 +107,22 @@ class PayloadGroup:
     user issues them in one order on every rank.
     """
 
-    def __init__(self, store, process_set, backend):
+    def __init__(self, store, process_set, backend, device):
         import torch.distributed as dist
         self.store = store                  # rank 0 serves it for the group's lifetime
         self.size = process_set.size()
         self.pg = getattr(dist, {"nccl": "ProcessGroupNCCL", "gloo": "ProcessGroupGloo"}[backend])(
             store, process_set.rank(), self.size)
+        # The first collective creates NCCL's communicator: a host call that blocks until every rank
+        # joins. Here every rank is at the same point; in a gradient hook a rank would block there
+        # while another waits in synchronize() for something this rank submits later.
+        one = torch.zeros(1, device=device)
+        self.pg._allgather_base(one.new_empty(self.size), one).wait()
+        if one.is_cuda:
+            torch.cuda.current_stream(device).synchronize()
 
     @classmethod
-    def make(cls, process_set, backend, label):
+    def make(cls, process_set, backend, label, device):
         """The group, made collectively; None on every rank where rank 0's ``HVD_QUANT_PAYLOAD_GROUP``
         is ``0`` (rank 0 decides, so the ranks cannot disagree). A store that cannot be made or
         reached raises on every rank, naming both variables."""
@@ -146,7 +153,7 @@ class PayloadGroup:
                                        f"store at {where[0]}:{where[1]} ({e}); {way_out}") from e
         if isinstance(where, str):
             raise RuntimeError(f"hvd_quant: {where}")
-        return None if where is None else cls(store, process_set, backend)
+        return None if where is None else cls(store, process_set, backend, device)
 
     def allgather(self, t):
         """The concatenation of every rank's ``t`` (equal lengths) in rank order, as a handle."""
@@ -181,7 +188,7 @@ class _GroupWork:
         return self.out
 
 
-def payload_gather(process_set, device_type, label):
+def payload_gather(process_set, device, label):
     """The ``gather`` of an :class:`~hvd_quant.exchange.Exchange` for one optimizer's payloads on
     ``device_type`` (``label``: the optimizer's collective prefix): a :class:`PayloadGroup` of its
     own, made now. A collective (Horovod broadcast, then the store): call it where every rank is at
@@ -189,10 +196,10 @@ def payload_gather(process_set, device_type, label):
     handshake); made inside a gradient hook later in a step, it could wait for a rank that waits for
     this rank's next Horovod op. None where :data:`PAYLOAD_GROUP` has no backend for the device
     type, the set has one rank, or rank 0 turned the group off."""
-    backend = PAYLOAD_GROUP.get(device_type)
+    backend = PAYLOAD_GROUP.get(device.type)
     if backend is None or process_set.size() == 1:
         return None
-    group = PayloadGroup.make(process_set, backend, label)
+    group = PayloadGroup.make(process_set, backend, label, device)
     return None if group is None else (lambda t, name: group.allgather(t))
 
 

@@ -201,7 +201,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         starts the buckets in plan order. None: Horovod's allgather."""
         if not self._buckets:
             return None
-        return _backend.payload_gather(self.process_set, self._bucket_params[0][0].device.type,
+        return _backend.payload_gather(self.process_set, self._bucket_params[0][0].device,
                                        self._prefix)
 
     def _route(self):
