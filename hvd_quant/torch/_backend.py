@@ -190,12 +190,14 @@ class _GroupWork:
 
 def payload_gather(process_set, device, label):
     """The ``gather`` of an :class:`~hvd_quant.exchange.Exchange` for one optimizer's payloads on
-    ``device_type`` (``label``: the optimizer's collective prefix): a :class:`PayloadGroup` of its
-    own, made now. A collective (Horovod broadcast, then the store): call it where every rank is at
-    the same point with nothing of its step submitted yet (the optimizer's ``_connect``, beside its
-    handshake); made inside a gradient hook later in a step, it could wait for a rank that waits for
-    this rank's next Horovod op. None where :data:`PAYLOAD_GROUP` has no backend for the device
-    type, the set has one rank, or rank 0 turned the group off."""
+    ``device`` (``label``: the optimizer's collective prefix): a :class:`PayloadGroup` of its own,
+    made now, its NCCL communicator included. A collective (Horovod broadcast, the store, the
+    group's first allgather): call it where every rank comes to the same point with nothing of its
+    step left waiting on this rank (the optimizer's ``_connect``, beside its handshake; the stock
+    path's first result of a taken-over step, after launching its complete buckets); made inside a
+    gradient hook, it could wait for a rank that waits for this rank's next Horovod op. None where
+    :data:`PAYLOAD_GROUP` has no backend for the device type, the set has one rank, or rank 0 turned
+    the group off."""
     backend = PAYLOAD_GROUP.get(device.type)
     if backend is None or process_set.size() == 1:
         return None
