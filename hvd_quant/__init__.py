@@ -1,7 +1,7 @@
 """hvd_quant: QSGD and 1-bit SGD gradient compression for Horovod."""
 __version__ = "0.1.0"
 
-__all__ = ["QSGD", "OneBit", "FP16", "NoCompression", "Compression", "Codec", "REGISTRY", "register",
+__all__ = ["QSGD", "OneBit", "SortQuant", "FP16", "NoCompression", "Compression", "Codec", "REGISTRY", "register",
            "from_spec", "PayloadError", "UnsupportedInputError", "StockCompression",
            "ConfigMismatchError", "PayloadMismatchError", "__version__"]
 
@@ -9,8 +9,8 @@ __all__ = ["QSGD", "OneBit", "FP16", "NoCompression", "Compression", "Codec", "R
 from ._stock import StockCompression  # noqa: E402
 from .exchange import ConfigMismatchError, PayloadMismatchError  # noqa: E402
 
-# Codecs (issue 3): QSGD, 1-bit, fp16, none; the registry and the Horovod-style namespace.
-from .codecs import (QSGD, OneBit, FP16, NoCompression, Compression, Codec, REGISTRY,  # noqa: E402
+# Codecs (issues 3, 15): QSGD, 1-bit, sort quantization, fp16, none; the registry and the Horovod-style namespace.
+from .codecs import (QSGD, OneBit, SortQuant, FP16, NoCompression, Compression, Codec, REGISTRY,  # noqa: E402
                      register, from_spec, PayloadError, UnsupportedInputError)
 
 # TensorFlow: autograph must run the codecs and the stock-Horovod hooks as plain Python (in a graph

@@ -38,7 +38,7 @@ from numba_kernels.wire import PayloadError
 
 from ._arrays import UnsupportedInputError, adapter_for, device_statuses, status_for
 
-__all__ = ["Codec", "QSGD", "OneBit", "FP16", "NoCompression", "Compression", "REGISTRY", "register",
+__all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "FP16", "NoCompression", "Compression", "REGISTRY", "register",
            "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
 
 REGISTRY = {}
@@ -213,8 +213,8 @@ def _prepared(codec, shape, dtype_name, name):
 @functools.lru_cache(maxsize=4096)
 def _layout_of(codec, numel):
     """The payload layout of ``numel`` elements (``wire.layout``; memoised, layouts are never modified)."""
-    method, bits, mode, _, bs = codec._fields()
-    return wire.layout(method, numel, bits, bs, mode)
+    method, bits, mode, norm, bs = codec._fields()
+    return wire.layout(method, numel, bits, bs, mode, norm)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1038,6 +1038,93 @@ class OneBit(Codec):
 
 # ---- raw: fp16 and none ---------------------------------------------------------------------------------
 
+# ---- sort quantization ---------------------------------------------------------------------------------
+
+@register("sortquant")
+class SortQuant(Codec):
+    """Sort quantization: per bucket, ``2**split_bits`` groups of equal count by rank, each quantized
+    uniformly within its own range (reference/004 in the project's sources).
+
+    Within each bucket of ``bucket_size`` consecutive elements the values are ranked by **value**
+    (ties in index order) and the element of rank p (of n) goes to group ``g = (p * 2**split_bits) //
+    n``: the groups are consecutive value intervals of n / 2**split_bits elements each (give or take
+    one). Each group sends its (min, max) as two float32 scales; each element sends ``g`` in
+    ``split_bits`` bits and a level q in [0, L], L = 2**(bits - split_bits) - 1, in the remaining
+    ``bits - split_bits``: with unit = (max - min) / L, x = min + v * unit, ``mode="stochastic"``
+    rounds v up with probability v - floor(v) (**unbiased** within the group, up to 2**-24 of a level),
+    ``"deterministic"`` to nearest (half up; error at most unit/2). Decode gives min + q * unit.
+
+    Why by value, not by magnitude: the groups are then disjoint intervals of the values, each as
+    narrow as its count allows; ranked by magnitude a group would hold values of both signs and span
+    twice its width. Where values bunch near zero and a few are large (gradients), the outer groups
+    take the large values and the inner ones resolve the bulk finely, where QSGD's one scale per
+    bucket spends every level on the largest value.
+
+    Kernels: Numba CPU (a stable argsort per bucket) and CUDA (a block per bucket sorts it in shared
+    memory with a bitonic network: on CUDA ``bucket_size`` is at most 4096), both bit-identical to the
+    NumPy reference; not tuned yet (no fused reduce kernels: SRA and allgather decode and sum payload
+    by payload). Wire: 64-byte header (``norm`` holds split_bits), ceil(numel*bits/8) code bytes (zero
+    padded to 4), then 8 * 2**split_bits scale bytes per bucket. A bucket holding NaN or Inf, or whose range overflows float32, decodes to NaN
+    (only that bucket). bits 2..16, split_bits 1..bits-1, bucket_size >= 1. Noise and ``seed`` as
+    :class:`QSGD`.
+    """
+
+    PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,
+              "seed": _p_opt_int}
+    _method = wire.METHODS["sortquant"]
+
+    def __init__(self, bits=4, split_bits=2, bucket_size=512, mode="stochastic", seed=None):
+        bits = _check_int("bits", bits, 2, 16)
+        self._freeze(bits=bits, split_bits=_check_int("split_bits", split_bits, 1, bits - 1),
+                     bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
+                     mode=_check_choice("mode", mode, ("stochastic", "deterministic")),
+                     seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1))
+        self.__dict__["stochastic"] = self.mode == "stochastic"
+
+    def _config(self):
+        return {"bits": self.bits, "split_bits": self.split_bits, "bucket_size": self.bucket_size,
+                "mode": self.mode, "seed": self.seed}
+
+    def _fields(self):
+        return (self._method, self.bits, wire.MODES[self.mode], self.split_bits, self.bucket_size)
+
+    def _field_text(self, field, code):
+        if field == "mode":
+            return f"mode={_MODE_NAMES.get(code, code)}"
+        if field == "norm":
+            return f"split_bits={code}"
+        return super()._field_text(field, code)
+
+    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
+        import numba_kernels.cpu as K
+        K.sortquant_encode_cpu(arrays.input_f32(x), pay, words, self.bits, self.split_bits, self.bucket_size,
+                               self.stochastic, key, residual=residual)
+
+    def _decode_host(self, pay, out, accumulate):
+        import numba_kernels.cpu as K
+        K.sortquant_decode_cpu(pay, out, self.bits, self.split_bits, self.bucket_size, accumulate)
+
+    def _bound_kernel(self, arrays, numel, accumulate):
+        if arrays.device or not arrays.views:
+            return None
+        import numba_kernels.cpu as K
+        if accumulate is None:
+            return K.prepare_sortquant_encode(numel, self.bits, self.split_bits, self.bucket_size,
+                                              self.stochastic)
+        return K.prepare_sortquant_decode(numel, self.bits, self.split_bits, self.bucket_size, accumulate)
+
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
+        import numba_kernels.cuda as K
+        K.sortquant_encode_cuda(arrays.input_f32(x)[1], pdev, words, self.bits, self.split_bits,
+                                self.bucket_size, self.stochastic, key, stream, _dev_view(arrays, residual))
+
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
+                    expect):
+        import numba_kernels.cuda as K
+        K.sortquant_decode_cuda(pdev, out_dev, self.bits, self.split_bits, self.bucket_size, accumulate,
+                                stream, status_dev, expect)
+
+
 class _Raw(Codec):
     _value_dtype = None
 
@@ -1115,7 +1202,7 @@ class NoCompression(_Raw):
 
 class Compression:
     """Horovod-style namespace: ``Compression.none``, ``Compression.fp16`` (instances),
-    ``Compression.qsgd(...)``, ``Compression.onebit(...)`` (factories)."""
+    ``Compression.qsgd(...)``, ``Compression.onebit(...)``, ``Compression.sortquant(...)`` (factories)."""
     none = NoCompression()
     fp16 = FP16()
 
@@ -1128,6 +1215,11 @@ class Compression:
     def onebit(*args, **kwargs):
         """A :class:`OneBit` codec (same arguments)."""
         return OneBit(*args, **kwargs)
+
+    @staticmethod
+    def sortquant(*args, **kwargs):
+        """A :class:`SortQuant` codec (same arguments)."""
+        return SortQuant(*args, **kwargs)
 
 
 def resolve_codec(compression, horovod_compression=None):

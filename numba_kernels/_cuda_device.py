@@ -37,6 +37,8 @@ mul = ops.mul
 sqrt32 = ops.sqrt32
 header_errors = ops.header_errors
 onebit_scales = ops.onebit_scales      # (two_mean, p, q, cnt, ln) -> (hi, lo)
+sortquant_level = ops.sortquant_level
+sortquant_value = ops.sortquant_value
 
 # reductions (scales)
 MAX, L2, TWO_MEAN, MEAN_ABS = 0, 1, 2, 3

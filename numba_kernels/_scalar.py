@@ -165,6 +165,30 @@ def build(jit, fmul):
         return fmul(a, b)
 
     @jit
+    def sortquant_level(xv, lo, unit, Lf, L, stochastic, r):
+        """The level in [0, L] of ``xv`` in the SortQuant group starting at ``lo`` with step ``unit``
+        (``numba_kernels.reference.sortquant_encode_ref``): v = (xv - lo) / unit, IEEE-rounded,
+        clamped to L; stochastic: floor(v) + (r < frac * 2**24) with ``r`` the element's 24 random bits;
+        else half up. 0 where unit is 0 (every value of the group is lo)."""
+        if not unit > F0:
+            return np.int32(0)
+        v = (xv - lo) / unit
+        if not v <= Lf:
+            v = Lf
+        q = np.int32(v)
+        frac = v - np.float32(q)
+        if stochastic:
+            q = np.int32(q + np.int32(np.float32(r) < frac * F2_24))
+        else:
+            q = np.int32(q + np.int32(frac >= FHALF))
+        return min(q, np.int32(L))
+
+    @jit
+    def sortquant_value(lo, q, unit):
+        """What a SortQuant level decodes to: lo + q * unit, two IEEE roundings (no fused multiply-add)."""
+        return lo + fmul(np.float32(q), unit)
+
+    @jit
     def fnv(payload, a, b, h):
         for k in range(a, b):
             h = ((h ^ np.uint64(payload[k])) * FNV_PRIME) & M32U
@@ -243,7 +267,8 @@ def build(jit, fmul):
                            qsgd_code_r=qsgd_code_r, qsgd_level=qsgd_level, qsgd_round=qsgd_round,
                            max_nan=max_nan,
                            finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32,
-                           onebit_scales=onebit_scales)
+                           onebit_scales=onebit_scales, sortquant_level=sortquant_level,
+                           sortquant_value=sortquant_value)
 
 
 def mix64_py(z):

@@ -42,7 +42,8 @@ __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_de
            "onebit_reduce_requantize_cpu", "qsgd_decode_chunks_cpu", "onebit_decode_chunks_cpu",
            "prepare_qsgd_decode_sum", "prepare_onebit_decode_sum", "prepare_qsgd_reduce_requantize",
            "prepare_onebit_reduce_requantize", "prepare_qsgd_decode_chunks",
-           "prepare_onebit_decode_chunks"]
+           "prepare_onebit_decode_chunks", "sortquant_encode_cpu", "sortquant_decode_cpu",
+           "prepare_sortquant_encode", "prepare_sortquant_decode"]
 
 
 
@@ -71,6 +72,8 @@ _mix64 = _ops.mix64
 _onebit_scales = _ops.onebit_scales
 _sqrt32 = _ops.sqrt32
 _hdr_err = _ops.header_errors
+_sq_level = _ops.sortquant_level
+_sq_value = _ops.sortquant_value
 
 _KERNEL = dict(cache=True, error_model="numpy", nogil=True)
 _TARGET_CHUNK = 16384       # elements per parallel task
@@ -428,6 +431,114 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
                 for j in range(xb.size):
                     rb[j] = xb[j] - np.float32(cb[j] - s) * unit
         _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)
+
+
+@_Widths
+def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, split_bits,
+                      stochastic, key, kchunk, residual, has_res):
+    """Sort quantization (``sortquant_encode_ref``): per bucket, a stable argsort of its values, the
+    (min, max) of each group of ranks, then each element's level within its group."""
+    numel = x.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    _write_header(payload, header)
+    for k in range(codes_end, scales_off):
+        payload[k] = 0
+    nb = (numel + bs - 1) // bs
+    nchunks = (nb + kchunk - 1) // kchunk
+    G = 1 << split_bits
+    lb = _BITS - split_bits
+    L = (1 << lb) - 1
+    Lf = np.float32(L)
+    for c in prange(nchunks):
+        b0 = c * kchunk
+        b1 = min(nb, b0 + kchunk)
+        e0 = b0 * bs                    # a multiple of 8 (chunk_buckets)
+        e1 = min(numel, b1 * bs)
+        ng = (e1 - e0 + 7) >> 3
+        codes = np.empty(8 * ng, np.uint16)
+        for k in range(e1 - e0, 8 * ng):
+            codes[k] = 0
+        for b in range(b0, b1):
+            st = b * bs
+            en = min(numel, st + bs)
+            n = en - st
+            xb = x[st:en]
+            cb = codes[st - e0:en - e0]
+            sc = scales[2 * G * b:2 * G * (b + 1)]
+            finite = True
+            mn = FINF
+            mx = -FINF
+            for j in range(n):
+                v = xb[j]
+                if not abs(v) < FINF:
+                    finite = False
+                mn = min(mn, v)
+                mx = max(mx, v)
+            if not finite or (n > 0 and not abs(mx - mn) < FINF):
+                for k in range(2 * G):
+                    sc[k] = np.float32(np.nan)
+                for j in range(n):
+                    cb[j] = 0
+                    if has_res:
+                        residual[st + j] = xb[j] - np.float32(np.nan)
+                continue
+            order = np.argsort(xb, kind="mergesort")
+            for g in range(G):
+                p0 = (g * n + G - 1) // G
+                p1 = ((g + 1) * n + G - 1) // G
+                if p0 == p1:
+                    sc[2 * g] = F0
+                    sc[2 * g + 1] = F0
+                    continue
+                lo = xb[order[p0]]
+                hi = xb[order[p1 - 1]]
+                sc[2 * g] = lo
+                sc[2 * g + 1] = hi
+                unit = np.float32(hi - lo) / Lf
+                for p in range(p0, p1):
+                    i = order[p]
+                    xv = xb[i]
+                    r = _uniform24(key, st + i) if stochastic else np.uint64(0)
+                    q = _sq_level(xv, lo, unit, Lf, L, stochastic, r)
+                    cb[i] = np.uint16((g << lb) | q)
+                    if has_res:     # x[i] read above, before residual[i] (which may be x) is written
+                        residual[st + i] = xv - _sq_value(lo, q, unit)
+        _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)
+
+
+@_Widths
+def _sortquant_decode(payload, out, codes_off, scales_off, nscales, bs, split_bits, accumulate, kchunk):
+    numel = out.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    nb = (numel + bs - 1) // bs
+    nchunks = (nb + kchunk - 1) // kchunk
+    G = 1 << split_bits
+    lb = _BITS - split_bits
+    L = (1 << lb) - 1
+    Lf = np.float32(L)
+    mask = np.int32((1 << _BITS) - 1)
+    for c in prange(nchunks):
+        unit = np.empty(G, np.float32)
+        b0 = c * kchunk
+        for b in range(b0, min(nb, b0 + kchunk)):
+            st = b * bs
+            en = min(numel, st + bs)
+            sc = scales[2 * G * b:2 * G * (b + 1)]
+            for g in range(G):
+                unit[g] = np.float32(sc[2 * g + 1] - sc[2 * g]) / Lf
+            for i in range(st, en):
+                bp = i * _BITS
+                o = codes_off + (bp >> 3)
+                w = np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)
+                if _BITS > 9:
+                    w |= np.int32(payload[o + 2]) << 16
+                code = (w >> (bp & 7)) & mask
+                g = code >> lb
+                v = _sq_value(sc[2 * g], code & L, unit[g])
+                if accumulate:
+                    out[i] = out[i] + v
+                else:
+                    out[i] = v
 
 
 @_inline
@@ -1051,6 +1162,60 @@ class OnebitDecodeCPU(_PreparedBase):
             kernel(payload, out, *self.args, self.k)
 
 
+class SortquantEncodeCPU(_PreparedBase):
+    """``prepare_sortquant_encode(...)(x, payload, header, key, stream=None, residual=None)``."""
+    __slots__ = ("args",)
+
+    def __init__(self, numel, bits, split_bits, bucket_size, stochastic):
+        lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
+        self._setup(_sortquant_encode[bits], lay, bucket_size)
+        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
+                     lay.nscales, int(bucket_size), int(split_bits), bool(stochastic))
+
+    def __call__(self, x, payload, header, key, stream=None, residual=None):
+        x = _flat(x)
+        if x.size != self.numel:
+            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
+        _check_size(payload, self.total)
+        if residual is None:
+            res, has = _NO_RESIDUAL, False
+        else:
+            res, has = _flat(residual), True
+            if res.size != self.numel:
+                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
+        kernel = self._serial or self._kernel.pick(self.nchunks)
+        kernel(x, payload, _words(header), *self.args, _U64(key), self.k, res, has)
+
+
+class SortquantDecodeCPU(_PreparedBase):
+    """``prepare_sortquant_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
+    __slots__ = ("args",)
+
+    def __init__(self, numel, bits, split_bits, bucket_size, accumulate):
+        lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
+        self._setup(_sortquant_decode[bits], lay, bucket_size)
+        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bucket_size), int(split_bits),
+                     bool(accumulate))
+
+    def __call__(self, payload, out, stream=None, status=None, expect=None):
+        out = _flat(out)
+        if out.size != self.numel:
+            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
+        _check_size(payload, self.total)
+        _check_expect(payload, expect)
+        if self.numel:
+            kernel = self._serial or self._kernel.pick(self.nchunks)
+            kernel(payload, out, *self.args, self.k)
+
+
+def prepare_sortquant_encode(numel, bits, split_bits, bucket_size, stochastic):
+    return SortquantEncodeCPU(int(numel), int(bits), int(split_bits), int(bucket_size), bool(stochastic))
+
+
+def prepare_sortquant_decode(numel, bits, split_bits, bucket_size, accumulate):
+    return SortquantDecodeCPU(int(numel), int(bits), int(split_bits), int(bucket_size), bool(accumulate))
+
+
 def prepare_qsgd_encode(numel, bits, bucket_size, stochastic, norm_l2):
     return QsgdEncodeCPU(int(numel), int(bits), int(bucket_size), bool(stochastic), bool(norm_l2))
 
@@ -1087,6 +1252,22 @@ def qsgd_decode_cpu(payload, out, bits, bucket_size, accumulate, stream=None, st
     n = out.size
     _cached((1, n, bits, bucket_size, accumulate), prepare_qsgd_decode, n, bits, bucket_size,
             accumulate)(payload, out, stream, status, expect)
+
+
+def sortquant_encode_cpu(x, payload, header, bits, split_bits, bucket_size, stochastic, key, stream=None,
+                         residual=None):
+    """Sort quantization of float32 ``x`` into ``payload`` (see ``sortquant_encode_ref``)."""
+    n = x.size
+    _cached((10, n, bits, split_bits, bucket_size, stochastic), prepare_sortquant_encode, n, bits,
+            split_bits, bucket_size, stochastic)(x, payload, header, key, stream, residual)
+
+
+def sortquant_decode_cpu(payload, out, bits, split_bits, bucket_size, accumulate, stream=None, status=None,
+                         expect=None):
+    """out (+)= decoded sort-quantized payload (see ``sortquant_decode_ref``)."""
+    n = out.size
+    _cached((11, n, bits, split_bits, bucket_size, accumulate), prepare_sortquant_decode, n, bits,
+            split_bits, bucket_size, accumulate)(payload, out, stream, status, expect)
 
 
 def onebit_encode_cpu(x, payload, header, bucket_size, two_mean, stream=None, residual=None):

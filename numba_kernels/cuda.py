@@ -58,6 +58,7 @@ from numba import cuda
 from numba import types as nbt
 
 from . import _cuda_block as _B
+from . import _cuda_sortquant as _S
 from . import _cuda_warp as _W
 from . import wire
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, MEAN_ABS, PACK_DET,
@@ -71,7 +72,10 @@ __all__ = ["qsgd_encode_cuda", "qsgd_decode_cuda", "onebit_encode_cuda", "onebit
            "qsgd_reduce_requantize_cuda", "onebit_reduce_requantize_cuda", "qsgd_decode_chunks_cuda",
            "onebit_decode_chunks_cuda", "prepare_qsgd_decode_sum", "prepare_onebit_decode_sum",
            "prepare_qsgd_reduce_requantize", "prepare_onebit_reduce_requantize",
-           "prepare_qsgd_decode_chunks", "prepare_onebit_decode_chunks", "MAXCH"]
+           "prepare_qsgd_decode_chunks", "prepare_onebit_decode_chunks", "MAXCH",
+           "sortquant_encode_cuda", "sortquant_decode_cuda", "SORTQUANT_MAX_BUCKET"]
+
+SORTQUANT_MAX_BUCKET = _S.MAX_BUCKET
 
 MAXCH = _B.MAXCH
 
@@ -935,6 +939,73 @@ def onebit_decode_cuda(payload, out, bucket_size, two_mean, accumulate, stream=0
                 two_mean, accumulate)
     _check_payload(payload, p.total)
     p(payload, out, stream, status, expect)
+
+
+def _as_dev(a):
+    """A Numba device array view of ``a`` (as it is in the simulator)."""
+    return a if SIMULATOR or isinstance(a, cuda.devicearray.DeviceNDArray) else cuda.as_cuda_array(a)
+
+
+_SQ_SCRATCH = {}        # (numel, stream handle) -> uint16 codes (one device per process)
+_SQ_DUMMY = []
+
+
+def sortquant_encode_cuda(x, payload, header, bits, split_bits, bucket_size, stochastic, key, stream=0,
+                          residual=None):
+    """Sort quantization of a float32 device array into a uint8 device payload (``_cuda_sortquant``):
+    a block per bucket sorts it, then the codes are packed; buckets of at most SORTQUANT_MAX_BUCKET."""
+    n = _size_of(x, "x", "<f4")
+    lay = wire.layout(wire.METHODS["sortquant"], n, bits, bucket_size, 0, split_bits)
+    _check_payload(payload, lay.total)
+    if bucket_size > _S.MAX_BUCKET:
+        raise ValueError(f"sortquant on CUDA sorts a bucket in shared memory: bucket_size must be at most "
+                         f"{_S.MAX_BUCKET}, got {bucket_size}")
+    if residual is not None and _size_of(residual, "residual", "<f4") != n:
+        raise ValueError("residual must have x.size elements")
+    s = _sim_stream(stream) if SIMULATOR else _nb_stream(stream)
+    payload = _as_dev(payload)
+    write_header_cuda(payload, header, stream)
+    if not n:
+        return
+    key_s = (n, _stream(stream) if not SIMULATOR else 0)
+    codes = _SQ_SCRATCH.get(key_s)
+    if codes is None:
+        if len(_SQ_SCRATCH) >= 64:
+            _SQ_SCRATCH.clear()
+        codes = _SQ_SCRATCH[key_s] = cuda.device_array(n, np.uint16)
+    if not _SQ_DUMMY:
+        _SQ_DUMMY.append(cuda.to_device(np.zeros(1, np.float32)))
+    P = 1 << max(0, (min(bucket_size, n) - 1).bit_length())
+    enc = _kernel("sortquant_encode", lambda spec: _S.make_encode(spec[0]), (P,))
+    scales = payload[lay.scales_offset:lay.total].view(np.float32)
+    res = _SQ_DUMMY[0] if residual is None else _as_dev(residual)
+    enc[lay.nbuckets, min(P, BLOCK), s](_as_dev(x), scales, codes, bucket_size, split_bits, bits - split_bits,
+                                        bool(stochastic), np.uint64(key), res, residual is not None)
+    nwords = (lay.scales_offset - lay.codes_offset) // 4
+    kernels.setdefault("sortquant_pack", _S.k_pack)
+    _S.k_pack[min(_grid(nwords, BLOCK), 1024), BLOCK, s](codes, payload, lay.codes_offset, nwords, bits)
+
+
+def sortquant_decode_cuda(payload, out, bits, split_bits, bucket_size, accumulate, stream=0, status=None,
+                          expect=None):
+    """out (+)= decoded sort-quantized payload; NaN on a bad header (``expect``: checked first, by the
+    check kernel) or where ``status[0] != 0``."""
+    n = _size_of(out, "out", "<f4")
+    lay = wire.layout(wire.METHODS["sortquant"], n, bits, bucket_size, 0, split_bits)
+    _check_payload(payload, lay.total)
+    payload = _as_dev(payload)
+    if expect is not None:
+        if status is None:
+            status = cuda.to_device(np.zeros(2, np.int32))
+        check_header_cuda(payload, status, expect, stream)
+    if not n:
+        return
+    s = _sim_stream(stream) if SIMULATOR else _nb_stream(stream)
+    check = status is not None
+    kernels.setdefault("sortquant_decode", _S.k_decode)
+    _S.k_decode[min(_grid(n, BLOCK), 4096), BLOCK, s](
+        payload, payload[lay.scales_offset:lay.total].view(np.float32), _as_dev(out), lay.codes_offset,
+        bucket_size, split_bits, bits, bool(accumulate), _as_dev(status) if check else _zero_status(), check)
 
 
 def _check_multi(payloads, n, total):

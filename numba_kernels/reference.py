@@ -27,7 +27,8 @@ __all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_
            "header_errors_ref", "check_expect_ref", "levels", "qsgd_decode_sum_ref",
            "onebit_decode_sum_ref", "qsgd_reduce_requantize_ref", "onebit_reduce_requantize_ref",
            "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref", "chunk_ranges", "chunk_expects",
-           "split_payloads", "header_numel"]
+           "split_payloads", "header_numel", "sortquant_encode_ref", "sortquant_decode_ref",
+           "sortquant_groups"]
 
 
 def levels(bits):
@@ -217,6 +218,96 @@ def qsgd_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, st
     unit = (_scales_of(payload, lay) / np.float32(s)).astype(np.float32)
     with np.errstate(invalid="ignore"):
         val = ((codes - s).astype(np.float32) * unit[np.arange(n) // bucket_size]).astype(np.float32)
+    if accumulate:
+        out += val
+    else:
+        out[...] = val
+
+
+def sortquant_groups(n, split_bits):
+    """(start, stop) of each of the ``2**split_bits`` groups of a bucket of ``n`` sorted values: the
+    value of rank p (0-based, ties in index order) is in group ``(p * G) // n``, G = 2**split_bits, so
+    the groups hold n/G values each (give or take one); a group is empty where n < G."""
+    G = 1 << split_bits
+    return [(-(-g * n // G), -(-(g + 1) * n // G)) for g in range(G)]
+
+
+def _sortquant_bucket(xb, idx, split_bits, L, stochastic, key):
+    """(codes, scales) of one bucket: float32 values ``xb`` at element indices ``idx``."""
+    n = xb.size
+    G = 1 << split_bits
+    lb = int(L).bit_length()
+    codes = np.zeros(n, np.int64)
+    scales = np.zeros(2 * G, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = bool(np.all(np.abs(xb) < FINF)) and (n == 0 or abs(xb.max() - xb.min()) < FINF)
+    if not finite:              # NaN, Inf, or a range float32 cannot hold: the bucket decodes to NaN
+        scales[:] = np.nan
+        return codes, scales
+    order = np.argsort(xb, kind="stable")
+    srt = xb[order]
+    Lf = np.float32(L)
+    for g, (p0, p1) in enumerate(sortquant_groups(n, split_bits)):
+        if p0 == p1:
+            continue
+        lo, hi = srt[p0], srt[p1 - 1]
+        scales[2 * g], scales[2 * g + 1] = lo, hi
+        members = order[p0:p1]
+        unit = np.float32(np.float32(hi - lo) / Lf)
+        if unit > F0:
+            with np.errstate(over="ignore"):
+                v = ((xb[members] - lo) / unit).astype(np.float32)
+            v = np.where(v <= Lf, v, Lf).astype(np.float32)
+            q = v.astype(np.int64)
+            frac = (v - q.astype(np.float32)).astype(np.float32)
+            if stochastic:
+                r = uniform24_ref(key, idx[members]).astype(np.float32)
+                q = q + (r < frac * F2_24)
+            else:
+                q = q + (frac >= FHALF)
+            q = np.minimum(q, L)
+        else:                   # every value of the group equals lo
+            q = np.zeros(p1 - p0, np.int64)
+        codes[members] = (g << lb) | q
+    return codes, scales
+
+
+def sortquant_encode_ref(x, payload, header, bits, split_bits, bucket_size, stochastic, key, stream=None,
+                         residual=None):
+    """Sort quantization of float32 ``x`` into ``payload`` (header words, codes, padding, scales)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    lay = wire.layout(wire.METHODS["sortquant"], x.size, bits, bucket_size, 0, split_bits)
+    assert payload.size == lay.total, (payload.size, lay)
+    L = (1 << (bits - split_bits)) - 1
+    codes = np.zeros(x.size, np.int64)
+    scales = np.zeros((lay.nbuckets, 2 << split_bits), np.float32)
+    for b in range(lay.nbuckets):
+        st, en = b * bucket_size, min(x.size, (b + 1) * bucket_size)
+        codes[st:en], scales[b] = _sortquant_bucket(x[st:en], np.arange(st, en), split_bits, L,
+                                                    stochastic, key)
+    write_header_ref(payload, header)
+    _write_body(payload, lay, _pack(codes, bits), scales)
+    _residual(x, payload, residual,
+              lambda p, d: sortquant_decode_ref(p, d, bits, split_bits, bucket_size, False))
+
+
+def sortquant_decode_ref(payload, out, bits, split_bits, bucket_size, accumulate, stream=None, status=None,
+                         expect=None):
+    """out (+)= lo + level * (hi - lo) / L of each element's group (header checked against ``expect``)."""
+    check_expect_ref(payload, expect)
+    n = out.size
+    lay = wire.layout(wire.METHODS["sortquant"], n, bits, bucket_size, 0, split_bits)
+    lb = bits - split_bits
+    L = (1 << lb) - 1
+    codes = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, bits)
+    sc = _scales_of(payload, lay).reshape(-1, 2 << split_bits)
+    b = np.arange(n) // bucket_size
+    g = codes >> lb
+    lo = sc[b, 2 * g]
+    hi = sc[b, 2 * g + 1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        unit = ((hi - lo).astype(np.float32) / np.float32(L)).astype(np.float32)
+        val = (lo + ((codes & L).astype(np.float32) * unit).astype(np.float32)).astype(np.float32)
     if accumulate:
         out += val
     else:

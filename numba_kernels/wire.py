@@ -9,10 +9,11 @@ Header, little-endian, 64 bytes::
     off size field
       0   4  magic           b"HVDQ"
       4   1  version         1
-      5   1  method          0 none, 1 fp16, 2 qsgd, 3 onebit
-      6   1  bits            bits per code (qsgd 2..16, onebit 1, fp16 16, none 32)
-      7   1  mode            qsgd: 0 stochastic, 1 deterministic, 2 fake; onebit: 0 two_mean, 1 mean_abs
-      8   1  norm            qsgd: 0 max, 1 l2; otherwise 0
+      5   1  method          0 none, 1 fp16, 2 qsgd, 3 onebit, 4 sortquant
+      6   1  bits            bits per code (qsgd, sortquant 2..16, onebit 1, fp16 16, none 32)
+      7   1  mode            qsgd: 0 stochastic, 1 deterministic, 2 fake; onebit: 0 two_mean, 1 mean_abs;
+                             sortquant: 0 stochastic, 1 deterministic
+      8   1  norm            qsgd: 0 max, 1 l2; sortquant: split_bits (1..bits-1); otherwise 0
       9   1  dtype           original dtype: 0 float32, 1 float16, 2 bfloat16, 3 float64
      10   1  ndim            0..8
      11   1  flags           bit 0: a name hash is present
@@ -31,6 +32,9 @@ size is a multiple of 4, so payloads concatenated back to back stay 4-byte align
   occupies bits [i*bits, (i+1)*bits) of a little-endian bit stream: stream bit k is bit k%8 of byte
   k//8; padding bits are 0), zero padding to a multiple of 4, then float32 ``scales``: one per bucket
   (qsgd, onebit mean_abs) or two per bucket (onebit two_mean: mean of positives, mean of negatives).
+* sortquant: ``codes`` as above, each code ``(group << (bits - split_bits)) | level``, zero padding to
+  a multiple of 4, then float32 ``scales``: ``2 * 2**split_bits`` per bucket, the (min, max) of each
+  of the bucket's groups in group order.
 * qsgd fake: numel float32 values at 64 (already quantized and dequantized).
 * fp16: numel float16 values at 64, zero padding to a multiple of 4.
 * none: numel float32 values at 64.
@@ -51,7 +55,7 @@ MAGIC = b"HVDQ"
 VERSION = 1
 MAX_NDIM = 8
 
-METHODS = {"none": 0, "fp16": 1, "qsgd": 2, "onebit": 3}
+METHODS = {"none": 0, "fp16": 1, "qsgd": 2, "onebit": 3, "sortquant": 4}
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 MODES = {"stochastic": 0, "deterministic": 1, "fake": 2}
 NORMS = {"max": 0, "l2": 1}
@@ -154,11 +158,15 @@ def _align4(n):
     return (n + 3) & ~3
 
 
-def layout(method, numel, bits=0, bucket_size=0, mode=0):
+def layout(method, numel, bits=0, bucket_size=0, mode=0, norm=0):
     """Where everything sits in a payload of ``numel`` elements.
 
-    ``bucket_size`` 0 (onebit only) means one bucket for the whole tensor."""
+    ``bucket_size`` 0 (onebit only) means one bucket for the whole tensor; ``norm`` is sortquant's
+    split_bits."""
     numel = int(numel)
+    if method == METHODS["sortquant"]:
+        nb = -(-numel // bucket_size)
+        return Layout(numel, nb, (numel * bits + 7) // 8, 2 * (1 << norm) * nb)
     if method == METHODS["qsgd"]:
         if mode == MODES["fake"]:
             return Layout(numel, values_nbytes=4 * numel)
@@ -284,7 +292,11 @@ def parse_header(buf, nbytes):
                            f"mode={mode} norm={norm}")
     if method == METHODS["onebit"] and mode not in (0, 1):
         raise PayloadError(f"corrupt header: invalid onebit scale code {mode}")
-    expected = layout(method, numel, bits, bucket_size, mode).total
+    if method == METHODS["sortquant"] and not (2 <= bits <= 16 and bucket_size >= 1 and mode in (0, 1)
+                                               and 1 <= norm < bits):
+        raise PayloadError(f"corrupt header: invalid sortquant fields bits={bits} bucket_size={bucket_size} "
+                           f"mode={mode} split_bits={norm}")
+    expected = layout(method, numel, bits, bucket_size, mode, norm).total
     if nbytes != expected:
         what = "truncated" if nbytes < expected else "too long"
         raise PayloadError(f"payload {what}: {nbytes} bytes, but its header (numel={numel}) implies {expected}")

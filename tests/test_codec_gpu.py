@@ -258,7 +258,7 @@ def check_torch_codec_path():
     x[1, 5] = float("nan")          # payload bytes may then differ in NaN bits only: compare decodes
     specs = ["qsgd:bits=4,bucket_size=512,seed=1", "qsgd:bits=8,bucket_size=7,mode=deterministic,norm=l2",
              "qsgd:bits=2,bucket_size=128,mode=fake,seed=2", "onebit:bucket_size=64", "onebit:scale=mean_abs",
-             "fp16", "none"]
+             "sortquant:bits=4,split_bits=2,bucket_size=512,seed=1", "fp16", "none"]
     for spec in specs:
         host, dev = hq.from_spec(spec), hq.from_spec(spec)
         pc = dev.encode(clean, name="w")

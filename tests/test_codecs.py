@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hvd_quant as hq
-from hvd_quant import Compression, FP16, NoCompression, OneBit, PayloadError, QSGD, from_spec
+from hvd_quant import Compression, FP16, NoCompression, OneBit, PayloadError, QSGD, SortQuant, from_spec
 from hvd_quant.codecs import noise_key
 from numba_kernels import wire
 
@@ -32,7 +32,9 @@ def rand(shape, seed=0, dtype=np.float32):
 ALL_CODECS = [QSGD(), QSGD(bits=2, bucket_size=128, mode="deterministic", norm="l2"),
               QSGD(bits=8, bucket_size=7, seed=1), QSGD(bits=16, bucket_size=1, norm="l2"),
               QSGD(bits=5, mode="fake"), OneBit(), OneBit(bucket_size=64, scale="mean_abs"),
-              OneBit(bucket_size=3, error_feedback=False), FP16(), NoCompression()]
+              OneBit(bucket_size=3, error_feedback=False), SortQuant(),
+              SortQuant(bits=8, split_bits=3, bucket_size=64, mode="deterministic"), FP16(), NoCompression()]
+QUANTIZERS = 10         # ALL_CODECS[:QUANTIZERS]: the codecs with buckets
 CODEC_IDS = [c.spec() for c in ALL_CODECS]
 
 
@@ -88,6 +90,73 @@ def test_stochastic_is_unbiased(bits, norm):
     tol = 5 * se + unit * 2 ** -23 + 4 * U * np.abs(v)
     err = np.abs(y.mean(0) - v)
     assert np.all(err <= tol), (err / np.maximum(tol, 1e-30)).max()
+
+
+def _sortquant_groups(x, bs, split_bits, L):
+    """Per element: its group's lo and unit (float32, as the codec computes them), from a stable sort
+    by value of each bucket: the element of rank p of n is in group (p * 2**split_bits) // n."""
+    lo = np.zeros(x.size, np.float32)
+    unit = np.zeros(x.size, np.float32)
+    G = 1 << split_bits
+    for st in range(0, x.size, bs):
+        xb = x[st:st + bs]
+        order = np.argsort(xb, kind="stable")
+        g = (np.arange(xb.size) * G) // xb.size
+        for k in range(G):
+            members = order[g == k]
+            if members.size:
+                a, b = xb[members].min(), xb[members].max()
+                lo[st + members] = a
+                unit[st + members] = np.float32(np.float32(b - a) / np.float32(L))
+    return lo, unit
+
+
+@pytest.mark.parametrize("bits,split_bits", [(2, 1), (4, 2), (6, 3), (8, 2), (12, 4), (16, 4)])
+def test_sortquant_deterministic_error_at_most_half_a_group_level(bits, split_bits):
+    """Each element decodes to its group's lo + q * unit with unit = (max - min) / L of the group (by
+    rank, as the docstring says): |decode - x| <= unit/2 + rounding (fl((x - lo)/unit) and
+    fl(lo + fl(q*unit)): a few 2**-24 relative of |x|, |lo| and |y|)."""
+    x = rand(3000, bits)
+    x[100:140] = 0.5                                  # ties cross a group boundary
+    c = SortQuant(bits=bits, split_bits=split_bits, bucket_size=100, mode="deterministic")
+    y = c.decode(c.encode(x)).astype(np.float64)
+    lo, unit = _sortquant_groups(x, 100, split_bits, (1 << (bits - split_bits)) - 1)
+    tol = unit.astype(np.float64) / 2 + 4 * U * (np.abs(x) + np.abs(lo) + np.abs(y))
+    assert np.all(np.abs(y - x) <= tol), np.max(np.abs(y - x) - tol)
+
+
+@pytest.mark.parametrize("bits,split_bits", [(3, 1), (4, 2), (8, 3)])
+def test_sortquant_stochastic_is_unbiased(bits, split_bits):
+    """As for QSGD: K copies of one bucket, each with its own uniforms and the same groups; the mean
+    of K draws is within 5 standard errors of x (unit^2 p(1-p) per draw, p the fraction of
+    (x - lo)/unit), plus 2**-23 of a level and float rounding, for every element."""
+    d, K = 64, 4000
+    v = rand(d, 7 + bits)
+    c = SortQuant(bits=bits, split_bits=split_bits, bucket_size=d, seed=11)
+    y = c.decode(c.encode(np.tile(v, K))).astype(np.float64).reshape(K, d)
+    lo, unit = _sortquant_groups(v, d, split_bits, (1 << (bits - split_bits)) - 1)
+    u = unit.astype(np.float64)
+    f = np.where(u > 0, (v - lo) / np.where(u > 0, u, 1), 0)
+    p = f - np.floor(f)
+    tol = 5 * u * np.sqrt(p * (1 - p) / K) + u * 2 ** -23 + 4 * U * (np.abs(v) + np.abs(lo))
+    err = np.abs(y.mean(0) - v)
+    assert np.all(err <= tol), (err / np.maximum(tol, 1e-30)).max()
+
+
+def test_sortquant_groups_are_equal_count_value_intervals():
+    """4 groups of a 12-element bucket hold 3 values each, in value order, and each group's extremes
+    decode exactly (lo is level 0; hi is level L up to one rounding)."""
+    x = np.array([5, -1, 3, 0, 8, -7, 2, 4, 1, -3, 6, 7], np.float32)
+    c = SortQuant(bits=4, split_bits=2, bucket_size=12, mode="deterministic")
+    p = c.encode(x)
+    lay = wire.layout(wire.METHODS["sortquant"], 12, 4, 12, 1, 2)
+    scales = p[lay.scales_offset:lay.scales_offset + 32].view(np.float32)
+    assert scales.tolist() == [-7, -1, 0, 2, 3, 5, 6, 8]
+    codes = np.unpackbits(p[64:70], bitorder="little").reshape(12, 4) @ (1 << np.arange(4))
+    assert (codes >> 2).tolist() == [2, 0, 2, 1, 3, 0, 1, 2, 1, 0, 3, 3]
+    y = c.decode(p)
+    assert all(y[k] == x[k] for k in (5, 3, 2, 10))                     # each group's min: level 0
+    assert np.allclose(y[[1, 6, 0, 4]], x[[1, 6, 0, 4]], rtol=2 * U, atol=0)   # max: level L
 
 
 @pytest.mark.parametrize("bits,d", [(2, 64), (2, 512), (4, 64), (4, 512), (8, 512)])
@@ -167,7 +236,7 @@ def test_decode_into_accumulates_without_changing_numerics():
 
 # ---- hard input ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("codec", ALL_CODECS[:8], ids=CODEC_IDS[:8])
+@pytest.mark.parametrize("codec", ALL_CODECS[:QUANTIZERS], ids=CODEC_IDS[:QUANTIZERS])
 def test_zero_nan_inf_buckets_stay_in_their_bucket(codec):
     bs = codec.bucket_size or 0
     if bs in (0, 1) or bs > 100:
@@ -187,7 +256,7 @@ def test_zero_nan_inf_buckets_stay_in_their_bucket(codec):
     clean = x.copy()
     clean[2 * bs:3 * bs] = clean[4 * bs:5 * bs] = 1
     yc = fresh().decode(fresh().encode(clean))
-    if not (isinstance(codec, QSGD) and codec.mode != "deterministic" and codec.seed is None):
+    if not (codec.stochastic and codec.seed is None):
         for k in (1, 3, 5, 6, 7):
             assert np.array_equal(y[k * bs:(k + 1) * bs], yc[k * bs:(k + 1) * bs])
 
@@ -408,17 +477,22 @@ def test_spec_examples():
     assert from_spec(" QSGD : bits = 8 ") == QSGD(bits=8)
     assert QSGD().spec() == "qsgd:bits=4,bucket_size=512,mode=stochastic,norm=max"
     assert Compression.qsgd(bits=2) == QSGD(bits=2) and Compression.onebit() == OneBit()
+    assert from_spec("sortquant:bits=4,split_bits=2,bucket_size=512,mode=stochastic") == SortQuant()
+    assert SortQuant().spec() == "sortquant:bits=4,split_bits=2,bucket_size=512,mode=stochastic"
+    assert Compression.sortquant(bits=6, split_bits=3) == SortQuant(6, 3)
     assert QSGD() != QSGD(bits=8) and QSGD() != OneBit() and QSGD(seed=1) != QSGD(seed=2)
     assert OneBit().wants_error_feedback and not OneBit(error_feedback=False).wants_error_feedback
     assert not any(c.wants_error_feedback for c in (QSGD(), FP16(), NoCompression()))
-    assert set(hq.REGISTRY) >= {"qsgd", "onebit", "fp16", "none"}
+    assert set(hq.REGISTRY) >= {"qsgd", "onebit", "sortquant", "fp16", "none"}
 
 
 @pytest.mark.parametrize("spec,match", [
     ("bogus", "unknown codec 'bogus'"), ("qsgd:bitz=4", "unknown parameter 'bitz'"),
     ("qsgd:bits=four", "bits='four'"), ("qsgd:bits=40", "bits"), ("qsgd:mode=fast", "mode"),
     ("qsgd:bits", "bad item 'bits'"), ("qsgd:bits=4,bits=8", "twice"), ("fp16:bits=8", "unknown parameter 'bits'"),
-    ("onebit:error_feedback=maybe", "error_feedback"), ("onebit:scale=x", "scale"), (42, "string")])
+    ("onebit:error_feedback=maybe", "error_feedback"), ("onebit:scale=x", "scale"), (42, "string"),
+    ("sortquant:split_bits=4", "split_bits must be in 1..3"), ("sortquant:bits=1", "bits"),
+    ("sortquant:mode=fake", "mode"), ("sortquant:norm=l2", "unknown parameter 'norm'")])
 def test_spec_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         from_spec(spec)

@@ -107,6 +107,42 @@ def test_qsgd_cpu_equals_reference_special_values(cpu, n, bs, bits, stochastic, 
     assert bits_equal(a, b)
 
 
+SORTQUANT_CASES = [(n, bs, b, sb, st) for n in (0, 1, 9, 33, 513, 4097) for bs in (1, 7, 64, 512)
+                   for b, sb in ((2, 1), (4, 2), (5, 3), (8, 2), (16, 4)) for st in (True, False)]
+
+
+@pytest.mark.parametrize("n,bs,bits,split_bits,stochastic", SORTQUANT_CASES,
+                         ids=[f"n{n}-bs{bs}-b{b}s{sb}-{'stoch' if st else 'det'}"
+                              for n, bs, b, sb, st in SORTQUANT_CASES])
+@pytest.mark.parametrize("special", [False, True], ids=["plain", "special"])
+def test_sortquant_cpu_equals_reference(cpu, n, bs, bits, split_bits, stochastic, special):
+    """Bytes, residuals (NaN where the bucket is) and decodes, with ties, zeros, -0.0 and (special)
+    NaN, Inf and huge values."""
+    x = make_x(n, n * 31 + bs + bits, special=special)
+    if n > 40:
+        x[10:30] = x[5]                               # a run of equal values across group bounds
+    h = wire.Header(4, bits, 0 if stochastic else 1, split_bits, bs, 0, (n,), name_hash=7).words()
+    lay = wire.layout(4, n, bits, bs, 0, split_bits)
+    want = np.zeros(lay.total, np.uint8)
+    got = np.full(lay.total, 0xA5, np.uint8)          # garbage: every byte must be written
+    rref = np.full(n, 7, np.float32)
+    with np.errstate(all="ignore"):
+        R.sortquant_encode_ref(x, want, h, bits, split_bits, bs, stochastic, KEY, residual=rref)
+    xin = x.copy()                                    # residual in place
+    cpu.sortquant_encode_cpu(xin, got, h, bits, split_bits, bs, stochastic, KEY, residual=xin)
+    assert np.array_equal(want, got), f"first differing byte {np.flatnonzero(want != got)[:5]} of {lay}"
+    assert nan_bits_equal(rref, xin)
+    base = make_x(n, 99)
+    for accumulate in (False, True):
+        a, b = base.copy(), base.copy()
+        with np.errstate(all="ignore"):
+            R.sortquant_decode_ref(want, a, bits, split_bits, bs, accumulate)
+        cpu.sortquant_decode_cpu(want, b, bits, split_bits, bs, accumulate)
+        assert nan_bits_equal(a, b)
+    if not special:
+        assert np.all(np.isfinite(a - base))
+
+
 ONEBIT_CASES = [(n, bs, tm) for n in SIZES for bs in (0, 1, 7, 64, 512) for tm in (True, False)]
 
 
@@ -471,6 +507,15 @@ SIM_ONEBIT = [(0, 64, True), (1, 0, True), (33, 7, False), (100, 0, False), (100
               (8200, 0, True), (8300, 8250, False)]          # (the last two: sums over segments)
 
 
+SIM_SORTQUANT = [(0, 7, 4, 2, True), (1, 7, 4, 2, True), (9, 7, 5, 3, False), (33, 64, 2, 1, True),
+                 (100, 64, 8, 2, False), (130, 32, 16, 4, True), (300, 100, 3, 1, True), (70, 1, 4, 2, False),
+                 (200, 200, 12, 4, False)]
+
+
+def _sq_id(n, bs, bits, sb, st):
+    return f"sortquant-n{n}-bs{bs}-b{bits}s{sb}-{'stoch' if st else 'det'}"
+
+
 def _variants(n):
     """Plain, special-valued and wide-range inputs up to 300 elements; above, plain only (slow in the
     simulator; the data variants run the same kernels at the smaller sizes), but special values in the
@@ -513,6 +558,39 @@ def _child():
                 R.qsgd_decode_ref(want, a, bits, bs, True)
             K.qsgd_decode_cuda(dev(want), o, bits, bs, True)
             out["qsgd-" + _ids(*case) + variant] = [bool(ok), nan_eq(a, o.copy_to_host())]
+    for case in SIM_SORTQUANT:
+        n, bs, bits, sb, st = case
+        for variant in _variants(n):
+            x = make_x(n, n + bs + bits, variant == "-special", variant == "-wide")
+            if n > 40:
+                x[10:30] = x[5]                       # ties across group bounds
+            h = wire.Header(4, bits, 0 if st else 1, sb, bs, 0, (n,), name_hash=7).words()
+            lay = wire.layout(4, n, bits, bs, 0, sb)
+            want = np.zeros(lay.total, np.uint8)
+            rref = np.empty(n, np.float32)
+            with np.errstate(all="ignore"):
+                R.sortquant_encode_ref(x, want, h, bits, sb, bs, st, KEY, residual=rref)
+            d = dev(np.full(lay.total, 0xA5, np.uint8))
+            xd = dev(x)
+            K.sortquant_encode_cuda(xd, d, h, bits, sb, bs, st, KEY, residual=xd)     # residual in place
+            got = d.copy_to_host()
+            sc = slice(lay.scales_offset, lay.total)
+            ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
+                want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, xd.copy_to_host())
+            a = make_x(n, 5)
+            o = dev(a.copy())
+            with np.errstate(all="ignore"):
+                R.sortquant_decode_ref(want, a, bits, sb, bs, True)
+            status = dev(np.zeros(2, np.int32))
+            K.sortquant_decode_cuda(dev(want), o, bits, sb, bs, True, 0, status,
+                                    wire.Expect(4, bits, 0 if st else 1, sb, bs, n, 7, True))
+            dec = nan_eq(a, o.copy_to_host()) and int(status.copy_to_host()[0]) == 0
+            if n:           # another tensor's payload: NaN everywhere, the reason in the status
+                o = dev(np.zeros(n, np.float32))
+                K.sortquant_decode_cuda(dev(want), o, bits, sb, bs, False, 0, status,
+                                        wire.Expect(4, bits, 0 if st else 1, sb, bs, n, 8, True))
+                dec = dec and bool(np.isnan(o.copy_to_host()).all()) and int(status.copy_to_host()[0]) == 256
+            out[_sq_id(*case) + variant] = [bool(ok), bool(dec)]
     for n, bs, tm in SIM_ONEBIT:
         x, h, lay = onebit_case(n, bs, tm, special=n > 50)
         want = np.zeros(lay.total, np.uint8)
@@ -583,6 +661,7 @@ def cuda_results():
 
 CUDA_NAMES = ([f"qsgd-{_ids(*c)}{v}" for c in SIM_QSGD for v in _variants(c[0])]
               + [f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}" for n, bs, tm in SIM_ONEBIT]
+              + [_sq_id(*c) + v for c in SIM_SORTQUANT for v in _variants(c[0])]
               + [f"{how}-{v}-{e}" for how in ("check", "expect")
                  for v in ("good", "magic", "version", "shape", "hdr_crc", "cfg_crc")
                  for e in ("as-sent", "other-config", "no-name-check", "raw-method")]

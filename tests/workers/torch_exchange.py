@@ -46,6 +46,8 @@ SPECS = {
     "qsgd2_det": "qsgd:bits=2,bucket_size=128,mode=deterministic,norm=max",
     "qsgd4_sto": "qsgd:bits=4,bucket_size=512,mode=stochastic,norm=max,seed=7",
     "onebit": "onebit:bucket_size=64",
+    "sortquant4_det": "sortquant:bits=4,split_bits=2,bucket_size=512,mode=deterministic",
+    "sortquant4_sto": "sortquant:bits=4,split_bits=2,bucket_size=128,mode=stochastic,seed=7",
     "fp16": "fp16",
     "none": "none",
 }
@@ -113,6 +115,25 @@ def bound(spec, reduction, xs):
         # SRA's second quantization: the reduced chunk's max is at most sum_j m_j (same per_q).
         b = (per_q * quantizations).repeat_interleave(d)[:n]
         return b + 8 * FP32_EPS * m.repeat_interleave(d)[:n] * N
+    if spec.startswith("sortquant"):
+        # A group's unit, (max - min) / L with L = 2^(bits - split_bits) - 1, is at most its bucket's
+        # range over L; the reduced chunk's bucket range is at most the sum of the ranks' ranges.
+        L = (1 << (codec.bits - codec.split_bits)) - 1
+        d = codec.bucket_size
+        nb = -(-n // d)
+        rng, m = torch.zeros(nb, dtype=torch.float64), torch.zeros(nb, dtype=torch.float64)
+        for x in xs:
+            pad = torch.zeros(nb * d, dtype=torch.float64)
+            pad[:n] = x.double()
+            lo = torch.full((nb * d,), float("inf"), dtype=torch.float64)
+            lo[:n] = x.double()
+            hi = torch.full((nb * d,), float("-inf"), dtype=torch.float64)
+            hi[:n] = x.double()
+            rng += hi.view(nb, d).amax(1) - lo.view(nb, d).amin(1)
+            m += pad.abs().view(nb, d).amax(1)
+        per_q = rng / L * (0.5 if "deterministic" in spec else 1.0)
+        b = (per_q * quantizations).repeat_interleave(d)[:n]
+        return b + 8 * FP32_EPS * m.repeat_interleave(d)[:n] * N
     absum = sum(x.double().abs() for x in xs)
     if spec == "fp16":
         return absum * (2.0 ** -11) * quantizations * 1.01 + 8 * FP32_EPS * absum * N
@@ -155,7 +176,7 @@ def exchange_cases():
                     err = (got.double() - exact).abs()
                     worst = float((err / b.clamp_min(1e-30)).max())
                     check(bool((err <= b).all()), f"bound {label}", f"max error/bound {worst:.3f}")
-                if key == "qsgd4_sto" and n >= 20000:
+                if key.endswith("_sto") and n >= 20000:
                     # Unbiased with variance <= unit^2/4 per quantization: the mean error over n
                     # elements is within 5 sigma of 0, the mean squared error under the bound.
                     err = got.double() - exact
@@ -205,7 +226,7 @@ def ratio_cases():
 
 def nan_cases():
     coll = _backend.collectives()
-    for key in ("qsgd4_det", "qsgd4_sto", "onebit", "fp16", "none"):
+    for key in ("qsgd4_det", "qsgd4_sto", "onebit", "sortquant4_det", "fp16", "none"):
         for reduction in ("sra", "allgather"):
             n, at = 3000, 1234
             xs = inputs(n, 99, nan_at=at)
