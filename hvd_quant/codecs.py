@@ -1060,7 +1060,7 @@ class SortQuant(Codec):
     take the large values and the inner ones resolve the bulk finely, where QSGD's one scale per
     bucket spends every level on the largest value.
 
-    Kernels: Numba CPU (a stable argsort per bucket) and CUDA (a block per bucket sorts it in shared
+    Kernels: Numba CPU (a stable radix sort per bucket) and CUDA (a block per bucket sorts it in shared
     memory with a bitonic network: on CUDA ``bucket_size`` is at most 4096), both bit-identical to the
     NumPy reference; not tuned yet (no fused reduce kernels: SRA and allgather decode and sum payload
     by payload). Wire: 64-byte header (``norm`` holds split_bits), ceil(numel*bits/8) code bytes (zero
@@ -1114,15 +1114,23 @@ class SortQuant(Codec):
         return K.prepare_sortquant_decode(numel, self.bits, self.split_bits, self.bucket_size, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        import numba_kernels.cuda as K
-        K.sortquant_encode_cuda(arrays.input_f32(x)[1], pdev, words, self.bits, self.split_bits,
-                                self.bucket_size, self.stochastic, key, stream, _dev_view(arrays, residual))
+        import numba_kernels.cuda as K     # (through Numba's dispatcher: device arrays, not pointers)
+        xt, xdev = arrays.input_f32(x)
+        K.sortquant_encode_cuda(_nb(arrays, xt, xdev), _nb(arrays, pt, pdev), words, self.bits,
+                                self.split_bits, self.bucket_size, self.stochastic, key, stream,
+                                None if residual is None else _nb(arrays, residual, _dev_view(arrays, residual)))
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
         import numba_kernels.cuda as K
-        K.sortquant_decode_cuda(pdev, out_dev, self.bits, self.split_bits, self.bucket_size, accumulate,
-                                stream, status_dev, expect)
+        K.sortquant_decode_cuda(_nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev), self.bits,
+                                self.split_bits, self.bucket_size, accumulate, stream,
+                                None if status_t is None else _nb(arrays, status_t, status_dev), expect)
+
+
+def _nb(arrays, t, dev):
+    """A Numba device array of ``t``, whose device handle is ``dev`` (torch's is a raw pointer)."""
+    return arrays.numba(t) if type(dev) is int else dev
 
 
 class _Raw(Codec):

@@ -433,11 +433,46 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
         _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)
 
 
+@_inline
+def _stable_order(xb, n, keys, keys2, order, order2, cnt):
+    """order[:n] = the indices of xb[:n] sorted by value, ties in index order (a stable sort; -0.0 and
+    +0.0 tie): an LSD radix sort, four passes of 8 bits, of the values' bits mapped to an unsigned
+    order. (Numba's own sort of 512 values took about 30 us, this about a fifth.)"""
+    xu = xb.view(np.uint32)
+    for j in range(n):
+        u = xu[j]
+        if u == np.uint32(0x80000000):
+            u = np.uint32(0)
+        keys[j] = ~u if u >> np.uint32(31) else u | np.uint32(0x80000000)
+        order[j] = j
+    for shift in range(0, 32, 8):
+        sh = np.uint32(shift)
+        for d in range(256):
+            cnt[d] = 0
+        for j in range(n):
+            cnt[(keys[j] >> sh) & np.uint32(255)] += 1
+        at = 0
+        for d in range(256):
+            c = cnt[d]
+            cnt[d] = at
+            at += c
+        for j in range(n):
+            d = (keys[j] >> sh) & np.uint32(255)
+            k = cnt[d]
+            cnt[d] = k + 1
+            keys2[k] = keys[j]
+            order2[k] = order[j]
+        for j in range(n):                 # (four passes: the result ends where it started)
+            keys[j] = keys2[j]
+            order[j] = order2[j]
+
+
 @_Widths
 def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, split_bits,
                       stochastic, key, kchunk, residual, has_res):
-    """Sort quantization (``sortquant_encode_ref``): per bucket, a stable argsort of its values, the
-    (min, max) of each group of ranks, then each element's level within its group."""
+    """Sort quantization (``sortquant_encode_ref``): per bucket, the stable order of its values
+    (:func:`_stable_order`), the (min, max) of each group of ranks, then each element's level within
+    its group."""
     numel = x.size
     scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
     _write_header(payload, header)
@@ -456,6 +491,12 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
         e1 = min(numel, b1 * bs)
         ng = (e1 - e0 + 7) >> 3
         codes = np.empty(8 * ng, np.uint16)
+        m = min(bs, numel)
+        keys = np.empty(m, np.uint32)
+        keys2 = np.empty(m, np.uint32)
+        order = np.empty(m, np.int64)
+        order2 = np.empty(m, np.int64)
+        cnt = np.empty(256, np.int64)
         for k in range(e1 - e0, 8 * ng):
             codes[k] = 0
         for b in range(b0, b1):
@@ -482,7 +523,7 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
                     if has_res:
                         residual[st + j] = xb[j] - np.float32(np.nan)
                 continue
-            order = np.argsort(xb, kind="mergesort")
+            _stable_order(xb, n, keys, keys2, order, order2, cnt)
             for g in range(G):
                 p0 = (g * n + G - 1) // G
                 p1 = ((g + 1) * n + G - 1) // G

@@ -531,7 +531,8 @@ def test_torch_cpu(dtype):
     torch = pytest.importorskip("torch")
     dt = getattr(torch, dtype)
     x = torch.from_numpy(rand((5, 40), 2)).to(dt)
-    for c in (QSGD(bits=4, bucket_size=64, seed=3), OneBit(bucket_size=32), FP16(), NoCompression()):
+    for c in (QSGD(bits=4, bucket_size=64, seed=3), OneBit(bucket_size=32), SortQuant(bucket_size=64, seed=3),
+              FP16(), NoCompression()):
         p = c.encode(x, name="t")
         assert isinstance(p, torch.Tensor) and p.dtype == torch.uint8 and p.dim() == 1
         assert p.numel() == c.wire_nbytes(x.numel())
@@ -551,7 +552,8 @@ def test_tensorflow_cpu(dtype):
     tf = pytest.importorskip("tensorflow")
     dt = getattr(tf, dtype)
     x = tf.cast(tf.constant(rand((6, 30), 3)), dt)
-    for c in (QSGD(bits=4, bucket_size=64, seed=3), OneBit(bucket_size=32), FP16(), NoCompression()):
+    for c in (QSGD(bits=4, bucket_size=64, seed=3), OneBit(bucket_size=32), SortQuant(bucket_size=64, seed=3),
+              FP16(), NoCompression()):
         p = c.encode(x, name="t")
         assert isinstance(p, tf.Tensor) and p.dtype == tf.uint8 and len(p.shape) == 1
         assert int(p.shape[0]) == c.wire_nbytes(180)

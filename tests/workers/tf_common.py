@@ -66,23 +66,33 @@ def bound(spec, reduction, xs, codec):
       sum_j m_j (each rank's decoded values are within +-m_j): twice that.
     - OneBit (two means per bucket): every value is replaced by the mean of the values of its sign,
       which lies between 0 and m: error <= m per quantization, so sum_j m_j, doubled for SRA.
+    - SortQuant: a group's unit, (max - min) / L, is at most its bucket's range over L, and the
+      reduced chunk's range is at most the sum of the ranks' ranges: sum_j range_j / L per
+      quantization (half of it deterministic), doubled for SRA.
     - fp16: relative 2^-11 per rounding, once for allgather, twice for SRA.
     Divided by N for the average, plus float32 summation slack.
     """
     n = xs[0].size
     N = len(xs)
     q = 1 if reduction == "allgather" else 2
-    if spec.startswith("qsgd") or spec.startswith("onebit"):
+    if spec.startswith(("qsgd", "onebit", "sortquant")):
         d = codec.bucket_size
         nb = -(-n // d)
         m = np.zeros(nb)
+        rng = np.zeros(nb)
         for x in xs:
             pad = np.zeros(nb * d)
             pad[:n] = np.abs(x)
             m += pad.reshape(nb, d).max(1)
+            lo, hi = np.full(nb * d, np.inf), np.full(nb * d, -np.inf)
+            lo[:n] = hi[:n] = x
+            rng += hi.reshape(nb, d).max(1) - lo.reshape(nb, d).min(1)
         if spec.startswith("qsgd"):
             s = (1 << (codec.bits - 1)) - 1
             per_q = m / s * (0.5 if codec.mode == "deterministic" else 1.0)
+        elif spec.startswith("sortquant"):
+            L = (1 << (codec.bits - codec.split_bits)) - 1
+            per_q = rng / L * (0.5 if codec.mode == "deterministic" else 1.0)
         else:
             per_q = m
         b = np.repeat(per_q * q, d)[:n] + 16 * FP32_EPS * np.repeat(m, d)[:n] * N
