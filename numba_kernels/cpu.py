@@ -1203,9 +1203,9 @@ class OnebitDecodeCPU(_PreparedBase):
             kernel(payload, out, *self.args, self.k)
 
 
-class SortquantEncodeCPU(_PreparedBase):
+class SortquantEncodeCPU(QsgdEncodeCPU):
     """``prepare_sortquant_encode(...)(x, payload, header, key, stream=None, residual=None)``."""
-    __slots__ = ("args",)
+    __slots__ = ()
 
     def __init__(self, numel, bits, split_bits, bucket_size, stochastic):
         lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
@@ -1213,40 +1213,16 @@ class SortquantEncodeCPU(_PreparedBase):
         self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
                      lay.nscales, int(bucket_size), int(split_bits), bool(stochastic))
 
-    def __call__(self, x, payload, header, key, stream=None, residual=None):
-        x = _flat(x)
-        if x.size != self.numel:
-            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
-        _check_size(payload, self.total)
-        if residual is None:
-            res, has = _NO_RESIDUAL, False
-        else:
-            res, has = _flat(residual), True
-            if res.size != self.numel:
-                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
-        kernel = self._serial or self._kernel.pick(self.nchunks)
-        kernel(x, payload, _words(header), *self.args, _U64(key), self.k, res, has)
 
-
-class SortquantDecodeCPU(_PreparedBase):
+class SortquantDecodeCPU(QsgdDecodeCPU):
     """``prepare_sortquant_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
-    __slots__ = ("args",)
+    __slots__ = ()
 
     def __init__(self, numel, bits, split_bits, bucket_size, accumulate):
         lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
         self._setup(_sortquant_decode[bits], lay, bucket_size)
         self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bucket_size), int(split_bits),
                      bool(accumulate))
-
-    def __call__(self, payload, out, stream=None, status=None, expect=None):
-        out = _flat(out)
-        if out.size != self.numel:
-            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
-        _check_size(payload, self.total)
-        _check_expect(payload, expect)
-        if self.numel:
-            kernel = self._serial or self._kernel.pick(self.nchunks)
-            kernel(payload, out, *self.args, self.k)
 
 
 def prepare_sortquant_encode(numel, bits, split_bits, bucket_size, stochastic):

@@ -535,23 +535,29 @@ def _child():
     def nan_eq(a, b):
         return nan_bits_equal(a, b)
 
+    def encoded_alike(x, lay, encode_ref, encode_cuda):
+        """(the reference's payload, whether the CUDA encode wrote the same bytes and, in place, the
+        same residual); NaN scales may differ in NaN payload bits only (CUDA makes canonical NaNs)."""
+        want = np.zeros(lay.total, np.uint8)
+        rref = np.empty(x.size, np.float32)
+        with np.errstate(all="ignore"):
+            encode_ref(x, want, rref)
+        d = dev(np.full(lay.total, 0xA5, np.uint8))
+        xd = dev(x)
+        encode_cuda(xd, d, xd)                          # residual in place
+        got = d.copy_to_host()
+        sc = slice(lay.scales_offset, lay.total)
+        return want, bool(np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
+            want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, xd.copy_to_host()))
+
     for case in SIM_QSGD:
         n, bs, bits, st, l2 = case
         for variant in _variants(n):
             x, h, lay = qsgd_case(n, bs, bits, st, l2, x=make_x(n, n + bs, variant == "-special",
                                                                 variant == "-wide") if variant else None)
-            want = np.zeros(lay.total, np.uint8)
-            rref = np.empty(n, np.float32)
-            with np.errstate(all="ignore"):
-                R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, KEY, residual=rref)
-            d = dev(np.full(lay.total, 0xA5, np.uint8))
-            xd = dev(x)
-            K.qsgd_encode_cuda(xd, d, h, bits, bs, st, l2, KEY, residual=xd)     # residual in place
-            got = d.copy_to_host()
-            # NaN scales may differ in NaN payload bits only (CUDA makes canonical NaNs)
-            sc = slice(lay.scales_offset, lay.total)
-            ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
-                want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, xd.copy_to_host())
+            want, ok = encoded_alike(
+                x, lay, lambda x_, p, r: R.qsgd_encode_ref(x_, p, h, bits, bs, st, l2, KEY, residual=r),
+                lambda x_, p, r: K.qsgd_encode_cuda(x_, p, h, bits, bs, st, l2, KEY, residual=r))
             a = make_x(n, 5)
             o = dev(a.copy())
             with np.errstate(all="ignore"):
@@ -566,17 +572,9 @@ def _child():
                 x[10:30] = x[5]                       # ties across group bounds
             h = wire.Header(4, bits, 0 if st else 1, sb, bs, 0, (n,), name_hash=7).words()
             lay = wire.layout(4, n, bits, bs, 0, sb)
-            want = np.zeros(lay.total, np.uint8)
-            rref = np.empty(n, np.float32)
-            with np.errstate(all="ignore"):
-                R.sortquant_encode_ref(x, want, h, bits, sb, bs, st, KEY, residual=rref)
-            d = dev(np.full(lay.total, 0xA5, np.uint8))
-            xd = dev(x)
-            K.sortquant_encode_cuda(xd, d, h, bits, sb, bs, st, KEY, residual=xd)     # residual in place
-            got = d.copy_to_host()
-            sc = slice(lay.scales_offset, lay.total)
-            ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
-                want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, xd.copy_to_host())
+            want, ok = encoded_alike(
+                x, lay, lambda x_, p, r: R.sortquant_encode_ref(x_, p, h, bits, sb, bs, st, KEY, residual=r),
+                lambda x_, p, r: K.sortquant_encode_cuda(x_, p, h, bits, sb, bs, st, KEY, residual=r))
             a = make_x(n, 5)
             o = dev(a.copy())
             with np.errstate(all="ignore"):
@@ -593,17 +591,8 @@ def _child():
             out[_sq_id(*case) + variant] = [bool(ok), bool(dec)]
     for n, bs, tm in SIM_ONEBIT:
         x, h, lay = onebit_case(n, bs, tm, special=n > 50)
-        want = np.zeros(lay.total, np.uint8)
-        rref = np.empty(n, np.float32)
-        with np.errstate(all="ignore"):
-            R.onebit_encode_ref(x, want, h, bs, tm, residual=rref)
-        d = dev(np.full(lay.total, 0xA5, np.uint8))
-        xd = dev(x)
-        K.onebit_encode_cuda(xd, d, h, bs, tm, residual=xd)
-        got = d.copy_to_host()
-        sc = slice(lay.scales_offset, lay.total)
-        ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and nan_eq(
-            want[sc].view(np.float32), got[sc].view(np.float32)) and nan_eq(rref, xd.copy_to_host())
+        want, ok = encoded_alike(x, lay, lambda x_, p, r: R.onebit_encode_ref(x_, p, h, bs, tm, residual=r),
+                                 lambda x_, p, r: K.onebit_encode_cuda(x_, p, h, bs, tm, residual=r))
         a = make_x(n, 5)
         o = dev(a.copy())
         with np.errstate(all="ignore"):
