@@ -8,7 +8,8 @@ In one run it times, on the same float32 data:
 
 * ``qsgd4``, ``qsgd8``, ``qsgd2`` (the default set; ``--codecs`` may name any ``qsgdN``, N in 2..16,
   or ``all``): QSGD stochastic, max norm, ``--bucket-size``; ``onebit``: 1-bit two_mean with the same
-  bucket size. ``encode`` is ``codec.encode(x)``, ``decode`` is
+  bucket size; ``sortquant2``, ``sortquant4``, ``sortquant6``, ``sortquant8``: SortQuant stochastic
+  with split_bits 1, 2, 3, 2 (the source's settings) and the same bucket size. ``encode`` is ``codec.encode(x)``, ``decode`` is
   ``codec.decode_into(payload, out)`` (what the exchange calls), ``enc+dec`` both.
 * ``copy``: a device copy of x into a preallocated buffer (reads and writes 4 bytes per element):
   the memory-bound limit (an encode+decode reads x, writes the payload, reads it, writes out).
@@ -43,26 +44,29 @@ import numpy as np
 CODECS = (("qsgd4", "qsgd:bits=4,bucket_size={bs}"), ("qsgd8", "qsgd:bits=8,bucket_size={bs}"),
           ("qsgd2", "qsgd:bits=2,bucket_size={bs}"), ("onebit", "onebit:bucket_size={bs}"))
 WIDTHS = tuple(f"qsgd{b}" for b in range(2, 17))     # any of these may be named in --codecs
+# SortQuant at the source's settings (bits = split + level bits): 2 = 1+1, 4 = 2+2, 6 = 3+3, 8 = 2+6
+SORTQUANT = tuple((f"sortquant{b}", f"sortquant:bits={b},split_bits={s},bucket_size={{bs}}")
+                  for b, s in ((2, 1), (4, 2), (6, 3), (8, 2)))
 
 
 def codec_specs(names):
     """[(name, spec template)] for the ``names`` (separated by commas, or by semicolons when a spec
     string with commas is among them): the default set, ``qsgdN`` for any width N in 2..16, ``all``
-    (every width and onebit), or any codec spec string (``qsgd:bits=5,mode=deterministic``, ``fp16``),
-    named by itself."""
-    known = dict(CODECS)
+    (every width, onebit and the SortQuant rows), ``sortquant2`` / 4 / 6 / 8, or any codec spec string
+    (``qsgd:bits=5,mode=deterministic``, ``fp16``), named by itself."""
+    known = dict(CODECS + SORTQUANT)
     known.update((w, f"qsgd:bits={w[4:]},bucket_size={{bs}}") for w in WIDTHS)
     wanted = []
     for name in names.split(";" if ";" in names or ":" in names else ","):
-        for one in (WIDTHS + ("onebit",) if name == "all" else (name,)):
+        for one in (WIDTHS + ("onebit",) + tuple(n for n, _ in SORTQUANT) if name == "all" else (name,)):
             if one not in known:
                 from hvd_quant import from_spec
                 try:
                     from_spec(one)
                 except ValueError as e:
                     raise SystemExit(f"unknown codec {one!r} ({e}); known: "
-                                     f"{', '.join(n for n, _ in CODECS)}, qsgd2 .. qsgd16, all, "
-                                     "or a codec spec string") from None
+                                     f"{', '.join(n for n, _ in CODECS + SORTQUANT)}, qsgd2 .. qsgd16, "
+                                     "all, or a codec spec string") from None
                 known[one] = one.replace("{", "{{").replace("}", "}}")
             if one not in wanted:
                 wanted.append(one)
