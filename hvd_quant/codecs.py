@@ -38,8 +38,8 @@ from numba_kernels.wire import PayloadError
 
 from ._arrays import UnsupportedInputError, adapter_for, device_statuses, status_for
 
-__all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "FP16", "NoCompression", "Compression", "REGISTRY", "register",
-           "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
+__all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "FP16", "NoCompression", "Compression", "REGISTRY",
+           "register", "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
 
 REGISTRY = {}
 
@@ -1036,8 +1036,6 @@ class OneBit(Codec):
         return K.prepare_onebit_decode(numel, self.bucket_size or 0, self._two_mean, accumulate)
 
 
-# ---- raw: fp16 and none ---------------------------------------------------------------------------------
-
 # ---- sort quantization ---------------------------------------------------------------------------------
 
 @register("sortquant")
@@ -1064,9 +1062,9 @@ class SortQuant(Codec):
     memory with a bitonic network: on CUDA ``bucket_size`` is at most 4096), both bit-identical to the
     NumPy reference; not tuned yet (no fused reduce kernels: SRA and allgather decode and sum payload
     by payload). Wire: 64-byte header (``norm`` holds split_bits), ceil(numel*bits/8) code bytes (zero
-    padded to 4), then 8 * 2**split_bits scale bytes per bucket. A bucket holding NaN or Inf, or whose range overflows float32, decodes to NaN
-    (only that bucket). bits 2..16, split_bits 1..bits-1, bucket_size >= 1. Noise and ``seed`` as
-    :class:`QSGD`.
+    padded to 4), then 8 * 2**split_bits scale bytes per bucket. A bucket holding NaN or Inf, or whose
+    range overflows float32, decodes to NaN (only that bucket). bits 2..16, split_bits 1..bits-1,
+    bucket_size >= 1. Noise and ``seed`` as :class:`QSGD`.
     """
 
     PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,
@@ -1118,7 +1116,8 @@ class SortQuant(Codec):
         xt, xdev = arrays.input_f32(x)
         K.sortquant_encode_cuda(_nb(arrays, xt, xdev), _nb(arrays, pt, pdev), words, self.bits,
                                 self.split_bits, self.bucket_size, self.stochastic, key, stream,
-                                None if residual is None else _nb(arrays, residual, _dev_view(arrays, residual)))
+                                None if residual is None else
+                                _nb(arrays, residual, _dev_view(arrays, residual)))
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
@@ -1132,6 +1131,8 @@ def _nb(arrays, t, dev):
     """A Numba device array of ``t``, whose device handle is ``dev`` (torch's is a raw pointer)."""
     return arrays.numba(t) if type(dev) is int else dev
 
+
+# ---- raw: fp16 and none ---------------------------------------------------------------------------------
 
 class _Raw(Codec):
     _value_dtype = None

@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from . import wire
 from ._memo import memo
-from ._scalar import F0, FINF, GAMMA, SEGMENT, U8, U24M, U40, UFF, build
+from ._scalar import F0, FINF, FNAN, GAMMA, SEGMENT, U8, U24M, U40, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
            "half_encode_cpu", "half_decode_cpu",
@@ -462,9 +462,8 @@ def _stable_order(xb, n, keys, keys2, order, order2, cnt):
             cnt[d] = k + 1
             keys2[k] = keys[j]
             order2[k] = order[j]
-        for j in range(n):                 # (four passes: the result ends where it started)
-            keys[j] = keys2[j]
-            order[j] = order2[j]
+        keys, keys2 = keys2, keys          # four passes: the result ends in the caller's arrays
+        order, order2 = order2, order
 
 
 @_Widths
@@ -517,11 +516,11 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
                 mx = max(mx, v)
             if not finite or (n > 0 and not abs(mx - mn) < FINF):
                 for k in range(2 * G):
-                    sc[k] = np.float32(np.nan)
+                    sc[k] = FNAN
                 for j in range(n):
                     cb[j] = 0
                     if has_res:
-                        residual[st + j] = xb[j] - np.float32(np.nan)
+                        residual[st + j] = xb[j] - FNAN
                 continue
             _stable_order(xb, n, keys, keys2, order, order2, cnt)
             for g in range(G):
@@ -557,7 +556,6 @@ def _sortquant_decode(payload, out, codes_off, scales_off, nscales, bs, split_bi
     lb = _BITS - split_bits
     L = (1 << lb) - 1
     Lf = np.float32(L)
-    mask = np.int32((1 << _BITS) - 1)
     for c in prange(nchunks):
         unit = np.empty(G, np.float32)
         b0 = c * kchunk
@@ -569,11 +567,7 @@ def _sortquant_decode(payload, out, codes_off, scales_off, nscales, bs, split_bi
                 unit[g] = np.float32(sc[2 * g + 1] - sc[2 * g]) / Lf
             for i in range(st, en):
                 bp = i * _BITS
-                o = codes_off + (bp >> 3)
-                w = np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)
-                if _BITS > 9:
-                    w |= np.int32(payload[o + 2]) << 16
-                code = (w >> (bp & 7)) & mask
+                code = _field(payload, codes_off + (bp >> 3), bp & 7, _BITS)
                 g = code >> lb
                 v = _sq_value(sc[2 * g], code & L, unit[g])
                 if accumulate:
@@ -588,6 +582,24 @@ def _put(ob, j, v, accumulate):
         ob[j] = ob[j] + v
     else:
         ob[j] = v
+
+
+@_inline
+def _field(payload, o, shift, BITS):
+    """The BITS-bit field starting at bit ``shift`` (0..7) of byte ``o``, from the 1 to 3 bytes it
+    spans (BITS <= 16). Reading past the codes stays inside the payload (the scales follow them)."""
+    if BITS == 8:
+        w = np.int32(payload[o])
+    elif BITS == 16:
+        w = np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)
+    elif 8 % BITS == 0:
+        w = np.int32(payload[o]) >> shift
+    elif BITS <= 9:
+        w = (np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)) >> shift
+    else:
+        w = (np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)
+             | (np.int32(payload[o + 2]) << 16)) >> shift
+    return w & np.int32((1 << BITS) - 1)
 
 
 @_inline
@@ -626,19 +638,7 @@ def _qsgd_unpack(payload, codes_off, st, ob, unit, s, accumulate, BITS):
         j0 = 8 * ng
     for j in range(j0, ob.size):
         bp = sh + j * BITS
-        o = cb + (bp >> 3)
-        if BITS == 8:
-            w = np.int32(payload[o])
-        elif BITS == 16:
-            w = np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)
-        elif 8 % BITS == 0:
-            w = np.int32(payload[o]) >> (bp & 7)
-        elif BITS <= 9:
-            w = (np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)) >> (bp & 7)
-        else:
-            w = (np.int32(payload[o]) | (np.int32(payload[o + 1]) << 8)
-                 | (np.int32(payload[o + 2]) << 16)) >> (bp & 7)
-        _put(ob, j, np.float32((w & mask) - s) * unit, accumulate)
+        _put(ob, j, np.float32(_field(payload, cb + (bp >> 3), bp & 7, BITS) - s) * unit, accumulate)
 
 
 @_inline

@@ -232,11 +232,12 @@ def sortquant_groups(n, split_bits):
     return [(-(-g * n // G), -(-(g + 1) * n // G)) for g in range(G)]
 
 
-def _sortquant_bucket(xb, idx, split_bits, L, stochastic, key):
-    """(codes, scales) of one bucket: float32 values ``xb`` at element indices ``idx``."""
+def _sortquant_bucket(xb, idx, split_bits, lb, stochastic, key):
+    """(codes, scales) of one bucket: float32 values ``xb`` at element indices ``idx``; ``lb`` level
+    bits."""
     n = xb.size
     G = 1 << split_bits
-    lb = int(L).bit_length()
+    L = (1 << lb) - 1
     codes = np.zeros(n, np.int64)
     scales = np.zeros(2 * G, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -278,13 +279,12 @@ def sortquant_encode_ref(x, payload, header, bits, split_bits, bucket_size, stoc
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     lay = wire.layout(wire.METHODS["sortquant"], x.size, bits, bucket_size, 0, split_bits)
     assert payload.size == lay.total, (payload.size, lay)
-    L = (1 << (bits - split_bits)) - 1
     codes = np.zeros(x.size, np.int64)
     scales = np.zeros((lay.nbuckets, 2 << split_bits), np.float32)
     for b in range(lay.nbuckets):
         st, en = b * bucket_size, min(x.size, (b + 1) * bucket_size)
-        codes[st:en], scales[b] = _sortquant_bucket(x[st:en], np.arange(st, en), split_bits, L,
-                                                    stochastic, key)
+        codes[st:en], scales[b] = _sortquant_bucket(x[st:en], np.arange(st, en), split_bits,
+                                                    bits - split_bits, stochastic, key)
     write_header_ref(payload, header)
     _write_body(payload, lay, _pack(codes, bits), scales)
     _residual(x, payload, residual,

@@ -9,8 +9,9 @@ In one run it times, on the same float32 data:
 * ``qsgd4``, ``qsgd8``, ``qsgd2`` (the default set; ``--codecs`` may name any ``qsgdN``, N in 2..16,
   or ``all``): QSGD stochastic, max norm, ``--bucket-size``; ``onebit``: 1-bit two_mean with the same
   bucket size; ``sortquant2``, ``sortquant4``, ``sortquant6``, ``sortquant8``: SortQuant stochastic
-  with split_bits 1, 2, 3, 2 (the source's settings) and the same bucket size. ``encode`` is ``codec.encode(x)``, ``decode`` is
-  ``codec.decode_into(payload, out)`` (what the exchange calls), ``enc+dec`` both.
+  with split_bits 1, 2, 3, 2 (the source's settings) and the same bucket size. ``encode`` is
+  ``codec.encode(x)``, ``decode`` is ``codec.decode_into(payload, out)`` (what the exchange calls),
+  ``enc+dec`` both.
 * ``copy``: a device copy of x into a preallocated buffer (reads and writes 4 bytes per element):
   the memory-bound limit (an encode+decode reads x, writes the payload, reads it, writes out).
 * ``torch-ops``: the same bucketed QSGD (and 1-bit) written with plain PyTorch tensor ops
