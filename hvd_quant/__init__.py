@@ -1,7 +1,8 @@
-"""hvd_quant: QSGD and 1-bit SGD gradient compression for Horovod."""
+"""hvd_quant: QSGD, 1-bit SGD, sort and k-means quantization: gradient compression for Horovod."""
 __version__ = "0.1.0"
 
-__all__ = ["QSGD", "OneBit", "SortQuant", "FP16", "NoCompression", "Compression", "Codec", "REGISTRY", "register",
+__all__ = ["QSGD", "OneBit", "SortQuant", "KMeans", "FP16", "NoCompression", "Compression", "Codec", "REGISTRY",
+           "register",
            "from_spec", "PayloadError", "UnsupportedInputError", "StockCompression",
            "ConfigMismatchError", "PayloadMismatchError", "__version__"]
 
@@ -9,8 +10,10 @@ __all__ = ["QSGD", "OneBit", "SortQuant", "FP16", "NoCompression", "Compression"
 from ._stock import StockCompression  # noqa: E402
 from .exchange import ConfigMismatchError, PayloadMismatchError  # noqa: E402
 
-# Codecs (issues 3, 15): QSGD, 1-bit, sort quantization, fp16, none; the registry and the Horovod-style namespace.
-from .codecs import (QSGD, OneBit, SortQuant, FP16, NoCompression, Compression, Codec, REGISTRY,  # noqa: E402
+# Codecs (issues 3, 15): QSGD, 1-bit, sort and k-means quantization, fp16, none; the registry and the
+# Horovod-style namespace.
+from .codecs import (QSGD, OneBit, SortQuant, KMeans, FP16, NoCompression, Compression, Codec,  # noqa: E402
+                     REGISTRY,
                      register, from_spec, PayloadError, UnsupportedInputError)
 
 # TensorFlow: autograph must run the codecs and the stock-Horovod hooks as plain Python (in a graph

@@ -24,6 +24,7 @@ CUDA kernels on the framework's current stream without synchronising with the ho
 :meth:`Codec.decode_into` for how errors in device payloads surface).
 """
 import functools
+import inspect
 import math
 import os
 import random
@@ -38,7 +39,7 @@ from numba_kernels.wire import PayloadError
 
 from ._arrays import UnsupportedInputError, adapter_for, device_statuses, status_for
 
-__all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "FP16", "NoCompression", "Compression", "REGISTRY",
+__all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "KMeans", "FP16", "NoCompression", "Compression", "REGISTRY",
            "register", "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
 
 REGISTRY = {}
@@ -85,7 +86,7 @@ def _p_str(key, text):
 def _fmt(v):
     if isinstance(v, bool):
         return "true" if v else "false"
-    return str(v)
+    return "none" if v is None else str(v)
 
 
 def from_spec(spec):
@@ -272,7 +273,9 @@ class Codec:
         """Canonical string spec; ``from_spec(c.spec()) == c`` (built once: the codec is immutable)."""
         s = self.__dict__.get("_spec")
         if s is None:
-            items = [f"{k}={_fmt(v)}" for k, v in self._config().items() if v is not None]
+            default = {k: p.default for k, p in inspect.signature(type(self)).parameters.items()}
+            items = [f"{k}={_fmt(v)}" for k, v in self._config().items()
+                     if v is not None or default.get(k) is not None]    # None spelled out where not the default
             s = self.__dict__["_spec"] = self.name + (":" + ",".join(items) if items else "")
         return s
 
@@ -1127,6 +1130,89 @@ class SortQuant(Codec):
                                 None if status_t is None else _nb(arrays, status_t, status_dev), expect)
 
 
+@register("kmeans")
+class KMeans(Codec):
+    """K-means quantization: per bucket a codebook of ``2**bits`` float32 centroids fitted by Lloyd
+    iterations, each element sent as the ``bits``-bit index of its nearest centroid (reference/004 in
+    the project's sources).
+
+    The fit is one-dimensional and exact. **Start**: a sample of the bucket (all of it up to 1024
+    values, else its min, its max and 1022 values drawn at positions keyed by ``seed`` with the rank,
+    the tensor's name and the step, as :class:`QSGD`'s noise, so every rank and every run is
+    reproducible), sorted; the centroids start at equal steps of its companded rank (the running sum
+    of sqrt(gap) between neighbours), which spreads them into the tails, where a gradient's squared
+    error is made. **Iterations**: each value goes to the nearest centroid (the
+    boundaries are the midpoints between neighbours, ties to the lower one) and each centroid moves to
+    the mean of its values; a centroid left without values stays where it was. The means are exact
+    integer sums in a per-bucket fixed point (|x| scaled below 2**31), so they do not depend on the
+    order of the additions: the CPU and CUDA kernels and the NumPy reference agree bit for bit. The
+    CPU kernel stops early once a step moves no centroid (the result is the same). Nearest-centroid
+    rounding is **biased** (like ``QSGD(mode="deterministic")``); the bias is small where the
+    codebook fits the bucket.
+
+    ``bucket_size=None``: one codebook per tensor (per chunk on SRA's middle phase), the source's
+    setting; a bucket_size gives one per bucket, which costs ``2**bits * 4`` bytes each. bits 1..8
+    (a 2**bits codebook beyond that outweighs the codes it replaces), iters 0..1000 (0: the sample's
+    quantiles as they are). Wire: 64-byte header (bucket_size 0 for None), ceil(numel*bits/8) code
+    bytes (zero padded to 4), then the codebooks. A bucket holding NaN or Inf decodes to NaN (only that
+    bucket). Kernels: Numba CPU (the assignment vectorised over K - 1 comparisons, one thread per
+    bucket) and CUDA (``iters + 5`` launches, most over the whole input; fixed-point sums by atomic
+    adds); no fused reduce kernels (SRA and allgather decode and sum payload by payload).
+    """
+
+    PARAMS = {"bits": _p_int, "iters": _p_int, "bucket_size": _p_opt_int, "seed": _p_opt_int}
+    _method = wire.METHODS["kmeans"]
+    stochastic = True           # the sample is drawn with the noise key
+
+    def __init__(self, bits=4, iters=20, bucket_size=None, seed=0):
+        self._freeze(bits=_check_int("bits", bits, 1, 8), iters=_check_int("iters", iters, 0, 1000),
+                     bucket_size=None if bucket_size is None else _check_int("bucket_size", bucket_size, 1,
+                                                                               2 ** 32 - 1),
+                     seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1))
+
+    def _config(self):
+        return {"bits": self.bits, "iters": self.iters, "bucket_size": self.bucket_size, "seed": self.seed}
+
+    def _fields(self):
+        return (self._method, self.bits, 0, 0, self.bucket_size or 0)
+
+    def _field_text(self, field, code):
+        if field == "bucket_size":
+            return f"bucket_size={code or None}"
+        return super()._field_text(field, code)
+
+    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
+        import numba_kernels.cpu as K
+        K.kmeans_encode_cpu(arrays.input_f32(x), pay, words, self.bits, self.bucket_size or 0, self.iters, key,
+                            residual=residual)
+
+    def _decode_host(self, pay, out, accumulate):
+        import numba_kernels.cpu as K
+        K.kmeans_decode_cpu(pay, out, self.bits, self.bucket_size or 0, accumulate)
+
+    def _bound_kernel(self, arrays, numel, accumulate):
+        if arrays.device or not arrays.views:
+            return None
+        import numba_kernels.cpu as K
+        if accumulate is None:
+            return K.prepare_kmeans_encode(numel, self.bits, self.bucket_size or 0, self.iters)
+        return K.prepare_kmeans_decode(numel, self.bits, self.bucket_size or 0, accumulate)
+
+    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
+        import numba_kernels.cuda as K     # (through Numba's dispatcher: device arrays, not pointers)
+        xt, xdev = arrays.input_f32(x)
+        K.kmeans_encode_cuda(_nb(arrays, xt, xdev), _nb(arrays, pt, pdev), words, self.bits, self.bucket_size or 0,
+                             self.iters, key, stream,
+                             None if residual is None else _nb(arrays, residual, _dev_view(arrays, residual)))
+
+    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
+                    expect):
+        import numba_kernels.cuda as K
+        K.kmeans_decode_cuda(_nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev), self.bits,
+                             self.bucket_size or 0, accumulate, stream,
+                             None if status_t is None else _nb(arrays, status_t, status_dev), expect)
+
+
 def _nb(arrays, t, dev):
     """A Numba device array of ``t``, whose device handle is ``dev`` (torch's is a raw pointer)."""
     return arrays.numba(t) if type(dev) is int else dev
@@ -1211,7 +1297,8 @@ class NoCompression(_Raw):
 
 class Compression:
     """Horovod-style namespace: ``Compression.none``, ``Compression.fp16`` (instances),
-    ``Compression.qsgd(...)``, ``Compression.onebit(...)``, ``Compression.sortquant(...)`` (factories)."""
+    ``Compression.qsgd(...)``, ``Compression.onebit(...)``, ``Compression.sortquant(...)``,
+    ``Compression.kmeans(...)`` (factories)."""
     none = NoCompression()
     fp16 = FP16()
 
@@ -1229,6 +1316,11 @@ class Compression:
     def sortquant(*args, **kwargs):
         """A :class:`SortQuant` codec (same arguments)."""
         return SortQuant(*args, **kwargs)
+
+    @staticmethod
+    def kmeans(*args, **kwargs):
+        """A :class:`KMeans` codec (same arguments)."""
+        return KMeans(*args, **kwargs)
 
 
 def resolve_codec(compression, horovod_compression=None):

@@ -39,7 +39,7 @@ of those whose alltoall has completed (:func:`_wait`). With one Exchange in flig
 import hashlib
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from numba_kernels._scalar import mix64_py
@@ -115,6 +115,10 @@ class ArrayOps:
     to_like: Callable[[Any, Any], Any]               # move t to like's device (restored residuals)
     clone: Callable[[Any], Any]
     reusable: bool = False      # buffers may be kept and rewritten across steps (not handed to the framework)
+    # (like) -> a timestamp on like's device, taken without waiting: a float of host seconds, or an
+    # object with query() and elapsed_time(other) in ms recorded on the current stream (a CUDA event).
+    # None: host time.perf_counter(). Traffic.bandwidth reads them.
+    mark: Callable[[Any], Any] = None
 
 
 def codec_alignment(codec):
@@ -135,27 +139,44 @@ def chunk_bounds(numel, size, align):
     return [(min(j * per, numel), min((j + 1) * per, numel)) for j in range(size)]
 
 
+KINDS = ("alltoall", "allgather")     # the collectives an exchange times (Traffic.bandwidth)
+_FOLD_AT = 4096                       # timed collectives kept unread before the complete ones are folded
+
+
 @dataclass
 class Traffic:
-    """Bytes this rank sends, beside what an fp32 ring allreduce of the same elements would send.
+    """Bytes this rank sends, beside what an fp32 ring allreduce of the same elements would send, and
+    the time of the exchange's collectives that sent them.
 
     Model (docs/EXCHANGE.md): alltoall sends each destination its part; allgather sends the own payload
     to N-1 ranks; a ring allreduce of b bytes sends 2(N-1)/N * b. ``payload_bytes`` is the encoded size
     of everything this rank put into a collective (its own chunks included), ``numel`` the elements.
+
+    ``timed`` holds ``(kind, bytes, start, stop)`` for every alltoall and allgather an
+    :class:`Exchange` completed: the bytes this rank sent in it (the same count as ``sent_bytes``)
+    and two marks of ``ArrayOps.mark``, taken at launch and when its result was handed back
+    (appended by the exchange; :meth:`add`, called every start, folds them when they grow long).
+    :meth:`bandwidth` reads them (CUDA events: only once they have completed) and folds them into
+    ``folded``; nothing is read on the hot path.
     """
     sent_bytes: float = 0.0
     fp32_bytes: float = 0.0
     payload_bytes: int = 0
     numel: int = 0
     seconds: Optional[float] = None    # the step's exchange, first gradient in to last result out
+    timed: list = field(default_factory=list)
+    folded: dict = field(default_factory=dict)    # kind or "total" -> [count, bytes, seconds]
 
     def reset(self):
         self.sent_bytes = self.fp32_bytes = 0.0
         self.payload_bytes = self.numel = 0
         self.seconds = None
+        self.timed = []
+        self.folded = {}
 
     def copy(self):
-        return Traffic(self.sent_bytes, self.fp32_bytes, self.payload_bytes, self.numel, self.seconds)
+        return Traffic(self.sent_bytes, self.fp32_bytes, self.payload_bytes, self.numel, self.seconds,
+                       list(self.timed), {k: list(v) for k, v in self.folded.items()})
 
     @property
     def ratio(self):
@@ -163,10 +184,20 @@ class Traffic:
         return self.fp32_bytes / self.sent_bytes if self.sent_bytes else float("inf")
 
     def add(self, other):
+        """Add ``other``'s bytes (a plan's traffic of a step, or another step's record)."""
         self.sent_bytes += other.sent_bytes
         self.fp32_bytes += other.fp32_bytes
         self.payload_bytes += other.payload_bytes
         self.numel += other.numel
+        if len(self.timed) >= _FOLD_AT:
+            self.fold()
+        if other.timed or other.folded:
+            self.timed.extend(other.timed)
+            for k, (c, b, s) in other.folded.items():
+                f = self.folded.setdefault(k, [0, 0, 0.0])
+                f[0] += c
+                f[1] += b
+                f[2] += s
 
     def add_allreduce(self, nbytes, numel, size):
         ring = 2.0 * (size - 1) / size if size > 1 else 0.0
@@ -174,6 +205,63 @@ class Traffic:
         self.fp32_bytes += ring * 4 * numel
         self.payload_bytes += nbytes
         self.numel += numel
+
+    def fold(self):
+        """Read the marks of the completed collectives in ``timed`` into ``folded``; the rest stay."""
+        spans, self.timed = _spans(self.timed)
+        for kind in {s[0] for s in spans}:
+            _fold_into(self.folded, kind, [s for s in spans if s[0] == kind])
+        if spans:
+            _fold_into(self.folded, "total", spans)
+
+    def bandwidth(self):
+        """Effective bandwidth of the timed collectives: ``{kind: {"count", "bytes", "seconds",
+        "gbps"}}`` for ``"alltoall"``, ``"allgather"`` (those that ran) and ``"total"``. ``seconds`` is
+        the time during which at least one collective of the kind was in flight (overlapping
+        collectives count once), ``gbps`` = bytes / seconds / 1e9 (None without time). Collectives
+        whose CUDA events have not completed yet are left for a later call. docs/EXCHANGE.md says
+        what the marks measure on the host and on the GPU."""
+        self.fold()
+        out = {}
+        for kind in KINDS + ("total",):
+            if kind in self.folded:
+                c, b, s = self.folded[kind]
+                out[kind] = {"count": c, "bytes": b, "seconds": s, "gbps": b / s / 1e9 if s > 0 else None}
+        return out
+
+
+def _spans(timed):
+    """(kind, bytes, start, stop) records -> ([(kind, bytes, a, b)] in seconds, the records whose
+    marks are not complete yet). Host marks are seconds already; device marks (objects with
+    ``query()`` and ``elapsed_time(other)`` in ms: torch.cuda.Event) are placed on one axis, measured
+    from the first complete one. Host and device spans are on different axes: see :func:`_fold_into`."""
+    spans, waiting, base = [], [], None
+    for rec in timed:
+        kind, nbytes, start, stop = rec
+        if isinstance(start, float):
+            spans.append((kind, nbytes, start, stop, False))
+        elif start.query() and stop.query():
+            base = start if base is None else base
+            spans.append((kind, nbytes, base.elapsed_time(start) / 1e3, base.elapsed_time(stop) / 1e3, True))
+        else:
+            waiting.append(rec)
+    return spans, waiting
+
+
+def _fold_into(folded, kind, spans):
+    """Add ``spans``' count, bytes and the length of the union of their intervals (per axis)."""
+    f = folded.setdefault(kind, [0, 0, 0.0])
+    f[0] += len(spans)
+    f[1] += sum(s[1] for s in spans)
+    for device in (False, True):
+        end = None
+        for a, b in sorted((s[2], s[3]) for s in spans if s[4] is device):
+            if end is None or a > end:
+                f[2] += b - a
+                end = b
+            elif b > end:
+                f[2] += b - end
+                end = b
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,7 +344,7 @@ class _Plan:
     allow it (``ArrayOps.reusable``)."""
     __slots__ = ("coll", "numel", "arrays", "send", "own", "reduced", "gather", "send_nbytes",
                  "gather_nbytes", "fresh", "steps", "traffic", "buffers", "server_key", "decode_sum",
-                 "reduce", "decode_chunks", "keep")
+                 "reduce", "decode_chunks", "keep", "sent")
 
     def __init__(self, ex, name, header, numel, like):
         codec, coll = ex.codec, ex.coll
@@ -307,11 +395,12 @@ class _Plan:
         t.fp32_bytes = (2.0 * (size - 1) / size) * 4 * numel
         if ex.reduction == "allgather":
             t.payload_bytes = self.send_nbytes
-            t.sent_bytes = (size - 1) * self.send_nbytes
+            self.sent = (0, (size - 1) * self.send_nbytes)
         else:
             each = self.own.size
             t.payload_bytes = self.send_nbytes + each
-            t.sent_bytes = self.send_nbytes - self.send[r].size + (size - 1) * each
+            self.sent = (self.send_nbytes - self.send[r].size, (size - 1) * each)
+        t.sent_bytes = sum(self.sent)       # bytes this rank sends in its (alltoall, allgather)
         self.buffers = {} if ex.ops.reusable else None
 
     def buffer(self, key, make):
@@ -322,6 +411,10 @@ class _Plan:
         if buf is None:
             buf = self.buffers[key] = make()
         return buf
+
+
+def _host_mark(like):
+    return time.perf_counter()
 
 
 def _tag(header, part):
@@ -362,11 +455,11 @@ class Pending:
     """One exchange in flight. ``stage``: "first" (alltoall or allgather submitted), "second" (SRA
     allgather submitted), "done"."""
     __slots__ = ("name", "plan", "step", "like", "handle", "stage", "hs", "record", "result", "key",
-                 "owner", "__weakref__")
+                 "owner", "t0", "__weakref__")
 
     def __init__(self, name, plan, step, like, owner=None):
         self.name, self.plan, self.step, self.like, self.owner = name, plan, step, like, owner
-        self.handle = self.hs = self.record = self.result = None
+        self.handle = self.hs = self.record = self.result = self.t0 = None
         self.stage = "first"
 
 
@@ -381,10 +474,13 @@ class Exchange:
     requantization's error is carried to the next step too, not lost). ``reuse_result``: :meth:`finish` returns the
     plan's own result buffer, overwritten by the next step of the same name (for callers that copy
     the result out, where the frontend's ``ArrayOps.reusable``); otherwise a new buffer each step.
+    ``timing`` (default on): each alltoall and allgather is timed from launch to its result
+    (``ArrayOps.mark``: host clock, or CUDA events that nothing waits for) into ``traffic.timed``;
+    ``traffic.bandwidth()`` gives the effective GB/s (docs/EXCHANGE.md, "Measured bandwidth").
     """
 
     def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq",
-                 reuse_result=False):
+                 reuse_result=False, timing=True):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.codec = codec
@@ -396,6 +492,7 @@ class Exchange:
         self.reuse_result = bool(reuse_result)
         self.align = codec_alignment(codec)
         self.traffic = Traffic()
+        self._mark = (ops.mark or _host_mark) if timing else None
         self._plans = {}            # (name, header, numel) -> _Plan
         self._verified = set()      # exchange names whose first payloads were checked on the device
 
@@ -471,6 +568,8 @@ class Exchange:
         send = self._payloads(plan, plan.send, plan.send_nbytes, flat, step, "send",
                               None if mem is None else (mem.WORKER, name))
         self.traffic.add(plan.traffic)
+        if self._mark is not None:
+            p.t0 = self._mark(flat)
         if self.reduction == "allgather":
             p.handle = (gather or coll.allgather_async)(send, f"{self.prefix}.ag.{name}")
         else:
@@ -521,6 +620,8 @@ class Exchange:
         self._check_hs(p)
         ops, coll, plan = self.ops, self.coll, p.plan
         data = _wait(self, p.handle)
+        if p.t0 is not None:        # inline: the step's Python-call budget (DESIGN.md)
+            self.traffic.timed.append(("alltoall", plan.sent[0], p.t0, self._mark(p.like)))
         own, red = plan.own, plan.reduced
         n, each = own.b - own.a, own.size
         self._received(p, data, coll.size * each, "the alltoall")
@@ -543,6 +644,8 @@ class Exchange:
                                      None if mem is None else (mem.SERVER, plan.server_key))
         else:
             payload = ops.empty_bytes(0, p.like)
+        if self._mark is not None:
+            p.t0 = self._mark(p.like)
         p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}")
         p.stage = "second"
 
@@ -557,6 +660,8 @@ class Exchange:
         else:
             self._check_hs(p)
         data = _wait(self, p.handle)
+        if p.t0 is not None:
+            self.traffic.timed.append(("allgather", plan.sent[1], p.t0, self._mark(p.like)))
         self._received(p, data, plan.gather_nbytes, "the allgather")
         out = (plan.buffer("out", lambda: ops.empty(plan.numel, p.like)) if self.reuse_result
                else ops.empty(plan.numel, p.like))

@@ -39,6 +39,13 @@ header_errors = ops.header_errors
 onebit_scales = ops.onebit_scales      # (two_mean, p, q, cnt, ln) -> (hi, lo)
 sortquant_level = ops.sortquant_level
 sortquant_value = ops.sortquant_value
+kmeans_draw = ops.kmeans_draw
+kmeans_scale = ops.kmeans_scale
+kmeans_fixed = ops.kmeans_fixed
+kmeans_mean = ops.kmeans_mean
+kmeans_mids = ops.kmeans_mids
+kmeans_index = ops.kmeans_index
+kmeans_starts = ops.kmeans_starts
 
 # reductions (scales)
 MAX, L2, TWO_MEAN, MEAN_ABS = 0, 1, 2, 3

@@ -29,6 +29,32 @@ from ._scalar import F0, FINF, FNAN
 MAX_BUCKET = 4096           # shared memory: 8 bytes per element
 
 
+@cuda.jit(device=True)
+def sort_pairs(sval, sidx, P, tid, T):
+    """Sort the P (a power of two) (value, index) pairs in shared memory by value, ties by index, with
+    a bitonic network; every thread of the block calls it (it synchronises)."""
+    size = 2
+    while size <= P:
+        stride = size >> 1
+        while stride > 0:
+            for p in range(tid, P, T):
+                q = p ^ stride
+                if q > p:
+                    av = sval[p]
+                    bv = sval[q]
+                    ai = sidx[p]
+                    bi = sidx[q]
+                    greater = av > bv or (av == bv and ai > bi)
+                    if greater == ((p & size) == 0):
+                        sval[p] = bv
+                        sval[q] = av
+                        sidx[p] = bi
+                        sidx[q] = ai
+            cuda.syncthreads()
+            stride >>= 1
+        size <<= 1
+
+
 def make_encode(P):
     """The encode kernel for buckets of at most ``P`` elements (shared arrays of P pairs)."""
 
@@ -80,26 +106,7 @@ def make_encode(P):
                 if has_res:
                     residual[st + p] = sval[p] - FNAN
             return
-        size = 2
-        while size <= P:
-            stride = size >> 1
-            while stride > 0:
-                for p in range(tid, P, T):
-                    q = p ^ stride
-                    if q > p:
-                        av = sval[p]
-                        bv = sval[q]
-                        ai = sidx[p]
-                        bi = sidx[q]
-                        greater = av > bv or (av == bv and ai > bi)
-                        if greater == ((p & size) == 0):
-                            sval[p] = bv
-                            sval[q] = av
-                            sidx[p] = bi
-                            sidx[q] = ai
-                cuda.syncthreads()
-                stride >>= 1
-            size <<= 1
+        sort_pairs(sval, sidx, P, tid, T)
         for g in range(tid, G, T):
             if (g * n + G - 1) // G == ((g + 1) * n + G - 1) // G:     # an empty group (n < G)
                 scales[base + 2 * g] = F0

@@ -37,6 +37,7 @@ M32U = np.uint64(0xFFFFFFFF)
 FNV_OFFSET = np.uint64(0x811C9DC5)
 FNV_PRIME = np.uint64(0x01000193)
 
+KMEANS_SAMPLE = 1024    # values per bucket that choose KMeans's starting centroids (numba_kernels.reference)
 SEGMENT = 8192          # elements per segment of a long bucket's canonical sum (numba_kernels.reference)
 F0 = np.float32(0.0)
 FHALF = np.float32(0.5)
@@ -189,6 +190,66 @@ def build(jit, fmul):
         return lo + fmul(np.float32(q), unit)
 
     @jit
+    def kmeans_draw(key, p):
+        """The p-th sample draw of a KMeans encode under ``key``: ``mix64(key + p * GAMMA)``."""
+        return mix64(key + np.uint64(p) * GAMMA)
+
+    @jit
+    def kmeans_scale(amax_bits):
+        """The fixed-point scale of a KMeans bucket whose largest |x| has the float32 bits
+        ``amax_bits``: 2**(157 - e), e the biased exponent (0 for zero and subnormals), so every
+        |x| * scale < 2**31 and a sum of up to 2**32 such terms fits an int64."""
+        e = np.int32(amax_bits >> np.uint32(23))
+        return math.ldexp(np.float64(1.0), int(np.int32(157) - e))
+
+    @jit
+    def kmeans_fixed(xv, scale):
+        """``xv`` in the bucket's fixed point: float64(xv) * scale, truncated to an int64. Sums of these
+        are exact, so they do not depend on the order of the additions (threads, atomics)."""
+        return np.int64(np.float64(xv) * scale)
+
+    @jit
+    def kmeans_mean(total, count, scale):
+        """The centroid of ``count`` elements whose fixed-point values sum to ``total``."""
+        return np.float32((np.float64(total) / np.float64(count)) / scale)
+
+    @jit
+    def kmeans_starts(srt, m, comp, cent, K):
+        """cent[j] = the value of the sorted sample ``srt[:m]`` where its companded rank (the running
+        float64 sum of sqrt(gap) between neighbours, kept in ``comp``) first reaches (2j + 1) / 2K of
+        the total (``reference._kmeans_starts``)."""
+        comp[0] = np.float64(0.0)
+        for k in range(1, m):
+            comp[k] = comp[k - 1] + math.sqrt(np.float64(srt[k]) - np.float64(srt[k - 1]))
+        i = 0
+        for j in range(K):
+            t = (np.float64(2 * j + 1) * comp[m - 1]) / np.float64(2 * K)
+            while i < m - 1 and comp[i] < t:
+                i += 1
+            cent[j] = srt[i]
+
+    @jit
+    def kmeans_mids(cent, mids):
+        """The boundaries between neighbouring centroids, a/2 + b/2 in float32 (uncontracted), made
+        non-decreasing by a running max (the centroids are sorted but for rounding in corner cases),
+        so that an element's centroid is the count of boundaries below it."""
+        m = -FINF
+        for j in range(cent.size - 1):
+            m = max(m, fmul(FHALF, cent[j]) + fmul(FHALF, cent[j + 1]))
+            mids[j] = m
+
+    @jit
+    def kmeans_index(mids, K, xv):
+        """The centroid of ``xv``: how many of the K - 1 sorted boundaries ``mids`` are below it, by a
+        binary search of log2(K) steps (ties to the lower centroid; K a power of two)."""
+        j = 0
+        s = K >> 1
+        while s > 0:
+            j += s * np.int32(mids[j + s - 1] < xv)     # branch-free: the outcome is unpredictable
+            s >>= 1
+        return j
+
+    @jit
     def fnv(payload, a, b, h):
         for k in range(a, b):
             h = ((h ^ np.uint64(payload[k])) * FNV_PRIME) & M32U
@@ -268,7 +329,9 @@ def build(jit, fmul):
                            max_nan=max_nan,
                            finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32,
                            onebit_scales=onebit_scales, sortquant_level=sortquant_level,
-                           sortquant_value=sortquant_value)
+                           sortquant_value=sortquant_value, kmeans_draw=kmeans_draw,
+                           kmeans_scale=kmeans_scale, kmeans_fixed=kmeans_fixed, kmeans_mean=kmeans_mean,
+                           kmeans_mids=kmeans_mids, kmeans_starts=kmeans_starts, kmeans_index=kmeans_index)
 
 
 def mix64_py(z):

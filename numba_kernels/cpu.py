@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from . import wire
 from ._memo import memo
-from ._scalar import F0, FINF, FNAN, GAMMA, SEGMENT, U8, U24M, U40, UFF, build
+from ._scalar import F0, FINF, FNAN, GAMMA, KMEANS_SAMPLE, SEGMENT, U8, U24M, U40, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
            "half_encode_cpu", "half_decode_cpu",
@@ -43,7 +43,8 @@ __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_de
            "prepare_qsgd_decode_sum", "prepare_onebit_decode_sum", "prepare_qsgd_reduce_requantize",
            "prepare_onebit_reduce_requantize", "prepare_qsgd_decode_chunks",
            "prepare_onebit_decode_chunks", "sortquant_encode_cpu", "sortquant_decode_cpu",
-           "prepare_sortquant_encode", "prepare_sortquant_decode"]
+           "prepare_sortquant_encode", "prepare_sortquant_decode", "kmeans_encode_cpu", "kmeans_decode_cpu",
+           "prepare_kmeans_encode", "prepare_kmeans_decode"]
 
 
 
@@ -74,6 +75,13 @@ _sqrt32 = _ops.sqrt32
 _hdr_err = _ops.header_errors
 _sq_level = _ops.sortquant_level
 _sq_value = _ops.sortquant_value
+_km_draw = _ops.kmeans_draw
+_km_scale = _ops.kmeans_scale
+_km_fixed = _ops.kmeans_fixed
+_km_mean = _ops.kmeans_mean
+_km_mids = _ops.kmeans_mids
+_km_index = _ops.kmeans_index
+_km_starts = _ops.kmeans_starts
 
 _KERNEL = dict(cache=True, error_model="numpy", nogil=True)
 _TARGET_CHUNK = 16384       # elements per parallel task
@@ -382,6 +390,21 @@ def _pack(codes, ng, payload, base, lim, BITS):
             payload[b + j] = _byte_of(lo, hi, j)
 
 
+@_inline
+def _chunk_codes(c, kchunk, nb, bs, numel):
+    """Chunk ``c`` of an encode: its buckets [b0, b1), first element e0 (a multiple of 8:
+    chunk_buckets), its ng groups of eight codes and their uint16 array (the tail past the input 0)."""
+    b0 = c * kchunk
+    b1 = min(nb, b0 + kchunk)
+    e0 = b0 * bs
+    e1 = min(numel, b1 * bs)
+    ng = (e1 - e0 + 7) >> 3
+    codes = np.empty(8 * ng, np.uint16)
+    for k in range(e1 - e0, 8 * ng):
+        codes[k] = 0
+    return b0, b1, e0, ng, codes
+
+
 @_Widths
 def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, stochastic,
                  norm_l2, key, kchunk, residual, has_res):
@@ -399,14 +422,7 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
     for c in prange(nchunks):
         p = np.empty(32, np.float32)
         q = np.empty(32, np.float32)
-        b0 = c * kchunk
-        b1 = min(nb, b0 + kchunk)
-        e0 = b0 * bs                    # a multiple of 8 (chunk_buckets)
-        e1 = min(numel, b1 * bs)
-        ng = (e1 - e0 + 7) >> 3
-        codes = np.empty(8 * ng, np.uint16)
-        for k in range(e1 - e0, 8 * ng):
-            codes[k] = 0
+        b0, b1, e0, ng, codes = _chunk_codes(c, kchunk, nb, bs, numel)
         for b in range(b0, b1):
             st = b * bs
             en = min(numel, st + bs)
@@ -484,20 +500,13 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
     L = (1 << lb) - 1
     Lf = np.float32(L)
     for c in prange(nchunks):
-        b0 = c * kchunk
-        b1 = min(nb, b0 + kchunk)
-        e0 = b0 * bs                    # a multiple of 8 (chunk_buckets)
-        e1 = min(numel, b1 * bs)
-        ng = (e1 - e0 + 7) >> 3
-        codes = np.empty(8 * ng, np.uint16)
+        b0, b1, e0, ng, codes = _chunk_codes(c, kchunk, nb, bs, numel)
         m = min(bs, numel)
         keys = np.empty(m, np.uint32)
         keys2 = np.empty(m, np.uint32)
         order = np.empty(m, np.int64)
         order2 = np.empty(m, np.int64)
         cnt = np.empty(256, np.int64)
-        for k in range(e1 - e0, 8 * ng):
-            codes[k] = 0
         for b in range(b0, b1):
             st = b * bs
             en = min(numel, st + bs)
@@ -570,6 +579,140 @@ def _sortquant_decode(payload, out, codes_off, scales_off, nscales, bs, split_bi
                 code = _field(payload, codes_off + (bp >> 3), bp & 7, _BITS)
                 g = code >> lb
                 v = _sq_value(sc[2 * g], code & L, unit[g])
+                if accumulate:
+                    out[i] = out[i] + v
+                else:
+                    out[i] = v
+
+
+_KM_BLOCK = 1024        # elements whose centroids are found before they are summed
+
+
+@_inline
+def _kmeans_assign(mids, xb, q, K):
+    """q[j] = the centroid of xb[j]: the count of boundaries below it. Up to 32 centroids, K - 1
+    compares that the compiler vectorises across elements (about 13x faster than a search and a sum
+    per element); above, the binary search (K is a compile-time constant either way)."""
+    if K <= 32:
+        for j in range(xb.size):
+            xv = xb[j]
+            c = 0
+            for k in range(K - 1):
+                c += np.int32(mids[k] < xv)
+            q[j] = c
+    else:
+        for j in range(xb.size):
+            q[j] = _km_index(mids, K, xb[j])
+
+
+@_inline
+def _kmeans_fit(x, st, n, b, iters, key, amax, lo, hi, cent, mids, total, count, sample, comp, q, K):
+    """The codebook ``cent`` (K centroids) of the bucket x[st:st + n], whose extremes are ``lo`` and
+    ``hi`` (``_kmeans_bucket`` in the reference). Stops early once a step leaves every centroid where
+    it was: the later steps would repeat it exactly."""
+    if n <= KMEANS_SAMPLE:
+        m = n
+        for k in range(n):
+            sample[k] = x[st + k] + F0
+    else:
+        m = KMEANS_SAMPLE
+        for k in range(m - 2):
+            pos = _km_draw(key, b * KMEANS_SAMPLE + k) % np.uint64(n)
+            sample[k] = x[st + np.int64(pos)] + F0
+        sample[m - 2] = lo + F0
+        sample[m - 1] = hi + F0
+    srt = np.sort(sample[:m])
+    _km_starts(srt, m, comp, cent, K)
+    scale = _km_scale(amax)
+    for _ in range(iters):
+        _km_mids(cent, mids)
+        for j in range(K):
+            total[j] = 0
+            count[j] = 0
+        for i0 in range(st, st + n, _KM_BLOCK):
+            xb = x[i0:min(st + n, i0 + _KM_BLOCK)]
+            _kmeans_assign(mids, xb, q, K)
+            for j in range(xb.size):
+                total[q[j]] += _km_fixed(xb[j], scale)
+                count[q[j]] += 1
+        moved = False
+        for j in range(K):
+            if count[j] > 0:
+                c = _km_mean(total[j], count[j], scale)
+                moved |= c != cent[j]
+                cent[j] = c
+        if not moved:
+            break
+    _km_mids(cent, mids)
+
+
+@_Widths
+def _kmeans_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, iters, key, kchunk,
+                   residual, has_res):
+    """KMeans (``kmeans_encode_ref``): per bucket the codebook (:func:`_kmeans_fit`), then each
+    element's centroid index."""
+    numel = x.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    _write_header(payload, header)
+    for k in range(codes_end, scales_off):
+        payload[k] = 0
+    xu = x.view(np.uint32)
+    nb = (numel + bs - 1) // bs
+    nchunks = (nb + kchunk - 1) // kchunk
+    K = 1 << _BITS
+    for c in prange(nchunks):
+        b0, b1, e0, ng, codes = _chunk_codes(c, kchunk, nb, bs, numel)
+        mids = np.empty(K, np.float32)
+        total = np.empty(K, np.int64)
+        count = np.empty(K, np.int64)
+        sample = np.empty(min(bs, KMEANS_SAMPLE), np.float32)
+        comp = np.empty(min(bs, KMEANS_SAMPLE), np.float64)
+        q = np.empty(_KM_BLOCK, np.int32)
+        for b in range(b0, b1):
+            st = b * bs
+            n = min(numel, st + bs) - st
+            cb = codes[st - e0:st - e0 + n]
+            cent = scales[K * b:K * (b + 1)]
+            amax = np.uint32(0)
+            lo = FINF
+            hi = -FINF
+            for i in range(st, st + n):
+                amax = max(amax, xu[i] & np.uint32(0x7FFFFFFF))
+                lo = min(lo, x[i])
+                hi = max(hi, x[i])
+            if amax >= np.uint32(0x7F800000):
+                for j in range(K):
+                    cent[j] = FNAN
+                for j in range(n):
+                    cb[j] = 0
+                    if has_res:
+                        residual[st + j] = x[st + j] - FNAN
+                continue
+            _kmeans_fit(x, st, n, b, iters, key, amax, lo, hi, cent, mids, total, count, sample, comp, q, K)
+            for i0 in range(st, st + n, _KM_BLOCK):
+                xb = x[i0:min(st + n, i0 + _KM_BLOCK)]
+                _kmeans_assign(mids, xb, q, K)
+                for j in range(xb.size):
+                    cb[i0 - st + j] = q[j]
+                    if has_res:     # x read above, before residual (which may be x) is written
+                        residual[i0 + j] = xb[j] - cent[q[j]]
+        _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)
+
+
+@_Widths
+def _kmeans_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, kchunk):
+    numel = out.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    nb = (numel + bs - 1) // bs
+    nchunks = (nb + kchunk - 1) // kchunk
+    K = 1 << _BITS
+    for c in prange(nchunks):
+        b0 = c * kchunk
+        for b in range(b0, min(nb, b0 + kchunk)):
+            book = scales[K * b:K * (b + 1)]
+            for i in range(b * bs, min(numel, (b + 1) * bs)):
+                bp = i * _BITS
+                v = book[_field(payload, codes_off + (bp >> 3), bp & 7, _BITS)]
                 if accumulate:
                     out[i] = out[i] + v
                 else:
@@ -1233,6 +1376,38 @@ def prepare_sortquant_decode(numel, bits, split_bits, bucket_size, accumulate):
     return SortquantDecodeCPU(int(numel), int(bits), int(split_bits), int(bucket_size), bool(accumulate))
 
 
+class KmeansEncodeCPU(QsgdEncodeCPU):
+    """``prepare_kmeans_encode(...)(x, payload, header, key, stream=None, residual=None)``."""
+    __slots__ = ()
+
+    def __init__(self, numel, bits, bucket_size, iters):
+        lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
+        bs = bucket_size or max(numel, 1)
+        self._setup(_kmeans_encode[bits], lay, bs)
+        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
+                     lay.nscales, bs, int(iters))
+
+
+class KmeansDecodeCPU(QsgdDecodeCPU):
+    """``prepare_kmeans_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
+    __slots__ = ()
+
+    def __init__(self, numel, bits, bucket_size, accumulate):
+        lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
+        bs = bucket_size or max(numel, 1)
+        self._setup(_kmeans_decode[bits], lay, bs)
+        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(accumulate))
+
+
+def prepare_kmeans_encode(numel, bits, bucket_size, iters):
+    """``bucket_size`` 0: one bucket per tensor."""
+    return KmeansEncodeCPU(int(numel), int(bits), int(bucket_size or 0), int(iters))
+
+
+def prepare_kmeans_decode(numel, bits, bucket_size, accumulate):
+    return KmeansDecodeCPU(int(numel), int(bits), int(bucket_size or 0), bool(accumulate))
+
+
 def prepare_qsgd_encode(numel, bits, bucket_size, stochastic, norm_l2):
     return QsgdEncodeCPU(int(numel), int(bits), int(bucket_size), bool(stochastic), bool(norm_l2))
 
@@ -1285,6 +1460,20 @@ def sortquant_decode_cpu(payload, out, bits, split_bits, bucket_size, accumulate
     n = out.size
     _cached((11, n, bits, split_bits, bucket_size, accumulate), prepare_sortquant_decode, n, bits,
             split_bits, bucket_size, accumulate)(payload, out, stream, status, expect)
+
+
+def kmeans_encode_cpu(x, payload, header, bits, bucket_size, iters, key, stream=None, residual=None):
+    """KMeans encode of float32 ``x`` into ``payload`` (see ``kmeans_encode_ref``)."""
+    n = x.size
+    _cached((12, n, bits, bucket_size, iters), prepare_kmeans_encode, n, bits, bucket_size, iters)(
+        x, payload, header, key, stream, residual)
+
+
+def kmeans_decode_cpu(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
+    """out (+)= decoded KMeans payload (see ``kmeans_decode_ref``)."""
+    n = out.size
+    _cached((13, n, bits, bucket_size, accumulate), prepare_kmeans_decode, n, bits, bucket_size,
+            accumulate)(payload, out, stream, status, expect)
 
 
 def onebit_encode_cpu(x, payload, header, bucket_size, two_mean, stream=None, residual=None):

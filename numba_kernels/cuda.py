@@ -58,6 +58,7 @@ from numba import cuda
 from numba import types as nbt
 
 from . import _cuda_block as _B
+from . import _cuda_kmeans as _KM
 from . import _cuda_sortquant as _S
 from . import _cuda_warp as _W
 from . import wire
@@ -73,7 +74,8 @@ __all__ = ["qsgd_encode_cuda", "qsgd_decode_cuda", "onebit_encode_cuda", "onebit
            "onebit_decode_chunks_cuda", "prepare_qsgd_decode_sum", "prepare_onebit_decode_sum",
            "prepare_qsgd_reduce_requantize", "prepare_onebit_reduce_requantize",
            "prepare_qsgd_decode_chunks", "prepare_onebit_decode_chunks", "MAXCH",
-           "sortquant_encode_cuda", "sortquant_decode_cuda", "SORTQUANT_MAX_BUCKET"]
+           "sortquant_encode_cuda", "sortquant_decode_cuda", "SORTQUANT_MAX_BUCKET", "kmeans_encode_cuda",
+           "kmeans_decode_cuda"]
 
 SORTQUANT_MAX_BUCKET = _S.MAX_BUCKET
 
@@ -990,22 +992,90 @@ def sortquant_decode_cuda(payload, out, bits, split_bits, bucket_size, accumulat
                           expect=None):
     """out (+)= decoded sort-quantized payload; NaN on a bad header (``expect``: checked first, by the
     check kernel) or where ``status[0] != 0``."""
-    n = _size_of(out, "out", "<f4")
-    lay = wire.layout(wire.METHODS["sortquant"], n, bits, bucket_size, 0, split_bits)
+    lay = wire.layout(wire.METHODS["sortquant"], _size_of(out, "out", "<f4"), bits, bucket_size, 0, split_bits)
+    _lookup_decode("sortquant_decode", _S.k_decode, lay, payload, out, stream, status, expect,
+                   bucket_size, split_bits, bits, bool(accumulate))
+
+
+def _lookup_decode(name, kernel, lay, payload, out, stream, status, expect, *params):
+    """The decodes of SortQuant and KMeans (a scale or codebook lookup per element): sizes checked,
+    the header checked first when ``expect`` is given (by the check kernel, into ``status``), then
+    ``kernel(payload, scales, out, codes_offset, *params, status, check)`` over ``out``."""
     _check_payload(payload, lay.total)
     payload = _as_dev(payload)
     if expect is not None:
         if status is None:
             status = cuda.to_device(np.zeros(2, np.int32))
         check_header_cuda(payload, status, expect, stream)
+    if not lay.numel:
+        return
+    check = status is not None
+    kernels.setdefault(name, kernel)
+    kernel[min(_grid(lay.numel, BLOCK), 4096), BLOCK, _sim_stream(stream) if SIMULATOR else _nb_stream(stream)](
+        payload, payload[lay.scales_offset:lay.total].view(np.float32), _as_dev(out), lay.codes_offset, *params,
+        _as_dev(status) if check else _zero_status(), check)
+
+
+_KM_SCRATCH = {}        # (numel, bucket_size, bits, stream handle) -> the encode's device scratch
+
+
+def _kmeans_scratch(n, bs, bits, stream):
+    key = (n, bs, bits, stream)
+    got = _KM_SCRATCH.get(key)
+    if got is None:
+        if len(_KM_SCRATCH) >= 64:
+            _KM_SCRATCH.clear()
+        cells = -(-n // bs) << bits
+        nb = -(-n // bs)
+        got = _KM_SCRATCH[key] = (cuda.device_array((2, cells), np.float32), cuda.device_array(nb, np.uint32),
+                                  cuda.device_array(nb, np.float32), cuda.device_array(nb, np.float32),
+                                  cuda.device_array((3, cells), np.int64), cuda.device_array((3, cells), np.int64),
+                                  cuda.device_array(n, np.uint16))
+    return got
+
+
+def kmeans_encode_cuda(x, payload, header, bits, bucket_size, iters, key, stream=0, residual=None):
+    """KMeans encode of a float32 device array into a uint8 device payload (``_cuda_kmeans``):
+    ``iters + 5`` launches after the header's; ``bucket_size`` 0 is one bucket per tensor."""
+    n = _size_of(x, "x", "<f4")
+    lay = wire.layout(wire.METHODS["kmeans"], n, bits, bucket_size)
+    _check_payload(payload, lay.total)
+    if residual is not None and _size_of(residual, "residual", "<f4") != n:
+        raise ValueError("residual must have x.size elements")
+    s = _sim_stream(stream) if SIMULATOR else _nb_stream(stream)
+    payload = _as_dev(payload)
+    write_header_cuda(payload, header, stream)
     if not n:
         return
-    s = _sim_stream(stream) if SIMULATOR else _nb_stream(stream)
-    check = status is not None
-    kernels.setdefault("sortquant_decode", _S.k_decode)
-    _S.k_decode[min(_grid(n, BLOCK), 4096), BLOCK, s](
-        payload, payload[lay.scales_offset:lay.total].view(np.float32), _as_dev(out), lay.codes_offset,
-        bucket_size, split_bits, bits, bool(accumulate), _as_dev(status) if check else _zero_status(), check)
+    bs = bucket_size or n
+    K = 1 << bits
+    cent, amax, lo, hi, total, count, codes = _kmeans_scratch(n, bs, bits, _stream(stream) if not SIMULATOR else 0)
+    if not _SQ_DUMMY:
+        _SQ_DUMMY.append(cuda.to_device(np.zeros(1, np.float32)))
+    xd = _as_dev(x)
+    tpb = -(-bs // _KM.TILE)
+    grid = lay.nbuckets * tpb
+    book = payload[lay.scales_offset:lay.total].view(np.float32)
+    res = _SQ_DUMMY[0] if residual is None else _as_dev(residual)
+    for name, k in (("kmeans_clear", _KM.k_clear), ("kmeans_stats", _KM.k_stats), ("kmeans_start", _KM.k_start),
+                    ("kmeans_step", _KM.k_step), ("kmeans_pack", _S.k_pack)):
+        kernels.setdefault(name, k)
+    _KM.k_clear[min(_grid(lay.nbuckets * K, BLOCK), 1024), BLOCK, s](amax, lo, hi, total, count)
+    _KM.k_stats[grid, BLOCK, s](xd, xd.view(np.uint32), amax, lo, hi, bs, tpb)
+    _KM.k_start[lay.nbuckets, BLOCK, s](xd, cent, amax, lo, hi, bs, K, np.uint64(key))
+    for t in range(1, iters + 2):
+        _KM.k_step[grid, BLOCK, s](xd, cent, amax, total, count, bs, tpb, K, t, t > iters, book, codes, res,
+                                   residual is not None)
+    nwords = (lay.scales_offset - lay.codes_offset) // 4
+    _S.k_pack[min(_grid(nwords, BLOCK), 1024), BLOCK, s](codes, payload, lay.codes_offset, nwords, bits)
+
+
+def kmeans_decode_cuda(payload, out, bits, bucket_size, accumulate, stream=0, status=None, expect=None):
+    """out (+)= decoded KMeans payload; NaN on a bad header (``expect``: checked first, by the check
+    kernel) or where ``status[0] != 0``."""
+    n = _size_of(out, "out", "<f4")
+    _lookup_decode("kmeans_decode", _KM.k_decode, wire.layout(wire.METHODS["kmeans"], n, bits, bucket_size),
+                   payload, out, stream, status, expect, bucket_size or n, bits, bool(accumulate))
 
 
 def _check_multi(payloads, n, total):

@@ -20,7 +20,7 @@ threads at once. A bucket of at most ``SEGMENT`` elements is one segment, and it
 import numpy as np
 
 from . import wire
-from ._scalar import F0, F2_24, FHALF, FINF, GAMMA, SEGMENT, U40, mix64_np
+from ._scalar import F0, F2_24, FHALF, FINF, GAMMA, KMEANS_SAMPLE, SEGMENT, U40, mix64_np
 
 __all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_ref",
            "onebit_encode_ref", "onebit_decode_ref", "write_header_ref", "uniform24_ref",
@@ -28,7 +28,7 @@ __all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_
            "onebit_decode_sum_ref", "qsgd_reduce_requantize_ref", "onebit_reduce_requantize_ref",
            "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref", "chunk_ranges", "chunk_expects",
            "split_payloads", "header_numel", "sortquant_encode_ref", "sortquant_decode_ref",
-           "sortquant_groups"]
+           "sortquant_groups", "kmeans_encode_ref", "kmeans_decode_ref", "KMEANS_SAMPLE"]
 
 
 def levels(bits):
@@ -308,6 +308,97 @@ def sortquant_decode_ref(payload, out, bits, split_bits, bucket_size, accumulate
     with np.errstate(invalid="ignore", over="ignore"):
         unit = ((hi - lo).astype(np.float32) / np.float32(L)).astype(np.float32)
         val = (lo + ((codes & L).astype(np.float32) * unit).astype(np.float32)).astype(np.float32)
+    if accumulate:
+        out += val
+    else:
+        out[...] = val
+
+
+def _kmeans_mids(c):
+    """The boundaries a/2 + b/2 between neighbouring centroids, made non-decreasing by a running max."""
+    return np.maximum.accumulate((c[:-1] * FHALF + c[1:] * FHALF).astype(np.float32))
+
+
+def _kmeans_index(mids, x):
+    """Each value's centroid: how many boundaries lie below it."""
+    return np.searchsorted(mids, x, side="left").astype(np.int64)
+
+
+def _kmeans_starts(srt, K):
+    """The sample ranks the centroids start from: equal steps of the companded rank, the running sum
+    of sqrt(gap) between neighbours of the sorted sample (float64, in order), so that the starts
+    spread over the tails (a density of p**(1/2); the quantiles, p**1, crowd the bulk and take many
+    steps to reach the outliers that dominate the squared error). Centroid j starts at the first rank
+    whose companded rank reaches (2j + 1) / 2K of the total."""
+    gaps = np.sqrt(srt[1:].astype(np.float64) - srt[:-1].astype(np.float64))
+    comp = np.concatenate([[0.0], np.cumsum(gaps)])
+    t = (np.float64(2) * np.arange(K) + 1) * comp[-1] / np.float64(2 * K)
+    return np.minimum(np.searchsorted(comp, t, side="left"), srt.size - 1)
+
+
+def _kmeans_bucket(xb, b, bits, iters, key):
+    """(codebook, codes) of bucket ``b`` holding the float32 values ``xb``.
+
+    Start: the sample is the whole bucket if it has at most KMEANS_SAMPLE values, else the bucket's
+    min and max and KMEANS_SAMPLE - 2 values drawn with replacement, draw k at position
+    ``mix64(key + (b * KMEANS_SAMPLE + k) * GAMMA) % n``; sorted (-0.0 counted as +0.0), the
+    centroids start at the ranks :func:`_kmeans_starts` picks. Then ``iters`` Lloyd steps: each value goes to
+    the centroid :func:`_kmeans_index` picks from the boundaries (:func:`_kmeans_mids`), and each
+    centroid with members moves to their mean, summed exactly in the bucket's fixed point
+    (``_scalar.kmeans_scale``, ``kmeans_fixed``, ``kmeans_mean``); one without members stays. The codes
+    are the assignment to the final centroids. A bucket holding NaN or Inf: NaN codebook, codes 0."""
+    K = 1 << bits
+    n = xb.size
+    amax = int((xb.view(np.uint32) & np.uint32(0x7FFFFFFF)).max())
+    if amax >= 0x7F800000:
+        return np.full(K, np.nan, np.float32), np.zeros(n, np.int64)
+    scale = float(np.ldexp(1.0, 157 - (amax >> 23)))
+    if n <= KMEANS_SAMPLE:
+        sample = xb
+    else:
+        k = np.arange(KMEANS_SAMPLE - 2, dtype=np.uint64)
+        p = (np.uint64(b) * np.uint64(KMEANS_SAMPLE) + k) * GAMMA
+        sample = np.concatenate([xb[(mix64_np(np.uint64(key) + p) % np.uint64(n)).astype(np.int64)],
+                                 [xb.min(), xb.max()]])
+    srt = np.sort((sample + F0).astype(np.float32))
+    c = srt[_kmeans_starts(srt, K)].astype(np.float32)
+    fixed = (xb.astype(np.float64) * scale).astype(np.int64)
+    for _ in range(iters):
+        j = _kmeans_index(_kmeans_mids(c), xb)
+        total = np.zeros(K, np.int64)
+        np.add.at(total, j, fixed)
+        count = np.bincount(j, minlength=K)
+        some = count > 0
+        c = c.copy()
+        c[some] = ((total[some].astype(np.float64) / count[some].astype(np.float64)) / scale).astype(np.float32)
+    return c, _kmeans_index(_kmeans_mids(c), xb)
+
+
+def kmeans_encode_ref(x, payload, header, bits, bucket_size, iters, key, stream=None, residual=None):
+    """KMeans encode of float32 ``x`` into ``payload``: per bucket (``bucket_size`` 0: one per tensor)
+    a codebook of 2**bits centroids (:func:`_kmeans_bucket`) and each element's centroid index."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    lay = wire.layout(wire.METHODS["kmeans"], x.size, bits, bucket_size)
+    assert payload.size == lay.total, (payload.size, lay)
+    bs = bucket_size or max(x.size, 1)
+    codes = np.zeros(x.size, np.int64)
+    book = np.zeros((lay.nbuckets, 1 << bits), np.float32)
+    for b in range(lay.nbuckets):
+        st, en = b * bs, min(x.size, (b + 1) * bs)
+        book[b], codes[st:en] = _kmeans_bucket(x[st:en], b, bits, iters, key)
+    write_header_ref(payload, header)
+    _write_body(payload, lay, _pack(codes, bits), book)
+    _residual(x, payload, residual, lambda p, d: kmeans_decode_ref(p, d, bits, bucket_size, False))
+
+
+def kmeans_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
+    """out (+)= the codebook entry of each element's code (header checked against ``expect``)."""
+    check_expect_ref(payload, expect)
+    n = out.size
+    lay = wire.layout(wire.METHODS["kmeans"], n, bits, bucket_size)
+    codes = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, bits)
+    book = _scales_of(payload, lay).reshape(-1, 1 << bits)
+    val = book[np.arange(n) // (bucket_size or max(n, 1)), codes]
     if accumulate:
         out += val
     else:

@@ -9,15 +9,15 @@ Header, little-endian, 64 bytes::
     off size field
       0   4  magic           b"HVDQ"
       4   1  version         1
-      5   1  method          0 none, 1 fp16, 2 qsgd, 3 onebit, 4 sortquant
-      6   1  bits            bits per code (qsgd, sortquant 2..16, onebit 1, fp16 16, none 32)
+      5   1  method          0 none, 1 fp16, 2 qsgd, 3 onebit, 4 sortquant, 5 kmeans
+      6   1  bits            bits per code (qsgd, sortquant 2..16, kmeans 1..8, onebit 1, fp16 16, none 32)
       7   1  mode            qsgd: 0 stochastic, 1 deterministic, 2 fake; onebit: 0 two_mean, 1 mean_abs;
-                             sortquant: 0 stochastic, 1 deterministic
+                             sortquant: 0 stochastic, 1 deterministic; kmeans 0
       8   1  norm            qsgd: 0 max, 1 l2; sortquant: split_bits (1..bits-1); otherwise 0
       9   1  dtype           original dtype: 0 float32, 1 float16, 2 bfloat16, 3 float64
      10   1  ndim            0..8
      11   1  flags           bit 0: a name hash is present
-     12   4  bucket_size     uint32; 0 means "one bucket per tensor" (onebit bucket_size=None)
+     12   4  bucket_size     uint32; 0 means "one bucket per tensor" (onebit, kmeans bucket_size=None)
      16   8  numel           uint64
      24  32  shape           8 x uint32 (unused dims 0)
      56   4  name_hash       uint32 FNV-1a of the UTF-8 name (0 = no name; a real hash of 0 is stored as 1)
@@ -35,6 +35,8 @@ size is a multiple of 4, so payloads concatenated back to back stay 4-byte align
 * sortquant: ``codes`` as above, each code ``(group << (bits - split_bits)) | level``, zero padding to
   a multiple of 4, then float32 ``scales``: ``2 * 2**split_bits`` per bucket, the (min, max) of each
   of the bucket's groups in group order.
+* kmeans: ``codes`` as above (each the index of the element's centroid), zero padding to a multiple
+  of 4, then float32 ``scales``: the bucket's codebook, ``2**bits`` centroids per bucket.
 * qsgd fake: numel float32 values at 64 (already quantized and dequantized).
 * fp16: numel float16 values at 64, zero padding to a multiple of 4.
 * none: numel float32 values at 64.
@@ -55,7 +57,7 @@ MAGIC = b"HVDQ"
 VERSION = 1
 MAX_NDIM = 8
 
-METHODS = {"none": 0, "fp16": 1, "qsgd": 2, "onebit": 3, "sortquant": 4}
+METHODS = {"none": 0, "fp16": 1, "qsgd": 2, "onebit": 3, "sortquant": 4, "kmeans": 5}
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 MODES = {"stochastic": 0, "deterministic": 1, "fake": 2}
 NORMS = {"max": 0, "l2": 1}
@@ -161,9 +163,12 @@ def _align4(n):
 def layout(method, numel, bits=0, bucket_size=0, mode=0, norm=0):
     """Where everything sits in a payload of ``numel`` elements.
 
-    ``bucket_size`` 0 (onebit only) means one bucket for the whole tensor; ``norm`` is sortquant's
+    ``bucket_size`` 0 (onebit, kmeans) means one bucket for the whole tensor; ``norm`` is sortquant's
     split_bits."""
     numel = int(numel)
+    if method == METHODS["kmeans"]:
+        nb = (1 if numel else 0) if bucket_size == 0 else -(-numel // bucket_size)
+        return Layout(numel, nb, (numel * bits + 7) // 8, (1 << bits) * nb)
     if method == METHODS["sortquant"]:
         nb = -(-numel // bucket_size)
         return Layout(numel, nb, (numel * bits + 7) // 8, 2 * (1 << norm) * nb)
@@ -296,6 +301,8 @@ def parse_header(buf, nbytes):
                                                and 1 <= norm < bits):
         raise PayloadError(f"corrupt header: invalid sortquant fields bits={bits} bucket_size={bucket_size} "
                            f"mode={mode} split_bits={norm}")
+    if method == METHODS["kmeans"] and not (1 <= bits <= 8 and mode == 0 and norm == 0):
+        raise PayloadError(f"corrupt header: invalid kmeans fields bits={bits} mode={mode} norm={norm}")
     expected = layout(method, numel, bits, bucket_size, mode, norm).total
     if nbytes != expected:
         what = "truncated" if nbytes < expected else "too long"

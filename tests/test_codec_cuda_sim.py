@@ -18,7 +18,8 @@ CODECS = ["qsgd:bits=4,bucket_size=16,seed=3", "qsgd:bits=8,bucket_size=7,mode=d
           "qsgd:bits=2,bucket_size=32,mode=fake,seed=1", "onebit:bucket_size=16", "onebit:scale=mean_abs",
           "qsgd:bits=4,bucket_size=32,seed=5", "qsgd:bits=8,bucket_size=64,norm=l2,seed=2",
           "onebit:bucket_size=32", "sortquant:bits=4,split_bits=2,bucket_size=16,seed=3",
-          "sortquant:bits=6,split_bits=3,bucket_size=40,mode=deterministic", "fp16", "none"]
+          "sortquant:bits=6,split_bits=3,bucket_size=40,mode=deterministic", "kmeans:bits=3,iters=4",
+          "kmeans:bits=4,iters=2,bucket_size=24,seed=none", "fp16", "none"]
 CHECKS = ["encode-bytes", "decode-header-read", "decode-shape-given", "decode-into-accumulate",
           "bad-config-nan-and-status", "bad-name-nan-and-status", "wrong-size-raises",
           "numel-mismatch-detected", "clean-status"]

@@ -154,6 +154,76 @@ def check_kernels_match_reference():
     return fails
 
 
+def check_sort_kmeans_kernels_match_reference():
+    """SortQuant (block-per-bucket sort, up to its 4096 limit) and KMeans (sampled starts above 1024
+    values, tiles of 4096 per block, one codebook per tensor over many blocks, 1 to 8 bits): bytes,
+    in-place residuals and checked decodes equal to the reference, and another tensor's payload
+    refused (NaN, status bit 256)."""
+    from numba import cuda
+    import numba_kernels.cuda as K
+    from numba_kernels import reference as R, wire
+    fails = []
+    key = 0x1234_5678_9ABC_DEF0
+
+    def case(label, x, method, lay, h, encode_ref, encode_cuda, decode_ref, decode_cuda, expect):
+        want = np.zeros(lay.total, np.uint8)
+        rref = np.empty(x.size, np.float32)
+        with np.errstate(all="ignore"):
+            encode_ref(x, want, h, rref)
+        d = cuda.to_device(np.full(lay.total, 0xA5, np.uint8))
+        xr = cuda.to_device(x)
+        encode_cuda(xr, d, h, xr)
+        got = d.copy_to_host()
+        sc = slice(lay.scales_offset, lay.total)
+        if not (np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset])
+                and _nan_eq(want[sc].view(np.float32), got[sc].view(np.float32))
+                and _nan_eq(rref, xr.copy_to_host())):
+            fails.append(f"{label}: encode")
+        a = np.ones(x.size, np.float32)
+        with np.errstate(all="ignore"):
+            decode_ref(want, a)
+        o = cuda.to_device(np.ones(x.size, np.float32))
+        status = cuda.to_device(np.zeros(2, np.int32))
+        decode_cuda(cuda.to_device(want), o, status, expect)
+        if not (_nan_eq(a, o.copy_to_host()) and int(status.copy_to_host()[0]) == 0):
+            fails.append(f"{label}: decode")
+        if x.size:
+            o = cuda.to_device(np.zeros(x.size, np.float32))
+            decode_cuda(cuda.to_device(want), o, status, expect._replace(name_hash=expect.name_hash + 1))
+            if not (np.isnan(o.copy_to_host()).all() and int(status.copy_to_host()[0]) == 256):
+                fails.append(f"{label}: another tensor's payload not refused")
+
+    for n in (0, 1, 9, 513, 4097, 100_003, 1_000_003):
+        for special in (False, True):
+            x = make_x(n, n + 3, special=special and n > 20)
+            if n > 40:
+                x[10:30] = x[5]
+            for bs, bits, sb, st in ((7, 4, 2, True), (512, 4, 2, True), (4096, 8, 2, False), (100, 16, 4, True)):
+                if n > 100_003 and bs != 512:
+                    continue
+                mode = 0 if st else 1
+                h = wire.Header(4, bits, mode, sb, bs, 0, (n,), name_hash=7).words()
+                case(f"sortquant n={n} bs={bs} bits={bits}/{sb} st={st} special={special}", x, 4,
+                     wire.layout(4, n, bits, bs, 0, sb), h,
+                     lambda x_, p, h_, r: R.sortquant_encode_ref(x_, p, h_, bits, sb, bs, st, key, residual=r),
+                     lambda x_, p, h_, r: K.sortquant_encode_cuda(x_, p, h_, bits, sb, bs, st, key, 0, r),
+                     lambda p, a: R.sortquant_decode_ref(p, a, bits, sb, bs, True),
+                     lambda p, o, s_, e: K.sortquant_decode_cuda(p, o, bits, sb, bs, True, 0, s_, e),
+                     wire.Expect(4, bits, mode, sb, bs, n, 7, True))
+            for bs, bits, iters in ((0, 4, 20), (0, 1, 5), (0, 8, 3), (7, 3, 4), (512, 2, 20), (5000, 5, 6)):
+                if n > 100_003 and bs not in (0, 512):
+                    continue
+                h = wire.Header(5, bits, 0, 0, bs, 0, (n,), name_hash=7).words()
+                case(f"kmeans n={n} bs={bs} bits={bits} iters={iters} special={special}", x, 5,
+                     wire.layout(5, n, bits, bs), h,
+                     lambda x_, p, h_, r: R.kmeans_encode_ref(x_, p, h_, bits, bs, iters, key, residual=r),
+                     lambda x_, p, h_, r: K.kmeans_encode_cuda(x_, p, h_, bits, bs, iters, key, 0, r),
+                     lambda p, a: R.kmeans_decode_ref(p, a, bits, bs, True),
+                     lambda p, o, s_, e: K.kmeans_decode_cuda(p, o, bits, bs, True, 0, s_, e),
+                     wire.Expect(5, bits, 0, 0, bs, n, 7, True))
+    return fails
+
+
 def check_fused_kernels_match_reference():
     """decode_sum, reduce_requantize (with and without residual) and decode_chunks == reference, for
     n = 1 and 3 payloads, sizes on either side of the decode chunk (2048 elements), configurations the
@@ -258,7 +328,8 @@ def check_torch_codec_path():
     x[1, 5] = float("nan")          # payload bytes may then differ in NaN bits only: compare decodes
     specs = ["qsgd:bits=4,bucket_size=512,seed=1", "qsgd:bits=8,bucket_size=7,mode=deterministic,norm=l2",
              "qsgd:bits=2,bucket_size=128,mode=fake,seed=2", "onebit:bucket_size=64", "onebit:scale=mean_abs",
-             "sortquant:bits=4,split_bits=2,bucket_size=512,seed=1", "fp16", "none"]
+             "sortquant:bits=4,split_bits=2,bucket_size=512,seed=1", "kmeans:bits=4,iters=20",
+             "kmeans:bits=3,iters=5,bucket_size=512", "fp16", "none"]
     for spec in specs:
         host, dev = hq.from_spec(spec), hq.from_spec(spec)
         pc = dev.encode(clean, name="w")
@@ -327,6 +398,7 @@ def check_torch_codec_path():
 
 CHECKS = {"kernels_match_reference": check_kernels_match_reference,
           "fused_kernels_match_reference": check_fused_kernels_match_reference,
+          "sort_kmeans_kernels_match_reference": check_sort_kmeans_kernels_match_reference,
           "torch_codec_path": check_torch_codec_path}
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hvd_quant as hq
-from hvd_quant import Compression, FP16, NoCompression, OneBit, PayloadError, QSGD, SortQuant, from_spec
+from hvd_quant import Compression, FP16, KMeans, NoCompression, OneBit, PayloadError, QSGD, SortQuant, from_spec
 from hvd_quant.codecs import noise_key
 from numba_kernels import wire
 
@@ -33,8 +33,9 @@ ALL_CODECS = [QSGD(), QSGD(bits=2, bucket_size=128, mode="deterministic", norm="
               QSGD(bits=8, bucket_size=7, seed=1), QSGD(bits=16, bucket_size=1, norm="l2"),
               QSGD(bits=5, mode="fake"), OneBit(), OneBit(bucket_size=64, scale="mean_abs"),
               OneBit(bucket_size=3, error_feedback=False), SortQuant(),
-              SortQuant(bits=8, split_bits=3, bucket_size=64, mode="deterministic"), FP16(), NoCompression()]
-QUANTIZERS = 10         # ALL_CODECS[:QUANTIZERS]: the codecs with buckets
+              SortQuant(bits=8, split_bits=3, bucket_size=64, mode="deterministic"), KMeans(),
+              KMeans(bits=3, iters=5, bucket_size=100, seed=None), FP16(), NoCompression()]
+QUANTIZERS = 12         # ALL_CODECS[:QUANTIZERS]: the codecs with buckets
 CODEC_IDS = [c.spec() for c in ALL_CODECS]
 
 
@@ -47,6 +48,84 @@ def _units(x, bs, s, norm):
     scale = (np.sqrt((xb ** 2).sum(1)) if norm == "l2" else np.abs(xb).max(1)).astype(np.float32)
     unit = (scale / np.float32(s)).astype(np.float32)
     return np.repeat(unit, bs)[:x.size].astype(np.float64)
+
+
+def _kmeans_books(c, p, n):
+    """The codebooks of KMeans payload ``p`` (one row per bucket) and each element's code."""
+    lay = wire.layout(wire.METHODS["kmeans"], n, c.bits, c.bucket_size or 0)
+    books = p[lay.scales_offset:lay.total].view(np.float32).reshape(-1, 1 << c.bits)
+    bitstream = np.unpackbits(p[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], bitorder="little")
+    codes = bitstream[:n * c.bits].reshape(n, c.bits).astype(np.int64) @ (1 << np.arange(c.bits))
+    return books, codes
+
+
+@pytest.mark.parametrize("bits,bs", [(1, None), (2, 100), (4, None), (4, 300), (8, 2000)])
+def test_kmeans_sends_each_value_to_its_nearest_centroid(bits, bs):
+    """Each element decodes to its code's codebook entry, and that entry is the nearest of its
+    bucket's codebook, up to the rounding of the boundary a/2 + b/2 (one 2**-24 of the larger
+    neighbour)."""
+    x = rand(5000, bits)
+    c = KMeans(bits=bits, iters=10, bucket_size=bs)
+    p = c.encode(x)
+    y = c.decode(p)
+    books, codes = _kmeans_books(c, p, x.size)
+    b = np.arange(x.size) // (bs or x.size)
+    assert np.array_equal(y, books[b, codes])
+    nearest = np.abs(x[:, None] - books[b]).min(axis=1)
+    tol = 2 * U * np.abs(books).max(axis=1)[b]
+    assert np.all(np.abs(x - y) <= nearest + tol)
+
+
+def test_kmeans_converged_centroids_are_their_members_means():
+    """Run to convergence, every centroid with members is their mean, up to the fixed point (each
+    value truncated by less than 2**-31 of the bucket's largest |x| rounded up to a power of two) and
+    the final roundings."""
+    x = rand(3000, 5)
+    c = KMeans(bits=3, iters=1000, bucket_size=1000)
+    p = c.encode(x)
+    books, codes = _kmeans_books(c, p, x.size)
+    for b in range(3):
+        xb = x[1000 * b:1000 * (b + 1)].astype(np.float64)
+        amax = 2.0 ** np.ceil(np.log2(np.abs(xb).max()))
+        for j in range(8):
+            members = xb[codes[1000 * b:1000 * (b + 1)] == j]
+            if members.size:
+                assert abs(books[b, j] - members.mean()) <= amax * 2.0 ** -30 + U * abs(books[b, j])
+
+
+def test_kmeans_steps_never_increase_the_squared_error():
+    """Lloyd's two moves (nearest centroid, then the members' mean) cannot increase the sum of
+    squared errors, so it falls (weakly) with ``iters``; the fixed point and float32 allow a
+    relative 2**-20."""
+    x = rand(20000, 3) * np.float32(1e-3)
+    sse = []
+    for iters in range(0, 12):
+        c = KMeans(bits=4, iters=iters)
+        sse.append(float(((c.decode(c.encode(x)).astype(np.float64) - x) ** 2).sum()))
+    assert all(b <= a * (1 + 2.0 ** -20) for a, b in zip(sse, sse[1:])), sse
+    assert sse[-1] < 0.9 * sse[0]
+
+
+def test_kmeans_sample_is_seeded_and_small_buckets_need_none():
+    """A bucket of at most 1024 values starts from all of them (no draw: the seed changes nothing);
+    a larger one draws its sample with the seed's key: the same seed, step and rank give the same
+    payload, and each direct call of a seeded codec its own draw."""
+    small = rand(1000, 1)
+    assert np.array_equal(KMeans(seed=1).encode(small, step=0, rank=0),
+                          KMeans(seed=2).encode(small, step=0, rank=0))
+    big = rand(50000, 2)
+    a = KMeans(iters=2, seed=3)
+    assert np.array_equal(a.encode(big, step=5, rank=1), KMeans(iters=2, seed=3).encode(big, step=5, rank=1))
+    assert not np.array_equal(a.encode(big, step=5, rank=1), a.encode(big, step=6, rank=1))
+
+
+def test_kmeans_nonfinite_bucket_decodes_to_nan_alone():
+    x = rand(300, 4)
+    x[150] = np.inf
+    c = KMeans(bits=2, bucket_size=100)
+    y = c.decode(c.encode(x))
+    assert np.isnan(y[100:200]).all() and np.isfinite(y[:100]).all() and np.isfinite(y[200:]).all()
+    assert c.wire_nbytes(300) == 64 + 76 + 3 * 4 * 4         # 600 bits of codes, three 4-entry books
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8, 16])
@@ -480,10 +559,13 @@ def test_spec_examples():
     assert from_spec("sortquant:bits=4,split_bits=2,bucket_size=512,mode=stochastic") == SortQuant()
     assert SortQuant().spec() == "sortquant:bits=4,split_bits=2,bucket_size=512,mode=stochastic"
     assert Compression.sortquant(bits=6, split_bits=3) == SortQuant(6, 3)
+    assert from_spec("kmeans:bits=4,iters=20") == KMeans() == Compression.kmeans()
+    assert KMeans().spec() == "kmeans:bits=4,iters=20,seed=0"
+    assert from_spec(KMeans(seed=None).spec()) == KMeans(seed=None) != KMeans()
     assert QSGD() != QSGD(bits=8) and QSGD() != OneBit() and QSGD(seed=1) != QSGD(seed=2)
     assert OneBit().wants_error_feedback and not OneBit(error_feedback=False).wants_error_feedback
     assert not any(c.wants_error_feedback for c in (QSGD(), FP16(), NoCompression()))
-    assert set(hq.REGISTRY) >= {"qsgd", "onebit", "sortquant", "fp16", "none"}
+    assert set(hq.REGISTRY) >= {"qsgd", "onebit", "sortquant", "kmeans", "fp16", "none"}
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -492,7 +574,10 @@ def test_spec_examples():
     ("qsgd:bits", "bad item 'bits'"), ("qsgd:bits=4,bits=8", "twice"), ("fp16:bits=8", "unknown parameter 'bits'"),
     ("onebit:error_feedback=maybe", "error_feedback"), ("onebit:scale=x", "scale"), (42, "string"),
     ("sortquant:split_bits=4", "split_bits must be in 1..3"), ("sortquant:bits=1", "bits"),
-    ("sortquant:mode=fake", "mode"), ("sortquant:norm=l2", "unknown parameter 'norm'")])
+    ("sortquant:mode=fake", "mode"), ("sortquant:norm=l2", "unknown parameter 'norm'"),
+    ("kmeans:bits=9", "bits must be in 1..8"), ("kmeans:iters=-1", "iters"),
+    ("kmeans:bucket_size=0", "bucket_size"),
+    ("kmeans:mode=stochastic", "unknown parameter 'mode'")])
 def test_spec_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         from_spec(spec)

@@ -107,6 +107,29 @@ def test_qsgd_cpu_equals_reference_special_values(cpu, n, bs, bits, stochastic, 
     assert bits_equal(a, b)
 
 
+def _cpu_equals_reference(x, lay, encode_ref, encode_cpu, decode_ref, decode_cpu):
+    """The CPU encode writes the reference's bytes into a garbage-filled payload and its residual in
+    place (NaN where the reference's is); its decodes, writing and adding, equal the reference's.
+    Returns (the last decode, the array it was added to)."""
+    want = np.zeros(lay.total, np.uint8)
+    got = np.full(lay.total, 0xA5, np.uint8)          # garbage: every byte must be written
+    rref = np.full(x.size, 7, np.float32)
+    with np.errstate(all="ignore"):
+        encode_ref(x, want, rref)
+    xin = x.copy()                                    # residual in place
+    encode_cpu(xin, got, xin)
+    assert np.array_equal(want, got), f"first differing byte {np.flatnonzero(want != got)[:5]} of {lay}"
+    assert nan_bits_equal(rref, xin)
+    base = make_x(x.size, 99)
+    for accumulate in (False, True):
+        a, b = base.copy(), base.copy()
+        with np.errstate(all="ignore"):
+            decode_ref(want, a, accumulate)
+        decode_cpu(want, b, accumulate)
+        assert nan_bits_equal(a, b)
+    return a, base
+
+
 SORTQUANT_CASES = [(n, bs, b, sb, st) for n in (0, 1, 9, 33, 513, 4097) for bs in (1, 7, 64, 512)
                    for b, sb in ((2, 1), (4, 2), (5, 3), (8, 2), (16, 4)) for st in (True, False)]
 
@@ -122,25 +145,37 @@ def test_sortquant_cpu_equals_reference(cpu, n, bs, bits, split_bits, stochastic
     if n > 40:
         x[10:30] = x[5]                               # a run of equal values across group bounds
     h = wire.Header(4, bits, 0 if stochastic else 1, split_bits, bs, 0, (n,), name_hash=7).words()
-    lay = wire.layout(4, n, bits, bs, 0, split_bits)
-    want = np.zeros(lay.total, np.uint8)
-    got = np.full(lay.total, 0xA5, np.uint8)          # garbage: every byte must be written
-    rref = np.full(n, 7, np.float32)
-    with np.errstate(all="ignore"):
-        R.sortquant_encode_ref(x, want, h, bits, split_bits, bs, stochastic, KEY, residual=rref)
-    xin = x.copy()                                    # residual in place
-    cpu.sortquant_encode_cpu(xin, got, h, bits, split_bits, bs, stochastic, KEY, residual=xin)
-    assert np.array_equal(want, got), f"first differing byte {np.flatnonzero(want != got)[:5]} of {lay}"
-    assert nan_bits_equal(rref, xin)
-    base = make_x(n, 99)
-    for accumulate in (False, True):
-        a, b = base.copy(), base.copy()
-        with np.errstate(all="ignore"):
-            R.sortquant_decode_ref(want, a, bits, split_bits, bs, accumulate)
-        cpu.sortquant_decode_cpu(want, b, bits, split_bits, bs, accumulate)
-        assert nan_bits_equal(a, b)
+    a, base = _cpu_equals_reference(
+        x, wire.layout(4, n, bits, bs, 0, split_bits),
+        lambda x_, p, r: R.sortquant_encode_ref(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
+        lambda x_, p, r: cpu.sortquant_encode_cpu(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
+        lambda p, o, acc: R.sortquant_decode_ref(p, o, bits, split_bits, bs, acc),
+        lambda p, o, acc: cpu.sortquant_decode_cpu(p, o, bits, split_bits, bs, acc))
     if not special:
         assert np.all(np.isfinite(a - base))
+
+
+KMEANS_CASES = [(n, bs, b, it) for n in (0, 1, 9, 33, 513, 1100, 4097) for bs in (0, 7, 512, 2000)
+                for b in (1, 3, 4, 8) for it in (7,)] + [(4097, 0, 4, 0), (4097, 0, 2, 60), (600, 64, 5, 60)]
+
+
+@pytest.mark.parametrize("n,bs,bits,iters", KMEANS_CASES,
+                         ids=[f"n{n}-bs{bs or 'tensor'}-b{b}-it{it}" for n, bs, b, it in KMEANS_CASES])
+@pytest.mark.parametrize("variant", ["plain", "special", "wide"])
+def test_kmeans_cpu_equals_reference(cpu, n, bs, bits, iters, variant):
+    """Bytes, residuals (NaN where the bucket is) and decodes, with ties, zeros, -0.0, (special) NaN,
+    Inf, denormals and huge values, (wide) values over 165 binades; samples drawn above 1024 values;
+    60 steps reach the CPU kernel's early stop."""
+    x = make_x(n, n * 29 + bs + bits, special=variant == "special", wide=variant == "wide")
+    if n > 40:
+        x[10:30] = x[5]                               # a run of equal values
+    h = wire.Header(5, bits, 0, 0, bs, 0, (n,), name_hash=7).words()
+    _cpu_equals_reference(
+        x, wire.layout(5, n, bits, bs),
+        lambda x_, p, r: R.kmeans_encode_ref(x_, p, h, bits, bs, iters, KEY, residual=r),
+        lambda x_, p, r: cpu.kmeans_encode_cpu(x_, p, h, bits, bs, iters, KEY, residual=r),
+        lambda p, o, acc: R.kmeans_decode_ref(p, o, bits, bs, acc),
+        lambda p, o, acc: cpu.kmeans_decode_cpu(p, o, bits, bs, acc))
 
 
 ONEBIT_CASES = [(n, bs, tm) for n in SIZES for bs in (0, 1, 7, 64, 512) for tm in (True, False)]
@@ -512,6 +547,15 @@ SIM_SORTQUANT = [(0, 7, 4, 2, True), (1, 7, 4, 2, True), (9, 7, 5, 3, False), (3
                  (200, 200, 12, 4, False)]
 
 
+# (n, bucket (0: the tensor), bits, iters): samples drawn above 1024 values, tiles of 4096 per block
+SIM_KMEANS = [(0, 0, 4, 3), (1, 0, 2, 3), (9, 7, 3, 2), (100, 0, 4, 5), (300, 64, 2, 3), (200, 0, 8, 2),
+              (1500, 0, 3, 2), (5000, 4500, 1, 2)]
+
+
+def _km_id(n, bs, bits, iters):
+    return f"kmeans-n{n}-bs{bs or 'tensor'}-b{bits}-it{iters}"
+
+
 def _sq_id(n, bs, bits, sb, st):
     return f"sortquant-n{n}-bs{bs}-b{bits}s{sb}-{'stoch' if st else 'det'}"
 
@@ -589,6 +633,29 @@ def _child():
                                         wire.Expect(4, bits, 0 if st else 1, sb, bs, n, 8, True))
                 dec = dec and bool(np.isnan(o.copy_to_host()).all()) and int(status.copy_to_host()[0]) == 256
             out[_sq_id(*case) + variant] = [bool(ok), bool(dec)]
+    for case in SIM_KMEANS:
+        n, bs, bits, iters = case
+        for variant in _variants(n):
+            x = make_x(n, n + bs + bits, variant == "-special", variant == "-wide")
+            h = wire.Header(5, bits, 0, 0, bs, 0, (n,), name_hash=7).words()
+            lay = wire.layout(5, n, bits, bs)
+            want, ok = encoded_alike(
+                x, lay, lambda x_, p, r: R.kmeans_encode_ref(x_, p, h, bits, bs, iters, KEY, residual=r),
+                lambda x_, p, r: K.kmeans_encode_cuda(x_, p, h, bits, bs, iters, KEY, residual=r))
+            a = make_x(n, 5)
+            o = dev(a.copy())
+            with np.errstate(all="ignore"):
+                R.kmeans_decode_ref(want, a, bits, bs, True)
+            status = dev(np.zeros(2, np.int32))
+            K.kmeans_decode_cuda(dev(want), o, bits, bs, True, 0, status,
+                                 wire.Expect(5, bits, 0, 0, bs, n, 7, True))
+            dec = nan_eq(a, o.copy_to_host()) and int(status.copy_to_host()[0]) == 0
+            if n:           # another tensor's payload: NaN everywhere, the reason in the status
+                o = dev(np.zeros(n, np.float32))
+                K.kmeans_decode_cuda(dev(want), o, bits, bs, False, 0, status,
+                                     wire.Expect(5, bits, 0, 0, bs, n, 8, True))
+                dec = dec and bool(np.isnan(o.copy_to_host()).all()) and int(status.copy_to_host()[0]) == 256
+            out[_km_id(*case) + variant] = [bool(ok), bool(dec)]
     for n, bs, tm in SIM_ONEBIT:
         x, h, lay = onebit_case(n, bs, tm, special=n > 50)
         want, ok = encoded_alike(x, lay, lambda x_, p, r: R.onebit_encode_ref(x_, p, h, bs, tm, residual=r),
@@ -651,6 +718,7 @@ def cuda_results():
 CUDA_NAMES = ([f"qsgd-{_ids(*c)}{v}" for c in SIM_QSGD for v in _variants(c[0])]
               + [f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}" for n, bs, tm in SIM_ONEBIT]
               + [_sq_id(*c) + v for c in SIM_SORTQUANT for v in _variants(c[0])]
+              + [_km_id(*c) + v for c in SIM_KMEANS for v in _variants(c[0])]
               + [f"{how}-{v}-{e}" for how in ("check", "expect")
                  for v in ("good", "magic", "version", "shape", "hdr_crc", "cfg_crc")
                  for e in ("as-sent", "other-config", "no-name-check", "raw-method")]

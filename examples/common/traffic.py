@@ -134,6 +134,11 @@ def bytes_per_step(shapes: Iterable[Sequence[int]], world_size: int,
                    tensors_compressed=len(compressed), tensors_fp32=len(plain), groups=groups)
 
 
+def fmt_gbps(gbps) -> str:
+    """", their collectives at X GB/s" for the examples' bytes line; "" when hvd_quant timed none."""
+    return "" if gbps is None else f", collectives at {gbps:.3g} GB/s effective"
+
+
 def fmt_bytes(n: float) -> str:
     """Human bytes in decimal units (1 MB = 10^6 B)."""
     n = float(n)

@@ -342,11 +342,13 @@ def run_model(name, args, hvd, ds, log, device):
     if measured is not None:
         which = "in the last step" if kind == "hvd_quant" else f"per step over {step} steps"
         log.emit(f"bytes sent {which}, measured by hvd_quant: {traffic.fmt_bytes(measured['sent'])} "
-                 f"vs {traffic.fmt_bytes(measured['fp32'])} fp32 ({measured['ratio']:.2f}x less)")
+                 f"vs {traffic.fmt_bytes(measured['fp32'])} fp32 ({measured['ratio']:.2f}x less)"
+                 f"{traffic.fmt_gbps(measured.get('gbps'))}")
     log.record("summary", steps=step, samples=samples, train_time=train_time, bench_data_per_sec=rate,
                data_per_sec=samples / train_time if train_time else 0.0,
                measured_bytes_sent=None if measured is None else measured["sent"],
-               measured_bytes_fp32=None if measured is None else measured["fp32"], **est.as_dict())
+               measured_bytes_fp32=None if measured is None else measured["fp32"],
+               measured_gbps=None if measured is None else measured.get("gbps"), **est.as_dict())
     del dist, opt, model
 
 

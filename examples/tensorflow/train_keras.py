@@ -222,16 +222,18 @@ def main(argv=None):
         which = "in the last step"
     elif codec.spec().split(":", 1)[0] not in ("none", "nocompression"):
         m = hqk.bytes_sent_per_step(codec)              # stock path: since the start
-        m = {k: (v / max(progress.step, 1) if k != "ratio" else v) for k, v in m.items()}
+        m = {k: (v / max(progress.step, 1) if k in ("sent", "fp32") else v) for k, v in m.items()}
         which = f"per step over {progress.step} steps"
     else:
         m = None
     if m is not None:
         log.emit(f"bytes sent {which}, measured by hvd_quant: {traffic.fmt_bytes(m['sent'])} "
-                 f"vs {traffic.fmt_bytes(m['fp32'])} fp32 ({m['ratio']:.2f}x less)")
+                 f"vs {traffic.fmt_bytes(m['fp32'])} fp32 ({m['ratio']:.2f}x less)"
+                 f"{traffic.fmt_gbps(m.get('gbps'))}")
     log.record("summary", steps=progress.step, train_time=progress.train_time, data_per_sec=rate,
                measured_bytes_sent=None if m is None else m["sent"],
-               measured_bytes_fp32=None if m is None else m["fp32"], **est.as_dict())
+               measured_bytes_fp32=None if m is None else m["fp32"],
+               measured_gbps=None if m is None else m.get("gbps"), **est.as_dict())
     log.close()
 
 

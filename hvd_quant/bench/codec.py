@@ -9,7 +9,8 @@ In one run it times, on the same float32 data:
 * ``qsgd4``, ``qsgd8``, ``qsgd2`` (the default set; ``--codecs`` may name any ``qsgdN``, N in 2..16,
   or ``all``): QSGD stochastic, max norm, ``--bucket-size``; ``onebit``: 1-bit two_mean with the same
   bucket size; ``sortquant2``, ``sortquant4``, ``sortquant6``, ``sortquant8``: SortQuant stochastic
-  with split_bits 1, 2, 3, 2 (the source's settings) and the same bucket size. ``encode`` is
+  with split_bits 1, 2, 3, 2 (the source's settings) and the same bucket size; ``kmeans2``, ``kmeans4``,
+  ``kmeans6``, ``kmeans8``: KMeans with 20 iterations and one codebook per tensor. ``encode`` is
   ``codec.encode(x)``, ``decode`` is ``codec.decode_into(payload, out)`` (what the exchange calls),
   ``enc+dec`` both.
 * ``copy``: a device copy of x into a preallocated buffer (reads and writes 4 bytes per element):
@@ -48,25 +49,29 @@ WIDTHS = tuple(f"qsgd{b}" for b in range(2, 17))     # any of these may be named
 # SortQuant at the source's settings (bits = split + level bits): 2 = 1+1, 4 = 2+2, 6 = 3+3, 8 = 2+6
 SORTQUANT = tuple((f"sortquant{b}", f"sortquant:bits={b},split_bits={s},bucket_size={{bs}}")
                   for b, s in ((2, 1), (4, 2), (6, 3), (8, 2)))
+# KMeans as the source ran it: one codebook per tensor, 20 Lloyd iterations
+KMEANS = tuple((f"kmeans{b}", f"kmeans:bits={b},iters=20") for b in (2, 4, 6, 8))
+NAMED = CODECS + SORTQUANT + KMEANS
 
 
 def codec_specs(names):
     """[(name, spec template)] for the ``names`` (separated by commas, or by semicolons when a spec
     string with commas is among them): the default set, ``qsgdN`` for any width N in 2..16, ``all``
-    (every width, onebit and the SortQuant rows), ``sortquant2`` / 4 / 6 / 8, or any codec spec string
+    (every width, onebit, the SortQuant and KMeans rows), ``sortquant2`` / 4 / 6 / 8, ``kmeans2`` / 4 /
+    6 / 8, or any codec spec string
     (``qsgd:bits=5,mode=deterministic``, ``fp16``), named by itself."""
-    known = dict(CODECS + SORTQUANT)
+    known = dict(NAMED)
     known.update((w, f"qsgd:bits={w[4:]},bucket_size={{bs}}") for w in WIDTHS)
     wanted = []
     for name in names.split(";" if ";" in names or ":" in names else ","):
-        for one in (WIDTHS + ("onebit",) + tuple(n for n, _ in SORTQUANT) if name == "all" else (name,)):
+        for one in (WIDTHS + ("onebit",) + tuple(n for n, _ in SORTQUANT + KMEANS) if name == "all" else (name,)):
             if one not in known:
                 from hvd_quant import from_spec
                 try:
                     from_spec(one)
                 except ValueError as e:
                     raise SystemExit(f"unknown codec {one!r} ({e}); known: "
-                                     f"{', '.join(n for n, _ in CODECS + SORTQUANT)}, qsgd2 .. qsgd16, "
+                                     f"{', '.join(n for n, _ in NAMED)}, qsgd2 .. qsgd16, "
                                      "all, or a codec spec string") from None
                 known[one] = one.replace("{", "{{").replace("}", "}}")
             if one not in wanted:

@@ -19,8 +19,12 @@ iteration and as the slowest rank saw it:
   optimizer keeps them.
 
 and prints the median time, the speedup over fp32, the bytes each rank sent (the exchange's own
-count) with the ratio to fp32's ring allreduce, and the relative L2 error of the result against fp32's.
-``--json PATH`` writes the same rows as JSON (rank 0).
+count) with the ratio to fp32's ring allreduce, the effective bandwidth of the exchange's collectives
+(``Traffic.bandwidth()`` over the timed iterations: this rank's bytes over the time its alltoalls
+(``a2a GB/s``), its allgathers (``ag GB/s``) and any of them (``GB/s``) were in flight, the lowest
+over the ranks; docs/EXCHANGE.md says what the marks measure; fp32's row: the ring allreduce's bytes
+over its median time), and the relative L2 error of the result against fp32's. The default codecs
+are QSGD at 16, 12, 10, 8, 4 and 2 bits (the study's rows) and 1-bit. ``--json PATH`` writes the same rows as JSON (rank 0).
 """
 import argparse
 import json
@@ -29,8 +33,9 @@ import sys
 import time
 
 DEFAULT_SIZES = "vgg16=138e6,resnet50=25.6e6"
-DEFAULT_CODECS = ("qsgd:bits=8,bucket_size=512", "qsgd:bits=4,bucket_size=512",
-                  "qsgd:bits=2,bucket_size=128", "onebit:bucket_size=512")
+DEFAULT_CODECS = ("qsgd:bits=16,bucket_size=512", "qsgd:bits=12,bucket_size=512",
+                  "qsgd:bits=10,bucket_size=512", "qsgd:bits=8,bucket_size=512",
+                  "qsgd:bits=4,bucket_size=512", "qsgd:bits=2,bucket_size=128", "onebit:bucket_size=512")
 DEFAULT_REDUCTIONS = ("sra", "allgather")
 
 
@@ -40,6 +45,10 @@ def parse_sizes(text):
         name, _, n = item.partition("=")
         out.append((name.strip(), int(float(n))))
     return out
+
+
+def _gbps(v):
+    return f"{'-':>9}" if v is None else f"{v:>9.3f}"
 
 
 def build_parser():
@@ -65,7 +74,7 @@ def main(argv=None):
     import horovod.torch as hvd
 
     import hvd_quant
-    from hvd_quant.exchange import Exchange
+    from hvd_quant.exchange import Exchange, Traffic
     from hvd_quant.torch import _backend
 
     hvd.init()
@@ -89,6 +98,13 @@ def main(argv=None):
         tick[0] += 1
         return float(hvd.allreduce(torch.tensor([seconds]), op=hvd.Max, name=f"bench.max.{tick[0]}"))
 
+    def lowest(value):
+        """The lowest ``value`` over the ranks (None where any rank has none)."""
+        tick[0] += 1
+        v = torch.tensor([float("nan") if value is None else value], dtype=torch.float64)
+        v = float(hvd.allreduce(v, op=hvd.Min, name=f"bench.min.{tick[0]}"))
+        return None if v != v else v
+
     def timed(fn):
         times, out = [], None
         for i in range(args.warmup + args.iters):
@@ -110,7 +126,7 @@ def main(argv=None):
               f"{int(args.bucket_bytes)}, {args.iters} iterations (median of the slowest rank)",
               flush=True)
         print(f"{'gradient':<10} {'method':<40} {'ms':>10} {'speedup':>8} {'MB sent':>10} "
-              f"{'x fewer':>8} {'rel.err':>9}", flush=True)
+              f"{'x fewer':>8} {'a2a GB/s':>9} {'ag GB/s':>9} {'GB/s':>9} {'rel.err':>9}", flush=True)
     for gname, n in parse_sizes(args.sizes):
         g = torch.Generator().manual_seed(rank)
         grad = torch.randn(n, generator=g).to(device)
@@ -120,7 +136,8 @@ def main(argv=None):
             return hvd.allreduce(grad, name=f"bench.fp32.{gname}.{i}", op=hvd.Average)
         t_fp32, ref = timed(fp32)
         rows.append(dict(gradient=gname, numel=n, method="fp32 allreduce", ms=t_fp32 * 1e3, speedup=1.0,
-                         sent_bytes=fp32_bytes, ratio=1.0, rel_err=0.0, ranks=size))
+                         sent_bytes=fp32_bytes, ratio=1.0, rel_err=0.0, ranks=size, gbps_alltoall=None,
+                         gbps_allgather=None, gbps=fp32_bytes / t_fp32 / 1e9))
         per = max(1, int(args.bucket_bytes) // 4)
         for reduction in reductions:
             for spec in codecs:
@@ -130,8 +147,11 @@ def main(argv=None):
                 # (a fresh buffer of this size costs tens of milliseconds of page faults per step)
                 work = [grad[a:a + per].clone() for a in range(0, n, per)]
                 result = torch.empty_like(grad)
+                kept = Traffic()        # the timed iterations' collectives
 
                 def run(i):
+                    if i > args.warmup:
+                        kept.add(ex.traffic)        # the previous iteration's, a timed one
                     ex.traffic.reset()
                     pend = []
                     for a, w in zip(range(0, n, per), work):
@@ -141,17 +161,22 @@ def main(argv=None):
                         result[a:a + per].copy_(o)
                     return result.mul_(1.0 / size)
                 t, out = timed(run)
+                kept.add(ex.traffic)
+                bw = kept.bandwidth()
+                gbps = {k: lowest(bw.get(k, {}).get("gbps")) for k in ("alltoall", "allgather", "total")}
                 err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
                 sent = ex.traffic.sent_bytes
                 rows.append(dict(gradient=gname, numel=n, method=f"{reduction} {spec}", ms=t * 1e3,
                                  speedup=t_fp32 / t, sent_bytes=sent,
                                  ratio=fp32_bytes / sent if sent else float("inf"), rel_err=err,
-                                 ranks=size))
+                                 ranks=size, gbps_alltoall=gbps["alltoall"],
+                                 gbps_allgather=gbps["allgather"], gbps=gbps["total"]))
         if rank == 0:
             for r in rows:
                 if r["gradient"] == gname:
                     print(f"{r['gradient']:<10} {r['method']:<40} {r['ms']:>10.2f} {r['speedup']:>8.2f} "
-                          f"{r['sent_bytes'] / 1e6:>10.2f} {r['ratio']:>8.2f} {r['rel_err']:>9.4f}",
+                          f"{r['sent_bytes'] / 1e6:>10.2f} {r['ratio']:>8.2f} {_gbps(r['gbps_alltoall'])} "
+                          f"{_gbps(r['gbps_allgather'])} {_gbps(r['gbps'])} {r['rel_err']:>9.4f}",
                           flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:

@@ -167,15 +167,17 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
 
 
 def bytes_sent_per_step(obj):
-    """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent}`` for the last step of an hvd_quant tape
-    or optimizer (or reducer); for a stock Horovod wrapper whose ``compression=`` is an hvd_quant
-    codec or StockCompression, pass the codec: bytes since the last call."""
+    """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent, "gbps": GB/s}`` for the last step of an
+    hvd_quant tape or optimizer (or reducer); for a stock Horovod wrapper whose ``compression=`` is an
+    hvd_quant codec or StockCompression, pass the codec: bytes since the last call. ``gbps``: the
+    effective bandwidth of the exchange's collectives (``Traffic.bandwidth()``'s total), or None."""
     from .. import _stock
     try:
         t = reducer_of(obj).bytes_per_step()
     except TypeError:
         t = _stock.take_traffic(getattr(obj, "_compression", obj))
-    return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}
+    return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio,
+            "gbps": t.bandwidth().get("total", {}).get("gbps")}
 
 
 def step_metrics(obj):

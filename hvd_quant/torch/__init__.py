@@ -18,14 +18,17 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def bytes_sent_per_step(optimizer):
-    """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent}`` for the optimizer's last step: what this
-    rank sent, beside what an fp32 ring allreduce of the same gradients would have sent. Works for
+    """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent, "gbps": GB/s}`` for the optimizer's last
+    step: what this rank sent, beside what an fp32 ring allreduce of the same gradients would have
+    sent, and the effective bandwidth of the exchange's collectives (``Traffic.bandwidth()``'s total;
+    None where no exchange collective was timed). Works for
     ``hvd_quant.torch.DistributedOptimizer`` and for stock Horovod optimizers whose ``compression=`` is
     an hvd_quant codec or :class:`hvd_quant.StockCompression` (for those: since the last call)."""
     from .. import _stock
     t = optimizer.bytes_per_step() if hasattr(optimizer, "bytes_per_step") else None
     t = t if t is not None else _stock.take_traffic(getattr(optimizer, "_compression", None))
-    return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}
+    return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio,
+            "gbps": t.bandwidth().get("total", {}).get("gbps")}
 
 
 def step_metrics(optimizer):

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import os
 import socket
+import time
 
 import numpy as np
 import torch
@@ -49,6 +50,16 @@ def _to_like(t, like):
     return t if t.device == like.device else t.to(like.device)
 
 
+def _mark(like):
+    """Host seconds for CPU tensors; for CUDA tensors an event recorded on the current stream of
+    ``like``'s device (where the payload was written and the result is read), never waited for."""
+    if not like.is_cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(like.device))
+    return event
+
+
 OPS = ArrayOps(
     flatten=_flatten,
     zeros=_zeros,
@@ -64,6 +75,7 @@ OPS = ArrayOps(
     to_like=_to_like,
     clone=lambda t: t.detach().clone(),
     reusable=True,
+    mark=_mark,
 )
 
 

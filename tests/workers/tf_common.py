@@ -69,14 +69,16 @@ def bound(spec, reduction, xs, codec):
     - SortQuant: a group's unit, (max - min) / L, is at most its bucket's range over L, and the
       reduced chunk's range is at most the sum of the ranks' ranges: sum_j range_j / L per
       quantization (half of it deterministic), doubled for SRA.
+    - KMeans: a value and its centroid (a mean of its bucket's values) both lie in the bucket's
+      range: sum_j range_j per quantization, doubled for SRA.
     - fp16: relative 2^-11 per rounding, once for allgather, twice for SRA.
     Divided by N for the average, plus float32 summation slack.
     """
     n = xs[0].size
     N = len(xs)
     q = 1 if reduction == "allgather" else 2
-    if spec.startswith(("qsgd", "onebit", "sortquant")):
-        d = codec.bucket_size
+    if spec.startswith(("qsgd", "onebit", "sortquant", "kmeans")):
+        d = codec.bucket_size or max(n, 1)
         nb = -(-n // d)
         m = np.zeros(nb)
         rng = np.zeros(nb)
@@ -93,6 +95,8 @@ def bound(spec, reduction, xs, codec):
         elif spec.startswith("sortquant"):
             L = (1 << (codec.bits - codec.split_bits)) - 1
             per_q = rng / L * (0.5 if codec.mode == "deterministic" else 1.0)
+        elif spec.startswith("kmeans"):
+            per_q = rng
         else:
             per_q = m
         b = np.repeat(per_q * q, d)[:n] + 16 * FP32_EPS * np.repeat(m, d)[:n] * N

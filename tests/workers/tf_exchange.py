@@ -51,6 +51,7 @@ SPECS = ["qsgd:bits=8,bucket_size=128,mode=deterministic",
          "qsgd:bits=4,bucket_size=128,mode=stochastic,seed=7",
          "onebit:bucket_size=128",
          "sortquant:bits=4,split_bits=2,bucket_size=128,mode=deterministic",
+         "kmeans:bits=4,iters=4,bucket_size=128",
          "fp16"]
 REDUCTIONS = ["sra", "allgather"]
 # (name, shape, dtype): two compressible matrices (sizes multiples of the bucket size, so the fused

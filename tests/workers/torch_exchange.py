@@ -18,6 +18,9 @@ and checks:
   - none: float32 summation only;
 * the result is the same bytes on every rank; a NaN in one rank's input is NaN in everyone's result;
 * the bytes handed to the collectives, counted on the wire, match ``Traffic`` and the formula;
+* every collective is timed (``Traffic.bandwidth``): per kind, its bytes are this rank's share of the
+  wire count and sum to ``Traffic.sent_bytes``, its time is positive and finite; with several buckets
+  and steps in flight the union of the intervals is no longer than their sum;
 * a rank sending another size, another tensor's payload or another configuration makes every rank
   raise a clear error (no hang, no garbage).
 """
@@ -48,6 +51,8 @@ SPECS = {
     "onebit": "onebit:bucket_size=64",
     "sortquant4_det": "sortquant:bits=4,split_bits=2,bucket_size=512,mode=deterministic",
     "sortquant4_sto": "sortquant:bits=4,split_bits=2,bucket_size=128,mode=stochastic,seed=7",
+    "kmeans3": "kmeans:bits=3,iters=6",
+    "kmeans4_b128": "kmeans:bits=4,iters=4,bucket_size=128,seed=5",
     "fp16": "fp16",
     "none": "none",
 }
@@ -115,11 +120,13 @@ def bound(spec, reduction, xs):
         # SRA's second quantization: the reduced chunk's max is at most sum_j m_j (same per_q).
         b = (per_q * quantizations).repeat_interleave(d)[:n]
         return b + 8 * FP32_EPS * m.repeat_interleave(d)[:n] * N
-    if spec.startswith("sortquant"):
+    if spec.startswith(("sortquant", "kmeans")):
         # A group's unit, (max - min) / L with L = 2^(bits - split_bits) - 1, is at most its bucket's
         # range over L; the reduced chunk's bucket range is at most the sum of the ranks' ranges.
-        L = (1 << (codec.bits - codec.split_bits)) - 1
-        d = codec.bucket_size
+        # KMeans: a value and its centroid (a mean of the bucket's values) both lie in the bucket's
+        # range (L = 1); with one bucket per tensor, SRA's chunks are parts of the tensor's range.
+        L = (1 << (codec.bits - codec.split_bits)) - 1 if spec.startswith("sortquant") else 1
+        d = codec.bucket_size or max(n, 1)
         nb = -(-n // d)
         rng, m = torch.zeros(nb, dtype=torch.float64), torch.zeros(nb, dtype=torch.float64)
         for x in xs:
@@ -199,6 +206,52 @@ def exchange_cases():
                 check(log == expect_log, f"wire {label}", f"{log} vs {expect_log}")
                 check(ex.traffic.sent_bytes == sent and ex.traffic.numel == n, f"traffic {label}",
                       f"{ex.traffic} vs sent={sent}")
+                if reduction == "sra":
+                    by_kind = {"alltoall": sum(splits) - splits[R], "allgather": (N - 1) * splits[R]}
+                else:
+                    by_kind = {"allgather": sent}
+                bandwidth_ok(ex.traffic.bandwidth(), by_kind, sent, 1, label)
+
+
+def bandwidth_ok(bw, by_kind, sent, count, label):
+    """``Traffic.bandwidth()`` holds ``count`` collectives of each kind of ``by_kind`` (kind -> bytes
+    this rank sent), bytes summing to ``sent``, positive finite times and GB/s = bytes / seconds."""
+    kinds = set(by_kind) | {"total"}
+    ok = (set(bw) == kinds and all(bw[k]["count"] == count and bw[k]["bytes"] == by_kind[k] for k in by_kind)
+          and bw["total"]["count"] == count * len(by_kind) and bw["total"]["bytes"] == sent
+          and all(0 < bw[k]["seconds"] < 60 and math.isfinite(bw[k]["gbps"])
+                  and abs(bw[k]["gbps"] - bw[k]["bytes"] / bw[k]["seconds"] / 1e9) <= 1e-9 * bw[k]["gbps"]
+                  for k in kinds)
+          and bw["total"]["seconds"] <= sum(bw[k]["seconds"] for k in by_kind) * (1 + 1e-12))
+    check(ok, f"bandwidth {label}", f"{bw} vs bytes {by_kind}, sent {sent}")
+
+
+def bandwidth_cases():
+    """Several buckets in flight (finish_all) over several steps, one Traffic for all of them, read
+    once at the end: every collective counted once, bytes equal to Traffic's, the union of the
+    intervals shorter than their sum; then timing=False records nothing."""
+    coll = _backend.collectives()
+    spec = SPECS["qsgd4_det"]
+    for reduction in ("sra", "allgather"):
+        log = []
+        ex = Exchange(hvd_quant.from_spec(spec), counting(coll, log), OPS, reduction=reduction)
+        sizes, steps = (3000, 20000, 513), 3
+        for step in range(steps):
+            pend = [ex.start(f"bw.{reduction}.{i}", torch.randn(n, device=DEVICE), step=step)
+                    for i, n in enumerate(sizes)]
+            ex.finish_all(pend)
+        by_kind = {}
+        for kind, v in log:
+            by_kind[kind] = by_kind.get(kind, 0) + ((sum(v) - v[R]) if kind == "alltoall" else (N - 1) * v)
+        bw = ex.traffic.bandwidth()
+        bandwidth_ok(bw, by_kind, ex.traffic.sent_bytes, steps * len(sizes), f"{reduction}/in flight")
+        check(bw == ex.traffic.bandwidth() and not ex.traffic.timed, f"bandwidth read twice/{reduction}")
+        last = ex.traffic.copy()
+        ex.traffic.reset()
+        check(ex.traffic.bandwidth() == {} and last.bandwidth() == bw, f"bandwidth reset/{reduction}")
+        ex = Exchange(hvd_quant.from_spec(spec), coll, OPS, reduction=reduction, timing=False)
+        ex.finish(ex.start(f"bw.off.{reduction}", torch.randn(3000, device=DEVICE), step=0))
+        check(ex.traffic.bandwidth() == {} and ex.traffic.sent_bytes > 0, f"timing off/{reduction}")
 
 
 def ratio_cases():
@@ -226,7 +279,7 @@ def ratio_cases():
 
 def nan_cases():
     coll = _backend.collectives()
-    for key in ("qsgd4_det", "qsgd4_sto", "onebit", "sortquant4_det", "fp16", "none"):
+    for key in ("qsgd4_det", "qsgd4_sto", "onebit", "sortquant4_det", "kmeans4_b128", "fp16", "none"):
         for reduction in ("sra", "allgather"):
             n, at = 3000, 1234
             xs = inputs(n, 99, nan_at=at)
@@ -287,6 +340,7 @@ def error_cases():
 def main():
     check.run("exchange", exchange_cases)
     check.run("ratio", ratio_cases)
+    check.run("bandwidth", bandwidth_cases)
     check.run("nan", nan_cases)
     check.run("errors", error_cases)
     check.finish()

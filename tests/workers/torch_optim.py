@@ -56,6 +56,7 @@ Q4S = "qsgd:bits=4,bucket_size=512,mode=stochastic,seed=11"
 Q2S = "qsgd:bits=2,bucket_size=128,mode=stochastic,seed=5"
 ONEBIT = "onebit:bucket_size=64"
 SQ4 = "sortquant:bits=4,split_bits=2,bucket_size=128,mode=stochastic,seed=3"
+KM3 = "kmeans:bits=3,iters=5,seed=3"
 _case = [0]
 
 
@@ -238,8 +239,8 @@ def grad_cases():
         for dtype in (torch.float16, torch.bfloat16):
             m = fresh(dtype=dtype)
             step_checks(f"{entry}/sra/{dtype}", m, make_opt(entry, m, Q4D), Q4D)
-        for spec in ("fp16", "none", Q2S, SQ4):
-            for reduction in ("sra", "allgather") if spec == SQ4 else ("sra",):
+        for spec in ("fp16", "none", Q2S, SQ4, KM3):
+            for reduction in ("sra", "allgather") if spec in (SQ4, KM3) else ("sra",):
                 m = fresh()
                 step_checks(f"{entry}/{reduction}/{spec}", m, make_opt(entry, m, spec, reduction=reduction),
                             spec, reduction)
