@@ -4,7 +4,8 @@
 #   phase 1, two 2-GPU lanes at once on disjoint GPU pairs: GPUs 0,1 run the NVLink configs, then
 #            the GPU tests ($GPU_TESTS, NCCL); GPUs 2,3 run the sockets configs (NCCL_P2P_DISABLE=1
 #            NCCL_SHM_DISABLE=1), after profiling $TRACE_IDS (bench train --trace; scripts/plot_trace.py
-#            reads the traces); the issue's main rows first, the rest after;
+#            reads the traces); each lane first runs the exchange benchmark on its network
+#            ($EXCHANGE_ARGS; empty: skipped), then the issue's main rows, the rest after;
 #   phase 2, all 4 GPUs: the 4-rank rows, sockets first.
 # The method lists below are the full matrix; each can be replaced from the environment.
 # Each phase stops at its deadline (seconds from the start: PHASE1_END, END); a stopped `bench train`
@@ -40,6 +41,7 @@ SOCKETS_FIRST="${SOCKETS_FIRST-ddp-fp32,ddp-fp16,ddp-powersgd4,hvd-fp32,hvd-fp16
 SOCKETS_REST="${SOCKETS_REST-hvdq-qsgd4-sra,hvdq-qsgd8-auto,hvdq-onebit-allgather}"
 TRACE_IDS="${TRACE_IDS-resnet50/sockets/hvdq-qsgd4-allgather}"    # profiled (bench train --trace)
 GPU_TESTS="${GPU_TESTS-tests/test_torch_gpu.py}"
+EXCHANGE_ARGS="${EXCHANGE_ARGS---iters 5}"     # python -m hvd_quant.bench exchange --device cuda ARGS
 N4_FIRST="${N4_FIRST-hvd-fp32,hvdq-qsgd4-auto,hvdq-qsgd4-sra,hvdq-qsgd4-allgather}"        # sockets, then NVLink
 N4_REST="${N4_REST-hvd-fp32,ddp-fp32,hvd-fp16,hvdq-qsgd4-auto,hvdq-qsgd4-sra,hvdq-qsgd4-allgather,hvdq-qsgd8-auto,hvdq-onebit-allgather}"
 N4_MODELS="${N4_MODELS:-resnet50,vgg16}"
@@ -50,6 +52,12 @@ bench() {   # bench SECONDS_LEFT_UNTIL ARGS...: one `bench train` run, stopped (
 }
 lane() {    # lane GPUS NETWORK FIRST REST [REST_NETWORK]: sockets profiles first, NVLink tests after FIRST
   export CUDA_VISIBLE_DEVICES=$1
+  if [[ -n "$EXCHANGE_ARGS" ]]; then
+    s=$(left "$PHASE1_END"); (( s > 60 )) && (
+      [[ $2 == sockets ]] && export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
+      timeout -s INT "$s" horovodrun -np 2 -H localhost:2 python3 -m hvd_quant.bench exchange \
+          --device cuda --json "$R/exchange-$2.json" $EXCHANGE_ARGS > "$R/exchange-$2.txt" 2>&1 )
+  fi
   if [[ $2 == sockets && -n "$TRACE_IDS" ]]; then
     bench "$PHASE1_END" --np 2 --networks sockets --models "$MODELS" --out "$R/n2-traces" --trace \
         --only "$TRACE_IDS" --num-iters 2 \
