@@ -94,6 +94,16 @@ class Collectives:
     poll: Callable[[Any], bool] = None
 
 
+def collectives_for(cache, process_set, make):
+    """The :class:`Collectives` of ``process_set`` kept in ``cache``, made by ``make(process_set)`` at
+    first use; keyed by the set's id, rank and size, so a set that changes size (elastic) gets a new one."""
+    key = (process_set.process_set_id, process_set.rank(), process_set.size())
+    coll = cache.get(key)
+    if coll is None:
+        coll = cache[key] = make(process_set)
+    return coll
+
+
 @dataclass(frozen=True)
 class ArrayOps:
     """Array operations the reductions need, on the framework's tensors and device.

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float, numpy_dtype
-from ..exchange import AVERAGE, SUM, ArrayOps, Collectives
+from ..exchange import AVERAGE, SUM, ArrayOps, Collectives, collectives_for
 
 __all__ = ["OPS", "collectives", "hvd_op", "core_op", "op_name", "stock_backend", "stock_adapter",
            "to_numpy", "adapter"]
@@ -196,29 +196,28 @@ def collectives(process_set=None):
     Takes NumPy arrays or eager tensors; ``synchronize`` returns NumPy arrays (see module doc).
     """
     import horovod.tensorflow as hvd
-    ps = hvd.global_process_set if process_set is None else process_set
-    key = (ps.process_set_id, ps.rank(), ps.size())
-    coll = _CACHE.get(key)
-    if coll is None:
-        def allgather_async(t, name):
-            t = _as_tensor(t)
-            return _Handle(_graph_fn("allgather", name, t.dtype, ps), t)
+    return collectives_for(_CACHE, hvd.global_process_set if process_set is None else process_set,
+                           _make_collectives)
 
-        def alltoall_async(t, splits, name):
-            t = _as_tensor(t)
-            return _Handle(_graph_fn("alltoall", name, t.dtype, ps), t,
-                           tf.constant(list(map(int, splits)), tf.int32))
 
-        def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
-            t = _as_tensor(t)
-            return _Handle(_graph_fn("allreduce", name, t.dtype, ps, op, float(prescale_factor),
-                                     float(postscale_factor)), t)
+def _make_collectives(ps):
+    def allgather_async(t, name):
+        t = _as_tensor(t)
+        return _Handle(_graph_fn("allgather", name, t.dtype, ps), t)
 
-        coll = Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
-                           alltoall_async=alltoall_async, allreduce_async=allreduce_async,
-                           synchronize=lambda h: h.result(), process_set=ps)
-        _CACHE[key] = coll
-    return coll
+    def alltoall_async(t, splits, name):
+        t = _as_tensor(t)
+        return _Handle(_graph_fn("alltoall", name, t.dtype, ps), t,
+                       tf.constant(list(map(int, splits)), tf.int32))
+
+    def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
+        t = _as_tensor(t)
+        return _Handle(_graph_fn("allreduce", name, t.dtype, ps, op, float(prescale_factor),
+                                 float(postscale_factor)), t)
+
+    return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
+                       alltoall_async=alltoall_async, allreduce_async=allreduce_async,
+                       synchronize=lambda h: h.result(), process_set=ps)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import plan as _plan
-from ..exchange import HANDSHAKE_NAME, Collectives, check_handshake
+from ..exchange import HANDSHAKE_NAME, Collectives, check_handshake, collectives_for
 from . import _backend
 from ._backend import OPS, op_name
 
@@ -87,16 +87,12 @@ _GRAPH_COLL = {}
 def graph_collectives(process_set=None):
     """The recording Collectives table (rank and size of ``process_set``) used inside graphs."""
     import horovod.tensorflow as hvd
-    ps = hvd.global_process_set if process_set is None else process_set
-    key = (ps.process_set_id, ps.rank(), ps.size())
-    coll = _GRAPH_COLL.get(key)
-    if coll is None:
-        coll = _GRAPH_COLL[key] = Collectives(
-            rank=ps.rank(), size=ps.size(),
-            allgather_async=lambda t, name: _Deferred(t),
-            alltoall_async=lambda t, splits, name: _Deferred(t, list(splits)),
-            allreduce_async=_no_allreduce, synchronize=_sync, process_set=ps)
-    return coll
+    return collectives_for(_GRAPH_COLL, hvd.global_process_set if process_set is None else process_set,
+                           lambda ps: Collectives(
+                               rank=ps.rank(), size=ps.size(),
+                               allgather_async=lambda t, name: _Deferred(t),
+                               alltoall_async=lambda t, splits, name: _Deferred(t, list(splits)),
+                               allreduce_async=_no_allreduce, synchronize=_sync, process_set=ps))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
-from ..exchange import AVERAGE, ArrayOps, Collectives, SUM
+from ..exchange import AVERAGE, ArrayOps, Collectives, SUM, collectives_for
 
 __all__ = ["OPS", "collectives", "hvd_op", "core_op", "adapter", "stock_adapter", "stock_backend",
            "PayloadGroup", "PAYLOAD_GROUP", "payload_gather"]
@@ -223,32 +223,33 @@ _CACHE = {}
 def collectives(process_set=None):
     """The Collectives table for ``process_set`` (default: the global one)."""
     import horovod.torch as hvd
-    ps = hvd.global_process_set if process_set is None else process_set
-    key = (ps.process_set_id, ps.rank(), ps.size())
-    coll = _CACHE.get(key)
-    if coll is None:
-        def allgather_async(t, name):
-            return hvd.allgather_async(t, name=name, process_set=ps)
+    return collectives_for(_CACHE, hvd.global_process_set if process_set is None else process_set,
+                           _make_collectives)
 
-        def alltoall_async(t, splits, name):
-            return hvd.alltoall_async(t, splits=torch.tensor(splits, dtype=torch.int32), name=name,
-                                      process_set=ps)
 
-        def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
-            return hvd.allreduce_async_(t, name=name, op=hvd_op(op), prescale_factor=prescale_factor,
-                                        postscale_factor=postscale_factor, process_set=ps)
+def _make_collectives(ps):
+    import horovod.torch as hvd
 
-        def synchronize(handle):
-            return handle.wait() if type(handle) is _GroupWork else _alltoall_result(handle)
+    def allgather_async(t, name):
+        return hvd.allgather_async(t, name=name, process_set=ps)
 
-        def poll(handle):
-            return handle.work.is_completed() if type(handle) is _GroupWork else hvd.poll(handle)
+    def alltoall_async(t, splits, name):
+        return hvd.alltoall_async(t, splits=torch.tensor(splits, dtype=torch.int32), name=name,
+                                  process_set=ps)
 
-        coll = Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
-                           alltoall_async=alltoall_async, allreduce_async=allreduce_async,
-                           synchronize=synchronize, process_set=ps, poll=poll)
-        _CACHE[key] = coll
-    return coll
+    def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
+        return hvd.allreduce_async_(t, name=name, op=hvd_op(op), prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor, process_set=ps)
+
+    def synchronize(handle):
+        return handle.wait() if type(handle) is _GroupWork else _alltoall_result(handle)
+
+    def poll(handle):
+        return handle.work.is_completed() if type(handle) is _GroupWork else hvd.poll(handle)
+
+    return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
+                       alltoall_async=alltoall_async, allreduce_async=allreduce_async,
+                       synchronize=synchronize, process_set=ps, poll=poll)
 
 
 def host_one():
