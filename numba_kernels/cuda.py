@@ -948,8 +948,26 @@ def _as_dev(a):
     return a if SIMULATOR or isinstance(a, cuda.devicearray.DeviceNDArray) else cuda.as_cuda_array(a)
 
 
-_SQ_SCRATCH = {}        # (numel, stream handle) -> uint16 codes (one device per process)
-_SQ_DUMMY = []
+_SCRATCH = {}       # (what, sizes..., stream handle) -> device arrays the encodes reuse (one device per process)
+
+
+def _scratch(key, make):
+    """The device scratch ``make()`` built once per ``key``: work on one stream runs in order, so calls
+    on a stream share it (SortQuant and KMeans the same codes array); at most 64 kept."""
+    got = _SCRATCH.get(key)
+    if got is None:
+        if len(_SCRATCH) >= 64:
+            _SCRATCH.clear()
+        got = _SCRATCH[key] = make()
+    return got
+
+
+def _codes_scratch(n, stream):
+    return _scratch(("codes", n, stream), lambda: cuda.device_array(n, np.uint16))
+
+
+def _no_residual():
+    return _scratch(("no residual",), lambda: cuda.to_device(np.zeros(1, np.float32)))
 
 
 def sortquant_encode_cuda(x, payload, header, bits, split_bits, bucket_size, stochastic, key, stream=0,
@@ -969,18 +987,11 @@ def sortquant_encode_cuda(x, payload, header, bits, split_bits, bucket_size, sto
     write_header_cuda(payload, header, stream)
     if not n:
         return
-    key_s = (n, _stream(stream) if not SIMULATOR else 0)
-    codes = _SQ_SCRATCH.get(key_s)
-    if codes is None:
-        if len(_SQ_SCRATCH) >= 64:
-            _SQ_SCRATCH.clear()
-        codes = _SQ_SCRATCH[key_s] = cuda.device_array(n, np.uint16)
-    if not _SQ_DUMMY:
-        _SQ_DUMMY.append(cuda.to_device(np.zeros(1, np.float32)))
+    codes = _codes_scratch(n, _stream(stream) if not SIMULATOR else 0)
     P = 1 << max(0, (min(bucket_size, n) - 1).bit_length())
     enc = _kernel("sortquant_encode", lambda spec: _S.make_encode(spec[0]), (P,))
     scales = payload[lay.scales_offset:lay.total].view(np.float32)
-    res = _SQ_DUMMY[0] if residual is None else _as_dev(residual)
+    res = _no_residual() if residual is None else _as_dev(residual)
     enc[lay.nbuckets, min(P, BLOCK), s](_as_dev(x), scales, codes, bucket_size, split_bits, bits - split_bits,
                                         bool(stochastic), np.uint64(key), res, residual is not None)
     nwords = (lay.scales_offset - lay.codes_offset) // 4
@@ -1016,22 +1027,13 @@ def _lookup_decode(name, kernel, lay, payload, out, stream, status, expect, *par
         _as_dev(status) if check else _zero_status(), check)
 
 
-_KM_SCRATCH = {}        # (numel, bucket_size, bits, stream handle) -> the encode's device scratch
-
-
 def _kmeans_scratch(n, bs, bits, stream):
-    key = (n, bs, bits, stream)
-    got = _KM_SCRATCH.get(key)
-    if got is None:
-        if len(_KM_SCRATCH) >= 64:
-            _KM_SCRATCH.clear()
-        cells = -(-n // bs) << bits
-        nb = -(-n // bs)
-        got = _KM_SCRATCH[key] = (cuda.device_array((2, cells), np.float32), cuda.device_array(nb, np.uint32),
-                                  cuda.device_array(nb, np.float32), cuda.device_array(nb, np.float32),
-                                  cuda.device_array((3, cells), np.int64), cuda.device_array((3, cells), np.int64),
-                                  cuda.device_array(n, np.uint16))
-    return got
+    nb = -(-n // bs)
+    cells = nb << bits
+    return _scratch(("kmeans", n, bs, bits, stream), lambda: (
+        cuda.device_array((2, cells), np.float32), cuda.device_array(nb, np.uint32),
+        cuda.device_array(nb, np.float32), cuda.device_array(nb, np.float32),
+        cuda.device_array((3, cells), np.int64), cuda.device_array((3, cells), np.int64)))
 
 
 def kmeans_encode_cuda(x, payload, header, bits, bucket_size, iters, key, stream=0, residual=None):
@@ -1049,14 +1051,14 @@ def kmeans_encode_cuda(x, payload, header, bits, bucket_size, iters, key, stream
         return
     bs = bucket_size or n
     K = 1 << bits
-    cent, amax, lo, hi, total, count, codes = _kmeans_scratch(n, bs, bits, _stream(stream) if not SIMULATOR else 0)
-    if not _SQ_DUMMY:
-        _SQ_DUMMY.append(cuda.to_device(np.zeros(1, np.float32)))
+    handle = _stream(stream) if not SIMULATOR else 0
+    cent, amax, lo, hi, total, count = _kmeans_scratch(n, bs, bits, handle)
+    codes = _codes_scratch(n, handle)
     xd = _as_dev(x)
     tpb = -(-bs // _KM.TILE)
     grid = lay.nbuckets * tpb
     book = payload[lay.scales_offset:lay.total].view(np.float32)
-    res = _SQ_DUMMY[0] if residual is None else _as_dev(residual)
+    res = _no_residual() if residual is None else _as_dev(residual)
     for name, k in (("kmeans_clear", _KM.k_clear), ("kmeans_stats", _KM.k_stats), ("kmeans_start", _KM.k_start),
                     ("kmeans_step", _KM.k_step), ("kmeans_pack", _S.k_pack)):
         kernels.setdefault(name, k)
