@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
     pytest.param(3, "mpi", ["grads", "options", "bytes", "resume", "auto", "process-sets", "payload-group"],
                  id="np3-mpi",
                  marks=pytest.mark.mpi),
-    # several process sets at once: {0,1} and {1,2} overlapping; {0,1}, {2,3} disjoint and {1,2,3};
-    # each of 2, 3 and 4 ranks under both controllers
+    # several process sets at once, beside the global one: {0}, {1} at 2 ranks; {0,1} and {1,2}
+    # overlapping at 3; {0,1}, {2,3} disjoint and {1,2,3} at 4; each rank count under both controllers
     pytest.param(3, "gloo", ["process-sets"], id="np3-gloo-sets"),
     pytest.param(4, "gloo", ["process-sets"], id="np4-gloo-sets"),
     pytest.param(2, "mpi", ["process-sets"], id="np2-mpi-sets", marks=pytest.mark.mpi),
