@@ -760,7 +760,8 @@ class StockCompression:
         coll = group.session.coll
         if make is not None and group.device is not None and not group.absent():
             label = f"hvdq.stock.{group.key}"
-            group.next_gather = (coll, make(coll.process_set, group.device, label))
+            group.next_gather = (coll, make(coll.process_set, group.device, label, group.plan.record,
+                                            "hvd.DistributedOptimizer(compression=...)"))
         group.direct = True
 
     # -- state ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
-from ..exchange import AVERAGE, ArrayOps, Collectives, SUM, collectives_for
+from ..exchange import AVERAGE, ArrayOps, Collectives, SUM, collectives_for, handshake
 
 __all__ = ["OPS", "collectives", "hvd_op", "core_op", "adapter", "stock_adapter", "stock_backend",
            "PayloadGroup", "PAYLOAD_GROUP", "payload_gather"]
@@ -200,7 +200,7 @@ class _GroupWork:
         return self.out
 
 
-def payload_gather(process_set, device, label):
+def payload_gather(process_set, device, label, record=None, what=None):
     """The ``gather`` of an :class:`~hvd_quant.exchange.Exchange` for one optimizer's payloads on
     ``device`` (``label``: the optimizer's collective prefix): a :class:`PayloadGroup` of its own,
     made now, its NCCL communicator included. A collective (Horovod broadcast, the store, the
@@ -209,10 +209,16 @@ def payload_gather(process_set, device, label):
     path's first result of a taken-over step, after launching its complete buckets); made inside a
     gradient hook, it could wait for a rank that waits for this rank's next Horovod op. None where
     :data:`PAYLOAD_GROUP` has no backend for the device type, the set has one rank, or rank 0 turned
-    the group off."""
+    the group off. ``record`` (the handshake record of ``what``, where no handshake has compared the
+    ranks yet): compared first, under a name every rank shares, so that ranks configured differently
+    raise :class:`~hvd_quant.exchange.ConfigMismatchError` instead of waiting for each other under
+    different labels."""
     backend = PAYLOAD_GROUP.get(device.type)
     if backend is None or process_set.size() == 1:
         return None
+    if record is not None:
+        handshake(collectives(process_set), OPS, record, what or label,
+                  name="hvdq.payload_group.handshake")
     group = PayloadGroup.make(process_set, backend, label, device)
     return None if group is None else (lambda t, name: group.allgather(t))
 

@@ -3,7 +3,8 @@
 Rank 0 uses one configuration, the other ranks another. For ``hvd_quant.torch.DistributedOptimizer``
 the construction-time handshake raises ``ConfigMismatchError``; for stock
 ``hvd.DistributedOptimizer(compression=codec)`` the per-tensor handshake that travels with the first
-exchange raises it from ``synchronize()``. Each case prints
+exchange raises it from ``synchronize()``, also where the payload group is on (on CUDA by default: a
+collective made at the first result, so compared before it is made). Each case prints
 ``MISMATCH <case> <slowest rank's seconds> <ranks ok>/<ranks> <rank 0's first line>`` (from rank 0); the
 test asserts every rank was ok for every case, with seconds under the limit.
 """
@@ -81,14 +82,14 @@ def ours():
     check(True, "ours/same configuration constructs")
 
 
-def stock():
+def stock(tag="stock"):
     for case, (a, b, must) in (("bits", ("qsgd:bits=4", "qsgd:bits=8", "bits=4")),
                                ("method", ("qsgd:bits=4", "onebit", "onebit")),
                                ("bucket_size", ("qsgd:bits=4,bucket_size=512",
                                                 "qsgd:bits=4,bucket_size=128", "bucket_size=128"))):
         m = model()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                       named_parameters=[(f"{case}.{k}", v) for k, v in m.named_parameters()],
+                                       named_parameters=[(f"{tag}.{case}.{k}", v) for k, v in m.named_parameters()],
                                        compression=hvd_quant.from_spec(a if FIRST else b))
         t0 = time.perf_counter()
         try:
@@ -97,10 +98,25 @@ def stock():
             msg = None
         except ConfigMismatchError as e:
             msg = str(e)
-        report(f"stock/{case}", time.perf_counter() - t0, msg, must)
+        report(f"{tag}/{case}", time.perf_counter() - t0, msg, must)
+
+
+def stock_payload_group():
+    """The stock cases again with the payload group on (on CPU a Gloo group, as torch_optim's
+    payload-group cases make it): the group is made at the first result, a collective, so the ranks'
+    configurations must be compared before it, not after."""
+    from hvd_quant.torch import _backend
+    saved = dict(_backend.PAYLOAD_GROUP)
+    _backend.PAYLOAD_GROUP[DEVICE.type] = "nccl" if DEVICE.type == "cuda" else "gloo"
+    try:
+        stock("stock-group")
+    finally:
+        _backend.PAYLOAD_GROUP.clear()
+        _backend.PAYLOAD_GROUP.update(saved)
 
 
 if __name__ == "__main__":
     check.run("ours", ours)
     check.run("stock", stock)
+    check.run("stock, payload group", stock_payload_group)
     check.finish()
