@@ -10,22 +10,26 @@ from test_exchange_multiproc import assert_all_ranks_passed
 pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 
 
-@pytest.mark.parametrize("np_,controller,groups", [
+@pytest.mark.parametrize("np_,controller,groups,env", [
     pytest.param(2, "gloo", ["grads", "options", "bytes", "resume", "train", "auto", "process-sets",
-                             "payload-group"],
+                             "payload-group"], None,
                  id="np2-gloo"),
     pytest.param(3, "mpi", ["grads", "options", "bytes", "resume", "auto", "process-sets", "payload-group"],
-                 id="np3-mpi",
+                 None, id="np3-mpi",
                  marks=pytest.mark.mpi),
     # several process sets at once, beside the global one: {0}, {1} at 2 ranks; {0,1} and {1,2}
     # overlapping at 3; {0,1}, {2,3} disjoint and {1,2,3} at 4; each rank count under both controllers
-    pytest.param(3, "gloo", ["process-sets"], id="np3-gloo-sets"),
-    pytest.param(4, "gloo", ["process-sets"], id="np4-gloo-sets"),
-    pytest.param(2, "mpi", ["process-sets"], id="np2-mpi-sets", marks=pytest.mark.mpi),
-    pytest.param(4, "mpi", ["process-sets"], id="np4-mpi-sets", marks=pytest.mark.mpi),
+    pytest.param(3, "gloo", ["process-sets"], None, id="np3-gloo-sets"),
+    # the same with the payload group (made on CUDA) as a Gloo group: sets whose first rank is not 0
+    pytest.param(3, "gloo", ["process-sets"], {"HVDQ_TEST_PAYLOAD_GROUP": "gloo"},
+                 id="np3-gloo-sets-group"),
+    pytest.param(4, "gloo", ["process-sets"], None, id="np4-gloo-sets"),
+    pytest.param(2, "mpi", ["process-sets"], None, id="np2-mpi-sets", marks=pytest.mark.mpi),
+    pytest.param(4, "mpi", ["process-sets"], None, id="np4-mpi-sets", marks=pytest.mark.mpi),
 ])
-def test_optimizer_entry_points(np_, controller, groups):
-    result = run_horovod("torch_optim.py", np=np_, controller=controller, args=groups, timeout=600)
+def test_optimizer_entry_points(np_, controller, groups, env):
+    result = run_horovod("torch_optim.py", np=np_, controller=controller, args=groups, env=env,
+                         timeout=600)
     assert_all_ranks_passed(result, np_)
     if "train" in groups:
         assert len(re.findall(r"TRAIN ", result.stdout)) >= 3

@@ -142,6 +142,7 @@ class PayloadGroup:
         import torch.distributed as dist
         timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
         name, size = f"{label}.payload_group", process_set.size()
+        root = min(process_set.ranks) if process_set.ranks else 0   # the set's rank 0, as a global rank
         way_out = ("set HVD_QUANT_STORE_ADDR on rank 0 to an address of its host that every rank "
                    "reaches, or HVD_QUANT_PAYLOAD_GROUP=0 to carry the payloads through Horovod")
         if process_set.rank() == 0:
@@ -154,9 +155,9 @@ class PayloadGroup:
                     where = (host, store.port)
                 except Exception as e:  # noqa: BLE001 -- torch raises several kinds; tell every rank
                     where = f"rank 0 could not serve its payload group's store at {host} ({e}); {way_out}"
-            hvd.broadcast_object(where, root_rank=0, process_set=process_set, name=name)
+            hvd.broadcast_object(where, root_rank=root, process_set=process_set, name=name)
         else:
-            where = hvd.broadcast_object(None, root_rank=0, process_set=process_set, name=name)
+            where = hvd.broadcast_object(None, root_rank=root, process_set=process_set, name=name)
             if isinstance(where, tuple):
                 try:
                     store = dist.TCPStore(*where, size, is_master=False, timeout=timeout)

@@ -21,6 +21,10 @@ DEVICE = torch.device(os.environ.get("HVDQ_TEST_DEVICE", "cpu"))
 def init(**kwargs):
     """hvd.init() and, on CUDA, one GPU per local rank."""
     hvd.init(**kwargs)
+    group = os.environ.get("HVDQ_TEST_PAYLOAD_GROUP")
+    if group:   # the payload group on this device type too (on CPU: "gloo"), as on CUDA
+        from hvd_quant.torch import _backend
+        _backend.PAYLOAD_GROUP[DEVICE.type] = group
     if DEVICE.type == "cuda":
         torch.cuda.set_device(hvd.local_rank())
     return hvd.rank(), hvd.size()
