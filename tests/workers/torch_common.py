@@ -4,6 +4,7 @@ Every worker prints one ``CHECK ok|FAIL <name>: <detail>`` line per check and en
 ``RESULT rank <r>/<n>: <checks> checks, <failures> failures``; it exits 1 when anything failed, so the
 pytest side sees both the exit status and which check failed on which rank.
 """
+import contextlib
 import os
 import sys
 
@@ -16,6 +17,8 @@ import checks as _checks  # noqa: E402
 
 # Where the workers put tensors: "cpu" (default) or "cuda" (tests/test_torch_gpu.py sets it).
 DEVICE = torch.device(os.environ.get("HVDQ_TEST_DEVICE", "cpu"))
+# The payload group's backend on DEVICE: NCCL on CUDA (the default there), Gloo on CPU (forced).
+GROUP_BACKEND = "nccl" if DEVICE.type == "cuda" else "gloo"
 
 
 def init(**kwargs):
@@ -23,11 +26,31 @@ def init(**kwargs):
     hvd.init(**kwargs)
     group = os.environ.get("HVDQ_TEST_PAYLOAD_GROUP")
     if group:   # the payload group on this device type too (on CPU: "gloo"), as on CUDA
-        from hvd_quant.torch import _backend
-        _backend.PAYLOAD_GROUP[DEVICE.type] = group
+        _payload_groups()[DEVICE.type] = group
     if DEVICE.type == "cuda":
         torch.cuda.set_device(hvd.local_rank())
     return hvd.rank(), hvd.size()
+
+
+def _payload_groups():
+    from hvd_quant.torch import _backend
+    return _backend.PAYLOAD_GROUP
+
+
+@contextlib.contextmanager
+def payload_group(on=True):
+    """Within: the optimizers made make their payload group on DEVICE (``on``) or none; the table is
+    restored after."""
+    table = _payload_groups()
+    saved = dict(table)
+    table.clear()
+    if on:
+        table[DEVICE.type] = GROUP_BACKEND
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)
 
 
 class Checks(_checks.Checks):

@@ -20,7 +20,7 @@ import hvd_quant
 import hvd_quant.torch as hqt
 from hvd_quant.exchange import ConfigMismatchError
 
-from torch_common import DEVICE, Checks, all_ranks_true, init
+from torch_common import DEVICE, Checks, all_ranks_true, init, payload_group
 
 R, N = init()
 check = Checks()
@@ -89,7 +89,8 @@ def stock(tag="stock"):
                                                 "qsgd:bits=4,bucket_size=128", "bucket_size=128"))):
         m = model()
         opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                       named_parameters=[(f"{tag}.{case}.{k}", v) for k, v in m.named_parameters()],
+                                       named_parameters=[(f"{tag}.{case}.{k}", v)
+                                                         for k, v in m.named_parameters()],
                                        compression=hvd_quant.from_spec(a if FIRST else b))
         t0 = time.perf_counter()
         try:
@@ -105,14 +106,8 @@ def stock_payload_group():
     """The stock cases again with the payload group on (on CPU a Gloo group, as torch_optim's
     payload-group cases make it): the group is made at the first result, a collective, so the ranks'
     configurations must be compared before it, not after."""
-    from hvd_quant.torch import _backend
-    saved = dict(_backend.PAYLOAD_GROUP)
-    _backend.PAYLOAD_GROUP[DEVICE.type] = "nccl" if DEVICE.type == "cuda" else "gloo"
-    try:
+    with payload_group():
         stock("stock-group")
-    finally:
-        _backend.PAYLOAD_GROUP.clear()
-        _backend.PAYLOAD_GROUP.update(saved)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ import horovod.torch as hvd
 import hvd_quant
 import hvd_quant.torch as hqt
 
-from torch_common import DEVICE, Checks, gather_max, init, params_identical, same_on_all_ranks
+from torch_common import (DEVICE, Checks, gather_max, init, params_identical, payload_group,
+                          same_on_all_ranks)
 
 # A process set of ranks 0 and 1 (with 2 ranks it would duplicate the global set, which Horovod
 # refuses; then the global set stands in), and more sets for several at once (process_set_cases):
@@ -649,7 +650,6 @@ def payload_group_cases():
     ``HVD_QUANT_PAYLOAD_GROUP=0`` on rank 0 turns the group off on every rank; on another rank alone
     it changes nothing (rank 0 decides)."""
     from hvd_quant.torch import _backend
-    saved = dict(_backend.PAYLOAD_GROUP)
     calls = [0]
     plain_allgather = _backend.PayloadGroup.allgather
 
@@ -663,29 +663,28 @@ def payload_group_cases():
 
     def run(entry, spec, group):
         """Three steps; the gradients of each and the buckets' member counts."""
-        _backend.PAYLOAD_GROUP.clear()
-        if group:
-            _backend.PAYLOAD_GROUP[DEVICE.type] = "nccl" if DEVICE.type == "cuda" else "gloo"
-        m = fresh(TwoBranch)
-        if entry == "ours":
-            opt = make_opt(entry, m, spec, reduction="allgather")
-        else:
-            comp = hvd_quant.StockCompression(codec(spec), reduction="allgather", bucket_bytes=16384)
-            opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                                           named_parameters=list(m.named_parameters()), compression=comp)
-        grads = []
-        for step in range(3):
-            x, _ = batch(step, salt=17)
-            losses = m.losses(x)
-            for i in order(step):
-                losses[i].backward()
-            opt.synchronize()
-            grads.append([p.grad.detach().clone() for p in m.parameters()])
-            with opt.skip_synchronize():
-                opt.step()
-            opt.zero_grad()
-        buckets = opt._buckets if entry == "ours" else [g for _, g in comp._groups.values()][0].plan.buckets
-        return grads, [len(b.members) for b in buckets]
+        with payload_group(group):
+            m = fresh(TwoBranch)
+            if entry == "ours":
+                opt = make_opt(entry, m, spec, reduction="allgather")
+            else:
+                comp = hvd_quant.StockCompression(codec(spec), reduction="allgather", bucket_bytes=16384)
+                opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                               named_parameters=list(m.named_parameters()), compression=comp)
+            grads = []
+            for step in range(3):
+                x, _ = batch(step, salt=17)
+                losses = m.losses(x)
+                for i in order(step):
+                    losses[i].backward()
+                opt.synchronize()
+                grads.append([p.grad.detach().clone() for p in m.parameters()])
+                with opt.skip_synchronize():
+                    opt.step()
+                opt.zero_grad()
+            buckets = (opt._buckets if entry == "ours"
+                       else [g for _, g in comp._groups.values()][0].plan.buckets)
+            return grads, [len(b.members) for b in buckets]
 
     def same(ga, gb):
         # the compressed (2-D) gradients; the biases go through Horovod's fp32 allreduce in both
@@ -715,8 +714,6 @@ def payload_group_cases():
             check(calls[0] == (0 if off == 0 else 6) and same(grads, horovods["ours", Q4D]),
                   f"payload-group HVD_QUANT_PAYLOAD_GROUP=0 on rank {off}", f"{calls[0]} through the group")
     finally:
-        _backend.PAYLOAD_GROUP.clear()
-        _backend.PAYLOAD_GROUP.update(saved)
         _backend.PayloadGroup.allgather = plain_allgather
 
 
