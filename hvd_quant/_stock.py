@@ -330,6 +330,12 @@ class _Group:
         return 1.0 / self.session.coll.size if self.average else 1.0
 
 
+def _device_wait(group):
+    """``AutoChoice.end_step``'s wait for ``group``'s device (a framework backend with ``wait_for``)."""
+    wait = getattr(group.backend, "wait_for", None)
+    return None if wait is None else (lambda: wait(group.device))
+
+
 def _key_str(key):
     return "/".join(map(str, key))
 
@@ -518,7 +524,8 @@ class StockCompression:
             group.seen = {param}
         if self._follow_world(group.session, group.backend, group.process_set):
             group.seen.add(param)       # (new_step emptied it) this gradient opens the new world's step
-        elif repeat and group.auto is not None and not group.absent() and group.auto.end_step():
+        elif (repeat and group.auto is not None and not group.absent()
+              and group.auto.end_step(wait=_device_wait(group))):
             coll = group.session.coll
             group.auto.decide(coll, group.session.ops, "hvdq.stock.auto")
             if coll.rank == 0:

@@ -347,6 +347,22 @@ def test_auto_choice_schedule_and_decision():
     assert near.choose(struct.pack("<6d", 1.0, 0.8, 0.9, 1.0, 0.95, 0.9)) == "allgather"
 
 
+def test_auto_choice_waits_for_the_device_before_timing():
+    """end_step(wait=...) waits first (on CUDA, for the device's queued work) and then reads the clock,
+    at every step of the schedule; once the choice is made, nothing is waited for."""
+    from hvd_quant.exchange import Collectives
+    events = []
+    auto = plan.AutoChoice(trials=1, clock=lambda: events.append("clock") or 0.0)
+    while not auto.end_step(wait=lambda: events.append("wait")):
+        pass
+    assert events == ["wait", "clock"] * len(auto.schedule)
+    coll = Collectives(rank=0, size=1, allgather_async=None, alltoall_async=None,
+                       allreduce_async=None, synchronize=None)
+    auto.decide(coll, None, "unused")
+    events.clear()
+    assert not auto.end_step(wait=lambda: events.append("wait")) and events == []
+
+
 def test_in_plan_order():
     """Buckets that start in plan order: the run from next_start starts, the rest waits for it."""
     from hvd_quant.plan import in_plan_order

@@ -259,6 +259,12 @@ def _make_collectives(ps):
                        synchronize=synchronize, process_set=ps, poll=poll)
 
 
+def wait_for(device):
+    """Wait on the host until ``device`` finished its queued work (CUDA; nothing to wait for on CPU)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def host_one():
     """A host int32 tensor holding 1 (:class:`hvd_quant.plan.Presence`)."""
     return torch.ones(1, dtype=torch.int32)

@@ -407,7 +407,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         joined = self._presence is not None and self._presence.absent(self._coll)
         if self._presence is not None:
             self._presence.end_step(self._coll)
-        if self._auto is not None and not self._in_warmup() and not joined and self._auto.end_step():
+        if (self._auto is not None and not self._in_warmup() and not joined
+                and self._auto.end_step(wait=self._wait_device)):
             self._auto.decide(self._coll, _backend.OPS, f"{self._prefix}.auto")
             if self._coll.rank == 0:
                 print(f"hvd_quant: {self._auto.summary()}", flush=True)
@@ -419,6 +420,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._traffic.reset()
         self._connect()
         self._synchronized = True
+
+    def _wait_device(self):
+        """Wait until the compressed buckets' device finished its queued work (reduction="auto")."""
+        _backend.wait_for(next((ps[0].device for ps in self._bucket_params if ps), None))
 
     @contextmanager
     def skip_synchronize(self):
