@@ -1244,41 +1244,24 @@ class _PreparedBase:
     # The kernel of a call is ``self._serial or self._kernel.pick(self.nchunks)``, written out at
     # each call site: a method call is a measurable part of a small launch.
 
-
-class QsgdEncodeCPU(_PreparedBase):
-    """``prepare_qsgd_encode(...)(x, payload, header, key, stream=None, residual=None)``."""
-    __slots__ = ("args",)
-
-    def __init__(self, numel, bits, bucket_size, stochastic, norm_l2):
-        lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
-        self._setup(_qsgd_encode[bits], lay, bucket_size)
-        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
-                     lay.nscales, int(bucket_size), bool(stochastic), bool(norm_l2))
-
-    def __call__(self, x, payload, header, key, stream=None, residual=None):
+    def _inputs(self, x, payload, residual):
+        """An encode's checked inputs: (flat x, flat residual or a placeholder, whether there is one)."""
         x = _flat(x)
         if x.size != self.numel:
             raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
         if payload.size != self.total:
             _check_size(payload, self.total)
         if residual is None:
-            res, has = _NO_RESIDUAL, False
-        else:
-            res, has = _flat(residual), True
-            if res.size != self.numel:
-                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
-        kernel = self._serial or self._kernel.pick(self.nchunks)
-        kernel(x, payload, _words(header), *self.args, _U64(key), self.k, res, has)
+            return x, _NO_RESIDUAL, False
+        res = _flat(residual)
+        if res.size != self.numel:
+            raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
+        return x, res, True
 
 
-class QsgdDecodeCPU(_PreparedBase):
-    """``prepare_qsgd_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
+class _DecodeCPU(_PreparedBase):
+    """A prepared decode: ``(payload, out, stream=None, status=None, expect=None)``."""
     __slots__ = ("args",)
-
-    def __init__(self, numel, bits, bucket_size, accumulate):
-        lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
-        self._setup(_qsgd_decode[bits], lay, bucket_size)
-        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bucket_size), bool(accumulate))
 
     def __call__(self, payload, out, stream=None, status=None, expect=None):
         out = _flat(out)
@@ -1291,6 +1274,32 @@ class QsgdDecodeCPU(_PreparedBase):
         if self.numel:
             kernel = self._serial or self._kernel.pick(self.nchunks)
             kernel(payload, out, *self.args, self.k)
+
+
+class QsgdEncodeCPU(_PreparedBase):
+    """``prepare_qsgd_encode(...)(x, payload, header, key, stream=None, residual=None)``."""
+    __slots__ = ("args",)
+
+    def __init__(self, numel, bits, bucket_size, stochastic, norm_l2):
+        lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
+        self._setup(_qsgd_encode[bits], lay, bucket_size)
+        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
+                     lay.nscales, int(bucket_size), bool(stochastic), bool(norm_l2))
+
+    def __call__(self, x, payload, header, key, stream=None, residual=None):
+        x, res, has = self._inputs(x, payload, residual)
+        kernel = self._serial or self._kernel.pick(self.nchunks)
+        kernel(x, payload, _words(header), *self.args, _U64(key), self.k, res, has)
+
+
+class QsgdDecodeCPU(_DecodeCPU):
+    """``prepare_qsgd_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
+    __slots__ = ()
+
+    def __init__(self, numel, bits, bucket_size, accumulate):
+        lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
+        self._setup(_qsgd_decode[bits], lay, bucket_size)
+        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bucket_size), bool(accumulate))
 
 
 class OnebitEncodeCPU(_PreparedBase):
@@ -1306,24 +1315,14 @@ class OnebitEncodeCPU(_PreparedBase):
                      lay.nscales, bs, bool(two_mean))
 
     def __call__(self, x, payload, header, stream=None, residual=None):
-        x = _flat(x)
-        if x.size != self.numel:
-            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
-        if payload.size != self.total:
-            _check_size(payload, self.total)
-        if residual is None:
-            res, has = _NO_RESIDUAL, False
-        else:
-            res, has = _flat(residual), True
-            if res.size != self.numel:
-                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
+        x, res, has = self._inputs(x, payload, residual)
         kernel = self._serial or self._kernel.pick(self.nchunks)
         kernel(x, payload, _words(header), *self.args, self.k, res, has)
 
 
-class OnebitDecodeCPU(_PreparedBase):
+class OnebitDecodeCPU(_DecodeCPU):
     """``prepare_onebit_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
-    __slots__ = ("args",)
+    __slots__ = ()
 
     def __init__(self, numel, bucket_size, two_mean, accumulate):
         mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
@@ -1332,18 +1331,6 @@ class OnebitDecodeCPU(_PreparedBase):
         self._setup(_onebit_decode, lay, bs, span=True)
         self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(two_mean),
                      bool(accumulate))
-
-    def __call__(self, payload, out, stream=None, status=None, expect=None):
-        out = _flat(out)
-        if out.size != self.numel:
-            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
-        if payload.size != self.total:
-            _check_size(payload, self.total)
-        if expect is not None:
-            _check_expect(payload, expect)
-        if self.numel:
-            kernel = self._serial or self._kernel.pick(self.nchunks)
-            kernel(payload, out, *self.args, self.k)
 
 
 class SortquantEncodeCPU(QsgdEncodeCPU):
