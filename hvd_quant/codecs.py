@@ -1301,26 +1301,10 @@ class Compression:
     ``Compression.kmeans(...)`` (factories)."""
     none = NoCompression()
     fp16 = FP16()
-
-    @staticmethod
-    def qsgd(*args, **kwargs):
-        """A :class:`QSGD` codec (same arguments)."""
-        return QSGD(*args, **kwargs)
-
-    @staticmethod
-    def onebit(*args, **kwargs):
-        """A :class:`OneBit` codec (same arguments)."""
-        return OneBit(*args, **kwargs)
-
-    @staticmethod
-    def sortquant(*args, **kwargs):
-        """A :class:`SortQuant` codec (same arguments)."""
-        return SortQuant(*args, **kwargs)
-
-    @staticmethod
-    def kmeans(*args, **kwargs):
-        """A :class:`KMeans` codec (same arguments)."""
-        return KMeans(*args, **kwargs)
+    qsgd = QSGD              # Compression.qsgd(bits=4) is QSGD(bits=4), and so on
+    onebit = OneBit
+    sortquant = SortQuant
+    kmeans = KMeans
 
 
 def resolve_codec(compression, horovod_compression=None):
