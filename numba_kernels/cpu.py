@@ -1244,20 +1244,6 @@ class _PreparedBase:
     # The kernel of a call is ``self._serial or self._kernel.pick(self.nchunks)``, written out at
     # each call site: a method call is a measurable part of a small launch.
 
-    def _inputs(self, x, payload, residual):
-        """An encode's checked inputs: (flat x, flat residual or a placeholder, whether there is one)."""
-        x = _flat(x)
-        if x.size != self.numel:
-            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
-        if payload.size != self.total:
-            _check_size(payload, self.total)
-        if residual is None:
-            return x, _NO_RESIDUAL, False
-        res = _flat(residual)
-        if res.size != self.numel:
-            raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
-        return x, res, True
-
 
 class _DecodeCPU(_PreparedBase):
     """A prepared decode: ``(payload, out, stream=None, status=None, expect=None)``."""
@@ -1287,7 +1273,17 @@ class QsgdEncodeCPU(_PreparedBase):
                      lay.nscales, int(bucket_size), bool(stochastic), bool(norm_l2))
 
     def __call__(self, x, payload, header, key, stream=None, residual=None):
-        x, res, has = self._inputs(x, payload, residual)
+        x = _flat(x)
+        if x.size != self.numel:
+            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
+        if payload.size != self.total:
+            _check_size(payload, self.total)
+        if residual is None:
+            res, has = _NO_RESIDUAL, False
+        else:
+            res, has = _flat(residual), True
+            if res.size != self.numel:
+                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
         kernel = self._serial or self._kernel.pick(self.nchunks)
         kernel(x, payload, _words(header), *self.args, _U64(key), self.k, res, has)
 
@@ -1315,7 +1311,17 @@ class OnebitEncodeCPU(_PreparedBase):
                      lay.nscales, bs, bool(two_mean))
 
     def __call__(self, x, payload, header, stream=None, residual=None):
-        x, res, has = self._inputs(x, payload, residual)
+        x = _flat(x)
+        if x.size != self.numel:
+            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
+        if payload.size != self.total:
+            _check_size(payload, self.total)
+        if residual is None:
+            res, has = _NO_RESIDUAL, False
+        else:
+            res, has = _flat(residual), True
+            if res.size != self.numel:
+                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
         kernel = self._serial or self._kernel.pick(self.nchunks)
         kernel(x, payload, _words(header), *self.args, self.k, res, has)
 
