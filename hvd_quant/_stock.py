@@ -267,6 +267,8 @@ class _Group:
                                         one)
                          if one is not None and getattr(ps, "process_set_id", 0) == 0 else None)
         self.auto = _plan.AutoChoice() if sc.reduction == _plan.AUTO else None
+        wait = getattr(backend, "wait_for", None)   # auto's wait for the device (backends that have one)
+        self.wait_device = None if wait is None else functools.partial(wait, self.device)
         self.key = self.plan.key                   # names this plan in state_dict()["auto"]
         self.infos = {}                # parameter -> (dtype, layout, adapter.describe of its gradient)
         self.ones = {}                 # (dtype, device) -> one placeholder slot per parameter
@@ -328,12 +330,6 @@ class _Group:
     def factor(self):
         """What Horovod's op applies to the sum over the ranks (those in ``hvd.join()`` add zero)."""
         return 1.0 / self.session.coll.size if self.average else 1.0
-
-
-def _device_wait(group):
-    """``AutoChoice.end_step``'s wait for ``group``'s device (a framework backend with ``wait_for``)."""
-    wait = getattr(group.backend, "wait_for", None)
-    return None if wait is None else (lambda: wait(group.device))
 
 
 def _key_str(key):
@@ -525,7 +521,7 @@ class StockCompression:
         if self._follow_world(group.session, group.backend, group.process_set):
             group.seen.add(param)       # (new_step emptied it) this gradient opens the new world's step
         elif (repeat and group.auto is not None and not group.absent()
-              and group.auto.end_step(wait=_device_wait(group))):
+              and group.auto.end_step(wait=group.wait_device)):
             coll = group.session.coll
             group.auto.decide(coll, group.session.ops, "hvdq.stock.auto")
             if coll.rank == 0:
