@@ -9,8 +9,9 @@ gradients as :class:`Tensor` records (name, shape, floating or not) and take the
 2. :meth:`Config.compressible`: floating point, static shape, at least ``min_compress_numel``
    elements, not 1-D unless ``compress_1d``, a codec that is not a passthrough.
 3. :func:`make_plan`: explicit ``groups`` (lists of tensor indices, or a count: split evenly), then
-   greedy fusion (:func:`fuse`) of the rest in **reverse** order (the order backward produces them)
-   into buckets of at most ``bucket_bytes`` of float32. A bucket's ``header`` comes from its members'
+   greedy fusion (:func:`fuse_buckets`) of the rest in **reverse** order (the order backward produces
+   them) into buckets of at most ``bucket_bytes`` of float32, the last one split so that its tail (the
+   tensors backward produces last) travels alone. A bucket's ``header`` comes from its members'
    names alone (the same on every rank and in every process: payload headers, seeded noise,
    checkpoints); its ``name`` (the exchange's) adds the frontend's prefix. :attr:`Plan.record` is the
    handshake record of the summary and the layout: ranks whose plans differ raise.
@@ -38,7 +39,7 @@ from .memory import Memory
 
 __all__ = ["Config", "Tensor", "Bucket", "Plan", "AutoChoice", "AUTO", "ALLREDUCE", "configure",
            "core_op", "check_reduction",
-           "check_groups", "check_backward_passes", "fuse", "split_even", "bucket_header", "digest",
+           "check_groups", "check_backward_passes", "fuse", "fuse_buckets", "split_even", "bucket_header", "digest",
            "make_plan", "save_residuals", "restore_residuals"]
 
 
@@ -209,6 +210,30 @@ def fuse(idxs, numels, bucket_bytes):
     return groups
 
 
+# The last bucket in backward order is exchanged after backward has ended, with nothing left to
+# overlap it; every other bucket travels while backward still computes. So the greedy fusion's last
+# bucket gives up its last-produced tensors, up to 1/TAIL_SHARE of bucket_bytes, to a bucket of their
+# own: the exchange left after backward is that small one, and the rest of the old last bucket travels
+# while backward computes the tail's layers (VGG-16: conv1-conv3, a third of its backward).
+TAIL_SHARE = 8
+
+
+def fuse_buckets(idxs, numels, bucket_bytes):
+    """:func:`fuse` for compressed buckets (``idxs`` in backward order), the last group's tail split
+    off as described at :data:`TAIL_SHARE` where the group is larger than that share."""
+    groups = fuse(idxs, numels, bucket_bytes)
+    if not bucket_bytes or not groups:
+        return groups
+    last, limit = groups[-1], max(1, int(bucket_bytes) // 4 // TAIL_SHARE)
+    if sum(numels[i] for i in last) <= limit:
+        return groups
+    k, size = len(last), 0
+    while k > 1 and size + numels[last[k - 1]] <= limit:
+        k -= 1
+        size += numels[last[k]]
+    return groups if k == len(last) else groups[:-1] + [last[:k], last[k:]]
+
+
 def split_even(items, n):
     """``items`` in ``n`` contiguous parts, longer ones first (Horovod's ``split_list``)."""
     d, r = divmod(len(items), n)
@@ -253,11 +278,11 @@ def make_plan(config, tensors, groups=None, prefix="hvdq"):
             seen.update(m)
             if m:
                 members.append(m)
-        members += fuse([i for i in reversed(comp) if i not in seen], numels, config.bucket_bytes)
+        members += fuse_buckets([i for i in reversed(comp) if i not in seen], numels, config.bucket_bytes)
     elif groups:
         members = [g for g in split_even(comp, int(groups)) if g]
     else:
-        members = fuse(list(reversed(comp)), numels, config.bucket_bytes)
+        members = fuse_buckets(list(reversed(comp)), numels, config.bucket_bytes)
     buckets = []
     for k, m in enumerate(members):
         names = tuple(tensors[i].name for i in m)

@@ -53,6 +53,24 @@ def test_fuse_boundaries(numels, bucket_bytes, expected):
     assert plan.fuse(range(len(numels)), dict(enumerate(numels)), bucket_bytes) == expected
 
 
+# bucket_bytes 8 * 4 * TAIL_SHARE: groups of at most 8 * TAIL_SHARE floats, a tail of at most 8
+@pytest.mark.parametrize("numels,expected", [
+    pytest.param([50, 3, 3], [[0], [1, 2]], id="tail-of-last-group-fits"),
+    pytest.param([40, 9, 4, 4], [[0, 1], [2, 3]], id="tail-stops-at-the-share"),
+    pytest.param([5, 2, 2, 2], [[0], [1, 2, 3]], id="small-tensors-over-the-share"),
+    pytest.param([30, 30, 9], [[0, 1], [2]], id="last-group-one-tensor-over-the-share"),
+    pytest.param([2, 3, 50], [[0, 1, 2]], id="last-tensor-over-the-share-no-split"),
+    pytest.param([3, 3, 2], [[0, 1, 2]], id="group-within-the-share-no-split"),
+    pytest.param([64, 1], [[0], [1]], id="greedy-groups-kept"),
+])
+def test_fuse_buckets_splits_the_last_groups_tail(numels, expected):
+    n = dict(enumerate(numels))
+    got = plan.fuse_buckets(range(len(numels)), n, 8 * 4 * plan.TAIL_SHARE)
+    assert got == expected
+    assert sum(got, []) == list(range(len(numels)))
+    assert plan.fuse_buckets(range(len(numels)), n, None) == [list(range(len(numels)))]
+
+
 @pytest.mark.parametrize("n,parts", [(0, 2), (5, 2), (6, 3), (7, 3), (2, 4)])
 def test_split_even_matches_horovods_split_list(n, parts):
     util = pytest.importorskip("horovod.common.util")

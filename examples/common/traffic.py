@@ -67,11 +67,11 @@ def is_compressed(shape: Sequence[int], min_compress_numel: int) -> bool:
 
 
 def fuse_groups(numels: Iterable[int], bucket_bytes: Optional[int]) -> List[int]:
-    """Element counts of the groups ``hvd_quant.plan.fuse`` makes of tensors of ``numels`` (given in
-    parameter order; fused in reverse, as hvd_quant does)."""
-    from hvd_quant.plan import fuse
+    """Element counts of the buckets ``hvd_quant.plan.fuse_buckets`` makes of tensors of ``numels``
+    (given in parameter order; fused in reverse, as hvd_quant does)."""
+    from hvd_quant.plan import fuse_buckets
     numels = [n for n in numels if n > 0]
-    return [sum(numels[i] for i in g) for g in fuse(list(reversed(range(len(numels)))), numels, bucket_bytes)]
+    return [sum(numels[i] for i in g) for g in fuse_buckets(list(reversed(range(len(numels)))), numels, bucket_bytes)]
 
 
 @dataclass

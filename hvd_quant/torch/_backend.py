@@ -123,8 +123,13 @@ class PayloadGroup:
         import torch.distributed as dist
         self.store = store                  # rank 0 serves it for the group's lifetime
         self.size = process_set.size()
-        self.pg = getattr(dist, {"nccl": "ProcessGroupNCCL", "gloo": "ProcessGroupGloo"}[backend])(
-            store, process_set.rank(), self.size)
+        if backend == "nccl":
+            # Horovod's NCCL streams have the device's greatest priority (cuda_operations.cc); at the
+            # default priority a payload's kernels would queue behind backward's blocks
+            self.pg = dist.ProcessGroupNCCL(store, process_set.rank(), self.size,
+                                            dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))
+        else:
+            self.pg = dist.ProcessGroupGloo(store, process_set.rank(), self.size)
         # The first collective creates NCCL's communicator: a host call that blocks until every rank
         # joins. Here every rank is at the same point; in a gradient hook a rank would block there
         # while another waits in synchronize() for something this rank submits later.
