@@ -55,6 +55,25 @@ def test_method_ids():
     assert train.last_error("[1,1]<stderr>:KeyError: 'x'\n") == "KeyError: 'x'"
 
 
+def test_repeat_reports_the_median_job_and_alternates_the_order():
+    def row(method, v, status="ok", replicas="identical"):
+        return dict(id=f"m/n/{method}", np="2", method=method, model="m", network="n", status=status,
+                    img_per_sec=str(v), replicas=replicas)
+    rows = [row("a", 5), row("b", 10), row("a", 9), row("b", 30), row("a", 7), row("b", 20),
+            row("b", 0, "failed")]
+    one = train.current(rows)
+    assert one[("m/n/a", "2")]["img_per_sec"] == "7" and one[("m/n/b", "2")]["status"] == "failed"
+    three = train.current(rows, 3)
+    a, b = three[("m/n/a", "2")], three[("m/n/b", "2")]
+    assert (a["img_per_sec"], a["runs"], a["low"], a["high"]) == ("7", "3/3", "5", "9")
+    assert (b["img_per_sec"], b["runs"], b["low"], b["high"]) == ("20", "2/3", "20", "30")  # lower median
+    assert train.current([row("a", 1), row("a", 2, replicas="DIFFER")], 2)[("m/n/a", "2")]["replicas"] \
+        == "DIFFER"                                          # a differing job is never hidden by the median
+    c = [train.Config("m", "n", x, 2) for x in "xyz"]
+    order = train.run_order(c, {c[0].key: 3, c[1].key: 1, c[2].key: 2})
+    assert [x.method for x in order] == ["x", "y", "z", "z", "x", "x"]
+
+
 def test_trace_timeline_switch(tmp_path):
     """--trace asks the job for Horovod's timeline (HOROVOD_TIMELINE) unless --no-timeline."""
     for extra, timeline in (([], "DYNAMIC"), (["--no-timeline"], None)):
@@ -114,7 +133,18 @@ def test_train_driver_cpu(tmp_path, job_env, capsys):
     listing = text.split("last 1e+06 ms")[1].splitlines()[1:]
     assert any(" ALLGATHER " in line and ".ag." in line for line in listing), text   # our allgathers
 
-    # 3. --list: both done now; --only narrows it
+    # 3. --repeat 2: hvd-fp32 has one ok job, so one more runs; its log beside the first one's
+    rc = train.main(TINY + ["--methods", "hvd-fp32", "--out", str(out), "--repeat", "2"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "[1/1] mlp/loopback/hvd-fp32" in text, text
+    _, rows = rows_of(out)
+    runs = [r for r in rows if r["id"] == "mlp/loopback/hvd-fp32"]
+    assert len(runs) == 2 and runs[0]["log"] != runs[1]["log"], runs
+    assert all((out / r["log"]).exists() for r in runs)
+    table = text.split("id ")[-1]
+    assert "2/2" in table, table
+
+    # 4. --list: both done now; --only narrows it
     train.main(TINY + ["--methods", "hvd-fp32,hvdq-qsgd4-allgather", "--out", str(out), "--list",
                        "--only", "*allgather"])
     listed = capsys.readouterr().out.strip().splitlines()

@@ -60,8 +60,13 @@ Output (``--out DIR``, default ``bench-train/``): one line per finished config, 
 ``DIR/train.csv`` (each finished row appended at once; ratios refreshed at the end of a run),
 ``DIR/logs/``, and the bar chart ``DIR/train.png`` when matplotlib is importable. A run resumes: a
 config whose id (at the same N) already has a row with status ok is skipped unless ``--fresh``;
-failed and timed-out configs run again. ``--only PATTERN[,PATTERN]`` (fnmatch on the id) picks a part;
-``--timeout`` (default 300 s) kills a job's whole process group and records a ``timeout`` row.
+failed and timed-out configs run again. ``--repeat R`` runs every config R times (a config with k ok
+rows runs R - k more), pass by pass, each pass in the reverse order of the one before, so that a
+drift of the machine over the run falls on every config alike; the table (columns ``runs``: ok jobs
+of the last R, ``range``: their per-rank img/sec), the ratios and the chart then report each config's
+median job of its last R runs (the lower median, one job's row as it was written; ``replicas`` DIFFER
+if any of them differed); every job keeps its CSV row and its log (``<stem>.<k>.log`` for the k-th).
+``--only PATTERN[,PATTERN]`` (fnmatch on the id) picks a part; ``--timeout`` (default 300 s) kills a job's whole process group and records a ``timeout`` row.
 """
 import argparse
 import csv
@@ -115,6 +120,10 @@ def build_parser():
     p.add_argument("--only", default=None, help="PATTERN[,PATTERN]: run only ids matching (fnmatch)")
     p.add_argument("--list", action="store_true", help="print the ids that would run, then exit")
     p.add_argument("--fresh", action="store_true", help="run configs already ok in the CSV again")
+    p.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="run every config R times, each pass in the reverse order of the pass before "
+                        "(a drift of the machine falls on every config alike); the table, the ratios and "
+                        "the chart take each config's median job of its last R runs (default 1)")
     p.add_argument("--out", default="bench-train", help="output directory (default bench-train/)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per job (default 300)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (GPU 64, CPU 16)")
@@ -342,8 +351,14 @@ def file_stem(cfg):
     return cfg.id.replace("/", "__")
 
 
-def log_name(cfg):
-    return file_stem(cfg) + ".log"
+def log_name(cfg, logs):
+    """The job's log in directory ``logs``: ``<stem>.log``, or ``<stem>.<k>.log`` for the config's k-th
+    job there (a rerun or ``--repeat`` keeps the earlier logs)."""
+    name, k = file_stem(cfg) + ".log", 1
+    while (logs / name).exists():
+        k += 1
+        name = f"{file_stem(cfg)}.{k}.log"
+    return name
 
 
 def run_job(cfg, args, out_dir, index, total):
@@ -362,9 +377,9 @@ def run_job(cfg, args, out_dir, index, total):
         print(f"{head}: not run: {msg}", flush=True)
         row.update(status="failed", error=msg, seconds=0.0, command=command_text(argv, extra))
         return row
-    log_path = out_dir / "logs" / log_name(cfg)
+    log_path = out_dir / "logs" / log_name(cfg, out_dir / "logs")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    row.update(command=command_text(argv, extra), log=str(Path("logs") / log_name(cfg)))
+    row.update(command=command_text(argv, extra), log=str(Path("logs") / log_path.name))
     print(f"{head}: running ({cfg.spec['launcher']}; log {log_path})", flush=True)
     t0 = time.monotonic()
     status = None
@@ -466,19 +481,43 @@ def is_peer(method):
     return method.startswith("ddp-") or method.startswith("hvd-")
 
 
-def latest(rows):
-    """The last row of each (id, np), in first-seen order."""
-    out = {}
+def current(rows, repeat=1):
+    """Each (id, np)'s row as reported, in first-seen order: of its last ``repeat`` rows, the median
+    job of those with status ok (the lower median: a row as one job wrote it), with ``runs`` ("ok of
+    run"), ``low`` and ``high`` (the ok jobs' img/sec range) and ``replicas`` DIFFER where any of
+    them differed; its last row where none of them is ok."""
+    by_key = {}
     for r in rows:
         k = (r["id"], str(r["np"]))
-        out.pop(k, None)
-        out[k] = r
+        by_key[k] = by_key.pop(k, []) + [r]
+    out = {}
+    for k, runs in by_key.items():
+        runs = runs[-max(1, repeat):]
+        ok = sorted((r for r in runs if r.get("status") == "ok" and _num(r.get("img_per_sec")) is not None),
+                    key=lambda r: _num(r["img_per_sec"]))
+        if not ok:
+            out[k] = runs[-1]
+            continue
+        m = out[k] = dict(ok[(len(ok) - 1) // 2])
+        m["runs"], m["low"], m["high"] = f"{len(ok)}/{len(runs)}", ok[0]["img_per_sec"], ok[-1]["img_per_sec"]
+        if any(r.get("replicas") == "DIFFER" for r in ok):
+            m["replicas"] = "DIFFER"
     return out
 
 
-def add_ratios(rows):
-    """Fill vs_best_peer, best_peer and vs_single of every row from the latest ok rows."""
-    last = latest(rows)
+def run_order(todo, need):
+    """Pass k runs the configs of ``todo`` that need at least k more jobs (``need``: key -> count),
+    each pass in the reverse order of the pass before."""
+    order = []
+    for k in range(1, max(need.values(), default=0) + 1):
+        seq = [c for c in todo if need[c.key] >= k]
+        order += seq if k % 2 else seq[::-1]
+    return order
+
+
+def add_ratios(rows, repeat=1):
+    """Fill vs_best_peer, best_peer and vs_single of every row from the reported rows (:func:`current`)."""
+    last = current(rows, repeat)
     best, single = {}, {}
     for r in last.values():
         v = _num(r.get("img_per_sec"))
@@ -527,7 +566,7 @@ def describe(r):
 
 def print_table(rows):
     head = ("id", "N", "img/sec/rank", "+-", "total", "vs peer", "vs single", "bytes x", "replicas",
-            "status", "s")
+            "status", "s", "runs", "range")
     body = []
     for r in rows:
         ok = r.get("status") == "ok"
@@ -537,7 +576,9 @@ def print_table(rows):
                      _ratio(r.get("vs_best_peer")), _ratio(r.get("vs_single")),
                      "-" if _num(r.get("bytes_ratio")) is None else f"{_num(r['bytes_ratio']):.2f}",
                      r.get("replicas") or "-", r.get("status", ""),
-                     "-" if _num(r.get("seconds")) is None else f"{_num(r['seconds']):.0f}"))
+                     "-" if _num(r.get("seconds")) is None else f"{_num(r['seconds']):.0f}",
+                     r.get("runs") or "-",
+                     f"{_num(r['low']):.1f}-{_num(r['high']):.1f}" if r.get("runs") else "-"))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))
@@ -552,9 +593,10 @@ def print_table(rows):
 
 # ---- chart -------------------------------------------------------------------------------------------
 
-def plot(csv_path, png_path=None):
+def plot(csv_path, png_path=None, repeat=1):
     """Draw ``train.png`` beside ``csv_path``: one panel per model/network (and N), one bar per method
-    (per-rank img/sec, single drawn in every panel of its model), annotated with vs_best_peer."""
+    (per-rank img/sec of the reported row, :func:`current`; single drawn in every panel of its model),
+    annotated with vs_best_peer."""
     csv_path = Path(csv_path)
     png_path = Path(png_path) if png_path else csv_path.with_suffix(".png")
     try:
@@ -565,7 +607,8 @@ def plot(csv_path, png_path=None):
         print(f"chart skipped: matplotlib is missing; `python -m hvd_quant.bench train --plot {csv_path}` "
               f"redraws it where matplotlib is installed", flush=True)
         return None
-    rows = [r for r in add_ratios(list(latest(read_rows(csv_path)).values())) if r.get("status") == "ok"]
+    rows = [r for r in add_ratios(list(current(read_rows(csv_path), repeat).values()), repeat)
+            if r.get("status") == "ok"]
     groups = {}
     for r in rows:
         if r["method"] != "single":
@@ -634,15 +677,22 @@ def resolve(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
     if args.plot:
-        plot(args.plot)
+        plot(args.plot, repeat=args.repeat)
         return 0
     args = resolve(args)
     configs = plan(args)
     out_dir = Path(args.out)
     csv_path = out_dir / "train.csv"
-    done = {k for k, r in latest(read_rows(csv_path)).items() if r.get("status") == "ok"}
-    todo = [c for c in configs if args.fresh or c.key not in done]
+    have = {}
+    for r in read_rows(csv_path):
+        if r.get("status") == "ok":
+            k = (r["id"], str(r["np"]))
+            have[k] = have.get(k, 0) + 1
+    need = {c.key: args.repeat if args.fresh else max(0, args.repeat - have.get(c.key, 0)) for c in configs}
+    todo = [c for c in configs if need[c.key]]
     if args.list:
         try:
             for c in configs:
@@ -657,31 +707,34 @@ def main(argv=None):
           f"{' (exchange forced at size 1)' if args.force_exchange else ''}, "
           f"batch {args.batch_size} per rank, {args.image_size} px, warm-up {args.num_warmup_batches}, "
           f"{args.num_iters} x {args.num_batches_per_iter} batches"
+          f"{f', {args.repeat} runs of each config' if args.repeat > 1 else ''}"
           f"{f', {args.threads} thread(s) per process' if args.device == 'cpu' else ''}; "
           f"{len(configs)} configs, {len(configs) - len(todo)} already ok in {csv_path}", flush=True)
     for c in configs:
         if c not in todo:
             print(f"skip {c.id} (ok in {csv_path}; --fresh runs it again)", flush=True)
     t_start = time.monotonic()
-    for i, cfg in enumerate(todo, 1):
-        row = run_job(cfg, args, out_dir, i, len(todo))
+    order, failed = run_order(todo, need), 0
+    for i, cfg in enumerate(order, 1):
+        row = run_job(cfg, args, out_dir, i, len(order))
+        failed += row.get("status") != "ok"
         row["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         rows = read_rows(csv_path) + [row]
-        add_ratios(rows)
+        add_ratios(rows, args.repeat)
         append_row(csv_path, rows[-1])
         print(f"done {cfg.id}: {describe(rows[-1])}  [{row.get('seconds', 0):.0f} s, "
               f"{time.monotonic() - t_start:.0f} s in all]", flush=True)
-    rows = add_ratios(read_rows(csv_path))
+    rows = add_ratios(read_rows(csv_path), args.repeat)
     if rows:
         write_rows(csv_path, rows)
-    last = latest(rows)
+    last = current(rows, args.repeat)
     mine = [last[c.key] for c in configs if c.key in last]
     print()
     print_table(mine)
     print(f"\nCSV: {csv_path}")
     if not args.no_plot and rows:
-        plot(csv_path)
-    return 0 if all(r.get("status") == "ok" for r in mine) else 1
+        plot(csv_path, repeat=args.repeat)
+    return 0 if not failed and all(r.get("status") == "ok" for r in mine) else 1
 
 
 if __name__ == "__main__":
