@@ -153,6 +153,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = self._grad_plan.buckets
         self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
         self._p_bucket = {p: k for k, ps in enumerate(self._bucket_params) for p in ps}
+        self._bucket_sizes = [[p.numel() for p in ps] for ps in self._bucket_params]
         # The float32 gradients left uncompressed (1-D and small: ResNet-50 has 107 of its 161) are
         # fused as well, into plain groups of the same size in reverse order, each one Horovod
         # allreduce of a flat buffer whose views become their .grad: one call per group instead
@@ -162,6 +163,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                        for g in _plan.fuse(list(reversed(plain)), [p.numel() for p in params],
                                            self.config.bucket_bytes)]
         self._p_plain = {p: j for j, ps in enumerate(self._plain) for p in ps}
+        self._plain_sizes = [[p.numel() for p in ps] for ps in self._plain]
         self._plain_arrived = [0] * len(self._plain)
         self._plain_handles = {}      # plain group -> its allreduce's handle
         self._arrived = [0] * len(self._buckets)
@@ -329,23 +331,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._plain_handles[j] = self._coll.allreduce_async(flat, f"{self._prefix}.plain.{j}",
                                                             self.op, pre, post)
 
-    def _hand_out(self, params, flat):
+    def _hand_out(self, params, sizes, flat):
         """Each of ``params`` gets its piece of ``flat`` (a bucket's or plain group's result, laid out
-        in their order) as its gradient: float32 ``p.grad`` become views of it (as DDP's
-        gradient_as_bucket_view), other dtypes copies; sparse gradients reduced by Horovod's sparse
-        allreduce (in ``_handles``) are left to it."""
-        off = 0
-        for p in params:
-            piece = flat[off:off + p.numel()].view(p.shape)
-            off += p.numel()
-            if p in self._handles:
+        in their order, ``sizes`` elements each) as its gradient: float32 ``p.grad`` become views of it
+        (as DDP's gradient_as_bucket_view), other dtypes copies; sparse gradients reduced by Horovod's
+        sparse allreduce (in ``_handles``) are left to it. One ``split`` for the views: this runs for
+        every parameter at every step."""
+        handles = self._handles
+        for p, piece in zip(params, flat.split(sizes)):
+            if handles and p in handles:
                 continue
-            if p.grad.is_sparse:
-                p.grad.zero_().add_(piece.to(p.grad.dtype).to_sparse())
-            elif p.grad.dtype == piece.dtype:
-                p.grad = piece
+            grad = p.grad
+            if grad.is_sparse:
+                grad.zero_().add_(piece.view(p.shape).to(grad.dtype).to_sparse())
+            elif grad.dtype == piece.dtype:
+                p.grad = piece.view(p.shape)
             else:
-                p.grad.copy_(piece)
+                grad.copy_(piece.view(p.shape))
 
     def _launch_plain(self, p):
         name = self._parameter_names.get(p)
@@ -382,10 +384,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for k, flat in zip(started, flats):
             if scale != 1.0:
                 flat = _backend.OPS.scale_(flat, scale)
-            self._hand_out(self._bucket_params[k], flat)
+            self._hand_out(self._bucket_params[k], self._bucket_sizes[k], flat)
             self._pending[k] = None
         for j, handle in self._plain_handles.items():
-            self._hand_out(self._plain[j], hvd.synchronize(handle))
+            self._hand_out(self._plain[j], self._plain_sizes[j], hvd.synchronize(handle))
         self._plain_handles.clear()
         self._plain_arrived = [0] * len(self._plain)
         for p, h in self._handles.items():
