@@ -66,7 +66,8 @@ drift of the machine over the run falls on every config alike; the table (column
 of the last R, ``range``: their per-rank img/sec), the ratios and the chart then report each config's
 median job of its last R runs (the lower median, one job's row as it was written; ``replicas`` DIFFER
 if any of them differed); every job keeps its CSV row and its log (``<stem>.<k>.log`` for the k-th).
-``--only PATTERN[,PATTERN]`` (fnmatch on the id) picks a part; ``--timeout`` (default 300 s) kills a job's whole process group and records a ``timeout`` row.
+``--only PATTERN[,PATTERN]`` (fnmatch on the id) picks a part; ``--timeout`` (default 300 s) kills a
+job's whole process group and records a ``timeout`` row.
 """
 import argparse
 import csv
