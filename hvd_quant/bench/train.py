@@ -483,14 +483,16 @@ def is_peer(method):
 
 
 def current(rows, repeat=1):
-    """Each (id, np)'s row as reported, in first-seen order: of its last ``repeat`` rows, the median
-    job of those with status ok (the lower median: a row as one job wrote it), with ``runs`` ("ok of
-    run"), ``low`` and ``high`` (the ok jobs' img/sec range) and ``replicas`` DIFFER where any of
-    them differed; its last row where none of them is ok."""
+    """Each (id, np)'s row as reported, in the order of their last rows: of its last ``repeat`` rows,
+    the median job of those with status ok (the lower median: a row as one job wrote it), with
+    ``runs`` ("ok of run"), ``low`` and ``high`` (the ok jobs' img/sec range) and ``replicas`` DIFFER
+    where any of them differed; its last row where none of them is ok."""
     by_key = {}
     for r in rows:
         k = (r["id"], str(r["np"]))
-        by_key[k] = by_key.pop(k, []) + [r]
+        runs = by_key.pop(k, [])        # re-inserted: the order of the last rows, as before
+        runs.append(r)
+        by_key[k] = runs
     out = {}
     for k, runs in by_key.items():
         runs = runs[-max(1, repeat):]

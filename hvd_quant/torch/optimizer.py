@@ -153,7 +153,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = self._grad_plan.buckets
         self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
         self._p_bucket = {p: k for k, ps in enumerate(self._bucket_params) for p in ps}
-        self._bucket_sizes = [[p.numel() for p in ps] for ps in self._bucket_params]
+        self._bucket_sizes = [list(b.numels) for b in self._buckets]     # the plan's layout
         # The float32 gradients left uncompressed (1-D and small: ResNet-50 has 107 of its 161) are
         # fused as well, into plain groups of the same size in reverse order, each one Horovod
         # allreduce of a flat buffer whose views become their .grad: one call per group instead
