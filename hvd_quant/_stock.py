@@ -252,8 +252,8 @@ class _Group:
         self.taken_over = False     # StockCompression._take_over replaced its _allreduce_grad_async
         self.direct = False         # taken over: this step's gradients go straight into their buckets
         self.device = getattr(params[0], "device", None) if params else None
-        self.gather = (None, None)  # (collectives, what carries the allgather payloads) in this world
-        self.next_gather = None     # made in this step, used from the next (_go_direct)
+        self.channel = (None, None)  # (collectives, what carries the payloads) in this world
+        self.next_channel = None     # made in this step, used from the next (_go_direct)
         # Horovod's factor on the sum (module doc): 1/N for Average; Sum: 1. Its pre/post-scale split.
         op = getattr(owner, "op", None)
         self.average = op is None or not hasattr(backend, "core_op") or backend.core_op(op) != _SUM
@@ -289,7 +289,7 @@ class _Group:
         self.plain_result = [None] * len(self.plain)
         self.plain_left = [0] * len(self.plain)
         self.complete = []             # complete buckets waiting for this step's presence count
-        self.next_start = 0            # with a payload gather: the next bucket to start, plan order
+        self.next_start = 0            # with a payload channel: the next bucket to start, plan order
         self.like = None               # a gradient of this step (zeros for buckets none reached)
         if self.presence is not None:
             self.presence.reset()
@@ -322,10 +322,13 @@ class _Group:
         """True when a rank is inside ``hvd.join()`` this step (:class:`hvd_quant.plan.Presence`)."""
         return self.presence is not None and self.presence.absent(self.session.coll)
 
-    def payload_gather(self):
-        """What carries this step's allgather payloads: the payload group made for the current world
-        (its collectives match by order: the buckets then start in plan order), or None (Horovod)."""
-        return self.gather[1] if self.gather[0] is self.session.coll else None
+    def payload_channel(self, route):
+        """What carries this step's payloads on ``route``: the payload group made for the current
+        world (its collectives match by order: the buckets then start in plan order), or None
+        (Horovod; always for the allreduce route)."""
+        if route == _plan.ALLREDUCE:
+            return None
+        return self.channel[1] if self.channel[0] is self.session.coll else None
 
     def factor(self):
         """What Horovod's op applies to the sum over the ranks (those in ``hvd.join()`` add zero)."""
@@ -500,10 +503,10 @@ class StockCompression:
         session.exchange.traffic.add_allreduce(info.numel * itemsize, info.numel, session.coll.size)
         return out
 
-    def _start(self, exchange, name, flat, record, head, group=None, gather=None):
+    def _start(self, exchange, name, flat, record, head, group=None, channel=None):
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        pending = exchange.start(name, flat, step=step, record=record, header=head, gather=gather)
+        pending = exchange.start(name, flat, step=step, record=record, header=head, channel=channel)
         self._unadvanced.append((group, exchange, pending))
         return pending
 
@@ -533,8 +536,8 @@ class StockCompression:
         """A step's first gradient: refill the placeholders, count the ranks that step (hvd.join()),
         take up a payload group made in the step before."""
         group.next_start = 0
-        if group.next_gather is not None:
-            group.gather, group.next_gather = group.next_gather, None
+        if group.next_channel is not None:
+            group.channel, group.next_channel = group.next_channel, None
         for ones in group.ones.values():
             ones.fill_(1)
         if group.presence is not None:
@@ -667,13 +670,13 @@ class StockCompression:
         if group.presence is not None and not group.presence.known(group.session.coll, wait):
             return
         complete, group.complete = group.complete, []
-        gather = group.payload_gather() if route == "allgather" else None
-        if gather is not None:
+        channel = group.payload_channel(route)
+        if channel is not None:
             complete, group.complete, group.next_start = _plan.in_plan_order(complete, group.next_start)
         for k in complete:
-            self._launch(group, k, route, gather)
+            self._launch(group, k, route, channel)
 
-    def _launch(self, group, k, route, gather=None):
+    def _launch(self, group, k, route, channel=None):
         """Start bucket ``k``'s exchange; members that never arrived contribute zeros (as Horovod
         allreduces zeros for a parameter without a gradient). While a rank is inside ``hvd.join()``
         the bucket goes through Horovod's allreduce (a Sum, scaled in ``decompress``)."""
@@ -690,7 +693,7 @@ class StockCompression:
         else:
             record = group.plan.record if b.name not in self._steps else None
             ex = session.exchange_for(route)
-            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header, group, gather)
+            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header, group, channel)
             ex.advance_ready([q for _, e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
         group.left[k] = sum(g is not None for g in grads)     # the members decompress will return
         group.grads[k] = [None] * len(grads)
@@ -733,10 +736,10 @@ class StockCompression:
             if group.pending[k] is None:
                 self._launch_complete(group, slot.route, wait=True)
             if group.pending[k] is None:        # a member never reached compress on this rank
-                gather = group.payload_gather() if slot.route == "allgather" else None
-                for j in range(group.next_start if gather is not None else k, k + 1):   # plan order
+                channel = group.payload_channel(slot.route)
+                for j in range(group.next_start if channel is not None else k, k + 1):   # plan order
                     if group.pending[j] is None:
-                        self._launch(group, j, slot.route, gather)
+                        self._launch(group, j, slot.route, channel)
                 group.next_start = max(group.next_start, k + 1)
                 group.complete = [j for j in group.complete if group.pending[j] is None]
             self._advance_all(group)
@@ -759,12 +762,12 @@ class StockCompression:
         one rank and the other way on another), and from the next step on hand the gradients
         straight to their buckets."""
         self._launch_complete(group, route, wait=True)
-        make = getattr(group.backend, "payload_gather", None)
+        make = getattr(group.backend, "payload_group", None)
         coll = group.session.coll
         if make is not None and group.device is not None and not group.absent():
             label = f"hvdq.stock.{group.key}"
-            group.next_gather = (coll, make(coll.process_set, group.device, label, group.plan.record,
-                                            "hvd.DistributedOptimizer(compression=...)"))
+            group.next_channel = (coll, make(coll.process_set, group.device, label, group.plan.record,
+                                             "hvd.DistributedOptimizer(compression=...)"))
         group.direct = True
 
     # -- state ------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ collective without waiting, ``advance`` (SRA only) waits for the alltoall, reduc
 submits the allgather, ``finish`` waits and decodes. Callers with several exchanges in flight advance
 all of them before finishing any, so every rank's second-phase collectives are in flight together.
 Exchanges are matched across ranks by name, as Horovod matches its collectives, so the order in which
-a rank starts them does not matter.
+a rank starts them does not matter; except on a ``channel`` (``start``), a frontend's own process
+groups, whose collectives match by order: there the caller starts the exchanges in one order on
+every rank, and ``advance`` takes the channel's SRA exchanges in that order.
 
 Several Exchange objects at once (an optimizer per Horovod process set, say) would each wait on its
 own collectives, and SRA's second phase is submitted by the host: a rank blocked on set A's
@@ -354,7 +356,7 @@ class _Plan:
     allow it (``ArrayOps.reusable``)."""
     __slots__ = ("coll", "numel", "arrays", "send", "own", "reduced", "gather", "send_nbytes",
                  "gather_nbytes", "fresh", "steps", "traffic", "buffers", "server_key", "decode_sum",
-                 "reduce", "decode_chunks", "keep", "sent")
+                 "reduce", "decode_chunks", "keep", "sent", "splits")
 
     def __init__(self, ex, name, header, numel, like):
         codec, coll = ex.codec, ex.coll
@@ -384,6 +386,7 @@ class _Plan:
                 self.gather.append(_Chunk(ex, self, a, b, off, _tag(header, f"r{j}"), like))
                 off += self.gather[-1].size
         self.send_nbytes = sum(c.size for c in self.send) if ex.reduction == "sra" else self.send[0].size
+        self.splits = [c.size for c in self.send]          # the alltoall's pieces, one per rank
         self.gather_nbytes = sum(c.size for c in self.gather)
         # One launch per phase where the codec has fused kernels (None: the phases loop over payloads)
         self.decode_sum = self.reduce = self.decode_chunks = self.keep = None
@@ -465,11 +468,11 @@ class Pending:
     """One exchange in flight. ``stage``: "first" (alltoall or allgather submitted), "second" (SRA
     allgather submitted), "done"."""
     __slots__ = ("name", "plan", "step", "like", "handle", "stage", "hs", "record", "result", "key",
-                 "owner", "t0", "__weakref__")
+                 "owner", "t0", "channel", "__weakref__")
 
     def __init__(self, name, plan, step, like, owner=None):
         self.name, self.plan, self.step, self.like, self.owner = name, plan, step, like, owner
-        self.handle = self.hs = self.record = self.result = self.t0 = None
+        self.handle = self.hs = self.record = self.result = self.t0 = self.channel = None
         self.stage = "first"
 
 
@@ -551,17 +554,20 @@ class Exchange:
         return buf
 
     # -- phase 1 ----------------------------------------------------------------------------------
-    def start(self, name, flat, step=None, record=None, header=None, gather=None):
+    def start(self, name, flat, step=None, record=None, header=None, channel=None):
         """Encode ``flat`` (a float32 1-D buffer this exchange may overwrite) and submit the first
         collective, named after ``name`` (what Horovod matches across ranks). ``header`` (default
         ``name``) is what goes into the payload headers, with the chunk: a receiver expecting another
         header raises. ``step`` keys seeded stochastic rounding (default: this plan's own count).
         With ``record`` (see :func:`handshake_record`), a configuration handshake travels with the
-        exchange and is checked before anything is decoded. ``gather``: what carries the allgather
-        reduction's payload instead of ``Collectives.allgather_async``, called as ``gather(t,
-        name)`` with equal lengths on every rank, its handles going to the collectives'
-        ``synchronize`` and ``poll`` (a torch payload group, which matches by order: its caller
-        starts the exchanges in one order on every rank)."""
+        exchange and is checked before anything is decoded. ``channel``: what carries the payloads
+        instead of Horovod's collectives (a torch payload group): ``channel.alltoall(t, splits)``,
+        ``channel.allgather(t)`` and, for SRA's reduced chunks, ``channel.allgather(t, each,
+        total)`` (chunk 0's length and the gathered length: the others are padded to it); its
+        handles go to the collectives' ``synchronize`` and ``poll``; its collectives match by order,
+        so the caller starts the exchanges in one order on every rank, and ``channel.waiting`` (a
+        deque) holds its SRA exchanges in their first phase, which :meth:`advance` takes in that
+        order."""
         ops, coll = self.ops, self.coll
         numel = ops.numel(flat)
         plan = self.plan(name, numel, flat, header)
@@ -580,11 +586,19 @@ class Exchange:
         self.traffic.add(plan.traffic)
         if self._mark is not None:
             p.t0 = self._mark(flat)
-        if self.reduction == "allgather":
-            p.handle = (gather or coll.allgather_async)(send, f"{self.prefix}.ag.{name}")
+        if channel is not None:
+            p.channel = channel
+            if self.reduction == "allgather":
+                p.handle = channel.allgather(send)
+                return p
+            p.handle = channel.alltoall(send, plan.splits)
+            channel.waiting.append(p)
+        elif self.reduction == "allgather":
+            p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}")
+            return p
         else:
-            p.handle = coll.alltoall_async(send, [c.size for c in plan.send], f"{self.prefix}.a2a.{name}")
-            _FIRST_PHASE[id(p)] = p
+            p.handle = coll.alltoall_async(send, plan.splits, f"{self.prefix}.a2a.{name}")
+        _FIRST_PHASE[id(p)] = p
         return p
 
     def _check_hs(self, p):
@@ -623,10 +637,22 @@ class Exchange:
 
     def advance(self, p):
         """SRA: wait for the alltoall, sum the received chunks in float32, requantize the reduced chunk
-        and submit its allgather. A no-op for allgather exchanges and after the first call."""
+        and submit its allgather. A no-op for allgather exchanges and after the first call. On a
+        channel, the exchanges started on it before ``p`` are advanced first (its allgathers match
+        by order)."""
         if p.stage != "first" or self.reduction != "sra":
             return
         _FIRST_PHASE.pop(id(p), None)
+        channel = p.channel
+        if channel is not None:
+            waiting = channel.waiting
+            while waiting[0] is not p:
+                q = waiting[0]
+                if q.stage == "first":
+                    q.owner.advance(q)      # takes q off the queue
+                else:
+                    waiting.popleft()
+            waiting.popleft()
         self._check_hs(p)
         ops, coll, plan = self.ops, self.coll, p.plan
         data = _wait(self, p.handle)
@@ -656,7 +682,10 @@ class Exchange:
             payload = ops.empty_bytes(0, p.like)
         if self._mark is not None:
             p.t0 = self._mark(p.like)
-        p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}")
+        if channel is not None:
+            p.handle = channel.allgather(payload, plan.gather[0].size, plan.gather_nbytes)
+        else:
+            p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}")
         p.stage = "second"
 
     # -- last phase -------------------------------------------------------------------------------

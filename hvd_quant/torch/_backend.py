@@ -14,6 +14,7 @@ Everything runs on the caller's device and on ``torch.cuda.current_stream()``; n
 value on the host except the one-off configuration handshake (``to_bytes``) and
 ``Codec.check_device_errors``.
 """
+import collections
 import contextlib
 import datetime
 import os
@@ -27,7 +28,7 @@ from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_f
 from ..exchange import AVERAGE, ArrayOps, Collectives, SUM, collectives_for, handshake
 
 __all__ = ["OPS", "collectives", "hvd_op", "core_op", "adapter", "stock_adapter", "stock_backend",
-           "PayloadGroup", "PAYLOAD_GROUP", "payload_gather"]
+           "PayloadGroup", "PAYLOAD_GROUP", "payload_group"]
 
 
 def _flatten(tensors):
@@ -98,43 +99,56 @@ def _alltoall_result(handle):
     return out[0] if isinstance(out, tuple) else out
 
 
-# Device type -> torch.distributed backend of the optimizer's payload group (payload_gather); a
+# Device type -> torch.distributed backend of the optimizer's payload group (payload_group); a
 # device type not listed gathers through Horovod.
 PAYLOAD_GROUP = {"cuda": "nccl"}
 STORE_TIMEOUT_S = 120
 
 
 class PayloadGroup:
-    """hvd_quant's own torch.distributed process group among a Horovod process set's ranks, for one
-    optimizer's allgather payloads (:func:`payload_gather`).
+    """hvd_quant's own torch.distributed process groups among a Horovod process set's ranks, for one
+    optimizer's compressed payloads (:func:`payload_group`): the channel an
+    :class:`~hvd_quant.exchange.Exchange` takes instead of Horovod's alltoall and allgather.
 
     Why: Horovod 0.28.1 allocates an allgather's output on its background thread and orders its GPU
     stream after an event it records there, on the device's default stream, which is the stream
     training runs on (``TorchOpContext::AllocateOutput``); the host runs far ahead of the GPU, so each
     allgather starts only when backward reaches the kernels the host had queued by the time Horovod
-    ran it, not when its bucket is encoded (docs/RESULTS.md, "Two GPUs, fourth session"). A
-    collective on an output allocated here, on the caller's stream, is ordered after the bucket's
-    encode and nothing else. Made collectively (a TCP store on the set's rank 0, whose address,
-    :func:`_store_host`, travels by Horovod broadcast); its collectives match by order, so its one
-    user issues them in one order on every rank.
+    ran it, not when its bucket is encoded (docs/RESULTS.md, "Two GPUs, fourth session"). And a
+    Horovod collective that depends on another waits for Horovod's next cycle (1 ms by default),
+    which SRA's second phase did at every bucket. A collective on an output allocated here, on the
+    caller's stream, is ordered after the bucket's encode and nothing else, and its result is waited
+    for by the stream, not the host. Made collectively (a TCP store on the set's rank 0, whose
+    address, :func:`_store_host`, travels by Horovod broadcast). Two groups, because their
+    collectives match by order: ``first`` carries each bucket's first collective (the alltoall of
+    SRA, the allgather of the allgather reduction), which the caller starts in plan order on every
+    rank; ``second`` carries SRA's allgathers of the reduced chunks, which the exchange starts in the
+    order of the alltoalls (:meth:`~hvd_quant.exchange.Exchange.advance`), whenever each rank gets
+    to them.
     """
 
     def __init__(self, store, process_set, backend, device):
         import torch.distributed as dist
         self.store = store                  # rank 0 serves it for the group's lifetime
-        self.size = process_set.size()
-        if backend == "nccl":
-            # Horovod's NCCL streams have the device's greatest priority (cuda_operations.cc); at the
-            # default priority a payload's kernels would queue behind backward's blocks
-            self.pg = dist.ProcessGroupNCCL(store, process_set.rank(), self.size,
-                                            dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))
-        else:
-            self.pg = dist.ProcessGroupGloo(store, process_set.rank(), self.size)
+        self.size, self.rank = process_set.size(), process_set.rank()
+        self.waiting = collections.deque()  # SRA exchanges in their first phase, in start order
+
+        def group(prefix):
+            sub = dist.PrefixStore(prefix, store)
+            if backend == "nccl":
+                # Horovod's NCCL streams have the device's greatest priority (cuda_operations.cc); at
+                # the default priority a payload's kernels would queue behind backward's blocks
+                return dist.ProcessGroupNCCL(sub, self.rank, self.size,
+                                             dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))
+            return dist.ProcessGroupGloo(sub, self.rank, self.size)
+
+        self.first, self.second = group("first"), group("second")
         # The first collective creates NCCL's communicator: a host call that blocks until every rank
         # joins. Here every rank is at the same point; in a gradient hook a rank would block there
         # while another waits in synchronize() for something this rank submits later.
         one = torch.zeros(1, device=device)
-        self.pg._allgather_base(one.new_empty(self.size), one).wait()
+        for pg in (self.first, self.second):
+            pg._allgather_base(one.new_empty(self.size), one).wait()
         if one.is_cuda:
             torch.cuda.current_stream(device).synchronize()
 
@@ -150,9 +164,12 @@ class PayloadGroup:
         root = min(process_set.ranks) if process_set.ranks else 0   # the set's rank 0, as a global rank
         way_out = ("set HVD_QUANT_STORE_ADDR on rank 0 to an address of its host that every rank "
                    "reaches, or HVD_QUANT_PAYLOAD_GROUP=0 to carry the payloads through Horovod")
+        on = os.environ.get("HVD_QUANT_PAYLOAD_GROUP", "1").strip() != "0"
+        if size == 1:       # nobody to reach: a store in this process
+            return cls(dist.HashStore(), process_set, backend, device) if on else None
         if process_set.rank() == 0:
             store = where = None
-            if os.environ.get("HVD_QUANT_PAYLOAD_GROUP", "1").strip() != "0":
+            if on:
                 host = _store_host()
                 try:
                     store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False,
@@ -173,10 +190,26 @@ class PayloadGroup:
             raise RuntimeError(f"hvd_quant: {where}")
         return None if where is None else cls(store, process_set, backend, device)
 
-    def allgather(self, t):
-        """The concatenation of every rank's ``t`` (equal lengths) in rank order, as a handle."""
-        out = t.new_empty(t.numel() * self.size)
-        return _GroupWork(self.pg._allgather_base(out, t), out)
+    def allgather(self, t, each=None, total=None):
+        """The concatenation of every rank's ``t`` in rank order, as a handle, on ``first``: the
+        allgather reduction's payloads, of equal lengths. With ``each`` (bytes), on ``second``: SRA's
+        reduced chunks, whose lengths differ (every chunk but the last nonempty one is ``each``
+        long): each rank sends its chunk padded to ``each`` and the result is the first ``total``
+        bytes, the chunks back to back (the padding falls after the last nonempty chunk)."""
+        if each is None:
+            out = t.new_empty(t.numel() * self.size)
+            return _GroupWork(self.first._allgather_base(out, t), out)
+        if t.numel() != each:
+            t = torch.nn.functional.pad(t, (0, each - t.numel()))
+        out = t.new_empty(each * self.size)
+        return _GroupWork(self.second._allgather_base(out, t), out[:total])
+
+    def alltoall(self, t, splits):
+        """Rank r receives piece r of every rank's ``t`` (``splits``: the pieces' lengths, the one
+        for each rank equal on every rank), concatenated in rank order, as a handle; on ``first``."""
+        mine = splits[self.rank]
+        out = t.new_empty(mine * self.size)
+        return _GroupWork(self.first.alltoall_base(out, t, [mine] * self.size, list(splits)), out)
 
 
 def _store_host():
@@ -206,27 +239,28 @@ class _GroupWork:
         return self.out
 
 
-def payload_gather(process_set, device, label, record=None, what=None):
-    """The ``gather`` of an :class:`~hvd_quant.exchange.Exchange` for one optimizer's payloads on
+def payload_group(process_set, device, label, record=None, what=None):
+    """The channel of an :class:`~hvd_quant.exchange.Exchange` for one optimizer's payloads on
     ``device`` (``label``: the optimizer's collective prefix): a :class:`PayloadGroup` of its own,
-    made now, its NCCL communicator included. A collective (Horovod broadcast, the store, the
-    group's first allgather): call it where every rank comes to the same point with nothing of its
+    made now, its NCCL communicators included. A collective (Horovod broadcast, the store, the
+    groups' first allgathers): call it where every rank comes to the same point with nothing of its
     step left waiting on this rank (the optimizer's ``_connect``, beside its handshake; the stock
     path's first result of a taken-over step, after launching its complete buckets); made inside a
     gradient hook, it could wait for a rank that waits for this rank's next Horovod op. None where
-    :data:`PAYLOAD_GROUP` has no backend for the device type, the set has one rank, or rank 0 turned
-    the group off. ``record`` (the handshake record of ``what``, where no handshake has compared the
-    ranks yet): compared first, under a name every rank shares, so that ranks configured differently
-    raise :class:`~hvd_quant.exchange.ConfigMismatchError` instead of waiting for each other under
+    :data:`PAYLOAD_GROUP` has no backend for the device type or rank 0 turned the group off. At
+    world size 1 the exchange runs only where forced (``HOROVOD_ELASTIC=1``, the benchmarks' way to
+    time it), and there it runs on the group as it does at size N. ``record`` (the handshake record
+    of ``what``, where no handshake has compared the ranks yet): compared first, under a name every
+    rank shares, so that ranks configured differently raise
+    :class:`~hvd_quant.exchange.ConfigMismatchError` instead of waiting for each other under
     different labels."""
     backend = PAYLOAD_GROUP.get(device.type)
-    if backend is None or process_set.size() == 1:
+    if backend is None:
         return None
     if record is not None:
         handshake(collectives(process_set), OPS, record, what or label,
                   name="hvdq.payload_group.handshake")
-    group = PayloadGroup.make(process_set, backend, label, device)
-    return None if group is None else (lambda t, name: group.allgather(t))
+    return PayloadGroup.make(process_set, backend, label, device)
 
 
 _CACHE = {}

@@ -112,7 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._prefix = f"hvdq{n}" if ps_id == 0 else f"hvdq{n}.ps{ps_id}"
         self._memory = Memory(_backend.OPS) if self.error_feedback else None
         self._coll = None             # the process set's Collectives, once connected
-        self._gather = None           # allgather payloads' carrier in this world (_payload_gather)
+        self._channel = None          # the payloads' process groups in this world (_payload_group)
         self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")
         self._auto = AutoChoice() if self.reduction == AUTO else None
         self._handles = {}           # param -> plain allreduce handle (or callable for sparse)
@@ -183,7 +183,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._step_agreed = False
         for ex in self._exchanges.values():
             ex.coll = coll
-        self._gather = self._payload_gather()
+        self._channel = self._payload_group()
         if self._auto is not None:
             self._auto.reset()          # another world: measure again
 
@@ -197,14 +197,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ex.traffic = self._traffic
         return ex
 
-    def _payload_gather(self):
-        """CUDA buckets' allgathers take a process group of this optimizer's own, for this world
+    def _payload_group(self):
+        """CUDA buckets' payloads travel on process groups of this optimizer's own, for this world
         (``_backend.PayloadGroup``), whose collectives match by order: :meth:`_start_complete` then
-        starts the buckets in plan order. None: Horovod's allgather."""
+        starts the buckets in plan order. None: Horovod's alltoall and allgather."""
         if not self._buckets:
             return None
-        return _backend.payload_gather(self.process_set, self._bucket_params[0][0].device,
-                                       self._prefix)
+        return _backend.payload_group(self.process_set, self._bucket_params[0][0].device,
+                                      self._prefix)
 
     def _route(self):
         """How this step's compressed buckets travel: ``"sra"``, ``"allgather"`` or ``"allreduce"``."""
@@ -307,13 +307,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._launch_plain(q)
             return
         ex = self._exchange_for(self._route())
-        gather = self._gather if ex.reduction == "allgather" else None
-        if gather is not None:
+        channel = self._channel
+        if channel is not None:
             complete, self._complete, self._next_start = _plan.in_plan_order(complete, self._next_start)
         for k in complete:
             b = self._buckets[k]
             flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._bucket_params[k]])
-            self._pending[k] = ex.start(b.name, flat, step=self._step, header=b.header, gather=gather)
+            self._pending[k] = ex.start(b.name, flat, step=self._step, header=b.header, channel=channel)
             ex.advance_ready(self._pending)      # earlier buckets whose alltoall is done: phase two
 
     def _bucket_grad(self, q):

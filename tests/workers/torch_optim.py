@@ -330,7 +330,7 @@ def option_cases():
         end = time.monotonic() + deadline_s      # b never started: the check below fails
         while time.monotonic() < end:
             p = opt._pending[kb]
-            if p is not None and p.handle is not None and hvd.poll(p.handle):
+            if p is not None and p.handle is not None and opt._coll.poll(p.handle):
                 return
             time.sleep(0.005)
 
@@ -641,34 +641,35 @@ def process_set_cases():
 
 
 def payload_group_cases():
-    """A process group of the optimizer's own for the allgather reduction's payloads (``torch.
-    _backend.PayloadGroup``: NCCL on CUDA by default; forced onto the CPU here with Gloo): with
-    buckets that complete in an order differing between ranks, every compressed gradient equals, bit
-    for bit, that of the same steps through Horovod's allgather (deterministic codecs: the payloads
-    do not depend on the optimizer's name). The stock path makes its group at the end of its first
-    step (Horovod's allgather then) and uses it from the second.
-    ``HVD_QUANT_PAYLOAD_GROUP=0`` on rank 0 turns the group off on every rank; on another rank alone
-    it changes nothing (rank 0 decides)."""
+    """Process groups of the optimizer's own for the payloads (``torch._backend.PayloadGroup``: NCCL
+    on CUDA by default; forced onto the CPU here with Gloo), both reductions: with buckets that
+    complete in an order differing between ranks, every compressed gradient equals, bit for bit, that
+    of the same steps through Horovod's collectives (deterministic codecs: the payloads do not depend
+    on the optimizer's name). The stock path makes its group at the end of its first step (Horovod's
+    collectives then) and uses it from the second. ``HVD_QUANT_PAYLOAD_GROUP=0`` on rank 0 turns the
+    group off on every rank; on another rank alone it changes nothing (rank 0 decides)."""
     from hvd_quant.torch import _backend
     calls = [0]
-    plain_allgather = _backend.PayloadGroup.allgather
+    plain = _backend.PayloadGroup.allgather, _backend.PayloadGroup.alltoall
 
-    def counting(self, t):
-        calls[0] += 1
-        return plain_allgather(self, t)
+    def counting(f):
+        def call(self, *args):
+            calls[0] += 1
+            return f(self, *args)
+        return call
 
-    _backend.PayloadGroup.allgather = counting
+    _backend.PayloadGroup.allgather, _backend.PayloadGroup.alltoall = map(counting, plain)
     # buckets [c, b] and [a] (reverse order, 16 KiB): even ranks complete [a] first, odd ranks [c, b]
     order = (lambda step: [0, 1, 2]) if R % 2 == 0 else (lambda step: [1, 2, 0])
 
-    def run(entry, spec, group):
+    def run(entry, spec, reduction, group):
         """Three steps; the gradients of each and the buckets' member counts."""
         with payload_group(group):
             m = fresh(TwoBranch)
             if entry == "ours":
-                opt = make_opt(entry, m, spec, reduction="allgather")
+                opt = make_opt(entry, m, spec, reduction=reduction)
             else:
-                comp = hvd_quant.StockCompression(codec(spec), reduction="allgather", bucket_bytes=16384)
+                comp = hvd_quant.StockCompression(codec(spec), reduction=reduction, bucket_bytes=16384)
                 opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                                                named_parameters=list(m.named_parameters()), compression=comp)
             grads = []
@@ -693,28 +694,33 @@ def payload_group_cases():
 
     try:
         horovods = {}
-        for entry, spec in (("ours", Q4D), ("ours", ONEBIT), ("stock", Q4D)):
+        for entry, spec, reduction in (("ours", Q4D, "allgather"), ("ours", ONEBIT, "allgather"),
+                                       ("stock", Q4D, "allgather"), ("ours", Q4D, "sra"),
+                                       ("ours", ONEBIT, "sra"), ("stock", Q4D, "sra")):
             got = {}
+            per_bucket = 1 if reduction == "allgather" else 2       # SRA: the alltoall, the allgather
             for group in (False, True):
                 calls[0] = 0
-                got[group], sizes = run(entry, spec, group)
-                expected = (3 if entry == "ours" else 2) * 2 if group else 0
+                got[group], sizes = run(entry, spec, reduction, group)
+                expected = (3 if entry == "ours" else 2) * 2 * per_bucket if group else 0
                 check(calls[0] == expected and sizes == [2, 1],
-                      f"payload-group {entry} {spec} group={group} gathers", f"{calls[0]} through the group")
-            horovods[entry, spec] = got[False]
-            check(same(got[False], got[True]), f"payload-group {entry} {spec} equals Horovod's allgather, bit for bit")
+                      f"payload-group {entry} {spec} {reduction} group={group} collectives",
+                      f"{calls[0]} through the group")
+            horovods[entry, spec, reduction] = got[False]
+            check(same(got[False], got[True]),
+                  f"payload-group {entry} {spec} {reduction} equals Horovod's collectives, bit for bit")
         for off in {0, hvd.size() - 1}:
             calls[0] = 0
             if R == off:
                 os.environ["HVD_QUANT_PAYLOAD_GROUP"] = "0"
             try:
-                grads, _ = run("ours", Q4D, True)
+                grads, _ = run("ours", Q4D, "allgather", True)
             finally:
                 os.environ.pop("HVD_QUANT_PAYLOAD_GROUP", None)
-            check(calls[0] == (0 if off == 0 else 6) and same(grads, horovods["ours", Q4D]),
+            check(calls[0] == (0 if off == 0 else 6) and same(grads, horovods["ours", Q4D, "allgather"]),
                   f"payload-group HVD_QUANT_PAYLOAD_GROUP=0 on rank {off}", f"{calls[0]} through the group")
     finally:
-        _backend.PayloadGroup.allgather = plain_allgather
+        _backend.PayloadGroup.allgather, _backend.PayloadGroup.alltoall = plain
 
 
 def main():
