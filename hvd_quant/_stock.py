@@ -638,6 +638,12 @@ class StockCompression:
         if flat is None:
             if group.complete:      # start the buckets before any wait of the step
                 self._launch_complete(group, group.route(), wait=True)
+            # and finish them: on a payload group that queues their second phases and decodes on
+            # the device without waiting, and the wait below lasts until backward's end
+            self._advance_all(group)
+            for k, pending in enumerate(group.pending):
+                if pending is not None and group.left[k]:      # (left: members to hand out)
+                    self._bucket_result(group, k)
             if group.plain_pending[j] is None:      # a member never reached this rank's hook
                 self._launch_plain(group, j)
             flat = group.plain_result[j] = group.session.coll.synchronize(group.plain_pending[j])
@@ -743,16 +749,23 @@ class StockCompression:
                 group.next_start = max(group.next_start, k + 1)
                 group.complete = [j for j in group.complete if group.pending[j] is None]
             self._advance_all(group)
-            ex, pending = group.pending[k]
-            flat = ex.finish(pending) if ex is not None else session.coll.synchronize(pending)
-            factor = group.factor()
-            flat = group.result[k] = flat if factor == 1.0 else session.ops.scale_(flat, factor)
-            group.pending[k] = None
+            flat = self._bucket_result(group, k)
         b = group.plan.buckets[k]
         group.left[k] -= 1
         if group.left[k] == 0:
             group.result[k] = None
         return session.adapter.restore(flat[b.offsets[slot.i]:b.offsets[slot.i + 1]], slot.info)
+
+    @staticmethod
+    def _bucket_result(group, k):
+        """Bucket ``k``'s result, once its exchange or allreduce is started: finished and scaled by
+        Horovod's factor, kept until its members are handed out."""
+        ex, pending = group.pending[k]
+        flat = ex.finish(pending) if ex is not None else group.session.coll.synchronize(pending)
+        factor = group.factor()
+        flat = group.result[k] = flat if factor == 1.0 else group.session.ops.scale_(flat, factor)
+        group.pending[k] = None
+        return flat
 
     def _go_direct(self, group, route):
         """A taken-over optimizer's first bucket result in this world: every hook of the step has run

@@ -23,6 +23,9 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
     # the same with the payload group (made on CUDA) as a Gloo group: sets whose first rank is not 0
     pytest.param(3, "gloo", ["process-sets"], {"HVDQ_TEST_PAYLOAD_GROUP": "gloo"},
                  id="np3-gloo-sets-group"),
+    # the options (hook orders, SRA's second phase during backward, groups, predivide, passes, NaN)
+    # with the payload groups carrying both reductions, as on CUDA
+    pytest.param(2, "gloo", ["options"], {"HVDQ_TEST_PAYLOAD_GROUP": "gloo"}, id="np2-gloo-options-group"),
     pytest.param(4, "gloo", ["process-sets"], None, id="np4-gloo-sets"),
     pytest.param(2, "mpi", ["process-sets"], None, id="np2-mpi-sets", marks=pytest.mark.mpi),
     pytest.param(4, "mpi", ["process-sets"], None, id="np4-mpi-sets", marks=pytest.mark.mpi),
