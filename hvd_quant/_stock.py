@@ -41,8 +41,8 @@ carries a configuration handshake (codec spec, reduction, size thresholds, shape
 Frameworks. ``compress`` dispatches on the tensor's type through :data:`FRONTENDS` (top-level module of
 ``type(tensor)`` -> backend module). A backend module provides ``stock_backend(process_set)`` ->
 ``(Collectives, ArrayOps)`` and ``stock_adapter()`` -> an object with ``describe(t)``,
-``placeholder(t)``, ``restore(flat, info)``, ``as_float(t)``, ``sendable(t)`` and ``cast_back(t, info)``
-(see ``hvd_quant/torch/_backend.py``). Optionally ``stock_compress(stock_compression, tensor)``: return
+``placeholder(t)``, ``split(flat, sizes)``, ``restore(flat, info)``, ``as_float(t)``, ``sendable(t)``
+and ``cast_back(t, info)`` (see ``hvd_quant/torch/_backend.py``). Optionally ``stock_compress(stock_compression, tensor)``: return
 ``(tensor, ctx)`` to take over ``compress`` or None to let the generic path run; a ctx with a
 ``stock_decompress(summed)`` method then finishes in ``decompress``. TensorFlow's hook
 (``hvd_quant/tensorflow/_graph.py``) builds symbolic tensors' exchanges into the graph with the public
@@ -245,8 +245,8 @@ class _Group:
         fused = _plan.fuse(list(reversed(plain)), numels, sc.config.bucket_bytes)
         self.plain_names = [f"hvdq.stock.plain.{_plan.bucket_header([tensors[i].name for i in g])}"
                             for g in fused]
-        self.plain_offsets = [list(itertools.accumulate((numels[i] for i in g), initial=0))
-                              for g in fused]
+        self.plain_sizes = [[numels[i] for i in g] for g in fused]
+        self.plain_offsets = [list(itertools.accumulate(sizes, initial=0)) for sizes in self.plain_sizes]
         self.plain_where = {params[i]: (j, m) for j, g in enumerate(fused) for m, i in enumerate(g)}
         self.plain = fused
         self.taken_over = False     # StockCompression._take_over replaced its _allreduce_grad_async
@@ -634,8 +634,8 @@ class StockCompression:
         group.plain_arrived[j] = 0
 
     def _finish_plain(self, group, j, i, info):
-        flat = group.plain_result[j]
-        if flat is None:
+        pieces = group.plain_result[j]
+        if pieces is None:
             if group.complete:      # start the buckets before any wait of the step
                 self._launch_complete(group, group.route(), wait=True)
             # and finish them: on a payload group that queues their second phases and decodes on
@@ -646,13 +646,13 @@ class StockCompression:
                     self._bucket_result(group, k)
             if group.plain_pending[j] is None:      # a member never reached this rank's hook
                 self._launch_plain(group, j)
-            flat = group.plain_result[j] = group.session.coll.synchronize(group.plain_pending[j])
+            flat = group.session.coll.synchronize(group.plain_pending[j])
+            pieces = group.plain_result[j] = group.session.adapter.split(flat, group.plain_sizes[j])
             group.plain_pending[j] = None
         group.plain_left[j] -= 1
         if group.plain_left[j] == 0:
             group.plain_result[j] = None
-        offsets = group.plain_offsets[j]
-        return group.session.adapter.restore(flat[offsets[i]:offsets[i + 1]], info)
+        return group.session.adapter.restore(pieces[i], info)
 
     def _record(self, group, where, tensor, info, route):
         """Keep member ``where`` = (bucket, index) of ``group``; start the bucket once it is complete."""
@@ -737,8 +737,8 @@ class StockCompression:
         if group.taken_over and not group.direct:
             self._go_direct(group, slot.route)
         session = group.session
-        flat = group.result[k]
-        if flat is None:
+        pieces = group.result[k]
+        if pieces is None:
             if group.pending[k] is None:
                 self._launch_complete(group, slot.route, wait=True)
             if group.pending[k] is None:        # a member never reached compress on this rank
@@ -749,23 +749,24 @@ class StockCompression:
                 group.next_start = max(group.next_start, k + 1)
                 group.complete = [j for j in group.complete if group.pending[j] is None]
             self._advance_all(group)
-            flat = self._bucket_result(group, k)
-        b = group.plan.buckets[k]
+            pieces = self._bucket_result(group, k)
         group.left[k] -= 1
         if group.left[k] == 0:
             group.result[k] = None
-        return session.adapter.restore(flat[b.offsets[slot.i]:b.offsets[slot.i + 1]], slot.info)
+        return session.adapter.restore(pieces[slot.i], slot.info)
 
     @staticmethod
     def _bucket_result(group, k):
-        """Bucket ``k``'s result, once its exchange or allreduce is started: finished and scaled by
-        Horovod's factor, kept until its members are handed out."""
+        """Bucket ``k``'s result, once its exchange or allreduce is started: finished, scaled by
+        Horovod's factor and split into its members' pieces (one split, not a slice per member),
+        kept until they are handed out."""
         ex, pending = group.pending[k]
         flat = ex.finish(pending) if ex is not None else group.session.coll.synchronize(pending)
         factor = group.factor()
-        flat = group.result[k] = flat if factor == 1.0 else group.session.ops.scale_(flat, factor)
+        flat = flat if factor == 1.0 else group.session.ops.scale_(flat, factor)
+        pieces = group.result[k] = group.session.adapter.split(flat, group.plan.buckets[k].numels)
         group.pending[k] = None
-        return flat
+        return pieces
 
     def _go_direct(self, group, route):
         """A taken-over optimizer's first bucket result in this world: every hook of the step has run

@@ -6,8 +6,9 @@ per-tensor and per-bucket host work left), a loss linear in the parameters, all 
     HOROVOD_ELASTIC=1 python scripts/step_host_cost.py --methods fp32,stock-sra,sra [--cprofile M]
 
 Prints ms per step for each method (median of ``--steps``; the methods take turns in ``--rounds``, so
-that the machine's drift hits each alike), the ratio to Horovod fp32, and with ``--cprofile M`` the
-top of method M's cProfile table.
+that the machine's drift hits each alike), the ratio to Horovod fp32, the medians of the step's two
+halves (``backward()`` with the hooks, ``step()`` with ``synchronize()`` and the hand-out of the
+results), and with ``--cprofile M`` the top of method M's cProfile table.
 """
 import argparse
 import cProfile
@@ -69,19 +70,25 @@ def main():
         params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
         opt = make_optimizer(method, params, [(f"p{i}", q) for i, q in enumerate(params)])
 
-        def step(opt=opt, params=params):
+        def step(opt=opt, params=params, halves=None):
             opt.zero_grad()
-            sum((q * c).sum() for q, c in zip(params, coef)).backward()
+            loss = sum((q * c).sum() for q, c in zip(params, coef))
+            t0 = time.perf_counter()
+            loss.backward()
+            t1 = time.perf_counter()
             opt.step()
+            if halves is not None:
+                halves.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
         for _ in range(args.warmup):
             step()
         steps[method] = step
     times = {m: [] for m in steps}
+    halves = {m: [] for m in steps}
     for _ in range(args.rounds):            # the methods in turn, so that drift hits each alike
         for method, step in steps.items():
             for _ in range(args.steps // args.rounds):
                 t = time.perf_counter()
-                step()
+                step(halves=halves[method])
                 times[method].append((time.perf_counter() - t) * 1e3)
     results = {m: statistics.median(v) for m, v in times.items()}
     if args.cprofile:
@@ -95,7 +102,9 @@ def main():
     base = results.get("fp32")
     for method, ms in results.items():
         ratio = f"  {base / ms:.2f}x fp32's speed" if base else ""
-        print(f"{method:18s} {ms:8.2f} ms/step{ratio}", flush=True)
+        bwd, stp = (statistics.median(h) for h in zip(*halves[method]))
+        print(f"{method:18s} {ms:8.2f} ms/step{ratio}  (backward {bwd:.2f}, step() {stp:.2f})",
+              flush=True)
 
 
 if __name__ == "__main__":

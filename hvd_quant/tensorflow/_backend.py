@@ -283,6 +283,10 @@ class _StockAdapter:
         return to_numpy(t, np.float32).reshape(-1)
 
     @staticmethod
+    def split(flat, sizes):
+        return tf.split(flat, list(sizes)) if len(sizes) > 1 else [flat]
+
+    @staticmethod
     def restore(flat, info):
         with tf.device(info.device):
             out = tf.reshape(tf.convert_to_tensor(flat), info.shape)

@@ -362,6 +362,10 @@ class _StockAdapter:
         return t.to(torch.float32)
 
     @staticmethod
+    def split(flat, sizes):
+        return flat.split(sizes)
+
+    @staticmethod
     def restore(flat, info):
         out = flat.view(info.shape)
         return out if out.dtype == info.dtype else out.to(info.dtype)
