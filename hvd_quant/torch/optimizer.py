@@ -154,6 +154,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
         self._p_bucket = {p: k for k, ps in enumerate(self._bucket_params) for p in ps}
         self._bucket_sizes = [list(b.numels) for b in self._buckets]     # the plan's layout
+        self._bucket_shapes = [list(b.shapes) for b in self._buckets]
         # The float32 gradients left uncompressed (1-D and small: ResNet-50 has 107 of its 161) are
         # fused as well, into plain groups of the same size in reverse order, each one Horovod
         # allreduce of a flat buffer whose views become their .grad: one call per group instead
@@ -164,6 +165,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                            self.config.bucket_bytes)]
         self._p_plain = {p: j for j, ps in enumerate(self._plain) for p in ps}
         self._plain_sizes = [[p.numel() for p in ps] for ps in self._plain]
+        self._plain_shapes = [[tuple(p.shape) for p in ps] for ps in self._plain]
         self._plain_arrived = [0] * len(self._plain)
         self._plain_handles = {}      # plain group -> its allreduce's handle
         self._arrived = [0] * len(self._buckets)
@@ -331,23 +333,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._plain_handles[j] = self._coll.allreduce_async(flat, f"{self._prefix}.plain.{j}",
                                                             self.op, pre, post)
 
-    def _hand_out(self, params, sizes, flat):
+    def _hand_out(self, params, shapes, sizes, flat):
         """Each of ``params`` gets its piece of ``flat`` (a bucket's or plain group's result, laid out
         in their order, ``sizes`` elements each) as its gradient: float32 ``p.grad`` become views of it
         (as DDP's gradient_as_bucket_view), other dtypes copies; sparse gradients reduced by Horovod's
-        sparse allreduce (in ``_handles``) are left to it. One ``split`` for the views: this runs for
-        every parameter at every step."""
+        sparse allreduce (in ``_handles``) are left to it. One ``split`` for the views, and the planned
+        ``shapes`` as tuples (``p.shape`` makes a new ``torch.Size``): this runs for every parameter at
+        every step."""
         handles = self._handles
-        for p, piece in zip(params, flat.split(sizes)):
+        for p, shape, piece in zip(params, shapes, flat.split(sizes)):
             if handles and p in handles:
                 continue
             grad = p.grad
             if grad.is_sparse:
-                grad.zero_().add_(piece.view(p.shape).to(grad.dtype).to_sparse())
+                grad.zero_().add_(piece.view(shape).to(grad.dtype).to_sparse())
             elif grad.dtype == piece.dtype:
-                p.grad = piece.view(p.shape)
+                p.grad = piece.view(shape)
             else:
-                grad.copy_(piece.view(p.shape))
+                grad.copy_(piece.view(shape))
 
     def _launch_plain(self, p):
         name = self._parameter_names.get(p)
@@ -384,10 +387,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for k, flat in zip(started, flats):
             if scale != 1.0:
                 flat = _backend.OPS.scale_(flat, scale)
-            self._hand_out(self._bucket_params[k], self._bucket_sizes[k], flat)
+            self._hand_out(self._bucket_params[k], self._bucket_shapes[k], self._bucket_sizes[k], flat)
             self._pending[k] = None
         for j, handle in self._plain_handles.items():
-            self._hand_out(self._plain[j], self._plain_sizes[j], hvd.synchronize(handle))
+            self._hand_out(self._plain[j], self._plain_shapes[j], self._plain_sizes[j],
+                           hvd.synchronize(handle))
         self._plain_handles.clear()
         self._plain_arrived = [0] * len(self._plain)
         for p, h in self._handles.items():
