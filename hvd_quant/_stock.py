@@ -570,15 +570,19 @@ class StockCompression:
         callable handle (as for Horovod's own sparse path): no placeholder, no Horovod op per tensor,
         no frame lookup. ``direct`` turns on once every rank has handed out a bucket (the first
         ``_finish_slot``), and off at a step's first gradient in a new world (elastic), for one step:
-        the ranks that joined start with Horovod's per-tensor path, so every rank does. Other
-        gradients (sparse, outside the plan) take Horovod's own path."""
+        the ranks that joined start with Horovod's per-tensor path, so every rank does. A plan with
+        no bucket (every gradient too small or 1-D; no ``_finish_slot``) turns direct at its second
+        step's first gradient instead, and again after a new world's first step. Other gradients
+        (sparse, outside the plan) take Horovod's own path."""
         horovod_async = owner._allreduce_grad_async
+        always = not group.plan.buckets
 
         def allreduce_grad_async(p):
             if p not in group.index:
                 return horovod_async(p)
-            if group.direct and (not group.seen or p in group.seen) and self._world_changed(group):
-                group.direct = False
+            begins = not group.seen or p in group.seen      # this step's first gradient
+            if begins and (group.direct or (always and group.seen)):
+                group.direct = not self._world_changed(group)
             if group.direct and p.grad is None:
                 p.grad = p.data.new(p.size()).zero_()   # as Horovod: a gradient of zeros
             grad = p.grad

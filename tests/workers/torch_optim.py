@@ -355,10 +355,17 @@ def option_cases():
     # from its second step (its first is Horovod's, one allreduce per tensor, placeholders for the
     # compressed ones), and no longer allreduces a placeholder. The results are checked against the
     # reference by every step_checks case.
+    # A stock plan with no bucket (nothing large enough to compress) fuses its gradients the same way
+    # from its second step, with no bucket's hand-out to turn that on.
     import horovod.torch.optimizer as hvd_optimizer
-    for entry, first in (("ours", 0), ("stock", 1)):
+    for entry, first in (("ours", 0), ("stock", 1), ("stock-no-bucket", 1)):
         m = fresh()
-        opt = make_opt(entry, m, Q4D)
+        if entry == "stock-no-bucket":
+            comp = hvd_quant.StockCompression(codec(Q4D), reduction="sra", min_compress_numel=10 ** 9)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                           named_parameters=list(m.named_parameters()), compression=comp)
+        else:
+            opt = make_opt(entry, m, Q4D)
         names, real = [], hvd.allreduce_async_
 
         def counting(tensor, *args, **kw):
