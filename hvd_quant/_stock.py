@@ -42,16 +42,16 @@ Frameworks. ``compress`` dispatches on the tensor's type through :data:`FRONTEND
 ``type(tensor)`` -> backend module). A backend module provides ``stock_backend(process_set)`` ->
 ``(Collectives, ArrayOps)`` and ``stock_adapter()`` -> an object with ``describe(t)``,
 ``placeholder(t)``, ``split(flat, sizes)``, ``restore(flat, info)``, ``as_float(t)``, ``sendable(t)``
-and ``cast_back(t, info)`` (see ``hvd_quant/torch/_backend.py``). Optionally ``stock_compress(stock_compression, tensor)``: return
-``(tensor, ctx)`` to take over ``compress`` or None to let the generic path run; a ctx with a
-``stock_decompress(summed)`` method then finishes in ``decompress``. TensorFlow's hook
+and ``cast_back(t, info)`` (see ``hvd_quant/torch/_backend.py``). Optionally
+``stock_compress(stock_compression, tensor)``: return ``(tensor, ctx)`` to take over ``compress`` or
+None to let the generic path run; a ctx with a ``stock_decompress(summed)`` method then finishes in
+``decompress``. TensorFlow's hook
 (``hvd_quant/tensorflow/_graph.py``) builds symbolic tensors' exchanges into the graph with the public
 methods here and hands eager ones to :meth:`StockCompression.compress_on`. The configuration is a
 :class:`hvd_quant.plan.Config`, as in the frontends' optimizers.
 """
 import functools
 import importlib
-import itertools
 import sys
 import threading
 import weakref
@@ -246,7 +246,6 @@ class _Group:
         self.plain_names = [f"hvdq.stock.plain.{_plan.bucket_header([tensors[i].name for i in g])}"
                             for g in fused]
         self.plain_sizes = [[numels[i] for i in g] for g in fused]
-        self.plain_offsets = [list(itertools.accumulate(sizes, initial=0)) for sizes in self.plain_sizes]
         self.plain_where = {params[i]: (j, m) for j, g in enumerate(fused) for m, i in enumerate(g)}
         self.plain = fused
         self.taken_over = False     # StockCompression._take_over replaced its _allreduce_grad_async
@@ -624,11 +623,11 @@ class StockCompression:
     def _launch_plain(group, j):
         """Plain group ``j``: one Horovod allreduce of its gradients, flattened (zeros for a member
         that never arrived), with the optimizer's op and Horovod's pre/post-scale split."""
-        session, grads, offsets = group.session, group.plain_grads[j], group.plain_offsets[j]
+        session, grads, sizes = group.session, group.plain_grads[j], group.plain_sizes[j]
         like = next(g for g in grads if g is not None)
-        flat = session.ops.flatten([g if g is not None else session.ops.zeros(b - a, like)
-                                    for g, a, b in zip(grads, offsets, offsets[1:])])
-        n = offsets[-1]
+        flat = session.ops.flatten([g if g is not None else session.ops.zeros(size, like)
+                                    for g, size in zip(grads, sizes)])
+        n = sum(sizes)
         session.exchange.traffic.add_allreduce(4 * n, n, session.coll.size)
         op = _plan.AVERAGE if group.average else _SUM
         pre, post = group.scale_split

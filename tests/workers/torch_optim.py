@@ -103,9 +103,10 @@ def make_opt(entry, model, spec, base=None, reduction="sra", **kw):
         return hqt.DistributedOptimizer(base, named_parameters=named, compression=codec(spec),
                                         reduction=reduction, bucket_bytes=16384, **kw)
     ef = kw.pop("error_feedback", None)
+    stock_kw = {k: kw.pop(k) for k in ("min_compress_numel",) if k in kw}
     comp = codec(spec)
-    if reduction != "sra" or ef is not None:
-        comp = hvd_quant.StockCompression(comp, reduction=reduction, error_feedback=ef)
+    if reduction != "sra" or ef is not None or stock_kw:
+        comp = hvd_quant.StockCompression(comp, reduction=reduction, error_feedback=ef, **stock_kw)
     return hvd.DistributedOptimizer(base, named_parameters=named, compression=comp, **kw)
 
 
@@ -360,12 +361,8 @@ def option_cases():
     import horovod.torch.optimizer as hvd_optimizer
     for entry, first in (("ours", 0), ("stock", 1), ("stock-no-bucket", 1)):
         m = fresh()
-        if entry == "stock-no-bucket":
-            comp = hvd_quant.StockCompression(codec(Q4D), reduction="sra", min_compress_numel=10 ** 9)
-            opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                                           named_parameters=list(m.named_parameters()), compression=comp)
-        else:
-            opt = make_opt(entry, m, Q4D)
+        opt = (make_opt("stock", m, Q4D, min_compress_numel=10 ** 9) if entry == "stock-no-bucket"
+               else make_opt(entry, m, Q4D))
         names, real = [], hvd.allreduce_async_
 
         def counting(tensor, *args, **kw):
