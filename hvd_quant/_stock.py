@@ -253,6 +253,7 @@ class _Group:
         self.device = getattr(params[0], "device", None) if params else None
         self.channel = (None, None)  # (collectives, what carries the payloads) in this world
         self.next_channel = None     # made in this step, used from the next (_go_direct)
+        self.routes_run = set()      # routes that completed a step in this world (payload_channel)
         # Horovod's factor on the sum (module doc): 1/N for Average; Sum: 1. Its pre/post-scale split.
         op = getattr(owner, "op", None)
         self.average = op is None or not hasattr(backend, "core_op") or backend.core_op(op) != _SUM
@@ -324,8 +325,9 @@ class _Group:
     def payload_channel(self, route):
         """What carries this step's payloads on ``route``: the payload group made for the current
         world (its collectives match by order: the buckets then start in plan order), or None
-        (Horovod; always for the allreduce route)."""
-        if route == _plan.ALLREDUCE:
+        (Horovod; always for the allreduce route, and for a route's first step: why in the torch
+        frontend's ``PayloadGroup``)."""
+        if route == _plan.ALLREDUCE or route not in self.routes_run:
             return None
         return self.channel[1] if self.channel[0] is self.session.coll else None
 
@@ -408,6 +410,8 @@ class StockCompression:
         for _, group in self._groups.values():
             if group.session is s:
                 group.new_step()            # the step before the change is not continued
+                group.routes = [_plan.ALLREDUCE] * len(group.routes)
+                group.routes_run.clear()    # the joining ranks' processes ran none
                 if group.auto is not None:
                     group.auto.reset()      # measure again
         return True
@@ -533,8 +537,9 @@ class StockCompression:
     @staticmethod
     def _step_begins(group):
         """A step's first gradient: refill the placeholders, count the ranks that step (hvd.join()),
-        take up a payload group made in the step before."""
+        note the routes the step before completed, take up a payload group made in it."""
         group.next_start = 0
+        group.routes_run.update(r for r, p in zip(group.routes, group.pending) if p is None)
         if group.next_channel is not None:
             group.channel, group.next_channel = group.next_channel, None
         for ones in group.ones.values():

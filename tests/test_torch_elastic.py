@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 STEPS = 20      # per phase: reduction="auto" decides after 3 + 15 steps
 
 
-def _elastic_job(tmp_path, mode, worker="torch_elastic.py", steps=STEPS):
+def _elastic_job(tmp_path, mode, worker="torch_elastic.py", steps=STEPS, group=None):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     discover = tmp_path / "discover.sh"
@@ -36,8 +36,10 @@ def _elastic_job(tmp_path, mode, worker="torch_elastic.py", steps=STEPS):
            "--start-timeout", "60", "--network-interface", "lo",
            sys.executable, f"tests/workers/{worker}", mode]
     t0 = time.monotonic()
-    result = run_command(cmd, timeout=240, env={"HVDQ_ELASTIC_HOSTS": hosts,
-                                                "HVDQ_ELASTIC_STEPS": steps})
+    env = {"HVDQ_ELASTIC_HOSTS": hosts, "HVDQ_ELASTIC_STEPS": steps}
+    if group:
+        env["HVDQ_TEST_PAYLOAD_GROUP"] = group
+    result = run_command(cmd, timeout=240, env=env)
     print(f"{mode}: {time.monotonic() - t0:.1f}s")
     return result
 
@@ -46,9 +48,13 @@ def _check_lines(out):
     return re.findall(r"CHECK (ok|FAIL) (\S+): ?(.*)", out)
 
 
-@pytest.mark.parametrize("mode", ["hvdq", "stock"])
-def test_elastic_grow_and_shrink(mode, tmp_path):
-    result = _elastic_job(tmp_path, mode)
+@pytest.mark.parametrize("mode,group", [("hvdq", None), ("stock", None),
+                                        # the payload groups (made on CUDA) as Gloo groups: a new
+                                        # world's ranks agree on which steps they carry
+                                        ("hvdq", "gloo"), ("stock", "gloo")],
+                         ids=["hvdq", "stock", "hvdq-group", "stock-group"])
+def test_elastic_grow_and_shrink(mode, group, tmp_path):
+    result = _elastic_job(tmp_path, mode, group=group)
     out = result.stdout
     fails = [c for c in _check_lines(out) if c[0] == "FAIL"]
     assert not fails, "\n".join(" ".join(c) for c in fails) + "\n" + out[-4000:]

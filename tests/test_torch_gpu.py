@@ -5,9 +5,13 @@ tests/workers/torch_exchange.py, torch_optim.py and torch_mismatch.py run with
 bit for bit with the pipeline replayed on the CPU, so it also holds the CUDA kernels equal to the CPU
 ones inside the exchange. Needs 2 GPUs and Horovod built with NCCL (scripts/build_horovod_gpu.sh).
 """
+import csv
+import os
+import sys
+
 import pytest
 
-from launch import run_horovod
+from launch import ROOT, run_horovod
 from test_exchange_multiproc import assert_all_ranks_passed
 
 torch = pytest.importorskip("torch")
@@ -27,3 +31,24 @@ ENV = {"HVDQ_TEST_DEVICE": "cuda"}
 def test_workers_on_cuda(worker, args):
     result = run_horovod(worker, np=2, controller="gloo", args=args, env=ENV, timeout=900)
     assert_all_ranks_passed(result, 2)
+
+
+def test_resnet50_trains_on_the_payload_groups(tmp_path):
+    """ResNet-50 (torchvision, batch 64) for a few steps on 2 GPUs over NVLink, through both entry
+    points with SRA and ``auto``, as ``python -m hvd_quant.bench train`` runs it: every job ends and
+    its replicas are identical. With the payload groups carrying a route's first step, SRA's jobs hung
+    there (CUDA's lazy loading; ``hvd_quant.torch._backend.PayloadGroup``), which the tiny models of
+    the workers above never showed."""
+    pytest.importorskip("torchvision")
+    import subprocess
+    out = tmp_path / "bench"
+    methods = ["hvdq-qsgd4-sra", "hvdq-qsgd4-auto", "stock-qsgd4-sra"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-m", "hvd_quant.bench", "train", "--np", "2", "--networks", "nvlink",
+                    "--models", "resnet50", "--methods", ",".join(methods), "--num-warmup-batches", "12",
+                    "--num-batches-per-iter", "2", "--num-iters", "2", "--timeout", "150", "--no-plot",
+                    "--out", str(out)], env=env, check=False, timeout=900)
+    with open(out / "train.csv", newline="") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    for m in methods:
+        assert rows[m]["status"] == "ok" and rows[m]["replicas"] == "identical", (m, rows[m])

@@ -125,6 +125,17 @@ class PayloadGroup:
     rank; ``second`` carries SRA's allgathers of the reduced chunks, which the exchange starts in the
     order of the alltoalls (:meth:`~hvd_quant.exchange.Exchange.advance`), whenever each rank gets
     to them.
+
+    A route's first step in a world goes through Horovod's collectives, not the groups (the
+    frontends' ``_channel_for`` / ``payload_channel``): with CUDA's lazy module loading (the default)
+    a kernel's first launch may wait for every kernel running on the device, and a collective of
+    these groups, started as soon as its bucket is encoded, spins until the peers start theirs.
+    Two groups and Horovod's communicator start their collectives in orders that differ from rank to
+    rank (SRA's second phase starts when its alltoall is seen complete), so two ranks each loading a
+    kernel, each with a collective spinning for the other, wait forever: ResNet-50 with SRA hung in
+    its first step on 2 and 4 GPUs, and ran with ``CUDA_MODULE_LOADING=EAGER`` (docs/RESULTS.md,
+    "ResNet-50 with SRA hung"). Horovod's collectives start only when every rank has asked, in one
+    order; after a route's first step its kernels and the model's are loaded.
     """
 
     def __init__(self, store, process_set, backend, device):

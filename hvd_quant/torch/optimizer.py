@@ -113,6 +113,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._memory = Memory(_backend.OPS) if self.error_feedback else None
         self._coll = None             # the process set's Collectives, once connected
         self._channel = None          # the payloads' process groups in this world (_payload_group)
+        self._routes_run = set()      # routes that completed a step in this world (_channel_for)
         self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")
         self._auto = AutoChoice() if self.reduction == AUTO else None
         self._handles = {}           # param -> plain allreduce handle (or callable for sparse)
@@ -186,6 +187,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for ex in self._exchanges.values():
             ex.coll = coll
         self._channel = self._payload_group()
+        self._routes_run.clear()        # a joining rank's process ran none
         if self._auto is not None:
             self._auto.reset()          # another world: measure again
 
@@ -207,6 +209,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return None
         return _backend.payload_group(self.process_set, self._bucket_params[0][0].device,
                                       self._prefix)
+
+    def _channel_for(self, route):
+        """What carries this step's payloads on ``route``: the payload group from the route's second
+        step on; its first step goes through Horovod's collectives (why: ``_backend.PayloadGroup``)."""
+        return self._channel if route in self._routes_run else None
 
     def _route(self):
         """How this step's compressed buckets travel: ``"sra"``, ``"allgather"`` or ``"allreduce"``."""
@@ -308,8 +315,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if q in self._p_bucket and q not in self._handles:
                     self._launch_plain(q)
             return
-        ex = self._exchange_for(self._route())
-        channel = self._channel
+        route = self._route()
+        ex = self._exchange_for(route)
+        channel = self._channel_for(route)
         if channel is not None:
             complete, self._complete, self._next_start = _plan.in_plan_order(complete, self._next_start)
         for k in complete:
@@ -380,9 +388,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._ready(p)
         self._start_complete(wait=True)
         started = [k for k, pending in enumerate(self._pending) if pending is not None]
-        self._last_routes = (self._route(), started)
-        flats = self._exchange_for(self._route()).finish_all([self._pending[k] for k in started]) \
-            if started else []
+        route = self._route()
+        self._last_routes = (route, started)
+        flats = self._exchange_for(route).finish_all([self._pending[k] for k in started]) if started else []
+        if started:
+            self._routes_run.add(route)
         scale = self.config.result_scale(self._coll.size)
         for k, flat in zip(started, flats):
             if scale != 1.0:

@@ -39,6 +39,9 @@ from hvd_quant.plan import AutoChoice  # noqa: E402
 MODE = sys.argv[1]
 
 hvd.init()
+if os.environ.get("HVDQ_TEST_PAYLOAD_GROUP"):   # the payload groups on the CPU too, as on CUDA
+    from hvd_quant.torch import _backend
+    _backend.PAYLOAD_GROUP["cpu"] = os.environ["HVDQ_TEST_PAYLOAD_GROUP"]
 check = _checks.Checks(hvd)
 torch.manual_seed(1234)
 

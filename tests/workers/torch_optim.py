@@ -320,7 +320,8 @@ def option_cases():
     # bucket starts first; a.weight's gradient is held back (on every rank) until b's alltoall has
     # completed, so when a's own bucket starts, b's is advanced then, before synchronize(). (b.weight
     # is held back 0.2 s: a bucket starts once the step's presence count, hvd.join(), issued at c's
-    # gradient, is known, and no other gradient would look for it before a.weight's.)
+    # gradient, is known, and no other gradient would look for it before a.weight's.) The second
+    # step's, so that with a payload group (HVDQ_TEST_PAYLOAD_GROUP) the group carries it.
     m = fresh()
     opt = hqt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
                                    named_parameters=m.named_parameters(), compression=codec(Q4D),
@@ -335,13 +336,18 @@ def option_cases():
                 return
             time.sleep(0.005)
 
-    m.b.weight.register_hook(lambda g: time.sleep(0.2))
-    m.a.weight.register_hook(b_alltoall_done)
     x, y = batch(0, 68)
     F.cross_entropy(m(x), y).backward()
-    stage = opt._pending[kb].stage
     opt.step()
-    check(stage == "second", "ours/sra: second phase started during backward", f"stage {stage}")
+    opt.zero_grad()
+    m.b.weight.register_hook(lambda g: time.sleep(0.2))
+    m.a.weight.register_hook(b_alltoall_done)
+    F.cross_entropy(m(x), y).backward()
+    stage, channel = opt._pending[kb].stage, opt._pending[kb].channel
+    opt.step()
+    from hvd_quant.torch._backend import PAYLOAD_GROUP
+    check(stage == "second" and (channel is not None) == (DEVICE.type in PAYLOAD_GROUP),
+          "ours/sra: second phase started during backward", f"stage {stage}, channel {channel}")
     # The stock path fuses: one optimizer's compressed gradients travel as one bucket per step.
     m = fresh()
     comp = hvd_quant.StockCompression(codec(Q4D), reduction="sra")
@@ -649,9 +655,10 @@ def payload_group_cases():
     on CUDA by default; forced onto the CPU here with Gloo), both reductions: with buckets that
     complete in an order differing between ranks, every compressed gradient equals, bit for bit, that
     of the same steps through Horovod's collectives (deterministic codecs: the payloads do not depend
-    on the optimizer's name). The stock path makes its group at the end of its first step (Horovod's
-    collectives then) and uses it from the second. ``HVD_QUANT_PAYLOAD_GROUP=0`` on rank 0 turns the
-    group off on every rank; on another rank alone it changes nothing (rank 0 decides)."""
+    on the optimizer's name). A route's first step goes through Horovod's collectives, the group
+    carries the next ones (the stock path makes its group at the end of its first step).
+    ``HVD_QUANT_PAYLOAD_GROUP=0`` on rank 0 turns the group off on every rank; on another rank alone
+    it changes nothing (rank 0 decides)."""
     from hvd_quant.torch import _backend
     calls = [0]
     plain = _backend.PayloadGroup.allgather, _backend.PayloadGroup.alltoall
@@ -706,7 +713,7 @@ def payload_group_cases():
             for group in (False, True):
                 calls[0] = 0
                 got[group], sizes = run(entry, spec, reduction, group)
-                expected = (3 if entry == "ours" else 2) * 2 * per_bucket if group else 0
+                expected = 2 * 2 * per_bucket if group else 0       # steps 2 and 3, two buckets
                 check(calls[0] == expected and sizes == [2, 1],
                       f"payload-group {entry} {spec} {reduction} group={group} collectives",
                       f"{calls[0]} through the group")
@@ -721,7 +728,7 @@ def payload_group_cases():
                 grads, _ = run("ours", Q4D, "allgather", True)
             finally:
                 os.environ.pop("HVD_QUANT_PAYLOAD_GROUP", None)
-            check(calls[0] == (0 if off == 0 else 6) and same(grads, horovods["ours", Q4D, "allgather"]),
+            check(calls[0] == (0 if off == 0 else 4) and same(grads, horovods["ours", Q4D, "allgather"]),
                   f"payload-group HVD_QUANT_PAYLOAD_GROUP=0 on rank {off}", f"{calls[0]} through the group")
     finally:
         _backend.PayloadGroup.allgather, _backend.PayloadGroup.alltoall = plain
