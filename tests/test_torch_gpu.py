@@ -3,10 +3,12 @@
 tests/workers/torch_exchange.py, torch_optim.py and torch_mismatch.py run with
 ``HVDQ_TEST_DEVICE=cuda`` (one GPU per rank), 2 ranks. The exchange worker compares the GPU result
 bit for bit with the pipeline replayed on the CPU, so it also holds the CUDA kernels equal to the CPU
-ones inside the exchange. Needs 2 GPUs and Horovod built with NCCL (scripts/build_horovod_gpu.sh).
+ones inside the exchange. ResNet-50 trains a few steps through ``python -m hvd_quant.bench train``.
+Needs 2 GPUs and Horovod built with NCCL (scripts/build_horovod_gpu.sh).
 """
 import csv
 import os
+import subprocess
 import sys
 
 import pytest
@@ -34,15 +36,14 @@ def test_workers_on_cuda(worker, args):
 
 
 def test_resnet50_trains_on_the_payload_groups(tmp_path):
-    """ResNet-50 (torchvision, batch 64) for a few steps on 2 GPUs over NVLink, through both entry
-    points with SRA and ``auto``, as ``python -m hvd_quant.bench train`` runs it: every job ends and
-    its replicas are identical. With the payload groups carrying a route's first step, SRA's jobs hung
-    there (CUDA's lazy loading; ``hvd_quant.torch._backend.PayloadGroup``), which the tiny models of
-    the workers above never showed."""
+    """ResNet-50 (torchvision, batch 64) for 16 steps on 2 GPUs over NVLink, through both entry points
+    with SRA and ``auto`` (and 1-bit SRA, with its residuals), as ``python -m hvd_quant.bench train``
+    runs it: every job ends and its replicas are identical. With the payload groups carrying a
+    route's first step, SRA's jobs hung there (CUDA's lazy loading; ``hvd_quant.torch._backend.
+    PayloadGroup``), which the tiny models of the workers above never showed."""
     pytest.importorskip("torchvision")
-    import subprocess
     out = tmp_path / "bench"
-    methods = ["hvdq-qsgd4-sra", "hvdq-qsgd4-auto", "stock-qsgd4-sra"]
+    methods = ["hvdq-qsgd4-sra", "hvdq-qsgd4-auto", "stock-qsgd4-sra", "hvdq-onebit-sra"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-m", "hvd_quant.bench", "train", "--np", "2", "--networks", "nvlink",
                     "--models", "resnet50", "--methods", ",".join(methods), "--num-warmup-batches", "12",
