@@ -547,7 +547,7 @@ class StockCompression:
         if group.presence is not None:
             coll = group.session.coll
             group.presence.end_step(coll)
-            if coll.size > 1 and group.route() != _plan.ALLREDUCE:
+            if coll.size > 1 and group.plan.buckets and group.route() != _plan.ALLREDUCE:
                 group.presence.start(coll)
 
     def _group(self, backend, caller):
