@@ -211,7 +211,11 @@ class PayloadGroup:
             out = t.new_empty(t.numel() * self.size)
             return _GroupWork(self.first._allgather_base(out, t), out)
         if t.numel() != each:
-            t = torch.nn.functional.pad(t, (0, each - t.numel()))
+            # the padding's bytes are never read (a copy, not a kernel: nothing loads while a
+            # collective of these groups may spin, see the class doc)
+            padded = t.new_empty(each)
+            padded[:t.numel()].copy_(t)
+            t = padded
         out = t.new_empty(each * self.size)
         return _GroupWork(self.second._allgather_base(out, t), out[:total])
 
