@@ -23,7 +23,8 @@ one) is taken over at its first gradient (:meth:`StockCompression._take_over`). 
 its gradients go straight into their buckets, and the float32 ones left uncompressed into plain groups
 (one Horovod allreduce each), as in hvd_quant's optimizer; Horovod's ``synchronize`` gets each result
 from a callable handle, as for Horovod's own sparse path: no Horovod op and no frame lookup per tensor.
-Its allgather payloads stay on Horovod's allgather. Without such an owner
+On CUDA the compressed payloads then travel on a payload group of the plan's own (the torch
+frontend's ``PayloadGroup``), from a route's second step. Without such an owner
 (``hvd.allreduce(t, compression=...)``, TensorFlow) each tensor is its own exchange, as in 1-3 above.
 
 Tensors with fewer than ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and
