@@ -24,7 +24,7 @@ its gradients go straight into their buckets, and the float32 ones left uncompre
 (one Horovod allreduce each), as in hvd_quant's optimizer; Horovod's ``synchronize`` gets each result
 from a callable handle, as for Horovod's own sparse path: no Horovod op and no frame lookup per tensor.
 On CUDA the compressed payloads then travel on a payload group of the plan's own (the torch
-frontend's ``PayloadGroup``), from a route's second step. Without such an owner
+frontend's ``PayloadGroup``), once a route has run one such step. Without such an owner
 (``hvd.allreduce(t, compression=...)``, TensorFlow) each tensor is its own exchange, as in 1-3 above.
 
 Tensors with fewer than ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and
@@ -254,7 +254,8 @@ class _Group:
         self.device = getattr(params[0], "device", None) if params else None
         self.channel = (None, None)  # (collectives, what carries the payloads) in this world
         self.next_channel = None     # made in this step, used from the next (_go_direct)
-        self.routes_run = set()      # routes that completed a step in this world (payload_channel)
+        self.routes_run = set()      # routes that completed a direct step in this world (payload_channel)
+        self.stepped_direct = False  # whether the step under way went straight into the buckets
         # Horovod's factor on the sum (module doc): 1/N for Average; Sum: 1. Its pre/post-scale split.
         op = getattr(owner, "op", None)
         self.average = op is None or not hasattr(backend, "core_op") or backend.core_op(op) != _SUM
@@ -326,8 +327,8 @@ class _Group:
     def payload_channel(self, route):
         """What carries this step's payloads on ``route``: the payload group made for the current
         world (its collectives match by order: the buckets then start in plan order), or None
-        (Horovod; always for the allreduce route, and for a route's first step: why in the torch
-        frontend's ``PayloadGroup``)."""
+        (Horovod; always for the allreduce route, and until the route has completed a step whose
+        gradients went straight into their buckets: why in the torch frontend's ``PayloadGroup``)."""
         if route == _plan.ALLREDUCE or route not in self.routes_run:
             return None
         return self.channel[1] if self.channel[0] is self.session.coll else None
@@ -538,9 +539,12 @@ class StockCompression:
     @staticmethod
     def _step_begins(group):
         """A step's first gradient: refill the placeholders, count the ranks that step (hvd.join()),
-        note the routes the step before completed, take up a payload group made in it."""
+        note the routes the step before completed (a taken-over step: the path of the steps after
+        it), take up a payload group made in it."""
         group.next_start = 0
-        group.routes_run.update(r for r, p in zip(group.routes, group.pending) if p is None)
+        if group.stepped_direct:    # the step before ran the code of every later step
+            group.routes_run.update(r for r, p in zip(group.routes, group.pending) if p is None)
+        group.stepped_direct = group.direct
         if group.next_channel is not None:
             group.channel, group.next_channel = group.next_channel, None
         for ones in group.ones.values():

@@ -659,7 +659,8 @@ def payload_group_cases():
     complete in an order differing between ranks, every compressed gradient equals, bit for bit, that
     of the same steps through Horovod's collectives (deterministic codecs: the payloads do not depend
     on the optimizer's name). A route's first step goes through Horovod's collectives, the group
-    carries the next ones (the stock path makes its group at the end of its first step).
+    carries the next ones (the stock path counts from its second step, the first whose gradients
+    go straight into their buckets).
     ``HVD_QUANT_PAYLOAD_GROUP=0`` on rank 0 turns the group off on every rank; on another rank alone
     it changes nothing (rank 0 decides)."""
     from hvd_quant.torch import _backend
@@ -716,7 +717,8 @@ def payload_group_cases():
             for group in (False, True):
                 calls[0] = 0
                 got[group], sizes = run(entry, spec, reduction, group)
-                expected = 2 * 2 * per_bucket if group else 0       # steps 2 and 3, two buckets
+                # two buckets in steps 2 and 3; the stock path's in step 3 only
+                expected = (2 if entry == "ours" else 1) * 2 * per_bucket if group else 0
                 check(calls[0] == expected and sizes == [2, 1],
                       f"payload-group {entry} {spec} {reduction} group={group} collectives",
                       f"{calls[0]} through the group")
