@@ -254,7 +254,7 @@ class _Group:
         self.device = getattr(params[0], "device", None) if params else None
         self.channel = (None, None)  # (collectives, what carries the payloads) in this world
         self.next_channel = None     # made in this step, used from the next (_go_direct)
-        self.routes_run = set()      # routes that completed a direct step in this world (payload_channel)
+        self.routes_run = set()      # routes that completed a direct step in this world
         self.stepped_direct = False  # whether the step under way went straight into the buckets
         # Horovod's factor on the sum (module doc): 1/N for Average; Sum: 1. Its pre/post-scale split.
         op = getattr(owner, "op", None)

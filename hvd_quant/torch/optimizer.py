@@ -390,8 +390,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         started = [k for k, pending in enumerate(self._pending) if pending is not None]
         route = self._route()
         self._last_routes = (route, started)
-        flats = self._exchange_for(route).finish_all([self._pending[k] for k in started]) if started else []
+        flats = []
         if started:
+            flats = self._exchange_for(route).finish_all([self._pending[k] for k in started])
             self._routes_run.add(route)
         scale = self.config.result_scale(self._coll.size)
         for k, flat in zip(started, flats):
