@@ -254,8 +254,6 @@ class _Group:
         self.device = getattr(params[0], "device", None) if params else None
         self.channel = (None, None)  # (collectives, what carries the payloads) in this world
         self.next_channel = None     # made in this step, used from the next (_go_direct)
-        self.routes_run = set()      # routes that completed a direct step in this world
-        self.stepped_direct = False  # whether the step under way went straight into the buckets
         # Horovod's factor on the sum (module doc): 1/N for Average; Sum: 1. Its pre/post-scale split.
         op = getattr(owner, "op", None)
         self.average = op is None or not hasattr(backend, "core_op") or backend.core_op(op) != _SUM
@@ -292,6 +290,9 @@ class _Group:
         self.plain_left = [0] * len(self.plain)
         self.complete = []             # complete buckets waiting for this step's presence count
         self.next_start = 0            # with a payload channel: the next bucket to start, plan order
+        self.stepped_direct = False    # whether the step under way went straight into the buckets
+        self.routes_run = set()        # routes that completed a direct step in this world (joining
+                                       # ranks' processes ran none)
         self.like = None               # a gradient of this step (zeros for buckets none reached)
         if self.presence is not None:
             self.presence.reset()
@@ -412,8 +413,6 @@ class StockCompression:
         for _, group in self._groups.values():
             if group.session is s:
                 group.new_step()            # the step before the change is not continued
-                group.routes = [_plan.ALLREDUCE] * len(group.routes)
-                group.routes_run.clear()    # the joining ranks' processes ran none
                 if group.auto is not None:
                     group.auto.reset()      # measure again
         return True
