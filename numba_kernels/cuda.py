@@ -113,8 +113,6 @@ SIG_BLOCK_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _F6
 SIG_REDUCE = (_F32, _F32, _I64, _I64, _I64) + _SRC
 SIG_DECODE_MULTI = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _U32, _I64, _I64, _F64, _I64, _I64,
                     _I64, _I64, _I64, _I64, _I64)
-SIG_HEADER = (_U8, _HDR)
-SIG_CHECK = (_U8, _I32, _EXP, _B1)
 
 
 def _kernel(name, make, spec):
@@ -474,7 +472,7 @@ class _Encode:
 class _Decode:
     """A prepared decode: ``__call__(payload, out, stream, status, expect)``."""
     __slots__ = ("numel", "total", "codes_off", "scales_off", "nwords", "nscales", "path", "spec",
-                 "args", "grid", "_raw", "_exp", "_check")
+                 "args", "grid", "_raw", "_exp")
 
     def __init__(self, numel, bits, bs, kind, accumulate, lay):
         self.numel = numel
@@ -485,7 +483,6 @@ class _Decode:
         nb = lay.nbuckets
         self._raw = None
         self._exp = None
-        self._check = None
         if _W.supported(bits, bs, numel, FUSE_MAX):
             self.path = "warp"
             self.spec = (bits, kind, _W.dec_steps(bs))
