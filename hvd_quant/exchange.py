@@ -120,7 +120,6 @@ class ArrayOps:
     empty_bytes: Callable[[int, Any], Any]           # (nbytes, like) -> uint8, contents undefined
     add_: Callable[[Any, Any], Any]                  # a += b
     scale_: Callable[[Any, Any], Any]                # a *= s; s a float or a 1-element tensor
-    rsub_: Callable[[Any, Any], Any]                 # out = a - out   (residual = compensated - decoded)
     numel: Callable[[Any], int]
     from_bytes: Callable[[bytes], Any]               # host bytes -> 1-D uint8 host tensor (handshake)
     to_bytes: Callable[[Any], bytes]                 # uint8 tensor -> host bytes (handshake only)

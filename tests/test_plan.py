@@ -21,7 +21,7 @@ NUMPY_OPS = ArrayOps(
     zeros=lambda n, like: np.zeros(n, np.float32), empty=lambda n, like: np.empty(n, np.float32),
     slice=lambda buf, a, b: buf[a:b], empty_bytes=lambda n, like: np.empty(n, np.uint8),
     add_=lambda a, b: np.add(a, b, out=a), scale_=lambda a, s: np.multiply(a, s, out=a),
-    rsub_=lambda out, a: np.subtract(a, out, out=out), numel=lambda t: int(np.size(t)),
+    numel=lambda t: int(np.size(t)),
     from_bytes=lambda b: np.frombuffer(b, np.uint8).copy(), to_bytes=lambda t: bytes(t),
     to_like=lambda t, like: t, clone=lambda t: np.array(t, copy=True))
 

@@ -74,10 +74,6 @@ def _scale_(a, s):
     return a * s
 
 
-def _rsub_(out, a):
-    return np.subtract(a, out, out=out)
-
-
 OPS = ArrayOps(
     flatten=_flatten,
     zeros=lambda numel, like: np.zeros(numel, np.float32),
@@ -86,7 +82,6 @@ OPS = ArrayOps(
     empty_bytes=lambda nbytes, like: np.empty(nbytes, np.uint8),
     add_=_add_,
     scale_=_scale_,
-    rsub_=_rsub_,
     numel=lambda t: int(np.size(t)),
     from_bytes=lambda b: np.frombuffer(bytes(b), dtype=np.uint8).copy(),
     to_bytes=lambda t: to_numpy(t, np.uint8).tobytes(),

@@ -76,18 +76,12 @@ def _kernels():
             a[i] *= s
 
     @cuda.jit
-    def rsub(out, a, n):              # out = a - out
-        i = cuda.grid(1)
-        if i < n:
-            out[i] = a[i] - out[i]
-
-    @cuda.jit
     def fill(a, v, n):
         i = cuda.grid(1)
         if i < n:
             a[i] = v
 
-    _KERNELS.update(add=add, scale_by=scale_by, scale_const=scale_const, rsub=rsub, fill=fill)
+    _KERNELS.update(add=add, scale_by=scale_by, scale_const=scale_const, fill=fill)
     return _KERNELS
 
 
@@ -144,11 +138,6 @@ def _scale_(a, s):
     return a
 
 
-def _rsub_(out, a):
-    _launch("rsub", out.size, out, a)
-    return out
-
-
 def _to_host(t):
     return t.copy_to_host() if is_device_array(t) else np.asarray(t)
 
@@ -175,7 +164,6 @@ DEVICE_OPS = ArrayOps(
     empty_bytes=lambda n, like: _empty(n, np.uint8),
     add_=_add_,
     scale_=_scale_,
-    rsub_=_rsub_,
     numel=lambda t: int(t.size),
     from_bytes=lambda b: _cuda().to_device(np.frombuffer(bytes(b), dtype=np.uint8).copy()),
     to_bytes=lambda t: _to_host(t).astype(np.uint8, copy=False).tobytes(),

@@ -43,10 +43,6 @@ def _empty(numel, like):
     return torch.empty(numel, dtype=torch.float32, device=like.device)
 
 
-def _rsub_(out, a):
-    return torch.sub(a, out, out=out)
-
-
 def _to_like(t, like):
     return t if t.device == like.device else t.to(like.device)
 
@@ -69,7 +65,6 @@ OPS = ArrayOps(
     empty_bytes=lambda nbytes, like: torch.empty(nbytes, dtype=torch.uint8, device=like.device),
     add_=lambda a, b: a.add_(b),
     scale_=lambda a, s: a.mul_(s),
-    rsub_=_rsub_,
     numel=lambda t: t.numel(),
     from_bytes=lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8),
     to_bytes=lambda t: t.detach().cpu().numpy().tobytes(),
