@@ -5,6 +5,8 @@
 # horovod-0.28.1.tar.gz, cffi + pycparser (Horovod's setup_requires), numpy 2.4.6 (numba-cuda 0.30 fails
 # with NumPy 2.5).
 #   bash scripts/gpu_suite.sh [steps...]     steps: build tests codec exchange (default: all)
+# GPU_TESTS picks the test files of the tests step (default: all of tests/; the device tool's calls
+# of 10 minutes take the two-GPU tests, tests/test_torch_gpu.py, in one call and the rest in another).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -24,7 +26,7 @@ if step build; then
 fi
 [[ -f /tmp/hvd_gpu_build/env.sh ]] && source /tmp/hvd_gpu_build/env.sh
 if step tests; then
-  run tests python3 -m pytest tests -m "gpu" -ra -q -p no:cacheprovider
+  run tests python3 -m pytest ${GPU_TESTS:-tests} -m "gpu" -ra -q -p no:cacheprovider
 fi
 if step codec; then
   run codec python3 -m hvd_quant.bench codec --device cuda --numel 100000000 --bucket-size 512

@@ -39,9 +39,31 @@ def _nan_eq(a, b):
 
 
 
+BUCKET_SIZES = (1, 7, 64, 96, 256, 352, 512, 10000)
+
+
 def check_kernels_match_reference():
-    """Every size around groups/lanes/buckets, every bit width, both roundings and norms, 1-bit;
-    buckets above v2's FUSE_MAX (its two-kernel path) and the header check folded into the decode."""
+    """The cases of ``kernels_match_reference_part``, one process per bucket size (and one for the
+    rest) at once: each part compiles its own kernel specialisations (several hundred in all, a
+    second or two each), which in one process took longer than a 10-minute call of the device tool."""
+    import subprocess
+    parts = [str(bs) for bs in BUCKET_SIZES] + ["rest"]
+    procs = {part: subprocess.Popen([sys.executable, __file__, "--part", part], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for part in parts}
+    fails = []
+    for part, proc in procs.items():
+        out, _ = proc.communicate()
+        fails += [line[len("FAIL "):] for line in out.splitlines() if line.startswith("FAIL ")]
+        if proc.returncode or f"PART {part} DONE" not in out:
+            fails.append(f"part {part} exited {proc.returncode}: {out[-2000:]}")
+    return fails
+
+
+def kernels_match_reference_part(bucket_sizes, rest):
+    """Every size around groups/lanes/buckets, every bit width, both roundings and norms, 1-bit, for
+    the given bucket sizes (including buckets above FUSE_MAX: the general path's two-kernel encode);
+    with ``rest``, a decode grid striding over more bucket groups than fit at once and the header
+    check folded into the decode."""
     from numba import cuda
     import numba_kernels.cuda as K
     from numba_kernels import reference as R, wire
@@ -58,7 +80,7 @@ def check_kernels_match_reference():
         if n > 20:
             x[rng.integers(0, n, 3)] = [np.nan, np.inf, 0.0]
         xd = cuda.to_device(x)
-        for bs in (1, 7, 64, 96, 256, 352, 512, 10000):
+        for bs in bucket_sizes:
             for bits in ((2, 3, 4, 5, 8, 12, 16) if bs != 10000 else (3, 4)):
                 for st in (True, False):
                     for l2 in (False, True):
@@ -111,7 +133,9 @@ def check_kernels_match_reference():
                     K.onebit_decode_cuda(cuda.to_device(want), o, bs1, tm, False)
                     if not (ok and _nan_eq(a, o.copy_to_host())):
                         fails.append(f"onebit n={n}{' wide' if wide else ''} bs={bs1} two_mean={tm} enc={ok}")
-    # v3's persistent decode grid strides over more bucket groups than fit on the GPU at once
+    if not rest:
+        return fails
+    # the warp path's persistent decode grid strides over more bucket groups than fit at once
     n = 5_000_000
     x = rng.standard_normal(n).astype(np.float32)
     xd = cuda.to_device(x)
@@ -418,6 +442,13 @@ if pytest is not None:
 
 if __name__ == "__main__":
     import time
+    if sys.argv[1:2] == ["--part"]:       # one part of kernels_match_reference (it starts these)
+        part = sys.argv[2]
+        rest = part == "rest"
+        for f in kernels_match_reference_part(() if rest else (int(part),), rest):
+            print("FAIL", f)
+        print(f"PART {part} DONE")
+        sys.exit(0)
     bad = 0
     for name in CHECKS:
         t0 = time.time()
