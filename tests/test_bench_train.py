@@ -204,3 +204,38 @@ def test_plot_trace_launches(tmp_path, capsys):
     lines = capsys.readouterr().out.split("host launch -> GPU start")[1].splitlines()[1:]
     assert [line.split()[:5] for line in lines] == [["1.00", "->", "4.00", "0.30", "hvd_quant"],
                                                    ["2.00", "->", "6.00", "2.00", "nccl"]], lines
+
+
+def test_plot_scaling_table(tmp_path, capsys):
+    """plot_scaling: per model, network and N the fp32 row (`single` at N = 1, for every network), the
+    `auto` row of a precision over its fixed ways, speedup over fp32 at the same N, scaling efficiency
+    against N x `single`, and the QSGD paper's EC2 numbers beside them (hand-made CSVs)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import plot_scaling
+    rows = [("resnet50", "local", 1, "single", "ok", 100.0),
+            ("resnet50", "sockets", 2, "hvd-fp32", "ok", 120.0),
+            ("resnet50", "sockets", 2, "hvdq-qsgd4-sra", "ok", 190.0),
+            ("resnet50", "sockets", 2, "hvdq-qsgd4-auto", "ok", 180.0),
+            ("resnet50", "sockets", 2, "hvdq-qsgd8-allgather", "ok", 150.0),
+            ("resnet50", "sockets", 2, "hvdq-qsgd8-sra", "ok", 160.0),
+            ("resnet50", "sockets", 2, "hvdq-onebit-sra", "timeout", 999.0)]
+    path = tmp_path / "train.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "network", "np", "method", "status", "total_img_per_sec"])
+        w.writerows(rows)
+    plot_scaling.main([str(path), "--out", str(tmp_path / "scaling.png")])
+    table = [line.rstrip(" |").split(" | ") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| resnet50")]
+    got = {(r[1], r[2]): (r[3], r[4], r[5], r[6], r[7], r[8]) for r in table}
+    assert got == {
+        ("1", "32bit"): ("`single`", "100.0", "1.000", "1.00", "47.2", "1.00"),
+        ("2", "32bit"): ("`hvd-fp32`", "120.0", "0.600", "1.00", "80.8", "1.00"),
+        ("2", "qsgd4"): ("`hvdq-qsgd4-auto`", "180.0", "0.900", "1.50", "93.9", "1.16"),
+        ("2", "qsgd8"): ("`hvdq-qsgd8-sra`", "160.0", "0.800", "1.33", "92.6", "1.15"),
+    }, table
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "scaling.png").stat().st_size > 0
