@@ -5,6 +5,7 @@ Import lazily (through ``numba_kernels.cuda``): importing this imports ``numba.c
 """
 import numba
 from numba import cuda
+from numba import types as nbt
 
 from ._scalar import F0, build
 
@@ -99,3 +100,28 @@ def block_bad(payload, status, expect, check, check_name, serr):
         serr[0] = err
     cuda.syncthreads()
     return serr[0] != 0
+
+
+# ---- the kernels' launch signatures (1-D C-contiguous arrays; numba_kernels.cuda binds them once) ----
+
+_F32 = nbt.Array(nbt.float32, 1, "C")
+_U8 = nbt.Array(nbt.uint8, 1, "C")
+_U32 = nbt.Array(nbt.uint32, 1, "C")
+_I32 = nbt.Array(nbt.int32, 1, "C")
+_HDR = nbt.UniTuple(nbt.uint64, 8)
+_EXP = nbt.UniTuple(nbt.int64, 7)
+_I64, _F64, _B1, _U64 = nbt.int64, nbt.float64, nbt.boolean, nbt.uint64
+
+# the payloads a reduce_requantize sums (ignored by the plain encode): ppay, pwords, pscales, status,
+# expect, check, check_name, npay, words per payload, scales offset in words, rin, has_rin
+_SRC = (_U8, _U32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _F32, _B1)
+SIG_WARP_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _I64, _I64, _U64, _F32) + _SRC
+# ... accumulate, then the multi-payload decodes' (ignored by the plain decode): name_hashes, npay,
+# words per payload, scales offset in words, buckets per chunk, the last chunk's scales offset
+SIG_WARP_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _I64, _I64, _B1,
+                   _U32, _I64, _I64, _I64, _I64, _I64)
+SIG_BLOCK_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _F64, _I64, _B1, _U64, _F32) + _SRC
+SIG_BLOCK_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _F64, _B1, _I64)
+SIG_REDUCE = (_F32, _F32, _I64, _I64, _I64) + _SRC
+SIG_DECODE_MULTI = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _U32, _I64, _I64, _F64, _I64, _I64,
+                    _I64, _I64, _I64, _I64, _I64)

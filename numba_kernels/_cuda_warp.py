@@ -197,7 +197,10 @@ xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot = _shuffles(SIMULATOR)
 
 def _limit(regs):
     # a register cap raises the blocks resident per multiprocessor (65536 registers / 256 threads:
-    # 48 -> 5 blocks, 40 -> 6, 32 -> 8); at these caps ptxas (CUDA 13, sm_90) reports no spills
+    # 48 -> 5 blocks, 40 -> 6, 32 -> 8). At these caps ptxas (CUDA 13, sm_90) reports no spills in
+    # the plain decodes and at most 4 bytes in the plain encodes; reduce_requantize and decode_sum
+    # spill some, and higher caps for them were no faster on an H200 (scripts/kernel_spills.py;
+    # docs/BENCHMARKS.md)
     return {} if SIMULATOR else {"max_registers": regs}
 
 
@@ -386,7 +389,8 @@ def make_encode(spec):
             if REGK and SRC:
                 # source()'s sums, element for element (payload order, then rin), each payload's
                 # unit computed once per bucket: payload q's values for every step, then the next
-                for q in range(npay):
+                q = 0
+                while q < npay:                 # (a while loop: a range loop spills more here)
                     hi = F0
                     lo = F0
                     if b < nb:
@@ -401,6 +405,7 @@ def make_encode(spec):
                             vals[k] = v
                         elif q == 0:
                             vals[k] = F0
+                    q += 1
                 for k in range(REGK):
                     j = np.int32(k * 32 + lane)
                     if j < ln:
@@ -638,7 +643,9 @@ def make_decode(spec):
                     lb -= pj * bpc
                     if check:
                         bad = sbad[pj] != 0
-            for k in range(npass):          # (uniform over the block)
+            k = 0
+            while k < npass:                # (uniform over the block; a range loop here, one pass
+                                            # in the plain decode, made ptxas spill 44 bytes there)
                 wb = np.int64(st >> LOG_EPW)
                 sb = np.int64(0)
                 if MODE == MULTI_SUM:
@@ -691,6 +698,7 @@ def make_decode(spec):
                                 value(np.int32((words[np.uint64(wb) + np.uint64(j >> LOG_EPW)] >> sh) & MASK),
                                       hi, lo),
                                 accumulate or k > 0)
+                k += 1
             g += cuda.gridDim.x
 
     return warp_decode

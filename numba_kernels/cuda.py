@@ -63,7 +63,8 @@ from . import _cuda_sortquant as _S
 from . import _cuda_warp as _W
 from . import wire
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, MEAN_ABS, PACK_DET,
-                           PACK_ONEBIT, PACK_STOCH, SIMULATOR, TWO_MEAN)
+                           PACK_ONEBIT, PACK_STOCH, SIG_BLOCK_DECODE, SIG_BLOCK_ENCODE, SIG_DECODE_MULTI,
+                           SIG_REDUCE, SIG_WARP_DECODE, SIG_WARP_ENCODE, SIMULATOR, TWO_MEAN)
 from ._memo import memo
 
 __all__ = ["qsgd_encode_cuda", "qsgd_decode_cuda", "onebit_encode_cuda", "onebit_decode_cuda",
@@ -91,28 +92,6 @@ warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result i
 
 kernels = {}            # "<name>_<spec...>" -> dispatcher: what has been built (tests, diagnostics)
 _lock = threading.Lock()
-
-_F32 = nbt.Array(nbt.float32, 1, "C")
-_U8 = nbt.Array(nbt.uint8, 1, "C")
-_U32 = nbt.Array(nbt.uint32, 1, "C")
-_I32 = nbt.Array(nbt.int32, 1, "C")
-_HDR = nbt.UniTuple(nbt.uint64, 8)
-_EXP = nbt.UniTuple(nbt.int64, 7)
-_I64, _F64, _B1, _U64 = nbt.int64, nbt.float64, nbt.boolean, nbt.uint64
-
-# the payloads a reduce_requantize sums (ignored by the plain encode): ppay, pwords, pscales, status,
-# expect, check, check_name, npay, words per payload, scales offset in words, rin, has_rin
-_SRC = (_U8, _U32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _F32, _B1)
-SIG_WARP_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _I64, _I64, _U64, _F32) + _SRC
-# ... accumulate, then the multi-payload decodes' (ignored by the plain decode): name_hashes, npay,
-# words per payload, scales offset in words, buckets per chunk, the last chunk's scales offset
-SIG_WARP_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _I64, _I64, _B1,
-                   _U32, _I64, _I64, _I64, _I64, _I64)
-SIG_BLOCK_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _F64, _I64, _B1, _U64, _F32) + _SRC
-SIG_BLOCK_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _F64, _B1, _I64)
-SIG_REDUCE = (_F32, _F32, _I64, _I64, _I64) + _SRC
-SIG_DECODE_MULTI = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _U32, _I64, _I64, _F64, _I64, _I64,
-                    _I64, _I64, _I64, _I64, _I64)
 
 
 def _kernel(name, make, spec):
