@@ -565,24 +565,32 @@ def _sortquant_decode(payload, out, codes_off, scales_off, nscales, bs, split_bi
     lb = _BITS - split_bits
     L = (1 << lb) - 1
     Lf = np.float32(L)
+    K = 1 << _BITS
     for c in prange(nchunks):
+        lo = np.empty(G, np.float32)
         unit = np.empty(G, np.float32)
+        book = np.empty(K if K <= 256 else 1, np.float32)
+        codes = np.empty(_DEC_BLOCK, np.int32)
         b0 = c * kchunk
         for b in range(b0, min(nb, b0 + kchunk)):
-            st = b * bs
-            en = min(numel, st + bs)
             sc = scales[2 * G * b:2 * G * (b + 1)]
             for g in range(G):
+                lo[g] = sc[2 * g]
                 unit[g] = np.float32(sc[2 * g + 1] - sc[2 * g]) / Lf
-            for i in range(st, en):
-                bp = i * _BITS
-                code = _field(payload, codes_off + (bp >> 3), bp & 7, _BITS)
-                g = code >> lb
-                v = _sq_value(sc[2 * g], code & L, unit[g])
-                if accumulate:
-                    out[i] = out[i] + v
-                else:
-                    out[i] = v
+            if K <= 256:        # up to 8 bits: every code's value once per bucket, then a lookup
+                for code in range(K):
+                    book[code] = _sq_value(lo[code >> lb], code & L, unit[code >> lb])
+            for st in range(b * bs, min(numel, (b + 1) * bs), _DEC_BLOCK):
+                n = min(_DEC_BLOCK, min(numel, (b + 1) * bs) - st)
+                _unpack(payload, codes_off, st, codes, n, _BITS)
+                ob = out[st:st + n]
+                for j in range(n):
+                    if K <= 256:
+                        v = book[codes[j]]
+                    else:
+                        g = codes[j] >> lb
+                        v = _sq_value(lo[g], codes[j] & L, unit[g])
+                    _put(ob, j, v, accumulate)
 
 
 _KM_BLOCK = 1024        # elements whose centroids are found before they are summed
@@ -707,16 +715,16 @@ def _kmeans_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate,
     nchunks = (nb + kchunk - 1) // kchunk
     K = 1 << _BITS
     for c in prange(nchunks):
+        codes = np.empty(_DEC_BLOCK, np.int32)
         b0 = c * kchunk
         for b in range(b0, min(nb, b0 + kchunk)):
             book = scales[K * b:K * (b + 1)]
-            for i in range(b * bs, min(numel, (b + 1) * bs)):
-                bp = i * _BITS
-                v = book[_field(payload, codes_off + (bp >> 3), bp & 7, _BITS)]
-                if accumulate:
-                    out[i] = out[i] + v
-                else:
-                    out[i] = v
+            for st in range(b * bs, min(numel, (b + 1) * bs), _DEC_BLOCK):
+                n = min(_DEC_BLOCK, min(numel, (b + 1) * bs) - st)
+                _unpack(payload, codes_off, st, codes, n, _BITS)
+                ob = out[st:st + n]
+                for j in range(n):
+                    _put(ob, j, book[codes[j]], accumulate)
 
 
 @_inline
@@ -746,21 +754,21 @@ def _field(payload, o, shift, BITS):
 
 
 @_inline
-def _qsgd_unpack(payload, codes_off, st, ob, unit, s, accumulate, BITS):
-    """ob[j] (+)= the value of element st + j, whose BITS-bit field starts at bit (st + j) * BITS of
-    the codes. ``BITS`` is a compile-time constant, so shifts and masks are constants. When the bucket
-    starts on a byte, each group of eight fields is read from the 64-bit words of its BITS bytes (the
-    compiler merges the byte loads; about twice as fast as field by field); the rest field by field,
-    from the 1 to 3 bytes a field spans (BITS <= 16, shift <= 7). Reading past the codes stays inside
-    the payload (the scales follow them), and the words are read only where they fit in it."""
-    mask = np.int32((1 << BITS) - 1)
+def _unpack(payload, codes_off, st, codes, n, BITS):
+    """codes[j] = the BITS-bit code of element st + j (j < n), whose field starts at bit (st + j) * BITS
+    of the codes. ``BITS`` is a compile-time constant, so shifts and masks are constants. When the
+    block starts on a byte, each group of eight fields is read from the 64-bit words of its BITS bytes
+    (the compiler merges the byte loads; about twice as fast as field by field); the rest field by
+    field, from the 1 to 3 bytes a field spans (BITS <= 16, shift <= 7). Reading past the codes stays
+    inside the payload (the scales follow them), and the words are read only where they fit in it."""
+    mask = np.uint64((1 << BITS) - 1)
     first = st * BITS
     cb = codes_off + (first >> 3)
     sh = first & 7
     j0 = 0
     if sh == 0:
         width = 16 if BITS > 8 else 8          # bytes read per group of eight fields
-        ng = min(ob.size >> 3, max(0, (payload.size - width - cb) // BITS + 1))
+        ng = min(n >> 3, max(0, (payload.size - width - cb) // BITS + 1))
         for g in range(ng):
             pg = payload[cb + g * BITS:cb + g * BITS + width]
             lo = np.uint64(0)
@@ -777,26 +785,31 @@ def _qsgd_unpack(payload, codes_off, st, ob, unit, s, accumulate, BITS):
                     c = (lo >> np.uint64(off)) | (hi << np.uint64(64 - off))
                 else:
                     c = lo >> np.uint64(off)
-                _put(ob, 8 * g + k, np.float32(np.int32(c & np.uint64(mask)) - s) * unit, accumulate)
+                codes[8 * g + k] = np.int32(c & mask)
         j0 = 8 * ng
-    for j in range(j0, ob.size):
+    for j in range(j0, n):
         bp = sh + j * BITS
-        _put(ob, j, np.float32(_field(payload, cb + (bp >> 3), bp & 7, BITS) - s) * unit, accumulate)
+        codes[j] = _field(payload, cb + (bp >> 3), bp & 7, BITS)
+
+
+_DEC_BLOCK = 1024       # codes unpacked at a time before their values are written
 
 
 @_inline
-def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, BITS):
-    """out[i] (+)= the value of element i of a QSGD payload, for the elements of buckets [b0, b1)."""
+def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, codes, BITS):
+    """out[i] (+)= the value of element i of a QSGD payload, for the elements of buckets [b0, b1);
+    ``codes``: scratch for _DEC_BLOCK codes."""
     numel = out.size
     s = np.int32((1 << (BITS - 1)) - 1)
     sf = np.float32(s)
     for b in range(b0, b1):
-        st = b * bs
-        en = min(numel, st + bs)
-        if accumulate:
-            _qsgd_unpack(payload, codes_off, st, out[st:en], scales[b] / sf, s, True, BITS)
-        else:
-            _qsgd_unpack(payload, codes_off, st, out[st:en], scales[b] / sf, s, False, BITS)
+        unit = scales[b] / sf
+        for st in range(b * bs, min(numel, (b + 1) * bs), _DEC_BLOCK):
+            n = min(_DEC_BLOCK, min(numel, (b + 1) * bs) - st)
+            _unpack(payload, codes_off, st, codes, n, BITS)
+            ob = out[st:st + n]
+            for j in range(n):
+                _put(ob, j, np.float32(codes[j] - s) * unit, accumulate)
 
 
 @_Widths
@@ -807,7 +820,8 @@ def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, k
     nchunks = (nb + kchunk - 1) // kchunk
     for c in prange(nchunks):
         b0 = c * kchunk
-        _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, min(nb, b0 + kchunk), accumulate,
+        codes = np.empty(_DEC_BLOCK, np.int32)
+        _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, min(nb, b0 + kchunk), accumulate, codes,
                         _BITS)
 
 
@@ -821,10 +835,11 @@ def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales,
     for c in prange(nchunks):
         b0 = c * kchunk
         b1 = min(nb, b0 + kchunk)
+        codes = np.empty(_DEC_BLOCK, np.int32)
         for k in range(npay):
             p = payloads[k * total:(k + 1) * total]
             scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
-            _qsgd_dec_range(p, out, codes_off, scales, bs, b0, b1, k > 0, _BITS)
+            _qsgd_dec_range(p, out, codes_off, scales, bs, b0, b1, k > 0, codes, _BITS)
         if has_add:
             for i in range(b0 * bs, min(numel, b1 * bs)):
                 out[i] = out[i] + addend[i]
@@ -852,7 +867,8 @@ def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_t
         nb = (o.size + bs - 1) // bs
         b0 = c * kchunk
         if b0 < nb:
-            _qsgd_dec_range(p, o, codes_off, scales, bs, b0, min(nb, b0 + kchunk), False, _BITS)
+            codes = np.empty(_DEC_BLOCK, np.int32)
+            _qsgd_dec_range(p, o, codes_off, scales, bs, b0, min(nb, b0 + kchunk), False, codes, _BITS)
 
 
 @_inline
