@@ -34,7 +34,7 @@ from numba_kernels._cuda_device import (DEC_MEAN_ABS, DEC_QSGD, MAX, PACK_DET, P
 
 
 def ptxas(kernel, sig, regs):
-    """ptxas's summary line for ``kernel`` (registers, stack, spill stores and loads)."""
+    """ptxas's summary line for ``kernel`` at ``regs`` registers: registers used, stack, spills."""
     ptx, _ = cuda.compile_ptx(kernel.py_func, nbt.void(*sig), cc=(9, 0))
     with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/k.ptx", "w") as f:
@@ -52,16 +52,14 @@ def cases(bs):
     for bits, kind in ((4, DEC_QSGD), (8, DEC_QSGD), (2, DEC_QSGD), (1, DEC_MEAN_ABS)):
         for mode, name in ((None, "decode"), (MULTI_SUM, "decode_sum"), (MULTI_CHUNKS, "decode_chunks")):
             spec = (bits, kind, dec) + (() if mode is None else (mode,))
-            regs = W.DEC_REGS if mode is None else W.DEC_REGS_MULTI
-            yield name, spec, W.make_decode, SIG_WARP_DECODE, regs
+            yield name, spec, W.make_decode, SIG_WARP_DECODE
     regk = W.regk(bs)
     for bits, pack in ((4, PACK_STOCH), (8, PACK_STOCH), (4, PACK_DET), (1, PACK_ONEBIT)):
         paired = pack == PACK_STOCH and regk >= 2 and bs % 64 == 0
         for resid in (False, True):
             for src, name in ((False, "encode"), (True, "reduce_requantize")):
                 spec = (bits, MAX, pack, regk, paired, resid) + ((True,) if src else ())
-                regs = W.ENC_REGS if bits > 1 else W.ENC_REGS_1BIT
-                yield name, spec, W.make_encode, SIG_WARP_ENCODE, regs
+                yield name, spec, W.make_encode, SIG_WARP_ENCODE
 
 
 def main():
@@ -71,9 +69,11 @@ def main():
     args = p.parse_args()
     if shutil.which("ptxas") is None:
         sys.exit("kernel_spills: ptxas is not on PATH (it comes with the CUDA toolkit)")
-    for name, spec, make, sig, regs in cases(args.bucket_size):
+    for name, spec, make, sig in cases(args.bucket_size):
         if args.only is None or args.only in name:
-            print(f"{name:<18} {str(spec):<28} cap {regs}: {ptxas(make(spec), sig, regs)}", flush=True)
+            kernel = make(spec)
+            regs = kernel.targetoptions["max_registers"]        # the kernel's own cap (_cuda_warp._limit)
+            print(f"{name:<18} {str(spec):<28} cap {regs}: {ptxas(kernel, sig, regs)}", flush=True)
 
 
 if __name__ == "__main__":
