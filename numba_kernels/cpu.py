@@ -580,11 +580,10 @@ def _sortquant_decode(payload, out, codes_off, scales_off, nscales, bs, split_bi
             if K <= 256:        # up to 8 bits: every code's value once per bucket, then a lookup
                 for code in range(K):
                     book[code] = _sq_value(lo[code >> lb], code & L, unit[code >> lb])
-            for st in range(b * bs, min(numel, (b + 1) * bs), _DEC_BLOCK):
-                n = min(_DEC_BLOCK, min(numel, (b + 1) * bs) - st)
-                _unpack(payload, codes_off, st, codes, n, _BITS)
-                ob = out[st:st + n]
-                for j in range(n):
+            en = min(numel, (b + 1) * bs)
+            for st in range(b * bs, en, _DEC_BLOCK):
+                ob = _unpack(payload, codes_off, out, st, en, codes, _BITS)
+                for j in range(ob.size):
                     if K <= 256:
                         v = book[codes[j]]
                     else:
@@ -719,11 +718,10 @@ def _kmeans_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate,
         b0 = c * kchunk
         for b in range(b0, min(nb, b0 + kchunk)):
             book = scales[K * b:K * (b + 1)]
-            for st in range(b * bs, min(numel, (b + 1) * bs), _DEC_BLOCK):
-                n = min(_DEC_BLOCK, min(numel, (b + 1) * bs) - st)
-                _unpack(payload, codes_off, st, codes, n, _BITS)
-                ob = out[st:st + n]
-                for j in range(n):
+            en = min(numel, (b + 1) * bs)
+            for st in range(b * bs, en, _DEC_BLOCK):
+                ob = _unpack(payload, codes_off, out, st, en, codes, _BITS)
+                for j in range(ob.size):
                     _put(ob, j, book[codes[j]], accumulate)
 
 
@@ -753,14 +751,19 @@ def _field(payload, o, shift, BITS):
     return w & np.int32((1 << BITS) - 1)
 
 
+_DEC_BLOCK = 1024       # codes unpacked at a time before their values are written
+
+
 @_inline
-def _unpack(payload, codes_off, st, codes, n, BITS):
-    """codes[j] = the BITS-bit code of element st + j (j < n), whose field starts at bit (st + j) * BITS
-    of the codes. ``BITS`` is a compile-time constant, so shifts and masks are constants. When the
+def _unpack(payload, codes_off, out, st, en, codes, BITS):
+    """The codes of elements st .. min(en, st + _DEC_BLOCK) - 1 into ``codes`` (codes[j]: element st + j,
+    whose BITS-bit field starts at bit (st + j) * BITS of the codes); returns that slice of ``out``, for
+    their values. ``BITS`` is a compile-time constant, so shifts and masks are constants. When the
     block starts on a byte, each group of eight fields is read from the 64-bit words of its BITS bytes
     (the compiler merges the byte loads; about twice as fast as field by field); the rest field by
     field, from the 1 to 3 bytes a field spans (BITS <= 16, shift <= 7). Reading past the codes stays
     inside the payload (the scales follow them), and the words are read only where they fit in it."""
+    n = min(_DEC_BLOCK, en - st)
     mask = np.uint64((1 << BITS) - 1)
     first = st * BITS
     cb = codes_off + (first >> 3)
@@ -790,9 +793,7 @@ def _unpack(payload, codes_off, st, codes, n, BITS):
     for j in range(j0, n):
         bp = sh + j * BITS
         codes[j] = _field(payload, cb + (bp >> 3), bp & 7, BITS)
-
-
-_DEC_BLOCK = 1024       # codes unpacked at a time before their values are written
+    return out[st:st + n]
 
 
 @_inline
@@ -804,11 +805,10 @@ def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, cod
     sf = np.float32(s)
     for b in range(b0, b1):
         unit = scales[b] / sf
-        for st in range(b * bs, min(numel, (b + 1) * bs), _DEC_BLOCK):
-            n = min(_DEC_BLOCK, min(numel, (b + 1) * bs) - st)
-            _unpack(payload, codes_off, st, codes, n, BITS)
-            ob = out[st:st + n]
-            for j in range(n):
+        en = min(numel, (b + 1) * bs)
+        for st in range(b * bs, en, _DEC_BLOCK):
+            ob = _unpack(payload, codes_off, out, st, en, codes, BITS)
+            for j in range(ob.size):
                 _put(ob, j, np.float32(codes[j] - s) * unit, accumulate)
 
 
