@@ -170,9 +170,8 @@ def build(jit, fmul):
         """The level in [0, L] of ``xv`` in the SortQuant group starting at ``lo`` with step ``unit``
         (``numba_kernels.reference.sortquant_encode_ref``): v = (xv - lo) / unit, IEEE-rounded,
         clamped to L; stochastic: floor(v) + (r < frac * 2**24) with ``r`` the element's 24 random bits;
-        else half up. 0 where unit is 0 (every value of the group is lo)."""
-        if not unit > F0:
-            return np.int32(0)
+        else half up. 0 where unit is 0 (every value of the group is lo), by a select at the end, so that
+        a loop of it has no branch and vectorises."""
         v = (xv - lo) / unit
         if not v <= Lf:
             v = Lf
@@ -182,7 +181,7 @@ def build(jit, fmul):
             q = np.int32(q + np.int32(np.float32(r) < frac * F2_24))
         else:
             q = np.int32(q + np.int32(frac >= FHALF))
-        return min(q, np.int32(L))
+        return min(q, np.int32(L)) if unit > F0 else np.int32(0)
 
     @jit
     def sortquant_value(lo, q, unit):

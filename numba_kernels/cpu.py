@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from . import wire
 from ._memo import memo
-from ._scalar import F0, FINF, FNAN, GAMMA, KMEANS_SAMPLE, SEGMENT, U8, U24M, U40, UFF, build
+from ._scalar import F0, FINF, FNAN, GAMMA, KMEANS_SAMPLE, SEGMENT, U8, U24M, U32, U40, UFF, build
 
 __all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
            "half_encode_cpu", "half_decode_cpu",
@@ -517,12 +517,95 @@ def _draws24(key, st, en, r):
             i = stop
 
 
+_SQ_SELECT_GROUPS = 16     # SortQuant finds the group bounds without a full sort for up to this many groups
+_SQ_BIN = 32               # ... unless a bin holding a group bound has more values than this
+
+
+@_inline
+def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, gb, tmp, grp, ends):
+    """Each element's group of ranks in the bucket xb[:n] (finite, extremes ``mn``, ``mx``) without a
+    full sort: the elements are spread over n bins of equal width by value (a monotone map, so the
+    bins in order hold the values in order; ``srt`` their indices bin by bin, in index order within
+    one), a bin lying within one group gives its elements that group, and only the bins holding a
+    group's first or last rank are sorted (insertion sort by (sort key, index), the stable sort's
+    order). Fills ``grp`` and ``ends[2g]``, ``ends[2g + 1]`` (the indices of the elements of ranks p0
+    and p1 - 1 of group g, -1 for an empty group). Returns False, having decided nothing, where the
+    values all share one bin or a bound's bin holds more than _SQ_BIN of them (a sort is then
+    cheaper)."""
+    lo = np.float64(mn)
+    width = np.float64(mx) - lo
+    if not width > 0.0:
+        return False
+    f = np.float64(n) / width
+    for j in range(n):
+        bn[j] = min(np.int32((np.float64(xb[j]) - lo) * f), np.int32(n - 1))
+    for d in range(n):
+        cnt[d] = 0
+    for j in range(n):
+        cnt[bn[j]] += 1
+    at = 0
+    g = 0
+    nxt = (n + G - 1) // G              # the first rank of group g + 1
+    for d in range(n):      # cnt[d] = the bin's first rank, gb[d] = that rank's group
+        c = cnt[d]
+        cnt[d] = at
+        while nxt <= at:
+            g += 1
+            nxt = ((g + 1) * n + G - 1) // G if g + 1 < G else n + 1
+        gb[d] = g
+        at += c
+    for j in range(n):
+        d = bn[j]
+        k = cnt[d]
+        cnt[d] = k + 1
+        srt[k] = j
+    for j in range(n):      # cnt[d] is now the end of bin d
+        grp[j] = gb[bn[j]]
+    xu = xb.view(np.uint32)
+    last = -1
+    d0 = 0
+    for g in range(G):
+        p0 = (g * n + G - 1) // G
+        p1 = ((g + 1) * n + G - 1) // G
+        ends[2 * g] = -1
+        ends[2 * g + 1] = -1
+        for e in range(2 if p0 < p1 else 0):
+            pos = p0 if e == 0 else p1 - 1
+            while cnt[d0] <= pos:       # the bin holding rank pos: the first whose end is past it
+                d0 += 1
+            if d0 != last:              # sort it (once: a group's last rank often shares a bin with the next's first)
+                last = d0
+                s0 = cnt[d0 - 1] if d0 > 0 else 0
+                m = cnt[d0] - s0
+                if m > _SQ_BIN:
+                    return False
+                for i in range(m):
+                    v = srt[s0 + i]
+                    pair = (np.uint64(_sort_key(xu[v])) << U32) | np.uint64(v)
+                    k = i
+                    while k > 0 and tmp[k - 1] > pair:
+                        tmp[k] = tmp[k - 1]
+                        k -= 1
+                    tmp[k] = pair
+                gg = gb[d0]
+                nx = ((gg + 1) * n + G - 1) // G if gg + 1 < G else n + 1
+                for i in range(m):
+                    while s0 + i >= nx:         # the group of rank s0 + i
+                        gg += 1
+                        nx = ((gg + 1) * n + G - 1) // G if gg + 1 < G else n + 1
+                    v = np.int32(tmp[i] & np.uint64(0xFFFFFFFF))
+                    srt[s0 + i] = v
+                    grp[v] = gg
+            ends[2 * g + e] = srt[pos]
+    return True
+
+
 @_Widths
 def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, split_bits,
                       stochastic, key, kchunk, residual, has_res):
-    """Sort quantization (``sortquant_encode_ref``): per bucket, the stable order of its values
-    (:func:`_sort_values`) and from it each element's group of ranks and the groups' (min, max), then
-    each element's level within its group, in index order."""
+    """Sort quantization (``sortquant_encode_ref``): per bucket, each element's group of ranks and the
+    groups' (min, max), from the bounds' ranks (:func:`_sq_by_bins`) or the stable order of the
+    values (:func:`_sort_values`), then each element's level within its group, in index order."""
     numel = x.size
     scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
     _write_header(payload, header)
@@ -541,9 +624,17 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
         keys2 = np.empty(m, np.uint32)
         order = np.empty(m, np.int64)
         order2 = np.empty(m, np.int64)
-        cnt = np.empty(256, np.int64)
+        cnt = np.empty(max(256, m), np.int64)
+        srt = np.empty(m, np.int32)
+        bn = np.empty(m, np.int32)
+        gb = np.empty(m, np.int32)
+        tmp = np.empty(_SQ_BIN, np.uint64)
+        ends = np.empty(2 * G, np.int64)
         grp = np.empty(m, np.int32)
         r24 = np.empty(m, np.uint32)
+        qj = np.empty(m, np.int32)
+        lj = np.empty(m, np.float32)
+        uj = np.empty(m, np.float32)
         los = np.empty(G, np.float32)
         units = np.empty(G, np.float32)
         for b in range(b0, b1):
@@ -570,30 +661,42 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
                     if has_res:
                         residual[st + j] = xb[j] - FNAN
                 continue
-            keys, order = _sort_values(xb, n, keys, keys2, order, order2, cnt, 0, 8, True)
-            for g in range(G):
-                p0 = (g * n + G - 1) // G
-                p1 = ((g + 1) * n + G - 1) // G
-                lo = F0
-                hi = F0
-                if p0 < p1:
-                    lo = xb[order[p0]]
-                    hi = xb[order[p1 - 1]]
+            if not (G <= _SQ_SELECT_GROUPS and _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, gb, tmp, grp, ends)):
+                keys, order = _sort_values(xb, n, keys, keys2, order, order2, cnt, 0, 8, True)
+                for g in range(G):
+                    p0 = (g * n + G - 1) // G
+                    p1 = ((g + 1) * n + G - 1) // G
+                    ends[2 * g] = order[p0] if p0 < p1 else -1
+                    ends[2 * g + 1] = order[p1 - 1] if p0 < p1 else -1
                     for p in range(p0, p1):
                         grp[order[p]] = g
+            for g in range(G):
+                lo = F0
+                hi = F0
+                if ends[2 * g] >= 0:
+                    lo = xb[ends[2 * g]]
+                    hi = xb[ends[2 * g + 1]]
                 sc[2 * g] = lo
                 sc[2 * g + 1] = hi
                 los[g] = lo
                 units[g] = np.float32(hi - lo) / Lf
+            for j in range(n):      # the rest in index order, in loops that vectorise
+                g = grp[j]
+                lj[j] = los[g]
+                uj[j] = units[g]
             if stochastic:
                 _draws24(key, st, en, r24)
-            for j in range(n):      # in index order, vectorised
-                g = grp[j]
-                xv = xb[j]
-                q = _sq_level(xv, los[g], units[g], Lf, L, stochastic, r24[j] if stochastic else np.uint32(0))
-                cb[j] = np.uint16((g << lb) | q)
-                if has_res:     # x[st + j] read above, before residual[st + j] (which may be x) is written
-                    residual[st + j] = xv - _sq_value(los[g], q, units[g])
+                for j in range(n):
+                    qj[j] = _sq_level(xb[j], lj[j], uj[j], Lf, L, True, r24[j])
+            else:
+                for j in range(n):
+                    qj[j] = _sq_level(xb[j], lj[j], uj[j], Lf, L, False, np.uint32(0))
+            for j in range(n):
+                cb[j] = np.uint16((grp[j] << lb) | qj[j])
+            if has_res:
+                rb = residual[st:en]
+                for j in range(n):  # xb[j] read before rb[j] (which may be it) is written
+                    rb[j] = xb[j] - _sq_value(lj[j], qj[j], uj[j])
         _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)
 
 

@@ -155,6 +155,35 @@ def test_sortquant_cpu_equals_reference(cpu, n, bs, bits, split_bits, stochastic
         assert np.all(np.isfinite(a - base))
 
 
+@pytest.mark.parametrize("shape", ["spread", "crowded", "equal", "many_groups"])
+def test_sortquant_cpu_group_paths(cpu, shape):
+    """The CPU encode finds the groups from bins of equal width by value where the values spread
+    (Gaussian, with a run of ties across a group bound), and sorts the bucket where a bound's bin
+    holds many values (an outlier crowding the rest into one bin), where all values share one bin
+    (all equal, -0.0 and +0.0 mixed) and above 16 groups: every path gives the reference's bytes,
+    residuals and decodes."""
+    n, bs = 2048, 512
+    x = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    bits, split_bits = 4, 2
+    if shape == "spread":
+        x[100:160] = x[7]
+    elif shape == "crowded":
+        x[::bs] = np.float32(1e30)
+    elif shape == "equal":
+        x[:] = 0.0
+        x[1::3] = -0.0
+    else:
+        bits, split_bits = 8, 5
+    for stochastic in (True, False):
+        h = wire.Header(4, bits, 0 if stochastic else 1, split_bits, bs, 0, (n,), name_hash=7).words()
+        _cpu_equals_reference(
+            x, wire.layout(4, n, bits, bs, 0, split_bits),
+            lambda x_, p, r: R.sortquant_encode_ref(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
+            lambda x_, p, r: cpu.sortquant_encode_cpu(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
+            lambda p, o, acc: R.sortquant_decode_ref(p, o, bits, split_bits, bs, acc),
+            lambda p, o, acc: cpu.sortquant_decode_cpu(p, o, bits, split_bits, bs, acc))
+
+
 KMEANS_CASES = [(n, bs, b, it) for n in (0, 1, 9, 33, 513, 1100, 4097) for bs in (0, 7, 512, 2000)
                 for b in (1, 3, 4, 8) for it in (7,)] + [(4097, 0, 4, 0), (4097, 0, 2, 60), (600, 64, 5, 60)]
 
