@@ -723,8 +723,10 @@ def _sortquant_decode(payload, out, codes_off, scales_off, nscales, bs, split_bi
                 lo[g] = sc[2 * g]
                 unit[g] = np.float32(sc[2 * g + 1] - sc[2 * g]) / Lf
             if K <= 256:        # up to 8 bits: every code's value once per bucket, then a lookup
-                for code in range(K):
-                    book[code] = _sq_value(lo[code >> lb], code & L, unit[code >> lb])
+                for g in range(G):
+                    bg = book[g << lb:(g + 1) << lb]
+                    for q in range(L + 1):
+                        bg[q] = _sq_value(lo[g], q, unit[g])
             en = min(numel, (b + 1) * bs)
             for st in range(b * bs, en, _DEC_BLOCK):
                 ob = _unpack(payload, codes_off, out, st, en, codes, _BITS)
