@@ -760,43 +760,50 @@ def _kmeans_assign(mids, xb, q, K):
 
 
 _KM_RUN = 16        # sorted values per partial sum of a KMeans bucket's fixed-point values
+_KM_LOW = 14        # the low key bits a KMeans bucket is not ordered by (three radix passes of 6 bits)
+
+
+@_inline
+def _km_first(bits, lo, hi, kt):
+    """The first index in [lo, hi) whose value's top key bits (:func:`_sort_key` above _KM_LOW) reach
+    ``kt``, ``bits`` ordered by them."""
+    while lo < hi:
+        m = (lo + hi) >> 1
+        if (_sort_key(bits[m]) >> np.uint32(_KM_LOW)) < kt:
+            lo = m + 1
+        else:
+            hi = m
+    return lo
 
 
 @_inline
 def _km_below(bits, n, pre, t, tb, scale):
     """(count, fixed-point sum) of the values at or below ``t`` (float32 bits ``tb``) among the float32
-    bits ``bits[:n]`` ordered by the top 24 bits of their :func:`_sort_key`, whose fixed-point sums
-    before every _KM_RUN-th value are ``pre``: a binary search for the run of values sharing t's top
-    24 key bits, then a scan of it."""
+    bits ``bits[:n]`` ordered by their top key bits, whose fixed-point sums before every _KM_RUN-th
+    value are ``pre``: binary searches for the run of values whose top key bits are t's, then a
+    count of it that vectorises."""
     vals = bits.view(np.float32)
-    kt = _sort_key(tb) >> np.uint32(8)
-    lo = 0
-    hi = n
-    while lo < hi:
-        m = (lo + hi) >> 1
-        if (_sort_key(bits[m]) >> np.uint32(8)) < kt:
-            lo = m + 1
-        else:
-            hi = m
-    r = lo // _KM_RUN
+    kt = _sort_key(tb) >> np.uint32(_KM_LOW)
+    a = _km_first(bits, 0, n, kt)
+    e = _km_first(bits, a, n, kt + np.uint32(1))
+    r = a // _KM_RUN
     s = pre[r]
-    for i in range(r * _KM_RUN, lo):
+    for i in range(r * _KM_RUN, a):
         s += _km_fixed(vals[i], scale)
-    c = lo
-    while lo < n and (_sort_key(bits[lo]) >> np.uint32(8)) == kt:
-        if vals[lo] <= t:
-            c += 1
-            s += _km_fixed(vals[lo], scale)
-        lo += 1
+    c = a
+    for i in range(a, e):
+        le = vals[i] <= t
+        c += np.int64(le)
+        s += _km_fixed(vals[i], scale) if le else np.int64(0)
     return c, s
 
 
 @_inline
 def _kmeans_fit(x, st, n, b, iters, key, amax, lo, hi, cent, mids, sample, comp, keys, keys2, pre, cnt, K):
     """The codebook ``cent`` (K centroids) of the bucket x[st:st + n], whose extremes are ``lo`` and
-    ``hi`` (``_kmeans_bucket`` in the reference). The bucket is ordered once, by the top 24 bits of its
+    ``hi`` (``_kmeans_bucket`` in the reference). The bucket is ordered once, by the top 18 bits of its
     values' sort keys; a centroid's members are then a run of it between two boundaries, found by
-    binary search and a short scan, and their fixed-point sum a difference of partial sums, so a Lloyd
+    binary search and a count of the values sharing the boundary's top bits, and their fixed-point sum a difference of partial sums, so a Lloyd
     step costs K searches instead of a pass over the bucket. Stops early once a step leaves every
     centroid where it was: the later steps would repeat it exactly."""
     if n <= KMEANS_SAMPLE:
@@ -815,7 +822,7 @@ def _kmeans_fit(x, st, n, b, iters, key, amax, lo, hi, cent, mids, sample, comp,
     if iters == 0:
         return
     scale = _km_scale(amax)
-    bits, _ = _sort_values(x[st:st + n], n, keys, keys2, keys, keys2, cnt, 8, 6, False)
+    bits, _ = _sort_values(x[st:st + n], n, keys, keys2, keys, keys2, cnt, _KM_LOW, 6, False)
     for j in range(n):       # the keys back to the values' bits
         k = bits[j]
         bits[j] = k ^ np.uint32(0x80000000) if k >> np.uint32(31) else ~k

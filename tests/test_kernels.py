@@ -207,6 +207,24 @@ def test_kmeans_cpu_equals_reference(cpu, n, bs, bits, iters, variant):
         lambda p, o, acc: cpu.kmeans_decode_cpu(p, o, bits, bs, acc))
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_kmeans_cpu_boundaries_inside_one_run(cpu, bits):
+    """Values a few ulps apart (4096 consecutive floats above 1.0, shuffled, and a few far ones), so
+    that every boundary falls among values the CPU kernel's ordering does not separate (the same top
+    18 bits of their sort keys): its counts within such a run still give the reference's bytes."""
+    n = 5000
+    x = (np.float32(1.0) + np.arange(n, dtype=np.float32) * np.finfo(np.float32).eps).astype(np.float32)
+    x[4096:] = np.random.default_rng(3).standard_normal(n - 4096).astype(np.float32) * np.float32(4)
+    x = x[np.random.default_rng(4).permutation(n)]
+    h = wire.Header(5, bits, 0, 0, 0, 0, (n,), name_hash=7).words()
+    _cpu_equals_reference(
+        x, wire.layout(5, n, bits, 0),
+        lambda x_, p, r: R.kmeans_encode_ref(x_, p, h, bits, 0, 9, KEY, residual=r),
+        lambda x_, p, r: cpu.kmeans_encode_cpu(x_, p, h, bits, 0, 9, KEY, residual=r),
+        lambda p, o, acc: R.kmeans_decode_ref(p, o, bits, 0, acc),
+        lambda p, o, acc: cpu.kmeans_decode_cpu(p, o, bits, 0, acc))
+
+
 ONEBIT_CASES = [(n, bs, tm) for n in SIZES for bs in (0, 1, 7, 64, 512) for tm in (True, False)]
 
 
