@@ -518,7 +518,7 @@ def _draws24(key, st, en, r):
 
 
 _SQ_SELECT_GROUPS = 16     # SortQuant finds the group bounds without a full sort for up to this many groups
-_SQ_BIN = 32               # ... unless a bin holding a group bound has more values than this
+_SQ_BIN = 64               # ... unless a bin holding a group bound has more values than this
 
 
 @_inline
@@ -802,10 +802,11 @@ def _km_below(bits, n, pre, t, tb, scale):
 def _kmeans_fit(x, st, n, b, iters, key, amax, lo, hi, cent, mids, sample, comp, keys, keys2, pre, cnt, K):
     """The codebook ``cent`` (K centroids) of the bucket x[st:st + n], whose extremes are ``lo`` and
     ``hi`` (``_kmeans_bucket`` in the reference). The bucket is ordered once, by the top 18 bits of its
-    values' sort keys; a centroid's members are then a run of it between two boundaries, found by
-    binary search and a count of the values sharing the boundary's top bits, and their fixed-point sum a difference of partial sums, so a Lloyd
-    step costs K searches instead of a pass over the bucket. Stops early once a step leaves every
-    centroid where it was: the later steps would repeat it exactly."""
+    values' sort keys; a centroid's members are then a run of it between two boundaries (binary
+    searches and a count of the values sharing the boundary's top bits: :func:`_km_below`), their
+    fixed-point sum a difference of partial sums, so a Lloyd step costs K searches instead of a pass
+    over the bucket. Stops early once a step leaves every centroid where it was: the later steps
+    would repeat it exactly."""
     if n <= KMEANS_SAMPLE:
         m = n
         for k in range(n):
