@@ -517,6 +517,20 @@ def _draws24(key, st, en, r):
             i = stop
 
 
+@_inline
+def _first_rank(g, n, G):
+    """The first rank of SortQuant group g (0 <= g <= G; G gives n) of a bucket of n values: rank p
+    is in group (p * G) // n."""
+    return (g * n + G - 1) // G
+
+
+@_inline
+def _next_bound(g, n, G):
+    """The first rank past group g: group g + 1's first, or n + 1 after the last group (where a walk
+    over the ranks stops)."""
+    return _first_rank(g + 1, n, G) if g + 1 < G else n + 1
+
+
 _SQ_SELECT_GROUPS = 16     # SortQuant finds the group bounds without a full sort for up to this many groups
 _SQ_BIN = 64               # ... unless a bin holding a group bound has more values than this
 
@@ -545,13 +559,13 @@ def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, gb, tmp, grp, ends):
         cnt[bn[j]] += 1
     at = 0
     g = 0
-    nxt = (n + G - 1) // G              # the first rank of group g + 1
+    nxt = _next_bound(0, n, G)
     for d in range(n):      # cnt[d] = the bin's first rank, gb[d] = that rank's group
         c = cnt[d]
         cnt[d] = at
         while nxt <= at:
             g += 1
-            nxt = ((g + 1) * n + G - 1) // G if g + 1 < G else n + 1
+            nxt = _next_bound(g, n, G)
         gb[d] = g
         at += c
     for j in range(n):
@@ -565,8 +579,8 @@ def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, gb, tmp, grp, ends):
     last = -1
     d0 = 0
     for g in range(G):
-        p0 = (g * n + G - 1) // G
-        p1 = ((g + 1) * n + G - 1) // G
+        p0 = _first_rank(g, n, G)
+        p1 = _first_rank(g + 1, n, G)
         ends[2 * g] = -1
         ends[2 * g + 1] = -1
         for e in range(2 if p0 < p1 else 0):
@@ -588,11 +602,11 @@ def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, gb, tmp, grp, ends):
                         k -= 1
                     tmp[k] = pair
                 gg = gb[d0]
-                nx = ((gg + 1) * n + G - 1) // G if gg + 1 < G else n + 1
+                nx = _next_bound(gg, n, G)
                 for i in range(m):
                     while s0 + i >= nx:         # the group of rank s0 + i
                         gg += 1
-                        nx = ((gg + 1) * n + G - 1) // G if gg + 1 < G else n + 1
+                        nx = _next_bound(gg, n, G)
                     v = np.int32(tmp[i] & np.uint64(0xFFFFFFFF))
                     srt[s0 + i] = v
                     grp[v] = gg
@@ -664,8 +678,8 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
             if not (G <= _SQ_SELECT_GROUPS and _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, gb, tmp, grp, ends)):
                 keys, order = _sort_values(xb, n, keys, keys2, order, order2, cnt, 0, 8, True)
                 for g in range(G):
-                    p0 = (g * n + G - 1) // G
-                    p1 = ((g + 1) * n + G - 1) // G
+                    p0 = _first_rank(g, n, G)
+                    p1 = _first_rank(g + 1, n, G)
                     ends[2 * g] = order[p0] if p0 < p1 else -1
                     ends[2 * g + 1] = order[p1 - 1] if p0 < p1 else -1
                     for p in range(p0, p1):

@@ -130,6 +130,30 @@ def _cpu_equals_reference(x, lay, encode_ref, encode_cpu, decode_ref, decode_cpu
     return a, base
 
 
+def _sortquant_cpu_equals_reference(cpu, x, bits, split_bits, bs, stochastic):
+    """:func:`_cpu_equals_reference` for a SortQuant encode of ``x`` and its decodes (``cpu``: the kernel
+    module)."""
+    h = wire.Header(4, bits, 0 if stochastic else 1, split_bits, bs, 0, (x.size,), name_hash=7).words()
+    return _cpu_equals_reference(
+        x, wire.layout(4, x.size, bits, bs, 0, split_bits),
+        lambda x_, p, r: R.sortquant_encode_ref(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
+        lambda x_, p, r: cpu.sortquant_encode_cpu(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
+        lambda p, o, acc: R.sortquant_decode_ref(p, o, bits, split_bits, bs, acc),
+        lambda p, o, acc: cpu.sortquant_decode_cpu(p, o, bits, split_bits, bs, acc))
+
+
+def _kmeans_cpu_equals_reference(cpu, x, bits, bs, iters):
+    """:func:`_cpu_equals_reference` for a KMeans encode of ``x`` and its decodes (``cpu``: the kernel
+    module)."""
+    h = wire.Header(5, bits, 0, 0, bs, 0, (x.size,), name_hash=7).words()
+    return _cpu_equals_reference(
+        x, wire.layout(5, x.size, bits, bs),
+        lambda x_, p, r: R.kmeans_encode_ref(x_, p, h, bits, bs, iters, KEY, residual=r),
+        lambda x_, p, r: cpu.kmeans_encode_cpu(x_, p, h, bits, bs, iters, KEY, residual=r),
+        lambda p, o, acc: R.kmeans_decode_ref(p, o, bits, bs, acc),
+        lambda p, o, acc: cpu.kmeans_decode_cpu(p, o, bits, bs, acc))
+
+
 SORTQUANT_CASES = [(n, bs, b, sb, st) for n in (0, 1, 9, 33, 513, 4097) for bs in (1, 7, 64, 512)
                    for b, sb in ((2, 1), (4, 2), (5, 3), (8, 2), (16, 4)) for st in (True, False)]
 
@@ -144,13 +168,7 @@ def test_sortquant_cpu_equals_reference(cpu, n, bs, bits, split_bits, stochastic
     x = make_x(n, n * 31 + bs + bits, special=special)
     if n > 40:
         x[10:30] = x[5]                               # a run of equal values across group bounds
-    h = wire.Header(4, bits, 0 if stochastic else 1, split_bits, bs, 0, (n,), name_hash=7).words()
-    a, base = _cpu_equals_reference(
-        x, wire.layout(4, n, bits, bs, 0, split_bits),
-        lambda x_, p, r: R.sortquant_encode_ref(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
-        lambda x_, p, r: cpu.sortquant_encode_cpu(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
-        lambda p, o, acc: R.sortquant_decode_ref(p, o, bits, split_bits, bs, acc),
-        lambda p, o, acc: cpu.sortquant_decode_cpu(p, o, bits, split_bits, bs, acc))
+    a, base = _sortquant_cpu_equals_reference(cpu, x, bits, split_bits, bs, stochastic)
     if not special:
         assert np.all(np.isfinite(a - base))
 
@@ -175,13 +193,7 @@ def test_sortquant_cpu_group_paths(cpu, shape):
     else:
         bits, split_bits = 8, 5
     for stochastic in (True, False):
-        h = wire.Header(4, bits, 0 if stochastic else 1, split_bits, bs, 0, (n,), name_hash=7).words()
-        _cpu_equals_reference(
-            x, wire.layout(4, n, bits, bs, 0, split_bits),
-            lambda x_, p, r: R.sortquant_encode_ref(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
-            lambda x_, p, r: cpu.sortquant_encode_cpu(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
-            lambda p, o, acc: R.sortquant_decode_ref(p, o, bits, split_bits, bs, acc),
-            lambda p, o, acc: cpu.sortquant_decode_cpu(p, o, bits, split_bits, bs, acc))
+        _sortquant_cpu_equals_reference(cpu, x, bits, split_bits, bs, stochastic)
 
 
 KMEANS_CASES = [(n, bs, b, it) for n in (0, 1, 9, 33, 513, 1100, 4097) for bs in (0, 7, 512, 2000)
@@ -198,13 +210,7 @@ def test_kmeans_cpu_equals_reference(cpu, n, bs, bits, iters, variant):
     x = make_x(n, n * 29 + bs + bits, special=variant == "special", wide=variant == "wide")
     if n > 40:
         x[10:30] = x[5]                               # a run of equal values
-    h = wire.Header(5, bits, 0, 0, bs, 0, (n,), name_hash=7).words()
-    _cpu_equals_reference(
-        x, wire.layout(5, n, bits, bs),
-        lambda x_, p, r: R.kmeans_encode_ref(x_, p, h, bits, bs, iters, KEY, residual=r),
-        lambda x_, p, r: cpu.kmeans_encode_cpu(x_, p, h, bits, bs, iters, KEY, residual=r),
-        lambda p, o, acc: R.kmeans_decode_ref(p, o, bits, bs, acc),
-        lambda p, o, acc: cpu.kmeans_decode_cpu(p, o, bits, bs, acc))
+    _kmeans_cpu_equals_reference(cpu, x, bits, bs, iters)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -216,13 +222,7 @@ def test_kmeans_cpu_boundaries_inside_one_run(cpu, bits):
     x = (np.float32(1.0) + np.arange(n, dtype=np.float32) * np.finfo(np.float32).eps).astype(np.float32)
     x[4096:] = np.random.default_rng(3).standard_normal(n - 4096).astype(np.float32) * np.float32(4)
     x = x[np.random.default_rng(4).permutation(n)]
-    h = wire.Header(5, bits, 0, 0, 0, 0, (n,), name_hash=7).words()
-    _cpu_equals_reference(
-        x, wire.layout(5, n, bits, 0),
-        lambda x_, p, r: R.kmeans_encode_ref(x_, p, h, bits, 0, 9, KEY, residual=r),
-        lambda x_, p, r: cpu.kmeans_encode_cpu(x_, p, h, bits, 0, 9, KEY, residual=r),
-        lambda p, o, acc: R.kmeans_decode_ref(p, o, bits, 0, acc),
-        lambda p, o, acc: cpu.kmeans_decode_cpu(p, o, bits, 0, acc))
+    _kmeans_cpu_equals_reference(cpu, x, bits, 0, 9)
 
 
 ONEBIT_CASES = [(n, bs, tm) for n in SIZES for bs in (0, 1, 7, 64, 512) for tm in (True, False)]
