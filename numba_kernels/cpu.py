@@ -463,8 +463,8 @@ def _sort_values(xb, n, keys, keys2, order, order2, cnt, lo, w, with_order):
     with ``with_order`` their indices, ties in index order (a stable sort): an LSD radix sort, a pass
     per ``w`` bits (``32 - lo`` a multiple of it). Returns the arrays holding the result, (keys,
     order) or (keys2, order2). (Numba's own sort of 512 values took about 30 us, this about a fifth.
-    Out of cache, 8-bit digits scatter at a third of the speed of 6-bit ones on the development VM:
-    256 output streams against 64.)"""
+    Out of cache, a pass with 8-bit digits took 2.4 times as long as one with 6-bit digits on the
+    development VM: 256 output streams against 64; docs/BENCHMARKS.md.)"""
     D = 1 << w
     mask = np.uint32(D - 1)
     xu = xb.view(np.uint32)
