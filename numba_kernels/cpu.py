@@ -729,28 +729,26 @@ def _sortquant_decode(payload, out, codes_off, scales_off, nscales, bs, split_bi
         lo = np.empty(G, np.float32)
         unit = np.empty(G, np.float32)
         book = np.empty(K if K <= 256 else 1, np.float32)
-        codes = np.empty(_DEC_BLOCK, np.int32)
+        codes = np.empty(1 if K <= 256 else _DEC_BLOCK, np.int32)
         b0 = c * kchunk
         for b in range(b0, min(nb, b0 + kchunk)):
             sc = scales[2 * G * b:2 * G * (b + 1)]
             for g in range(G):
                 lo[g] = sc[2 * g]
                 unit[g] = np.float32(sc[2 * g + 1] - sc[2 * g]) / Lf
+            en = min(numel, (b + 1) * bs)
             if K <= 256:        # up to 8 bits: every code's value once per bucket, then a lookup
                 for g in range(G):
                     bg = book[g << lb:(g + 1) << lb]
                     for q in range(L + 1):
                         bg[q] = _sq_value(lo[g], q, unit[g])
-            en = min(numel, (b + 1) * bs)
+                _lookup(payload, codes_off, out[b * bs:en], b * bs, book, accumulate, _BITS)
+                continue
             for st in range(b * bs, en, _DEC_BLOCK):
                 ob = _unpack(payload, codes_off, out, st, en, codes, _BITS)
                 for j in range(ob.size):
-                    if K <= 256:
-                        v = book[codes[j]]
-                    else:
-                        g = codes[j] >> lb
-                        v = _sq_value(lo[g], codes[j] & L, unit[g])
-                    _put(ob, j, v, accumulate)
+                    g = codes[j] >> lb
+                    _put(ob, j, _sq_value(lo[g], codes[j] & L, unit[g]), accumulate)
 
 
 _KM_BLOCK = 1024        # elements whose centroids are found before their codes are written
@@ -931,15 +929,10 @@ def _kmeans_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate,
     nchunks = (nb + kchunk - 1) // kchunk
     K = 1 << _BITS
     for c in prange(nchunks):
-        codes = np.empty(_DEC_BLOCK, np.int32)
         b0 = c * kchunk
         for b in range(b0, min(nb, b0 + kchunk)):
-            book = scales[K * b:K * (b + 1)]
-            en = min(numel, (b + 1) * bs)
-            for st in range(b * bs, en, _DEC_BLOCK):
-                ob = _unpack(payload, codes_off, out, st, en, codes, _BITS)
-                for j in range(ob.size):
-                    _put(ob, j, book[codes[j]], accumulate)
+            _lookup(payload, codes_off, out[b * bs:min(numel, (b + 1) * bs)], b * bs,
+                    scales[K * b:K * (b + 1)], accumulate, _BITS)
 
 
 @_inline
@@ -1014,15 +1007,54 @@ def _unpack(payload, codes_off, out, st, en, codes, BITS):
 
 
 @_inline
-def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, codes, BITS):
-    """out[i] (+)= the value of element i of a QSGD payload, for the elements of buckets [b0, b1);
-    ``codes``: scratch for _DEC_BLOCK codes."""
+def _lookup(payload, codes_off, ob, st, book, accumulate, BITS):
+    """ob[j] (+)= book[code of element st + j] for every j of ``ob`` (BITS <= 8; ``book`` holds a value
+    per code). Where element st starts on a byte, eight codes at a time from the BITS bytes that hold
+    them, each value read from the book as its code is cut out (no array of codes between: the
+    SortQuant and KMeans decodes took 1.5-2.2x as long unpacking first, their table reads gathers;
+    docs/BENCHMARKS.md); the rest field by field."""
+    n = ob.size
+    first = st * BITS
+    cb = codes_off + (first >> 3)
+    sh = first & 7
+    mask = np.uint64((1 << BITS) - 1)
+    j0 = 0
+    if sh == 0:
+        for g in range(n >> 3):
+            pg = payload[cb + g * BITS:cb + (g + 1) * BITS]
+            w = np.uint64(0)
+            for k in range(BITS):
+                w |= np.uint64(pg[k]) << np.uint64(8 * k)
+            for k in range(8):
+                _put(ob, 8 * g + k, book[(w >> np.uint64(k * BITS)) & mask], accumulate)
+        j0 = (n >> 3) << 3
+    for j in range(j0, n):
+        bp = sh + j * BITS
+        _put(ob, j, book[_field(payload, cb + (bp >> 3), bp & 7, BITS)], accumulate)
+
+
+@_inline
+def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, BITS):
+    """out[i] (+)= the value of element i of a QSGD payload, for the elements of buckets [b0, b1).
+    Up to 7 bits (and buckets of at least half as many elements as codes) each code's value is
+    computed once per bucket and looked up (:func:`_lookup`): faster than unpacking the codes into
+    an array and computing each element's value from its code, which the wider codes do (at 8 bits
+    that second loop runs on bytes and vectorises whole, and is the faster one; docs/BENCHMARKS.md)."""
     numel = out.size
     s = np.int32((1 << (BITS - 1)) - 1)
     sf = np.float32(s)
+    K = 1 << BITS
+    table = K <= 128 and K <= 2 * bs
+    book = np.empty(K if table else 1, np.float32)
+    codes = np.empty(1 if table else _DEC_BLOCK, np.int32)
     for b in range(b0, b1):
         unit = scales[b] / sf
         en = min(numel, (b + 1) * bs)
+        if table:
+            for c in range(K):
+                book[c] = np.float32(np.int32(c) - s) * unit
+            _lookup(payload, codes_off, out[b * bs:en], b * bs, book, accumulate, BITS)
+            continue
         for st in range(b * bs, en, _DEC_BLOCK):
             ob = _unpack(payload, codes_off, out, st, en, codes, BITS)
             for j in range(ob.size):
@@ -1037,9 +1069,7 @@ def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, k
     nchunks = (nb + kchunk - 1) // kchunk
     for c in prange(nchunks):
         b0 = c * kchunk
-        codes = np.empty(_DEC_BLOCK, np.int32)
-        _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, min(nb, b0 + kchunk), accumulate, codes,
-                        _BITS)
+        _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, min(nb, b0 + kchunk), accumulate, _BITS)
 
 
 @_Widths
@@ -1052,11 +1082,10 @@ def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales,
     for c in prange(nchunks):
         b0 = c * kchunk
         b1 = min(nb, b0 + kchunk)
-        codes = np.empty(_DEC_BLOCK, np.int32)
         for k in range(npay):
             p = payloads[k * total:(k + 1) * total]
             scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
-            _qsgd_dec_range(p, out, codes_off, scales, bs, b0, b1, k > 0, codes, _BITS)
+            _qsgd_dec_range(p, out, codes_off, scales, bs, b0, b1, k > 0, _BITS)
         if has_add:
             for i in range(b0 * bs, min(numel, b1 * bs)):
                 out[i] = out[i] + addend[i]
@@ -1084,8 +1113,7 @@ def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_t
         nb = (o.size + bs - 1) // bs
         b0 = c * kchunk
         if b0 < nb:
-            codes = np.empty(_DEC_BLOCK, np.int32)
-            _qsgd_dec_range(p, o, codes_off, scales, bs, b0, min(nb, b0 + kchunk), False, codes, _BITS)
+            _qsgd_dec_range(p, o, codes_off, scales, bs, b0, min(nb, b0 + kchunk), False, _BITS)
 
 
 @_inline
