@@ -922,17 +922,20 @@ def _kmeans_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
 
 
 @_Widths
-def _kmeans_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, kchunk):
+def _kmeans_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, span):
+    """Split by elements (:func:`task_span`), so that one codebook per tensor (the default) decodes
+    on every thread: each task looks its elements up in their buckets' codebooks."""
     numel = out.size
     scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
-    nb = (numel + bs - 1) // bs
-    nchunks = (nb + kchunk - 1) // kchunk
     K = 1 << _BITS
-    for c in prange(nchunks):
-        b0 = c * kchunk
-        for b in range(b0, min(nb, b0 + kchunk)):
-            _lookup(payload, codes_off, out[b * bs:min(numel, (b + 1) * bs)], b * bs,
-                    scales[K * b:K * (b + 1)], accumulate, _BITS)
+    for t in prange((numel + span - 1) // span):
+        a = t * span
+        e = min(numel, a + span)
+        while a < e:
+            b = a // bs
+            z = min(e, (b + 1) * bs)
+            _lookup(payload, codes_off, out[a:z], a, scales[K * b:K * (b + 1)], accumulate, _BITS)
+            a = z
 
 
 @_inline
@@ -1649,7 +1652,7 @@ class KmeansDecodeCPU(QsgdDecodeCPU):
     def __init__(self, numel, bits, bucket_size, accumulate):
         lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
         bs = bucket_size or max(numel, 1)
-        self._setup(_kmeans_decode[bits], lay, bs)
+        self._setup(_kmeans_decode[bits], lay, bs, span=True)
         self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(accumulate))
 
 

@@ -225,6 +225,24 @@ def test_kmeans_cpu_boundaries_inside_one_run(cpu, bits):
     _kmeans_cpu_equals_reference(cpu, x, bits, 0, 9)
 
 
+@pytest.mark.parametrize("bs", [0, 20000, 7], ids=["tensor", "bs20000", "bs7"])
+def test_kmeans_cpu_decode_in_spans(cpu, bs):
+    """The KMeans decode splits by elements (spans of 16384 within a long bucket, whole buckets
+    otherwise), so inputs of several spans take the prange path (when Numba has more than one
+    thread); the decodes equal the reference's, overwriting and accumulating."""
+    n = 70001
+    assert n > cpu.task_span(bs or n, n)
+    x = make_x(n, 11)
+    h = wire.Header(5, 3, 0, 0, bs, 0, (n,)).words()
+    p = np.zeros(wire.layout(5, n, 3, bs).total, np.uint8)
+    cpu.kmeans_encode_cpu(x, p, h, 3, bs, 2, KEY)
+    for accumulate in (False, True):
+        a, b = make_x(n, 12), make_x(n, 12)
+        R.kmeans_decode_ref(p, a, 3, bs, accumulate)
+        cpu.kmeans_decode_cpu(p, b, 3, bs, accumulate)
+        assert nan_bits_equal(a, b)
+
+
 ONEBIT_CASES = [(n, bs, tm) for n in SIZES for bs in (0, 1, 7, 64, 512) for tm in (True, False)]
 
 
