@@ -1039,20 +1039,26 @@ def _lookup(payload, codes_off, ob, st, book, accumulate, BITS):
 @_inline
 def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, BITS):
     """out[i] (+)= the value of element i of a QSGD payload, for the elements of buckets [b0, b1).
-    Up to 7 bits (and buckets of at least half as many elements as codes) each code's value is
-    computed once per bucket and looked up (:func:`_lookup`): faster than unpacking the codes into
-    an array and computing each element's value from its code, which the wider codes do (at 8 bits
-    that second loop runs on bytes and vectorises whole, and is the faster one; docs/BENCHMARKS.md)."""
+    At 8 bits each value comes from its byte in one loop that vectorises whole; up to 7 bits (and
+    buckets of at least half as many elements as codes) each code's value is computed once per
+    bucket and looked up (:func:`_lookup`). Both are faster than unpacking the codes into an array and
+    computing each element's value from its code, which the other widths do (docs/BENCHMARKS.md)."""
     numel = out.size
     s = np.int32((1 << (BITS - 1)) - 1)
     sf = np.float32(s)
     K = 1 << BITS
     table = K <= 128 and K <= 2 * bs
     book = np.empty(K if table else 1, np.float32)
-    codes = np.empty(1 if table else _DEC_BLOCK, np.int32)
+    codes = np.empty(1 if table or BITS == 8 else _DEC_BLOCK, np.int32)
     for b in range(b0, b1):
         unit = scales[b] / sf
         en = min(numel, (b + 1) * bs)
+        if BITS == 8:
+            ob = out[b * bs:en]
+            pb = payload[codes_off + b * bs:codes_off + en]
+            for j in range(ob.size):
+                _put(ob, j, np.float32(np.int32(pb[j]) - s) * unit, accumulate)
+            continue
         if table:
             for c in range(K):
                 book[c] = np.float32(np.int32(c) - s) * unit
