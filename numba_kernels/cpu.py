@@ -162,9 +162,15 @@ def _tree(p):
 
 
 @_inline
-def _lane_add(p, q, l, v, kind):
-    """Add element ``v`` to lane ``l``: kind 1: v*v to p; 2: v >= 0 to p, v < 0 to q (returns 1 if
-    v >= 0); 3: |v| to p."""
+def _lanes():
+    """Scratch for the lane sums: p and q (float32) and the counts c (int32), 32 lanes each."""
+    return np.empty(32, np.float32), np.empty(32, np.float32), np.empty(32, np.int32)
+
+
+@_inline
+def _lane_add(p, q, c, l, v, kind):
+    """Add element ``v`` to lane ``l``: kind 1: v*v to p; 2: v >= 0 to p and to the count c, v < 0
+    to q; 3: |v| to p."""
     if kind == 1:
         p[l] = p[l] + v * v
     elif kind == 2:
@@ -173,28 +179,32 @@ def _lane_add(p, q, l, v, kind):
         pos = v >= F0
         p[l] = p[l] + (v if pos else F0)
         q[l] = q[l] + (F0 if pos else v)
-        return np.int64(pos)
+        c[l] += np.int32(pos)
     else:
         p[l] = p[l] + abs(v)
-    return np.int64(0)
 
 
 @_inline
-def _lane_segment(x, st, en, kind, p, q):
+def _lane_segment(x, st, en, kind, p, q, c):
     """The lanes of x[st:en] (one segment) into p (and q), by :func:`_lane_add`; returns the count of
-    x >= 0 for kind 2. Whole rows of 32 are sliced out so the compiler sees 32 independent lanes."""
+    x >= 0 for kind 2 (counted per lane: one count summed across the lanes in the loop kept it from
+    vectorising, twice the time). Whole rows of 32 are sliced out so the compiler sees 32 independent
+    lanes."""
     for l in range(32):
         p[l] = F0
         q[l] = F0
-    npos = np.int64(0)
+        c[l] = 0
     full = (en - st) >> 5
     for r in range(full):
         xr = x[st + 32 * r:st + 32 * r + 32]
         for l in range(32):
-            npos += _lane_add(p, q, l, xr[l], kind)
+            _lane_add(p, q, c, l, xr[l], kind)
     xr = x[st + 32 * full:en]
     for l in range(xr.size):
-        npos += _lane_add(p, q, l, xr[l], kind)
+        _lane_add(p, q, c, l, xr[l], kind)
+    npos = np.int64(0)
+    for l in range(32):
+        npos += c[l]
     return npos
 
 
@@ -214,19 +224,19 @@ def _segment_lanes(sp, sq, sn, p, q):
 
 
 @_inline
-def _lane_sums(x, st, en, kind, p, q):
+def _lane_sums(x, st, en, kind, p, q, c):
     """Canonical lane sums (``reference.lane_sum_ref``) of the bucket x[st:en] into p (and q), whose
     :func:`_tree` is the bucket's sum: one segment's lanes, or, for a bucket of more than SEGMENT
     elements, the lanes of its segments' sums (:func:`_segment_lanes`). Returns the count of x >= 0
     for kind 2."""
     if en - st <= SEGMENT:
-        return _lane_segment(x, st, en, kind, p, q)
+        return _lane_segment(x, st, en, kind, p, q, c)
     n = (en - st + SEGMENT - 1) // SEGMENT
     sp = np.empty(n, np.float32)
     sq = np.empty(n, np.float32)
     sn = np.empty(n, np.int64)
     for k in range(n):
-        sn[k] = _lane_segment(x, st + k * SEGMENT, min(en, st + k * SEGMENT + SEGMENT), kind, p, q)
+        sn[k] = _lane_segment(x, st + k * SEGMENT, min(en, st + k * SEGMENT + SEGMENT), kind, p, q, c)
         sp[k] = _tree(p)
         sq[k] = _tree(q)       # +0.0 unless kind 2
     return _segment_lanes(sp, sq, sn, p, q)
@@ -328,18 +338,24 @@ def _pack(codes, ng, payload, base, lim, BITS):
     bytes): eight codes fill exactly BITS bytes. ``BITS`` is a compile-time constant, so the shifts
     are constants."""
     lim = min(lim, base + ng * BITS)
-    if 8 % BITS == 0:                               # 2, 4, 8: whole codes per byte
-        # codes indexed, not sliced per byte: the 2/4/8-bit encodes 12-18% faster (BENCHMARKS)
-        per = 8 // BITS
-        pb = payload[base:lim]
+    pb = payload[base:lim]
+    if BITS == 8:
         for j in range(pb.size):
-            v = codes[per * j]
-            for k in range(1, per):
-                v += codes[per * j + k] << (k * BITS)
-            pb[j] = np.uint8(v)
+            pb[j] = np.uint8(codes[j])
+        return
+    if BITS == 4:                                   # a byte's two codes read as one uint32
+        cw = codes.view(np.uint32)
+        for j in range(pb.size):
+            w = cw[j]
+            pb[j] = np.uint8((w | (w >> np.uint32(12))) & np.uint32(0xFF))
+        return
+    if BITS == 2:                                   # a byte's four codes read as one uint64 (2.6x
+        cq = codes.view(np.uint64)                  # faster than four 16-bit reads)
+        for j in range(pb.size):
+            w = cq[j]
+            pb[j] = np.uint8((w | (w >> np.uint64(14)) | (w >> np.uint64(28)) | (w >> np.uint64(42))) & UFF)
         return
     if BITS == 16:
-        pb = payload[base:lim]
         for j in range(pb.size >> 1):
             pb[2 * j] = np.uint8(codes[j] & 0xFF)
             pb[2 * j + 1] = np.uint8(codes[j] >> 8)
@@ -420,14 +436,13 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
     s = (1 << (_BITS - 1)) - 1
     sf = np.float32(s)
     for c in prange(nchunks):
-        p = np.empty(32, np.float32)
-        q = np.empty(32, np.float32)
+        p, q, cl = _lanes()
         b0, b1, e0, ng, codes = _chunk_codes(c, kchunk, nb, bs, numel)
         for b in range(b0, b1):
             st = b * bs
             en = min(numel, st + bs)
             if norm_l2:
-                _lane_sums(x, st, en, 1, p, q)
+                _lane_sums(x, st, en, 1, p, q, cl)
                 scales[b] = _sqrt32(_tree(p))
             else:
                 scale_bits[b] = _abs_max_bits(xi, st, en)
@@ -1137,14 +1152,14 @@ def _onebit_store(scales, b, two_mean, sp, sq, npos, n):
 
 
 @_inline
-def _onebit_scale(x, scales, b, bs, two_mean, p, q):
+def _onebit_scale(x, scales, b, bs, two_mean, p, q, c):
     """Bucket b's scales from its canonical sums (:func:`_lane_sums`)."""
     st = b * bs
     en = min(x.size, st + bs)
     if two_mean:        # (the kind a literal: each loop compiled for its own)
-        npos = _lane_sums(x, st, en, 2, p, q)
+        npos = _lane_sums(x, st, en, 2, p, q, c)
     else:
-        npos = _lane_sums(x, st, en, 3, p, q)
+        npos = _lane_sums(x, st, en, 3, p, q, c)
     _onebit_store(scales, b, two_mean, _tree(p), _tree(q), npos, en - st)
 
 
@@ -1161,18 +1176,20 @@ def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, 
     """The bits (x >= 0) of x[e0:e1], eight to a byte (e0 a multiple of 8), and their residual."""
     xs = x[e0:e1]
     pb = payload[codes_off + (e0 >> 3):codes_off + ((e1 + 7) >> 3)]
-    full = xs.size >> 3
-    for j in range(full):
-        xg = xs[8 * j:8 * j + 8]
-        v = np.int32(0)
+    nw = xs.size >> 6
+    for w in range(nw):       # 64 bits in a word, then its 8 bytes (4.6x faster than byte by byte)
+        xg = xs[64 * w:64 * w + 64]
+        v = np.uint64(0)
+        for k in range(64):
+            v |= np.uint64(xg[k] >= F0) << np.uint64(k)
+        pg = pb[8 * w:8 * w + 8]
         for k in range(8):
-            v |= np.int32(xg[k] >= F0) << k
-        pb[j] = np.uint8(v)
-    if full < pb.size:
-        v = np.int32(0)
-        for k in range(xs.size - 8 * full):
-            v |= np.int32(xs[8 * full + k] >= F0) << k
-        pb[full] = np.uint8(v)
+            pg[k] = np.uint8((v >> np.uint64(8 * k)) & UFF)
+    for j in range(8 * nw, pb.size):
+        u = np.int32(0)
+        for k in range(min(8, xs.size - 8 * j)):
+            u |= np.int32(xs[8 * j + k] >= F0) << k
+        pb[j] = np.uint8(u)
     if has_res:
         # what the decode writes for the bit (x >= 0) of each element
         st = e0
@@ -1183,8 +1200,8 @@ def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, 
             xb = x[st:en]
             rb = residual[st:en]
             for j in range(xb.size):
-                v = xb[j]
-                rb[j] = v - (hi if v >= F0 else lo)
+                xv = xb[j]
+                rb[j] = xv - (hi if xv >= F0 else lo)
             st = en
 
 
@@ -1207,10 +1224,9 @@ def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
     nb = (numel + bs - 1) // bs
     per = span // bs
     for c in prange((numel + span - 1) // span):
-        p = np.empty(32, np.float32)
-        q = np.empty(32, np.float32)
+        p, q, cl = _lanes()
         for b in range(c * per, min(nb, c * per + per)):
-            _onebit_scale(x, scales, b, bs, two_mean, p, q)
+            _onebit_scale(x, scales, b, bs, two_mean, p, q, cl)
         _onebit_bits(x, payload, codes_off, scales, bs, two_mean, c * span, min(numel, c * span + span),
                      residual, has_res)
 
@@ -1233,12 +1249,11 @@ def _onebit_encode_long(x, payload, header, codes_off, codes_end, scales_off, ns
         st = b * bs + (t - b * nseg) * SEGMENT
         en = min(min(numel, b * bs + bs), st + SEGMENT)
         if st < en:
-            tp = np.empty(32, np.float32)
-            tq = np.empty(32, np.float32)
+            tp, tq, tc = _lanes()
             if two_mean:
-                sn[t] = _lane_segment(x, st, en, 2, tp, tq)
+                sn[t] = _lane_segment(x, st, en, 2, tp, tq, tc)
             else:
-                sn[t] = _lane_segment(x, st, en, 3, tp, tq)
+                sn[t] = _lane_segment(x, st, en, 3, tp, tq, tc)
             sp[t] = _tree(tp)
             sq[t] = _tree(tq)
     # a short last bucket's missing segments add +0.0 (count 0): no lane changes (docs/CODECS.md)
