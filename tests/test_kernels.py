@@ -547,6 +547,26 @@ def test_decode_expect_raises_before_writing(cpu, where):
         dec[1](p1, np.zeros(100, np.float32), 0, True, False, None, None, e1._replace(mode=1))
 
 
+def test_wide_marks_only_the_function_that_calls_it(cpu):
+    """``cpu._wide()`` (called first in every CPU kernel's parallel task) gives the function it is
+    compiled into LLVM's ``prefer-vector-width=512`` attribute and emits no code; a function without
+    the call keeps LLVM's default."""
+    from numba import njit
+
+    @njit(cache=False)
+    def wide(x):
+        cpu._wide()
+        return x + 1
+
+    @njit(cache=False)
+    def plain(x):
+        return x + 1
+
+    assert wide(1) == plain(1) == 2
+    assert '"prefer-vector-width"="512"' in wide.inspect_llvm(wide.signatures[0])
+    assert "prefer-vector-width" not in plain.inspect_llvm(plain.signatures[0])
+
+
 def test_cpu_import_writes_nothing_in_the_package(tmp_path):
     """Importing numba_kernels.cpu (and compiling) writes nothing next to the sources but Python's
     own bytecode; with NUMBA_CACHE_DIR, Numba's cache goes there."""
