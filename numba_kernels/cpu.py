@@ -353,7 +353,7 @@ def _pack_groups(codes, g0, g1, payload, base, BITS):
 def _pack(codes, ng, payload, base, lim, BITS):
     """codes[0:8*ng] as BITS-bit little-endian fields into payload[base:lim] (lim - base <= ng*BITS
     bytes): eight codes fill exactly BITS bytes. ``BITS`` is a compile-time constant, so the shifts
-    are constants."""
+    are constants. ``codes`` is scratch: the odd widths' pack overwrites it."""
     lim = min(lim, base + ng * BITS)
     pb = payload[base:lim]
     if BITS == 8:
@@ -379,8 +379,7 @@ def _pack(codes, ng, payload, base, lim, BITS):
         return
     whole = min(ng, (lim - base) // BITS)          # groups whose BITS bytes all lie before lim
     # groups [head, head + 8*nsg) as BITS 64-bit words per 64 codes (1.6-2.9x faster than a byte at a
-    # time, BENCHMARKS); the groups before head bring the words to an 8-byte boundary. Codes are below
-    # 2**BITS, so each squeeze step's two fields never overlap
+    # time, BENCHMARKS); the groups before head bring the words to an 8-byte boundary
     head = 0
     addr = payload.ctypes.data + base
     while head < 8 and (addr + head * BITS) & 7:
@@ -392,8 +391,8 @@ def _pack(codes, ng, payload, base, lim, BITS):
     _pack_groups(codes, 0, head, payload, base, BITS)
     if nsg:
         # each 64-bit word of four codes (16 bits apart) squeezed into its low 4*BITS bits in place
-        # (two shift-mask-or steps the compiler vectorises), then 16 such units per 64 codes shifted
-        # into the BITS words
+        # (two shift-mask-or steps the compiler vectorises; codes are below 2**BITS, so the fields
+        # each step joins never overlap), then 16 such units per 64 codes shifted into the BITS words
         cw = codes.view(np.uint64)
         m = np.uint64((1 << BITS) - 1)
         lo1 = m | (m << np.uint64(32))
