@@ -606,28 +606,23 @@ def _first_rank(g, n, G):
     return (g * n + G - 1) // G
 
 
-@_inline
-def _next_bound(g, n, G):
-    """The first rank past group g: group g + 1's first, or n + 1 after the last group (where a walk
-    over the ranks stops)."""
-    return _first_rank(g + 1, n, G) if g + 1 < G else n + 1
-
-
 _SQ_SELECT_GROUPS = 16     # SortQuant finds the group bounds without a full sort for up to this many groups
 _SQ_BIN = 64               # ... unless a bin holding a group bound has more values than this
 
 
 @_inline
-def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, gb, tmp, grp, ends):
+def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, ends, tw):
     """Each element's group of ranks in the bucket xb[:n] (finite, extremes ``mn``, ``mx``) without a
     full sort: the elements are spread over n bins of equal width by value (a monotone map, so the
-    bins in order hold the values in order; ``srt`` their indices bin by bin, in index order within
-    one), a bin lying within one group gives its elements that group, and only the bins holding a
-    group's first or last rank are sorted (insertion sort by (sort key, index), the stable sort's
-    order). Fills ``grp`` and ``ends[2g]``, ``ends[2g + 1]`` (the indices of the elements of ranks p0
-    and p1 - 1 of group g, -1 for an empty group). Returns False, having decided nothing, where the
-    values all share one bin or a bound's bin holds more than _SQ_BIN of them (a sort is then
-    cheaper)."""
+    bins in order hold the values in order), and only the bins holding a group's first or last rank
+    (the target bins) are gathered and sorted (insertion sort by (sort key, index), the stable sort's
+    order). An element outside them is in the group of its bin: the count of groups whose first rank
+    lies in a lower bin. Fills ``grp`` and ``ends[2g]``, ``ends[2g + 1]`` (the indices of the
+    elements of ranks p0 and p1 - 1 of group g, -1 for an empty group); ``srt`` holds the target
+    bins' elements at their ranks. Returns False, having decided nothing, where the values all share
+    one bin or a target bin holds more than _SQ_BIN of them (a sort is then cheaper). Scratch:
+    ``tgt`` (n flags, zero between calls), ``tw`` (4 rows of 2G: the target bins, their first ranks,
+    their counts; the bin of each group's first rank)."""
     lo = np.float64(mn)
     width = np.float64(mx) - lo
     if not width > 0.0:
@@ -639,60 +634,70 @@ def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, gb, tmp, grp, ends):
         cnt[d] = 0
     for j in range(n):
         cnt[bn[j]] += 1
-    at = 0
-    g = 0
-    nxt = _next_bound(0, n, G)
-    for d in range(n):      # cnt[d] = the bin's first rank, gb[d] = that rank's group
-        c = cnt[d]
-        cnt[d] = at
-        while nxt <= at:
-            g += 1
-            nxt = _next_bound(g, n, G)
-        gb[d] = g
-        at += c
-    for j in range(n):
-        d = bn[j]
-        k = cnt[d]
-        cnt[d] = k + 1
-        srt[k] = j
-    for j in range(n):      # cnt[d] is now the end of bin d
-        grp[j] = gb[bn[j]]
-    xu = xb.view(np.uint32)
-    last = -1
-    d0 = 0
+    nt = 0
+    d = 0
+    at = 0          # the first rank of bin d
     for g in range(G):
         p0 = _first_rank(g, n, G)
         p1 = _first_rank(g + 1, n, G)
+        tw[3, g] = n            # no element's bin lies above it: the group starts past the bucket
         ends[2 * g] = -1
         ends[2 * g + 1] = -1
-        for e in range(2 if p0 < p1 else 0):
+        for e in range(2):
             pos = p0 if e == 0 else p1 - 1
-            while cnt[d0] <= pos:       # the bin holding rank pos: the first whose end is past it
-                d0 += 1
-            if d0 != last:              # sort it (once: a group's last rank often shares a bin with the next's first)
-                last = d0
-                s0 = cnt[d0 - 1] if d0 > 0 else 0
-                m = cnt[d0] - s0
-                if m > _SQ_BIN:
+            if pos >= n or pos < p0:
+                continue
+            while at + cnt[d] <= pos:   # the bin holding rank pos
+                at += cnt[d]
+                d += 1
+            if e == 0:
+                tw[3, g] = d
+            if nt == 0 or tw[0, nt - 1] != d:
+                if cnt[d] > _SQ_BIN:
                     return False
-                for i in range(m):
-                    v = srt[s0 + i]
-                    pair = (np.uint64(_sort_key(xu[v])) << U32) | np.uint64(v)
-                    k = i
-                    while k > 0 and tmp[k - 1] > pair:
-                        tmp[k] = tmp[k - 1]
-                        k -= 1
-                    tmp[k] = pair
-                gg = gb[d0]
-                nx = _next_bound(gg, n, G)
-                for i in range(m):
-                    while s0 + i >= nx:         # the group of rank s0 + i
-                        gg += 1
-                        nx = _next_bound(gg, n, G)
-                    v = np.int32(tmp[i] & np.uint64(0xFFFFFFFF))
-                    srt[s0 + i] = v
-                    grp[v] = gg
-            ends[2 * g + e] = srt[pos]
+                tw[0, nt] = d
+                tw[1, nt] = at
+                tw[2, nt] = cnt[d]
+                nt += 1
+    for j in range(n):
+        grp[j] = 0
+    for g in range(1, G):       # one pass per group bound, each vectorised
+        bg = np.int32(tw[3, g])
+        for j in range(n):
+            grp[j] += np.int32(bn[j] > bg)
+    for k in range(nt):         # gather the target bins' elements, index order within each
+        d = tw[0, k]
+        tgt[d] = 1
+        cnt[d] = tw[1, k]
+    for j in range(n):
+        d = bn[j]
+        if tgt[d]:
+            k = cnt[d]
+            cnt[d] = k + 1
+            srt[k] = j
+    xu = xb.view(np.uint32)
+    for k in range(nt):
+        tgt[tw[0, k]] = 0
+        s0 = tw[1, k]
+        m = tw[2, k]
+        for i in range(m):
+            v = srt[s0 + i]
+            pair = (np.uint64(_sort_key(xu[v])) << U32) | np.uint64(v)
+            q = i
+            while q > 0 and tmp[q - 1] > pair:
+                tmp[q] = tmp[q - 1]
+                q -= 1
+            tmp[q] = pair
+        for i in range(m):
+            v = np.int32(tmp[i] & np.uint64(0xFFFFFFFF))
+            srt[s0 + i] = v
+            grp[v] = np.int32(((s0 + i) * G) // n)
+    for g in range(G):
+        p0 = _first_rank(g, n, G)
+        p1 = _first_rank(g + 1, n, G)
+        if p0 < p1:
+            ends[2 * g] = srt[p0]
+            ends[2 * g + 1] = srt[p1 - 1]
     return True
 
 
@@ -724,7 +729,8 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
         cnt = np.empty(max(256, m), np.int64)
         srt = np.empty(m, np.int32)
         bn = np.empty(m, np.int32)
-        gb = np.empty(m, np.int32)
+        tgt = np.zeros(m, np.uint8)
+        tw = np.empty((4, 2 * G), np.int64)
         tmp = np.empty(_SQ_BIN, np.uint64)
         ends = np.empty(2 * G, np.int64)
         grp = np.empty(m, np.int32)
@@ -750,7 +756,7 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
                     if has_res:
                         residual[st + j] = xb[j] - FNAN
                 continue
-            if not (G <= _SQ_SELECT_GROUPS and _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, gb, tmp, grp, ends)):
+            if not (G <= _SQ_SELECT_GROUPS and _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, ends, tw)):
                 keys, order = _sort_values(xb, n, keys, keys2, order, order2, cnt, 0, 8, True)
                 for g in range(G):
                     p0 = _first_rank(g, n, G)
