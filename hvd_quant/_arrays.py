@@ -301,7 +301,7 @@ class NumpyAdapter(HostAdapter):
         p = np.asarray(payload)
         if (p.dtype is not _U8 and p.dtype != _U8) or p.ndim != 1:
             raise UnsupportedInputError(f"a payload is a 1-D uint8 array; got {p.dtype} with shape {p.shape}")
-        return p
+        return p if p.flags.c_contiguous else np.ascontiguousarray(p)
 
     def wrap_payload(self, arr, like):
         return arr

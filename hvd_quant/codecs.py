@@ -26,6 +26,7 @@ CUDA kernels on the framework's current stream without synchronising with the ho
 import functools
 import inspect
 import math
+import operator
 import os
 import random
 import threading
@@ -46,10 +47,16 @@ REGISTRY = {}
 
 
 def register(name, *aliases):
-    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``)."""
+    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``).
+    Names are matched without regard to case, as :func:`from_spec` reads them; a name holding
+    ``:``, ``,``, ``=`` or white space could not be read back from a spec and is refused."""
+    for key in (name,) + aliases:
+        if not isinstance(key, str) or not key or any(c in key for c in ":,=") or key != "".join(key.split()):
+            raise ValueError(f"a codec name is a non-empty str without ':', ',', '=' or white space; got {key!r}")
+
     def deco(cls):
         cls.name = name
-        for key in (name,) + aliases:
+        for key in (k.lower() for k in (name,) + aliases):
             if key in REGISTRY:
                 raise ValueError(f"codec name {key!r} is already registered to {REGISTRY[key].__name__}")
             REGISTRY[key] = cls
@@ -61,7 +68,7 @@ def register(name, *aliases):
 
 def _p_int(key, text):
     try:
-        return int(text, 0)
+        return int(text, 10) if text.lstrip("+-").isdigit() else int(text, 0)     # "08", "0x200"
     except ValueError:
         raise ValueError(f"{key}={text!r} is not an integer") from None
 
@@ -80,7 +87,7 @@ def _p_bool(key, text):
 
 
 def _p_str(key, text):
-    return text
+    return text.lower()         # the modes and norms: as the codec names, without regard to case
 
 
 def _fmt(v):
@@ -127,6 +134,23 @@ def from_spec(spec):
         raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
 
 
+def _name_arg(name):
+    """A tensor name given to encode/decode: a str (a subclass as its str)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str or None; got {type(name).__name__} {name!r}")
+    return str(name)
+
+
+def _shape_arg(shape):
+    """``decode``'s expected shape: an int or a sequence of ints, as NumPy takes it."""
+    try:
+        if not hasattr(shape, "__len__"):
+            return (operator.index(shape),)
+        return tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints; got {shape!r}") from None
+
+
 def _env_rank():
     for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         v = os.environ.get(var)
@@ -135,13 +159,13 @@ def _env_rank():
     return 0
 
 
-def _check_int(key, v, lo, hi=None):
+def _check_int(key, v, lo, hi=None, why=""):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise ValueError(f"{key} must be an integer; got {v!r}")
     v = int(v)
     if v < lo or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise ValueError(f"{key} must be {rng}; got {v}")
+        raise ValueError(f"{key} must be {rng}{why}; got {v}")
     return v
 
 
@@ -333,18 +357,22 @@ class Codec:
 
     # -- noise ---------------------------------------------------------------------------------------
     def _direct_key(self, nh, step, rank):
-        """The noise key of a direct :meth:`encode` call (see the codec's docstring on seeds)."""
+        """The noise key of a direct :meth:`encode` call (see the codec's docstring on seeds). ``step``
+        and ``rank`` are checked even where they choose nothing (no seed, no noise)."""
+        if step is not None:
+            step = _check_int("step", step, 0)
+        if rank is not None:
+            rank = _check_int("rank", rank, 0)
         if not self.stochastic:
             return 0
         if self.seed is None:
             return fresh_seed()
-        rank = _env_rank() if rank is None else _check_int("rank", rank, 0)
-        k = _direct_count(self, nh) if step is None else _check_int("step", step, 0)
-        return noise_key(self.seed, k, rank, nh)
+        k = _direct_count(self, nh) if step is None else step
+        return noise_key(self.seed, k, _env_rank() if rank is None else rank, nh)
 
     # -- public API ----------------------------------------------------------------------------------
     def encode(self, x, name=None, step=None, rank=None):
-        """Encode ``x`` (NumPy array, torch tensor on CPU/CUDA, TensorFlow tensor; float32, float16,
+        """Encode ``x`` (NumPy array, torch tensor on CPU/CUDA, eager TensorFlow tensor; float32, float16,
         bfloat16 or float64) into a 1-D uint8 payload of the same kind and device. ``name`` is hashed
         into the header so that ``decode(..., name=...)`` can refuse another tensor's payload.
 
@@ -352,6 +380,8 @@ class Codec:
         k is this codec object's count of encodes of ``name`` unless ``step`` is given, rank the
         process's Horovod rank (environment) unless ``rank`` is given. ``step=s, rank=r`` gives the
         payload the exchange sends for that name at step s from rank r."""
+        if name is not None and type(name) is not str:
+            name = _name_arg(name)
         arrays = adapter_for(x)
         shape, dtype = arrays.describe(x)
         direct = _direct_encoder(self, arrays, shape, dtype, name)
@@ -380,7 +410,7 @@ class Codec:
     def encode_into(self, x, payload, words, lay, key, arrays=None, residual=None):
         """Encode ``x`` (``lay.numel`` elements) into ``payload``, a uint8 buffer (or a slice of one)
         of ``lay.total`` bytes of the same kind and device, with header ``words`` and noise ``key``
-        prepared by the caller (:func:`prepared`, :func:`noise_key`): the exchange's hot path, with
+        prepared by the caller (:func:`_prepared`, :func:`noise_key`): the exchange's hot path, with
         no allocation and no per-call preparation. ``arrays``: the adapter of ``x``, if known.
 
         ``residual`` (a flat float32 buffer of ``x``'s kind, or None): also write ``x - decode(payload)``
@@ -529,12 +559,16 @@ class Codec:
         ``dtype`` avoids any host synchronisation: the header is then checked on the device (as in
         :meth:`decode_into`); without them the 64-byte header is copied to the host (one
         synchronisation) and validated there."""
+        if name is not None and type(name) is not str:
+            name = _name_arg(name)
+        if shape is not None:
+            shape = _shape_arg(shape)
         arrays = adapter_for(payload)
         if arrays.device:
             return self._decode_device(arrays, payload, name, shape, dtype)
         pay = arrays.payload_np(payload)
         h = self._parse(pay, name)
-        if shape is not None and tuple(int(d) for d in shape) != h.shape:
+        if shape is not None and shape != h.shape:
             raise PayloadError(f"payload holds shape {h.shape}, caller expected {tuple(shape)}")
         if dtype is not None and _dtype_text(dtype) != h.dtype_name:
             raise PayloadError(f"payload holds dtype {h.dtype_name}, caller expected {_dtype_text(dtype)}")
@@ -558,6 +592,8 @@ class Codec:
         ``expect`` (a ``wire.Expect`` from :func:`expectation`, given instead of ``name``) and
         ``arrays`` (the payload's adapter) let a caller that decodes the same layout every step skip
         the per-call preparation."""
+        if name is not None and type(name) is not str:
+            name = _name_arg(name)
         arrays = arrays or adapter_for(payload)
         if arrays.device:
             return self._decode_into_device(arrays, payload, out, accumulate, name, expect)
@@ -606,7 +642,6 @@ class Codec:
             self._check_header(h, name)
             shape, dtype_name, expect = h.shape, h.dtype_name, None
         else:
-            shape = tuple(int(d) for d in shape)
             dtype_name = _dtype_text(dtype)
             expect = expectation(self, math.prod(shape), name)
         numel = math.prod(shape)
@@ -730,7 +765,7 @@ class QSGD(Codec):
 
     Noise: ``seed=None`` draws fresh noise on every call. With a fixed ``seed`` the uniforms are a
     counter-based hash of the key :func:`noise_key` (seed, k, rank, name hash) and the element index.
-    For a direct :meth:`encode`, k counts the encode calls for that name with an equal codec in this
+    For a direct :meth:`encode`, k counts this codec object's encode calls for that name in this
     process and rank is ``HOROVOD_RANK`` (or ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0): the k-th
     call on the same input gives the same payload in every run. Inside the exchange, k is the
     training step and rank the process set rank, so ranks draw independent noise.
@@ -1076,7 +1111,8 @@ class SortQuant(Codec):
 
     def __init__(self, bits=4, split_bits=2, bucket_size=512, mode="stochastic", seed=None):
         bits = _check_int("bits", bits, 2, 16)
-        self._freeze(bits=bits, split_bits=_check_int("split_bits", split_bits, 1, bits - 1),
+        self._freeze(bits=bits, split_bits=_check_int("split_bits", split_bits, 1, bits - 1,
+                                                      f" (below bits={bits})"),
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
                      mode=_check_choice("mode", mode, ("stochastic", "deterministic")),
                      seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1))

@@ -23,12 +23,15 @@ gradients as :class:`Tensor` records (name, shape, floating or not) and take the
    ``(bucket header, rank, size)``.
 """
 import math
+import numbers
 import statistics
 import struct
 import time
 import zlib
 from dataclasses import dataclass, fields
 from typing import Any, Optional
+
+import numpy as np
 
 from .codecs import resolve_codec
 from .exchange import AVERAGE, REDUCTIONS, SUM, handshake_record, is_passthrough_codec
@@ -72,6 +75,26 @@ def check_reduction(reduction, auto=True):
 def check_backward_passes(passes):
     if passes <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
+
+
+def _count(value, name, allow_none=False):
+    """``value`` as a non-negative int (a float that is a whole number passes: ``2.5e7``)."""
+    if value is None and allow_none:
+        return None
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value != int(value) or value < 0):
+        raise ValueError(f"{name} must be a non-negative whole number; got {value!r}")
+    return int(value)
+
+
+def _flag(value, name, allow_none=False):
+    """``value`` as a bool: True, False (NumPy's too) or, where allowed, None; a string or a number
+    would otherwise pass as true."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True{', False or None' if allow_none else ' or False'}; got {value!r}")
+    return bool(value)
 
 
 def check_groups(groups, what):
@@ -132,14 +155,17 @@ def configure(compression, namespace=None, *, reduction="sra", bucket_bytes=BUCK
     check_reduction(reduction)
     if predivide is not None and predivide != 1.0 and op != AVERAGE:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
+    bucket_bytes = _count(bucket_bytes, "bucket_bytes", allow_none=True)
+    min_compress_numel = _count(min_compress_numel, "min_compress_numel")
+    warmup_steps = _count(warmup_steps, "warmup_steps", allow_none=True)
+    compress_1d = _flag(compress_1d, "compress_1d")
+    error_feedback = _flag(error_feedback, "error_feedback", allow_none=True)
     codec = resolve_codec(compression, namespace)
     if error_feedback is None:
         error_feedback = getattr(codec, "wants_error_feedback", False)
-    return Config(codec=codec, reduction=reduction,
-                  bucket_bytes=None if bucket_bytes is None else int(bucket_bytes or 0),
-                  min_compress_numel=int(min_compress_numel), compress_1d=bool(compress_1d),
-                  warmup_steps=None if warmup_steps is None else int(warmup_steps),
-                  error_feedback=bool(error_feedback), op=op,
+    return Config(codec=codec, reduction=reduction, bucket_bytes=bucket_bytes,
+                  min_compress_numel=min_compress_numel, compress_1d=compress_1d,
+                  warmup_steps=warmup_steps, error_feedback=bool(error_feedback), op=op,
                   predivide=None if predivide is None else float(predivide), extra=tuple(extra))
 
 

@@ -369,6 +369,38 @@ def test_wire_nbytes_formula():
     assert QSGD(bits=4, bucket_size=512).wire_nbytes(10 ** 8) / (4 * 10 ** 8) < 1 / 7.8
 
 
+def test_bad_call_arguments_are_refused_by_name():
+    c = QSGD(seed=1)
+    x = np.ones(100, np.float32)
+    p = c.encode(x, name="a")
+    with pytest.raises(TypeError, match="name must be a str"):
+        c.encode(x, name=["a"])
+    with pytest.raises(TypeError, match="name must be a str"):
+        c.decode(p, name=b"a")
+    with pytest.raises(TypeError, match="name must be a str"):
+        c.decode_into(p, np.empty(100, np.float32), name=1)
+    with pytest.raises(TypeError, match="shape must be an int or a sequence of ints"):
+        c.decode(p, shape="100")
+    for codec in (c, QSGD(), QSGD(mode="deterministic")):       # checked where they choose nothing too
+        with pytest.raises(ValueError, match="step"):
+            codec.encode(x, step=-1)
+        with pytest.raises(ValueError, match="rank"):
+            codec.encode(x, rank="0")
+    assert c.decode(p, shape=100).shape == (100,) and c.decode(p, shape=np.int64(100)).shape == (100,)
+
+
+def test_strided_payload_decodes():
+    """A payload that is a strided view (not contiguous) decodes as its contiguous copy does."""
+    for c in (QSGD(seed=3), OneBit(), SortQuant(seed=3), KMeans(), FP16()):
+        x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+        p = c.encode(x)
+        strided = np.repeat(p, 2)[::2]
+        assert not strided.flags.c_contiguous
+        np.testing.assert_array_equal(c.decode(strided), c.decode(p))
+        out = np.empty(1000, np.float32)
+        np.testing.assert_array_equal(c.decode_into(strided, out), c.decode(p))
+
+
 def test_rank_above_8_is_refused():
     with pytest.raises(ValueError, match="rank 9"):
         QSGD().encode(np.zeros((1,) * 9, np.float32))
@@ -586,6 +618,30 @@ def test_spec_errors(spec, match):
 def test_register_decorator_refuses_duplicates():
     with pytest.raises(ValueError, match="already registered"):
         hq.register("qsgd")(type("X", (hq.Codec,), {}))
+    with pytest.raises(ValueError, match="already registered"):
+        hq.register("QSGD")(type("X", (hq.Codec,), {}))
+    for bad in ("a:b", "a,b", "a=b", "a b", ""):
+        with pytest.raises(ValueError, match="codec name"):
+            hq.register(bad)
+
+
+def test_spec_values_read_as_written():
+    """Integers with leading zeros or in hex, and modes and norms in any case, as the codec names."""
+    assert from_spec("qsgd:bits=08,bucket_size=0x200") == QSGD(bits=8, bucket_size=512)
+    assert from_spec("QSGD:mode=Deterministic,norm=L2") == QSGD(mode="deterministic", norm="l2")
+    with pytest.raises(ValueError, match=r"split_bits must be in 1\.\.1 \(below bits=2\); got 2"):
+        from_spec("sortquant:bits=2")
+
+
+def test_registered_name_in_any_case_reads_back():
+    try:
+        @hq.register("MixedCaseFP16")
+        class MixedCase(FP16):
+            pass
+        c = MixedCase()
+        assert c.spec().startswith("MixedCaseFP16") and from_spec(c.spec()) == c
+    finally:
+        hq.REGISTRY.pop("mixedcasefp16", None)
 
 
 def test_stock_hooks_exist():
@@ -652,3 +708,24 @@ def test_tensorflow_cpu(dtype):
         assert np.allclose(v.numpy(), want, rtol=rtol, atol=rtol)
         with pytest.raises(TypeError, match="immutable"):
             c.decode_into(p, tf.zeros([180]))
+        with pytest.raises(TypeError, match="payload.numpy()"):
+            c.decode_into(p, np.zeros(180, np.float32))
+
+
+@pytest.mark.tensorflow
+def test_tensorflow_graph_tensors_are_refused_clearly():
+    """Inside a tf.function the tensors are symbolic: no values to encode; the error says what does
+    work there."""
+    tf = pytest.importorskip("tensorflow")
+    c = QSGD(bits=4, seed=3)
+    p = c.encode(tf.ones([100]))
+    for call, arg in ((c.encode, tf.ones([100])), (c.decode, p)):
+        with pytest.raises(Exception, match="eager TensorFlow tensors; inside a tf.function use"):
+            tf.function(call)(arg)
+
+
+@pytest.mark.torch
+def test_torch_sparse_tensor_is_refused_clearly():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="dense tensors; got a torch.sparse_coo one"):
+        QSGD().encode(torch.ones(10, 10).to_sparse())

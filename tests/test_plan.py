@@ -240,6 +240,29 @@ def test_arguments_refused(call, message):
         call()
 
 
+@pytest.mark.parametrize("name,value,error", [
+    ("bucket_bytes", -5, ValueError), ("bucket_bytes", float("nan"), ValueError),
+    ("bucket_bytes", "1MB", ValueError), ("bucket_bytes", True, ValueError),
+    ("min_compress_numel", -1, ValueError), ("warmup_steps", -3, ValueError),
+    ("warmup_steps", 1.5, ValueError), ("error_feedback", "no", TypeError),
+    ("error_feedback", 0, TypeError), ("compress_1d", "yes", TypeError),
+])
+def test_settings_refused_by_name(name, value, error):
+    """A setting that would otherwise pass silently (``bool("no")`` is True; a negative size or step
+    count) is refused, naming the argument, before any rank talks to another."""
+    with pytest.raises(error, match=f"^{name} must be"):
+        plan.configure("qsgd", **{name: value})
+
+
+@pytest.mark.parametrize("name,value,expected", [
+    ("bucket_bytes", 2.5e7, 25_000_000), ("bucket_bytes", np.int64(4096), 4096), ("bucket_bytes", 0, 0),
+    ("warmup_steps", np.int32(3), 3), ("error_feedback", np.bool_(True), True),
+])
+def test_settings_accepted(name, value, expected):
+    got = getattr(plan.configure("qsgd", **{name: value}), name)
+    assert got == expected and type(got) is type(expected)
+
+
 @pytest.mark.parametrize("compression,error_feedback,expected", [
     pytest.param("onebit", None, True, id="onebit-wants-it"),
     pytest.param("qsgd", None, False, id="qsgd-does-not"),

@@ -326,8 +326,20 @@ def _is_variable(x):
 
 def _immutable_error(out):
     return UnsupportedInputError(
-        "TensorFlow tensors are immutable: decode_into needs a float32 tf.Variable as out (got "
-        f"{type(out).__name__}); or use decode(), or pass a NumPy array")
+        "TensorFlow tensors are immutable: decoding a TensorFlow payload into out needs a float32 "
+        f"tf.Variable (got {type(out).__name__}); or use decode(), or decode the payload's NumPy value "
+        "(payload.numpy()) into a NumPy array")
+
+
+def _value(t):
+    """An eager tensor's (or variable's) NumPy value; a clear error for a graph's symbolic tensor."""
+    try:
+        return t.numpy()
+    except (AttributeError, NotImplementedError):
+        raise UnsupportedInputError(
+            "hvd_quant codecs take eager TensorFlow tensors; inside a tf.function use "
+            "hvd_quant.tensorflow.GradientReducer / DistributedGradientTape (or Horovod's, with "
+            "compression=codec), or call the codec through tf.py_function") from None
 
 
 class TFHostAdapter(HostAdapter):
@@ -338,18 +350,18 @@ class TFHostAdapter(HostAdapter):
         return _describe(x)
 
     def input_np(self, x):
-        return np.asarray(x.numpy()).reshape(-1)
+        return np.asarray(_value(x)).reshape(-1)
 
     def input_f32(self, x):
         if x.dtype != tf.float32:
             x = tf.cast(x, tf.float32)
-        return np.ascontiguousarray(x.numpy(), dtype=np.float32).reshape(-1)
+        return np.ascontiguousarray(_value(x), dtype=np.float32).reshape(-1)
 
     def payload_np(self, payload):
         if payload.dtype != tf.uint8 or len(payload.shape) != 1:
             raise UnsupportedInputError(f"a payload is a 1-D uint8 tensor; got {payload.dtype.name} "
                                         f"with shape {tuple(payload.shape)}")
-        return payload.numpy()
+        return _value(payload)
 
     def wrap_payload(self, arr, like):
         return tf.convert_to_tensor(arr)
@@ -359,7 +371,7 @@ class TFHostAdapter(HostAdapter):
             raise _immutable_error(out)
         if out.dtype != tf.float32:
             raise UnsupportedInputError(f"decode_into needs a float32 tf.Variable; got {out.dtype.name}")
-        tmp = np.ascontiguousarray(out.numpy(), dtype=np.float32).reshape(-1)
+        tmp = np.ascontiguousarray(_value(out), dtype=np.float32).reshape(-1)
 
         def commit():
             out.assign(tmp.reshape(tuple(out.shape)))

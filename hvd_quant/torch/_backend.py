@@ -408,6 +408,9 @@ _FROM_NAME = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
 def _describe(x):
+    if x.layout is not torch.strided:
+        raise UnsupportedInputError(f"hvd_quant codecs take dense tensors; got a {x.layout} one (x.to_dense() "
+                                    "densifies it)")
     name = _TORCH_DTYPES.get(x.dtype)
     if name is None:
         check_float(str(x.dtype).replace("torch.", ""))

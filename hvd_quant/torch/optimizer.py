@@ -580,7 +580,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             decodes every rank's payload; one quantization).
         bucket_bytes: compressed gradients are fused into buckets of at most this many float32 bytes,
             in reverse parameter order (a larger tensor is a bucket alone; the last bucket's last
-            tensors, up to an eighth of this, travel in a bucket of their own). Default 25 MiB.
+            tensors, up to an eighth of this, travel in a bucket of their own); 0: one bucket. Default
+            25 MiB.
         min_compress_numel: gradients with fewer elements go uncompressed through Horovod's
             allreduce (float32 ones fused into groups of ``bucket_bytes``), as do 1-D gradients
             unless ``compress_1d=True``. Default 1024.
