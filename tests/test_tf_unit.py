@@ -69,6 +69,25 @@ def test_state_roundtrip_through_checkpoint(tmp_path):
     assert st["exchange_steps"] == {"dense/kernel:0": 5}
 
 
+def test_tapes_with_equal_codecs_find_one_reducer():
+    """``DistributedGradientTape(tape, compression=hvd_quant.QSGD(bits=4))`` written inline makes a new
+    codec object each step; equal codecs (and equal spec strings) must key the same reducer, or every
+    step would start afresh (warm-up never ending, residuals lost, a new trace per step)."""
+    import horovod.tensorflow as hvd
+    from hvd_quant.tensorflow import wrappers
+
+    def key(compression):
+        args = dict(compression=compression, op=hvd.Average, reduction="sra", bucket_bytes=1 << 20,
+                    min_compress_numel=1024, warmup_steps=0, error_feedback=None, compress_1d=False,
+                    device_exchange=False, groups=None, num_groups=0, process_set=hvd.global_process_set)
+        args.update({k: None for k in wrappers._REDUCER_ARGS if k not in args})
+        return wrappers._tape_key(wrappers._reducer_args(args))
+
+    a, b, c = hvd_quant.QSGD(bits=4, seed=1), hvd_quant.QSGD(bits=4, seed=1), hvd_quant.QSGD(bits=8, seed=1)
+    assert a is not b and key(a) == key(b) != key(c)        # all alive: no id reused
+    assert key("qsgd:bits=4") == key("qsgd:bits=4") != key("qsgd:bits=8")
+
+
 def test_reducer_refuses_bad_arguments():
     with pytest.raises(ValueError, match="reduction"):
         GradientReducer(compression="qsgd", reduction="ring")

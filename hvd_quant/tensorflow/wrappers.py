@@ -69,7 +69,11 @@ def _tape_key(kw):
     key = dict(kw, op=_backend.core_op(kw["op"]), process_set=kw["process_set"].process_set_id,
                device_exchange=bool(kw["device_exchange"]))
     comp = kw["compression"]
-    key["compression"] = comp if isinstance(comp, str) or comp is None else id(comp)
+    try:        # codecs are immutable values: an equal codec made afresh each step finds the same reducer
+        hash(comp)
+    except TypeError:
+        comp = id(comp)
+    key["compression"] = comp
     if isinstance(kw["groups"], (list, tuple)):
         key["groups"] = tuple(tuple(v.ref() for v in g) for g in kw["groups"])
     return tuple(key[k] for k in _REDUCER_ARGS)
@@ -96,8 +100,10 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
         device_exchange: GPU gradients keep their exchange on the GPU (DLPack + Numba device arrays;
             written, **untested with TensorFlow**: docs/TENSORFLOW.md, "GPU"). Default: host steps.
         reducer: a :class:`GradientReducer` to use (and checkpoint). By default the tapes made with
-            the same arguments (the same codec object) share one, so state survives the per-step
-            tape: it is ``tape.hvd_quant_reducer``.
+            the same arguments (equal codecs, or the same spec string) share one, so state survives
+            the per-step tape: it is ``tape.hvd_quant_reducer``. One reduction per reducer per step:
+            a persistent tape whose ``gradient()`` is called twice a step wants a ``reducer=`` per
+            call (else the calls share residuals and the step count).
 
     Example::
 

@@ -472,6 +472,23 @@ def pattern_cases():
                 opt.step()
             check(params_identical(m), f"{tag}/passes=2 identical step {step}")
             opt.zero_grad()
+        # zero_grad() between the passes is refused, as Horovod refuses it: the first pass's gradient
+        # would be lost while its pass was already counted.
+        m = fresh()
+        opt = make_opt(entry, m, Q4D, reduction=reduction, backward_passes_per_step=2)
+        x, y = batch(0, 12)
+        F.cross_entropy(m(x), y).backward()
+        try:
+            opt.zero_grad()
+            refused = ""
+        except AssertionError as e:
+            refused = str(e)
+        check("zero_grad() was called after loss.backward()" in refused,
+              f"{tag}/passes=2 zero_grad between the passes refused")
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+        check(params_identical(m), f"{tag}/passes=2 after the refused zero_grad")
+        opt.zero_grad()
         # groups=, op=Sum, gradient_predivide_factor.
         for name, kw, op in (("groups=list", None, hvd.Average), ("groups=2", {"groups": 2}, hvd.Average),
                              ("op=Sum", {"op": hvd.Sum}, hvd.Sum),
