@@ -641,8 +641,6 @@ def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, ends, tw):
         p0 = _first_rank(g, n, G)
         p1 = _first_rank(g + 1, n, G)
         tw[3, g] = n            # no element's bin lies above it: the group starts past the bucket
-        ends[2 * g] = -1
-        ends[2 * g + 1] = -1
         for e in range(2):
             pos = p0 if e == 0 else p1 - 1
             if pos >= n or pos < p0:
@@ -695,9 +693,8 @@ def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, ends, tw):
     for g in range(G):
         p0 = _first_rank(g, n, G)
         p1 = _first_rank(g + 1, n, G)
-        if p0 < p1:
-            ends[2 * g] = srt[p0]
-            ends[2 * g + 1] = srt[p1 - 1]
+        ends[2 * g] = srt[p0] if p0 < p1 else -1
+        ends[2 * g + 1] = srt[p1 - 1] if p0 < p1 else -1
     return True
 
 
