@@ -3,17 +3,26 @@
 #   OpenMPI (Debian), a virtual environment at .venv, torch 2.13.0 (CPU), tensorflow-cpu 2.15.1,
 #   numba, mpi4py, pytest, matplotlib (the examples' figures), and Horovod 0.28.1 built from its
 #   sdist with PyTorch + TensorFlow and the MPI + Gloo controllers, then hvd_quant in editable mode.
+# HVD_QUANT_TF=2.19: tensorflow-cpu 2.19.1 with tf_keras 2.19 (Keras 2, selected by
+#   TF_USE_LEGACY_KERAS=1, which scripts/test.sh sets) instead, in .venv-tf2.19 beside .venv.
 # Idempotent: on a ready machine it checks a stamp and returns in seconds.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-VENV="$ROOT/.venv"
+TF="${HVD_QUANT_TF:-2.15}"
+case "$TF" in
+  2.15) VENV="$ROOT/.venv"; TF_REQS=(tensorflow-cpu==2.15.1) ;;
+  2.19) VENV="$ROOT/.venv-tf2.19"; TF_REQS=(tensorflow-cpu==2.19.1 tf_keras==2.19.0) ;;
+  *) echo "HVD_QUANT_TF=$TF: the TensorFlow releases this builds with are 2.15 (the default) and 2.19" >&2
+     exit 2 ;;
+esac
 PY="${PYTHON:-python3}"
 HOROVOD_VERSION=0.28.1
 # Versions are pinned: Horovod 0.28.1 builds against these (DESIGN.md). TF >= 2.16 brings Keras 3,
-# which breaks horovod.tensorflow.keras; TF 2.15 needs numpy < 2. pyparsing 3.3 deprecates names that
-# matplotlib 3.9's mathtext (log-scale tick labels) still calls, with a warning each time.
-REQS=(torch==2.13.0 tensorflow-cpu==2.15.1 "numpy==1.26.4" numba==0.61.2 mpi4py==4.1.2
+# whose optimizers horovod.tensorflow.keras does not wrap (their gradients are not averaged); TF 2.19
+# keeps Keras 2 as tf_keras. TF 2.15 needs numpy < 2, 2.19 numpy < 2.2. pyparsing 3.3 deprecates names
+# that matplotlib 3.9's mathtext (log-scale tick labels) still calls, with a warning each time.
+REQS=(torch==2.13.0 "${TF_REQS[@]}" "numpy==1.26.4" numba==0.61.2 mpi4py==4.1.2
       pytest==8.4.2 pytest-timeout==2.4.0 cloudpickle psutil pyyaml packaging cffi
       scikit-learn==1.6.1 tqdm matplotlib==3.9.4 "pyparsing<3.3")
 STAMP_KEY="$(cat scripts/bootstrap.sh setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
@@ -55,13 +64,31 @@ if ! "$VENV/bin/python" -c "import horovod, sys; sys.exit(horovod.__version__ !=
   log "downloading the horovod==$HOROVOD_VERSION sdist"
   quiet_pip "${PIP[@]}" download -q --no-deps --no-binary :all: -d "$BUILD" "horovod==$HOROVOD_VERSION"
   tar -xzf "$BUILD/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD"
-  # The one build fix: PyTorch >= 2.1 headers need C++17, and Horovod 0.28.1 asks CMake for C++14
+  # Build fix: PyTorch >= 2.1 headers need C++17, and Horovod 0.28.1 asks CMake for C++14
   # (fixed upstream on master only). Raise the standard in the two CMakeLists.txt that set it.
   for f in CMakeLists.txt horovod/torch/CMakeLists.txt; do
     grep -q 'CMAKE_CXX_STANDARD 14' "$BUILD/horovod-$HOROVOD_VERSION/$f"
     sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$BUILD/horovod-$HOROVOD_VERSION/$f"
     log "patched $f: CMAKE_CXX_STANDARD 14 -> 17"
   done
+  if [[ "$TF" != 2.15 ]]; then
+    # TF >= 2.16: Horovod's XLA ops (xla_mpi_ops.cc, used only with HOROVOD_ENABLE_XLA_OPS=1 under
+    # jit_compile) include XLA headers whose own includes (LLVM's) the TensorFlow wheel does not ship.
+    # Build without them; every other op is unchanged.
+    f=horovod/tensorflow/CMakeLists.txt
+    grep -q 'xla_mpi_ops.cc' "$BUILD/horovod-$HOROVOD_VERSION/$f"
+    sed -i '/xla_mpi_ops.cc/d' "$BUILD/horovod-$HOROVOD_VERSION/$f"
+    log "patched $f: xla_mpi_ops.cc left out (TensorFlow $TF)"
+    # Horovod's Keras module and callbacks take their backend from the keras package, which is Keras 3
+    # from TF 2.16 on; its backend has no constant() (MetricAverageCallback's). tf.keras's backend
+    # (tf_keras's under TF_USE_LEGACY_KERAS=1) has.
+    for f in horovod/tensorflow/keras/__init__.py horovod/tensorflow/keras/callbacks.py; do
+      grep -q '^    from keras import backend as K$' "$BUILD/horovod-$HOROVOD_VERSION/$f"
+      sed -i 's/^    from keras import backend as K$/    from tensorflow.keras import backend as K/' \
+        "$BUILD/horovod-$HOROVOD_VERSION/$f"
+      log "patched $f: the Keras backend from tensorflow.keras"
+    done
+  fi
   log "building Horovod (PyTorch, TensorFlow, MPI, Gloo); this takes several minutes on 2 cores"
   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
   HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
@@ -75,7 +102,7 @@ fi
 log "installing hvd_quant (editable)"
 quiet_pip "${PIP[@]}" install -q --no-build-isolation --no-deps -e "$ROOT"
 
-TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2> >(grep -v "oneDNN\|cpu_feature_guard\|rebuild TensorFlow\|To enable the following" >&2)
+TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2> >(grep -v "oneDNN\|cpu_feature_guard\|rebuild TensorFlow\|To enable the following\|^[EW]0000 \|absl::InitializeLog" >&2)
 rm -f "$VENV"/.hvd_quant_bootstrap_*
 touch "$STAMP"
 log "environment ready ($VENV)"

@@ -4,7 +4,13 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k codec -x`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# HVD_QUANT_TF=2.19: against TensorFlow 2.19 with tf_keras (scripts/bootstrap.sh).
 bash "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
-exec "$ROOT/.venv/bin/python" -m pytest tests -ra --durations=15 --timeout=1200 "$@"
+VENV="$ROOT/.venv"
+if [[ "${HVD_QUANT_TF:-2.15}" != 2.15 ]]; then
+  VENV="$ROOT/.venv-tf$HVD_QUANT_TF"
+  export TF_USE_LEGACY_KERAS=1
+fi
+exec "$VENV/bin/python" -m pytest tests -ra --durations=15 --timeout=1200 "$@"

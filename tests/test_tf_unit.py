@@ -88,6 +88,26 @@ def test_tapes_with_equal_codecs_find_one_reducer():
     assert key("qsgd:bits=4") == key("qsgd:bits=4") != key("qsgd:bits=8")
 
 
+def test_keras3_optimizers_refused_keras2_taken(monkeypatch):
+    """Horovod 0.28.1's Keras wrapper leaves a Keras 3 optimizer's gradients unreduced (each rank trains
+    alone; seen with TF 2.19): both optimizer wrappers refuse one, naming the way out. With TensorFlow
+    2.15 (Keras 2) the installed ``keras`` is given a major version of 3 to stand in for Keras 3."""
+    import keras
+    import hvd_quant.tensorflow.keras as hqk
+    from hvd_quant.tensorflow import DistributedOptimizer
+
+    if int(keras.__version__.split(".")[0]) < 3:
+        keras2 = keras.optimizers.SGD(0.1)
+        assert type(hqk.DistributedOptimizer(keras2, compression="qsgd")).__name__ == "SGD"
+        assert type(tf.keras.optimizers.SGD(0.1)).__module__.partition(".")[0] == "keras"
+        monkeypatch.setattr(keras, "__version__", "3.0.0")
+    else:                        # TensorFlow >= 2.16 with TF_USE_LEGACY_KERAS=1: tf.keras is tf_keras
+        assert type(hqk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression="qsgd")).__name__ == "SGD"
+    for wrap in (hqk.DistributedOptimizer, DistributedOptimizer):
+        with pytest.raises(TypeError, match="Keras 3 optimizer.*TF_USE_LEGACY_KERAS=1"):
+            wrap(keras.optimizers.SGD(0.1), compression="qsgd")
+
+
 def test_reducer_refuses_bad_arguments():
     with pytest.raises(ValueError, match="reduction"):
         GradientReducer(compression="qsgd", reduction="ring")
@@ -120,3 +140,35 @@ def test_horovod_context_finds_variable_names():
         loss = tf.add_n([tf.reduce_sum(v * v) for v in vs])
     hvd.DistributedGradientTape(tape, compression=Spy).gradient(loss, vs)
     assert [v for v, _ in seen] == ["unit_a:0", "unit_b:0"], seen
+
+
+def test_tape_takes_keras3_variables():
+    """Horovod 0.28.1's tape keys its sources by ``.ref()``, which Keras 3's variables lack (an
+    AttributeError with TF 2.19 and Keras 3); hvd_quant's tape hands Horovod the ``tf.Variable`` each
+    holds, for ``gradient`` and ``register_local_source``. With Keras 2 (TF 2.15) a stand-in plays the
+    Keras 3 variable: an object without ``ref`` whose ``value`` is a tf.Variable. One process: the
+    gradient must be the local one, 2 * v."""
+    import horovod.tensorflow as hvd
+    import keras
+    import hvd_quant.tensorflow as hqt
+    hvd.init()
+    if int(keras.__version__.split(".")[0]) >= 3:
+        k3 = keras.Variable(np.arange(2048, dtype=np.float32), name="k3")
+        assert not hasattr(k3, "ref")
+    else:
+        class Keras3Variable:
+            value = tf.Variable(np.arange(2048, dtype=np.float32), name="k3")
+        k3 = Keras3Variable()
+    local = tf.Variable(np.ones(3, np.float32), name="k3_local")
+
+    def held(v):
+        return v if isinstance(v, tf.Variable) else v.value
+    for sources in ([k3], [k3, local]):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(tf.square(held(v))) for v in sources])
+        tape = hqt.DistributedGradientTape(tape, compression=hvd_quant.QSGD(bits=8))
+        if len(sources) == 2:
+            tape.register_local_source(local)
+        grads = tape.gradient(loss, sources)
+        for v, g in zip(sources, grads):
+            np.testing.assert_array_equal(g.numpy(), 2 * held(v).numpy())

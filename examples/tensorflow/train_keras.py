@@ -1,4 +1,5 @@
-"""Keras ``model.fit`` with hvd_quant's compressed gradient exchange (TensorFlow 2.15, Keras 2).
+"""Keras ``model.fit`` with hvd_quant's compressed gradient exchange (Keras 2: TensorFlow 2.15, or
+2.19 with tf_keras).
 
 Run it under Horovod (2 ranks on this machine, Gloo or MPI)::
 

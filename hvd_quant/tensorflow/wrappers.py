@@ -5,9 +5,11 @@ aggregation over ``backward_passes_per_step``, Keras ``fit``) with its gradient 
 by a :class:`~hvd_quant.tensorflow.reducer.GradientReducer`. Nothing of Horovod is patched: the
 reducer is installed on the returned object only.
 """
+import sys
 import threading
 
 import horovod.tensorflow as hvd
+import tensorflow as tf
 from horovod.tensorflow.compression import Compression as _HvdCompression
 
 from .. import plan as _plan
@@ -79,6 +81,29 @@ def _tape_key(kw):
     return tuple(key[k] for k in _REDUCER_ARGS)
 
 
+def _tf_variable(v):
+    """A Keras 3 variable as the ``tf.Variable`` it holds (Horovod 0.28.1's tape keys its sources by
+    ``.ref()``, which Keras 3's variables lack); anything else unchanged."""
+    if not hasattr(v, "ref") and isinstance(getattr(v, "value", None), tf.Variable):
+        return v.value
+    return v
+
+
+def _keras3_sources(tape):
+    """Let Horovod's ``tape`` take Keras 3 variables as sources (``gradient``,
+    ``register_local_source``): each is given to it as the ``tf.Variable`` it holds."""
+    gradient, register = tape.gradient, tape.register_local_source
+
+    def keras3_gradient(target, sources, *args, **kwargs):
+        if isinstance(sources, (list, tuple)):          # Horovod's tape zips sources with gradients
+            sources = [_tf_variable(v) for v in sources]
+        return gradient(target, sources, *args, **kwargs)
+
+    object.__setattr__(tape, "gradient", keras3_gradient)
+    object.__setattr__(tape, "register_local_source", lambda source: register(_tf_variable(source)))
+    return tape
+
+
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=None,
                             sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
                             num_groups=0, groups=None, process_set=hvd.global_process_set,
@@ -87,7 +112,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
                             compress_1d=False, device_exchange=False, reducer=None):
     """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange.
 
-    Horovod's arguments keep their meaning. hvd_quant adds (see :class:`GradientReducer`):
+    Horovod's arguments keep their meaning; the sources may also be Keras 3 variables (Horovod's
+    tape is given the ``tf.Variable`` each holds). hvd_quant adds (see :class:`GradientReducer`):
 
     Arguments:
         compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``), a spec
@@ -112,6 +138,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
         tape = hvd_quant.tensorflow.DistributedGradientTape(tape, compression=hvd_quant.QSGD(bits=4))
         grads = tape.gradient(loss, model.trainable_variables)
     """
+    if isinstance(groups, (list, tuple)):
+        groups = [[_tf_variable(v) for v in g] for g in groups]
     kw = _reducer_args(locals())
     tape = hvd.DistributedGradientTape(
         gradtape, device_dense=device_dense, device_sparse=device_sparse,
@@ -125,7 +153,7 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
             if entry is None:
                 entry = _TAPE_REDUCERS[key] = (compression, GradientReducer(**kw))
             reducer = entry[1]
-    return install_reducer(tape, reducer)
+    return _keras3_sources(install_reducer(tape, reducer))
 
 
 # Horovod's optimizer arguments that the wrappers pass through unchanged.
@@ -134,8 +162,24 @@ _HOROVOD_OPTIMIZER_ARGS = ("name", "device_dense", "device_sparse", "sparse_as_d
                            "average_aggregated_gradients", "process_set", "scale_local_gradients")
 
 
+def _keras_major(optimizer):
+    """The major version of the ``keras`` package that ``optimizer``'s class comes from; 0 for any
+    other class (``tf.compat.v1`` optimizers, ``tf_keras``'s)."""
+    root = sys.modules.get(type(optimizer).__module__.partition(".")[0])
+    if root is None or root.__name__ != "keras":
+        return 0
+    return int(str(getattr(root, "__version__", "0")).split(".")[0])
+
+
 def _wrap_optimizer(factory, args, **extra):
     """Horovod's optimizer wrapper ``factory`` with no compression of its own, and our reducer."""
+    if _keras_major(args["optimizer"]) >= 3:
+        raise TypeError(
+            f"{type(args['optimizer']).__name__} is a Keras 3 optimizer: Horovod 0.28.1's Keras wrapper "
+            "leaves its gradients unreduced (every rank would train on its own). Install tf_keras and "
+            "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then Keras 2), or "
+            "reduce in a custom loop with hvd_quant.tensorflow.DistributedGradientTape "
+            "(docs/TENSORFLOW.md, Versions)")
     kw = _reducer_args(args, args["backward_passes_per_step"])
     opt = factory(args["optimizer"], compression=_HvdCompression.none, groups=kw["groups"],
                   op=_backend.hvd_op(_backend.core_op(args["op"])),
