@@ -63,7 +63,8 @@ def main():
                 errs.append(rel_error(g, lloyd(np.sort(np.concatenate([draws[:s - 2], ends]) + np.float32(0)),
                                                c0, args.iters)))
             errs.append(rel_error(g, c0))
-            print(f"| {task} ({g.size:,}) | {bits} | " + " | ".join(f"{e:.4f}" for e in errs) + " |", flush=True)
+            cells = " | ".join(f"{e:.4f}" for e in errs)
+            print(f"| {task} ({g.size:,}) | {bits} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ def test_keras3_optimizers_refused_keras2_taken(monkeypatch):
         assert type(tf.keras.optimizers.SGD(0.1)).__module__.partition(".")[0] == "keras"
         monkeypatch.setattr(keras, "__version__", "3.0.0")
     else:                        # TensorFlow >= 2.16 with TF_USE_LEGACY_KERAS=1: tf.keras is tf_keras
-        assert type(hqk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression="qsgd")).__name__ == "SGD"
+        legacy = tf.keras.optimizers.SGD(0.1)
+        assert type(hqk.DistributedOptimizer(legacy, compression="qsgd")).__name__ == "SGD"
     for wrap in (hqk.DistributedOptimizer, DistributedOptimizer):
         with pytest.raises(TypeError, match="Keras 3 optimizer.*TF_USE_LEGACY_KERAS=1"):
             wrap(keras.optimizers.SGD(0.1), compression="qsgd")

@@ -179,7 +179,7 @@ def _wrap_optimizer(factory, args, **extra):
             "leaves its gradients unreduced (every rank would train on its own). Install tf_keras and "
             "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then Keras 2), or "
             "reduce in a custom loop with hvd_quant.tensorflow.DistributedGradientTape "
-            "(docs/TENSORFLOW.md, Versions)")
+            "(docs/TENSORFLOW.md, \"TensorFlow 2.19 and Keras 3\")")
     kw = _reducer_args(args, args["backward_passes_per_step"])
     opt = factory(args["optimizer"], compression=_HvdCompression.none, groups=kw["groups"],
                   op=_backend.hvd_op(_backend.core_op(args["op"])),
