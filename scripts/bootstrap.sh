@@ -3,8 +3,8 @@
 #   OpenMPI (Debian), a virtual environment at .venv, torch 2.13.0 (CPU), tensorflow-cpu 2.15.1,
 #   numba, mpi4py, pytest, matplotlib (the examples' figures), and Horovod 0.28.1 built from its
 #   sdist with PyTorch + TensorFlow and the MPI + Gloo controllers, then hvd_quant in editable mode.
-# HVD_QUANT_TF=2.19: tensorflow-cpu 2.19.1 with tf_keras 2.19 (Keras 2, selected by
-#   TF_USE_LEGACY_KERAS=1, which scripts/test.sh sets) instead, in .venv-tf2.19 beside .venv.
+# HVD_QUANT_TF=2.19 (or 2.20): tensorflow-cpu 2.19.1 with tf_keras 2.19 (Keras 2, selected by
+#   TF_USE_LEGACY_KERAS=1, which scripts/test.sh sets) instead, in .venv-tf2.19 (.venv-tf2.20).
 # Idempotent: on a ready machine it checks a stamp and returns in seconds.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,7 +13,8 @@ TF="${HVD_QUANT_TF:-2.15}"
 case "$TF" in
   2.15) VENV="$ROOT/.venv"; TF_REQS=(tensorflow-cpu==2.15.1) ;;
   2.19) VENV="$ROOT/.venv-tf2.19"; TF_REQS=(tensorflow-cpu==2.19.1 tf_keras==2.19.0) ;;
-  *) echo "HVD_QUANT_TF=$TF: the TensorFlow releases this builds with are 2.15 (the default) and 2.19" >&2
+  2.20) VENV="$ROOT/.venv-tf2.20"; TF_REQS=(tensorflow-cpu==2.20.0 tf_keras==2.20.1) ;;
+  *) echo "HVD_QUANT_TF=$TF: this builds with TensorFlow 2.15 (the default), 2.19 or 2.20" >&2
      exit 2 ;;
 esac
 PY="${PYTHON:-python3}"

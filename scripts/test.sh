@@ -4,7 +4,7 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k codec -x`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# HVD_QUANT_TF=2.19: against TensorFlow 2.19 with tf_keras (scripts/bootstrap.sh).
+# HVD_QUANT_TF=2.19 or 2.20: against that TensorFlow with tf_keras (scripts/bootstrap.sh).
 bash "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"

@@ -1,4 +1,4 @@
-"""TensorFlow frontend (TensorFlow 2.15 or 2.19 with Keras 2, Horovod 0.28.1). See docs/TENSORFLOW.md.
+"""TensorFlow frontend (TensorFlow 2.15, 2.19 or 2.20 with Keras 2, Horovod 0.28.1). See docs/TENSORFLOW.md.
 
 - :func:`DistributedGradientTape`, :func:`DistributedOptimizer` (and
   ``hvd_quant.tensorflow.keras.DistributedOptimizer``): Horovod's wrappers with hvd_quant's
