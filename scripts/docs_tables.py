@@ -18,7 +18,8 @@ Each data file is one JSON object:
     rows      list  of rows, each a list of cells (str, number or null) as long as `columns`
     notes     str   optional: shown under the table
     raw / raw_file  optional: per-run records, or a sibling CSV file holding them
-    figure    dict  optional: {"file": "figures/NAME.png", "kind": "speedup_bars", ...} drawn by --figures
+    figure    dict  optional: {"file": "figures/NAME.png", "kind": "speedup_bars" | "column_bars", ...},
+                    drawn by --figures
 
 A marker whose data file does not exist renders as a line saying the data is not yet measured.
 
@@ -147,7 +148,34 @@ def speedup_bars(data, spec, out):
     plt.close(fig)
 
 
-FIGURES = {"speedup_bars": speedup_bars}
+def column_bars(data, spec, out):
+    """One panel per column after the first; one bar per row, the cell's leading number (blank: no bar)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cols = data["columns"][1:]
+    fig, axes = plt.subplots(1, len(cols), figsize=(3.0 * len(cols), 4.2), squeeze=False, sharey=False)
+    for j, (ax, name) in enumerate(zip(axes[0], cols)):
+        labels, ys = [], []
+        for row in data["rows"]:
+            m = re.match(r"[-+]?\d+(?:\.\d+)?", cell(row[j + 1]))
+            if m:
+                labels.append(cell(row[0]).replace("`", ""))
+                ys.append(float(m.group()))
+        ax.barh(range(len(ys)), ys, color=["tab:green" if s.startswith(spec.get("ours", "hvdq")) or
+                                          s.startswith("stock") else "tab:blue" for s in labels])
+        ax.set_yticks(range(len(ys)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(spec.get("xlabel", ""), fontsize=8)
+    fig.suptitle(data["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+FIGURES = {"speedup_bars": speedup_bars, "column_bars": column_bars}
 
 
 def figures(root=ROOT):

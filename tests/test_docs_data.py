@@ -2,6 +2,7 @@
 that says so catches a changed cell, in the doc or in the data."""
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -84,3 +85,14 @@ def test_data_without_its_provenance_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="commit"):
         docs_tables.run(tmp_path, check=True)
+
+
+def test_every_figure_is_drawn_from_a_data_file():
+    """Each PNG the docs show is named by a data file (`--figures` redraws it), and docs/figures holds no other."""
+    text = "".join(p.read_text() for p in docs_tables.doc_files(ROOT) if p.exists())
+    shown = set(re.findall(r"\(((?:docs/)?figures/[^)\s]+\.png)\)", text))
+    shown = {s.removeprefix("docs/") for s in shown}
+    drawn = {json.loads(p.read_text()).get("figure", {}).get("file") for p in DATA} - {None}
+    on_disk = {f"figures/{p.name}" for p in (ROOT / "docs" / "figures").glob("*.png")}
+    assert shown <= drawn, sorted(shown - drawn)
+    assert on_disk == drawn, (sorted(on_disk - drawn), sorted(drawn - on_disk))
