@@ -49,6 +49,8 @@ def load(path):
         raise ValueError(f"{path}: commit {data['commit']!r} is not a git hash")
     if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"]):
         raise ValueError(f"{path}: date {data['date']!r} is not YYYY-MM-DD")
+    if "raw_file" in data and not (Path(path).parent / data["raw_file"]).is_file():
+        raise ValueError(f"{path}: raw_file {data['raw_file']!r} is not beside it")
     for i, row in enumerate(data["rows"]):
         if len(row) != len(data["columns"]):
             raise ValueError(f"{path}: row {i} has {len(row)} cells for {len(data['columns'])} columns")

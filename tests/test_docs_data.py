@@ -96,3 +96,15 @@ def test_every_figure_is_drawn_from_a_data_file():
     on_disk = {f"figures/{p.name}" for p in (ROOT / "docs" / "figures").glob("*.png")}
     assert shown <= drawn, sorted(shown - drawn)
     assert on_disk == drawn, (sorted(on_disk - drawn), sorted(drawn - on_disk))
+
+
+def test_a_named_raw_file_must_exist(tmp_path):
+    _copy(tmp_path)
+    path = tmp_path / "docs" / "data" / "t.json"
+    data = json.loads(path.read_text())
+    data["raw_file"] = "t.csv"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="raw_file"):
+        docs_tables.run(tmp_path, check=True)
+    (tmp_path / "docs" / "data" / "t.csv").write_text("run,ms\n1,0.362\n")
+    assert docs_tables.run(tmp_path, check=True) == []
