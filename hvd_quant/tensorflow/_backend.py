@@ -99,7 +99,6 @@ OPS = ArrayOps(
 )
 
 
-
 # --------------------------------------------------------------------------------------------------
 # Op names
 
@@ -111,7 +110,6 @@ def op_name(text):
     """``text`` as a TensorFlow op name Horovod keeps whole (no '/', which name scopes cut at)."""
     s = _BAD.sub("_", str(text))
     return s if s and s[0].isalnum() else "h" + s
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,7 +139,7 @@ def _graph_fn(kind, name, dtype, ps, op=None, pre=1.0, post=1.0):
                                     process_set=ps)[0]
             sig = [tf.TensorSpec([None], dtype), tf.TensorSpec([None], tf.int32)]
         elif kind == "allreduce":
-            hop = hvd_op(op)
+            hop = FRONTEND.hvd_op(op)
 
             def body(t):
                 return hvd.allreduce(t, op=hop, prescale_factor=pre, postscale_factor=post, name=nm,
@@ -178,7 +176,6 @@ class _Handle:
     def result(self):
         out = self.future.result()
         return to_numpy(out)
-
 
 
 _FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)

@@ -24,8 +24,9 @@ of a fixed-size record under ``hvdq.hs.<name>``, inside a ``tf.cond`` that later
 exchange's collectives wait for it, so ranks configured differently raise
 :class:`~hvd_quant.exchange.ConfigMismatchError` on every rank instead of stalling.
 
-Stock path. ``hvd_quant._stock`` dispatches TensorFlow tensors to this module: :func:`stock_compress`
-hands eager tensors to ``StockCompression.compress_on`` with the eager tables of ``_backend.py`` and
+Stock path. ``hvd_quant._stock`` dispatches TensorFlow tensors to the TensorFlow frontend, whose
+``stock_compress`` is :func:`stock_compress` here: it hands eager tensors to
+``StockCompression.compress_on`` with the frontend's eager tables (``_backend.py``) and
 builds the exchange of a symbolic one into the graph, through ``StockCompression``'s public surface
 (``session``, ``compressible``, ``record``, ``config``, ``reduction``, ``adopt_auto``,
 ``_stock.header``, ``_stock.uncompressed``).
@@ -233,22 +234,21 @@ class GraphExchange:
         shape = [None] if sra else [self.sizes(numel)[0]]
         slot = _Slot()
         nm = op_name(key)
-        step, start, advance, finish = _numpy_step, self._start, self._advance, self._finish
         with tf.control_dependencies(list(deps)):
-            send = step(functools.partial(start, slot, key, header, numel), [flat],
-                        tf.uint8, shape, "hvdq_start")
+            send = _numpy_step(functools.partial(self._start, slot, key, header, numel), [flat],
+                               tf.uint8, shape, "hvdq_start")
         if sra:
             with tf.control_dependencies([send]):      # after start has bound the current world
                 splits = _numpy_step(functools.partial(self._splits, numel), [], tf.int32, [None],
                                      "hvdq_splits")
             recv, _ = hvd.alltoall(send, splits=splits, name=op_name(f"{ex.prefix}.a2a.{nm}"),
                                    ignore_name_scope=True, process_set=ps)
-            send = step(functools.partial(advance, slot, numel), [recv], tf.uint8, shape,
-                        "hvdq_advance")
+            send = _numpy_step(functools.partial(self._advance, slot, numel), [recv], tf.uint8, shape,
+                               "hvdq_advance")
         gathered = hvd.allgather(send, name=op_name(f"{ex.prefix}.ag.{nm}"), ignore_name_scope=True,
                                  process_set=ps)
-        return step(functools.partial(finish, slot, numel), [gathered], tf.float32,
-                    [numel], "hvdq_finish")
+        return _numpy_step(functools.partial(self._finish, slot, numel), [gathered], tf.float32,
+                           [numel], "hvdq_finish")
 
     # The numpy steps (run at execution time, under one lock per engine: the core and the codec
     # keep per-name state).

@@ -39,7 +39,6 @@ import tensorflow as tf
 
 from .. import plan as _plan
 from ..exchange import AVERAGE, HANDSHAKE_NAME, Exchange, Traffic
-from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
 from . import _backend
 from ._backend import OPS, op_name
@@ -47,16 +46,10 @@ from ._graph import (GraphExchange, build_buckets, describe_gradient, graph_coll
                      gradient_names)
 
 
-__all__ = ["GradientReducer", "resolve_codec"]
+__all__ = ["GradientReducer"]
 
 _PREFIX = "hvdq.tf"
 _Trackable = tf.__internal__.tracking.Trackable
-
-
-def resolve_codec(compression):
-    """:func:`hvd_quant.codecs.resolve_codec`, with this framework's ``hvd.Compression`` namespace."""
-    from horovod.tensorflow.compression import Compression
-    return _resolve_codec(compression, Compression)
 
 
 class _Trace:
