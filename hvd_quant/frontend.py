@@ -44,16 +44,17 @@ class TensorInfo:
 
 
 class Frontend:
-    """One framework as the core sees it (module doc). Class attributes a subclass sets: ``name``
-    (the top-level module of its tensor types), ``horovod`` (its Horovod module), ``float32`` and
-    ``horovod_floats`` (its dtypes: float32, and the floating dtypes Horovod's allreduce takes),
-    ``ops`` (its ArrayOps)."""
+    """One framework as the core sees it (module doc), made with its ArrayOps table (``ops``) and
+    the codecs' adapter for its host tensors (``host_adapter``). Class attributes a subclass sets:
+    ``name`` (the top-level module of its tensor types), ``horovod`` (its Horovod module),
+    ``float32`` and ``horovod_floats`` (its dtypes: float32, and the floating dtypes Horovod's
+    allreduce takes)."""
     name = horovod = None
     float32 = None
     horovod_floats = ()
-    ops = None
 
-    def __init__(self):
+    def __init__(self, ops, host_adapter):
+        self.ops, self.host_adapter = ops, host_adapter
         self._collectives = {}          # process set -> Collectives
 
     def __repr__(self):

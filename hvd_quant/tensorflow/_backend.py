@@ -187,17 +187,12 @@ class TensorFlowFrontend(Frontend):
     name, horovod = "tensorflow", "horovod.tensorflow"
     float32 = tf.float32
     horovod_floats = (tf.float16, tf.float32, tf.float64)      # no bfloat16
-    ops = OPS
-
-    def __init__(self):
-        super().__init__()
-        self._host = TFHostAdapter()
 
     def adapter(self, obj):
         """The codecs' adapter for a TensorFlow tensor or variable: host; GPU tensors are refused."""
         if "GPU" in (getattr(obj, "device", "") or "").upper():
             raise UnsupportedInputError(GPU_REFUSED)
-        return self._host
+        return self.host_adapter
 
     def make_collectives(self, ps):
         def allgather_async(t, name):
@@ -334,7 +329,7 @@ class TFHostAdapter(HostAdapter):
         return tf.reshape(t, shape)
 
 
-FRONTEND = TensorFlowFrontend()
+FRONTEND = TensorFlowFrontend(OPS, TFHostAdapter())
 collectives, hvd_op, core_op = FRONTEND.collectives, FRONTEND.hvd_op, FRONTEND.core_op
 resolve_codec, sendable_dtype = FRONTEND.resolve_codec, FRONTEND.sendable_dtype
 stock_adapter = FRONTEND.stock_adapter

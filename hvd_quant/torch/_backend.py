@@ -86,12 +86,10 @@ class TorchFrontend(Frontend):
     float32 = torch.float32
     # dtypes horovod.torch 0.28.1 can allreduce (bfloat16 raises "Tensor type ... is not supported")
     horovod_floats = (torch.float16, torch.float32, torch.float64)
-    ops = OPS
 
-    def __init__(self):
-        super().__init__()
-        self._host = TorchHostAdapter()
-        self._cuda = None
+    def __init__(self, ops, host_adapter):
+        super().__init__(ops, host_adapter)
+        self._cuda = None               # the CUDA adapter, made at the first CUDA tensor
 
     def adapter(self, obj):
         """The codecs' adapter for a torch tensor: host (CPU) or CUDA; other devices raise."""
@@ -104,7 +102,7 @@ class TorchFrontend(Frontend):
             return self._cuda
         if dev is not None and dev.type != "cpu":
             raise UnsupportedInputError(f"torch tensors on {dev.type} are not supported (CPU and CUDA are)")
-        return self._host
+        return self.host_adapter
 
     def make_collectives(self, ps):
         import horovod.torch as hvd
@@ -397,7 +395,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return status[0] != 0
 
 
-FRONTEND = TorchFrontend()
+FRONTEND = TorchFrontend(OPS, TorchHostAdapter())
 collectives, hvd_op, core_op = FRONTEND.collectives, FRONTEND.hvd_op, FRONTEND.core_op
 resolve_codec, sendable_dtype = FRONTEND.resolve_codec, FRONTEND.sendable_dtype
 host_one, wait_for, payload_group = FRONTEND.host_one, FRONTEND.wait_for, FRONTEND.payload_group
