@@ -2,16 +2,15 @@
 __version__ = "0.1.0"
 
 __all__ = ["QSGD", "OneBit", "SortQuant", "KMeans", "FP16", "NoCompression", "Compression", "Codec", "REGISTRY",
-           "register",
-           "from_spec", "PayloadError", "UnsupportedInputError", "StockCompression",
+           "register", "from_spec", "PayloadError", "UnsupportedInputError", "StockCompression",
            "ConfigMismatchError", "PayloadMismatchError", "__version__"]
 
-# The compressed exchange (issue 4): stock-Horovod adapter and the errors users may catch.
+# The compressed exchange: the stock-Horovod adapter and the errors users may catch.
 from ._stock import StockCompression  # noqa: E402
 from .exchange import ConfigMismatchError, PayloadMismatchError  # noqa: E402
 
-# Codecs (issues 3, 15): QSGD, 1-bit, sort and k-means quantization, fp16, none; the registry and the
-# Horovod-style namespace.
+# Codecs: QSGD, 1-bit, sort and k-means quantization, fp16, none; the registry and the Horovod-style
+# namespace.
 from .codecs import (QSGD, OneBit, SortQuant, KMeans, FP16, NoCompression, Compression, Codec,  # noqa: E402
                      REGISTRY,
                      register, from_spec, PayloadError, UnsupportedInputError)

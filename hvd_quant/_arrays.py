@@ -1,37 +1,29 @@
 """Zero-copy adapters between the caller's arrays and what the kernels take.
 
 The codecs never import a framework. They ask :func:`adapter_for` for the adapter of whatever they
-were given; the framework's frontend module (:data:`FRONTENDS`: ``hvd_quant.torch._backend``,
-``hvd_quant.tensorflow._backend``; NumPy's adapter is at the end of this module) is imported on first
-use, only for the framework the object comes from, and resolved once per type.
+were given: the ``adapter(obj)`` of the object's frontend (``hvd_quant.dispatch``; NumPy's adapter is
+at the end of this module), imported on first use, only for the framework the object comes from.
 
 Two kinds of adapters:
 
 * host (:class:`HostAdapter`): NumPy arrays, torch CPU tensors, TensorFlow CPU tensors. The codec does
   all its work on NumPy arrays with the Numba CPU kernels; the adapter converts at the edges
   (zero-copy where the framework allows: ``Tensor.numpy()`` for torch; TensorFlow copies).
-* device (:class:`DeviceAdapter`): torch CUDA tensors (raw pointers, on torch's current stream) and
-  TensorFlow GPU tensors (DLPack; untested here). The codec launches the Numba CUDA kernels on the
-  framework's own memory; outputs are allocated by the framework.
+* device (:class:`DeviceAdapter`): torch CUDA tensors (raw pointers, on torch's current stream). The
+  codec launches the Numba CUDA kernels on the framework's own memory; outputs are allocated by the
+  framework. (TensorFlow GPU tensors are refused: docs/TENSORFLOW.md, "GPU".)
 
 Input dtypes: float32 is used in place; float16, bfloat16 and float64 are converted to float32 first
 (one extra pass, done by the framework); anything else raises :class:`UnsupportedInputError`.
 """
-import importlib
 import threading
 
 import numpy as np
 
-__all__ = ["adapter_for", "register_backend", "status_for", "device_statuses", "FRONTENDS",
-           "UnsupportedInputError", "HostAdapter", "DeviceAdapter", "FLOAT_DTYPES", "numpy_dtype",
-           "check_float"]
+from .dispatch import frontend_for
 
-# top-level module of type(obj) -> the module holding that framework's ``adapter(obj)``
-FRONTENDS = {
-    "numpy": "hvd_quant._arrays",
-    "torch": "hvd_quant.torch._backend",
-    "tensorflow": "hvd_quant.tensorflow._backend",
-}
+__all__ = ["adapter_for", "status_for", "device_statuses", "UnsupportedInputError", "HostAdapter",
+           "DeviceAdapter", "FLOAT_DTYPES", "numpy_dtype", "check_float"]
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -40,31 +32,15 @@ class UnsupportedInputError(TypeError, ValueError):
     """The input is not an array we can encode (wrong type or a non-floating dtype)."""
 
 
-def register_backend(top_module, adapter_module):
-    """Route objects whose type lives under ``top_module`` to ``adapter_module``."""
-    FRONTENDS[top_module] = adapter_module
-    _RESOLVERS.clear()
-
-
-_RESOLVERS = {}         # type(obj) -> the adapter module's ``adapter`` function, resolved once
-
-
 def adapter_for(obj):
-    """The adapter for ``obj`` (NumPy array, torch tensor, TF tensor/Variable). The adapter module of
-    each type is resolved once; afterwards this is a dict lookup and the module's own dispatch (host
-    or device)."""
-    resolve = _RESOLVERS.get(type(obj))
-    if resolve is None:
-        top = type(obj).__module__.split(".", 1)[0]
-        if top == "ml_dtypes":            # NumPy scalars of ml_dtypes types -> numpy adapter
-            top = "numpy"
-        path = FRONTENDS.get(top)
-        if path is None:
-            raise UnsupportedInputError(
-                f"hvd_quant codecs take NumPy arrays, torch tensors or TensorFlow tensors; got "
-                f"{type(obj).__module__}.{type(obj).__name__} (hvd_quant._arrays.register_backend adds one)")
-        resolve = _RESOLVERS[type(obj)] = importlib.import_module(path).adapter
-    return resolve(obj)
+    """The adapter for ``obj`` (NumPy array, torch tensor, TF tensor/Variable): a dict lookup of its
+    type's frontend, then the frontend's own dispatch (host or device)."""
+    frontend = frontend_for(obj)
+    if frontend is None:
+        raise UnsupportedInputError(
+            f"hvd_quant codecs take NumPy arrays, torch tensors or TensorFlow tensors; got "
+            f"{type(obj).__module__}.{type(obj).__name__} (hvd_quant.dispatch.register_frontend adds one)")
+    return frontend.adapter(obj)
 
 
 # ---- device status words ---------------------------------------------------------------------------
@@ -324,5 +300,5 @@ _NUMPY = NumpyAdapter()
 
 
 def adapter(obj):
-    """The NumPy adapter (this module is NumPy's entry in :data:`FRONTENDS`)."""
+    """The NumPy adapter (this module is NumPy's frontend in ``hvd_quant.dispatch``)."""
     return _NUMPY

@@ -39,11 +39,11 @@ a rank that receives another tensor's payload raises instead of mixing data; exc
 across ranks by name, so ranks may call hooks in different orders. The first exchange of each name
 carries a configuration handshake (codec spec, reduction, size thresholds, shape).
 
-Frameworks. ``compress`` dispatches on the tensor's type through :data:`FRONTENDS` (top-level module of
-``type(tensor)`` -> backend module). A backend module provides ``stock_backend(process_set)`` ->
+Frameworks. ``compress`` dispatches on the tensor's type to its frontend (``hvd_quant.dispatch``;
+:class:`hvd_quant.frontend.Frontend`), which provides ``stock_backend(process_set)`` ->
 ``(Collectives, ArrayOps)`` and ``stock_adapter()`` -> an object with ``describe(t)``,
 ``placeholder(t)``, ``split(flat, sizes)``, ``restore(flat, info)``, ``as_float(t)``, ``sendable(t)``
-and ``cast_back(t, info)`` (see ``hvd_quant/torch/_backend.py``). Optionally
+and ``cast_back(t, info)``. Optionally
 ``stock_compress(stock_compression, tensor)``: return ``(tensor, ctx)`` to take over ``compress`` or
 None to let the generic path run; a ctx with a ``stock_decompress(summed)`` method then finishes in
 ``decompress``. TensorFlow's hook
@@ -52,43 +52,23 @@ methods here and hands eager ones to :meth:`StockCompression.compress_on`. The c
 :class:`hvd_quant.plan.Config`, as in the frontends' optimizers.
 """
 import functools
-import importlib
 import sys
 import threading
 import weakref
 
 from . import plan as _plan
+from .dispatch import frontend_for
 from .exchange import SUM as _SUM, Exchange, Traffic, handshake_record
 from .memory import Memory
 
-__all__ = ["StockCompression", "compress", "decompress", "FRONTENDS", "register_frontend",
-           "stock_compression", "header", "uncompressed", "take_traffic", "PASSTHROUGH"]
-
-# Registration point for frameworks: top-level module of type(tensor) -> backend module path.
-FRONTENDS = {
-    "torch": "hvd_quant.torch._backend",
-    "tensorflow": "hvd_quant.tensorflow._graph",
-}
-
-
-def register_frontend(top_module, backend_module):
-    """Route tensors whose type lives under ``top_module`` to ``backend_module`` (see module doc)."""
-    FRONTENDS[top_module] = backend_module
-    _BY_TYPE.clear()
-
-
-_BY_TYPE = {}           # type(tensor) -> its backend module, resolved once
-
+__all__ = ["StockCompression", "compress", "decompress", "stock_compression", "header", "uncompressed",
+           "take_traffic", "PASSTHROUGH"]
 
 def _backend_for(tensor):
-    backend = _BY_TYPE.get(type(tensor))
-    if backend is None:
-        top = type(tensor).__module__.split(".", 1)[0]
-        path = FRONTENDS.get(top)
-        if path is None:
-            raise TypeError(f"hvd_quant: no frontend for tensors of type {type(tensor)!r}; known: "
-                            f"{sorted(FRONTENDS)} (hvd_quant._stock.register_frontend adds one)")
-        backend = _BY_TYPE[type(tensor)] = importlib.import_module(path)
+    backend = frontend_for(tensor)
+    if backend is None or not hasattr(backend, "stock_backend"):
+        raise TypeError(f"hvd_quant: no frontend for tensors of type {type(tensor)!r} "
+                        "(hvd_quant.dispatch.register_frontend adds one)")
     return backend
 
 
@@ -389,7 +369,7 @@ class StockCompression:
     def session(self, backend, process_set):
         """The session (``.exchange``, ``.memory``, ``.ops``, ``.adapter``) of ``backend`` and
         ``process_set``, created on first use and rebound when the process set's rank or size changed."""
-        key = (backend.__name__, getattr(process_set, "process_set_id", 0))
+        key = (backend, getattr(process_set, "process_set_id", 0))
         s = self._sessions.get(key)
         if s is None:
             s = self._sessions[key] = _Session(backend, process_set, self.codec, self.reduction,
@@ -448,7 +428,8 @@ class StockCompression:
         return self.compress_on(backend, tensor)
 
     def compress_on(self, backend, tensor):
-        """``compress`` through ``backend`` (a module as in :data:`FRONTENDS`) with its hook skipped."""
+        """``compress`` through ``backend`` (a frontend, or another object with the stock path's
+        interface) with its hook skipped."""
         decided = getattr(self._thread, "decided", None)
         if decided is not None and decided[0] is tensor:
             return decided[1]

@@ -31,10 +31,6 @@ CHILDREN = {
     ("test_fused_kernels", "cuda_results"): (_child_of("test_fused_kernels"), _sim, 1200),
     ("test_codec_cuda_sim", "results"): (_child_of("test_codec_cuda_sim"),
                                          lambda: {"NUMBA_ENABLE_CUDASIM": "1"}, 900),
-    ("test_tf_device", "simulator_output"): (
-        [str(ROOT / "tests" / "workers" / "tf_device_child.py"), "--sizes", "130", "--ranks", "2",
-         "--specs", "qsgd:bits=4,bucket_size=64,seed=5;onebit:bucket_size=64"],
-        lambda: {"NUMBA_ENABLE_CUDASIM": "1"}, 300),
 }
 
 _running = {}       # key -> (Popen, stdout file, stderr file)

@@ -130,9 +130,9 @@ def _child():
     warnings.simplefilter("ignore")
     from numba import cuda
     import hvd_quant as hq
-    from hvd_quant import _arrays
+    from hvd_quant import dispatch
     _ADAPTER[0] = _make_adapter()
-    _arrays.register_backend("tests", "tests.test_codec_cuda_sim")
+    dispatch.register_frontend("tests", "tests.test_codec_cuda_sim")
 
     def nan_eq(a, b):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

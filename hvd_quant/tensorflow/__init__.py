@@ -7,17 +7,16 @@
 - :class:`GradientReducer`: the persistent, ``tf.train.Checkpoint``-trackable reduction they use.
 - :data:`OPS` / :func:`collectives`: the core's ArrayOps and eager Collectives tables for TensorFlow.
 
-Attributes are imported on first use (TensorFlow and ``horovod.tensorflow`` with them), so that
-``hvd_quant.tensorflow._device``'s Numba half can be imported, and tested, where TensorFlow is not
-installed. Codecs passed to stock Horovod (``hvd.DistributedGradientTape(tape,
-compression=hvd_quant.QSGD(bits=4))``) reach this frontend through ``hvd_quant._stock`` without any
+Attributes are imported on first use (TensorFlow and ``horovod.tensorflow`` with them). Codecs passed
+to stock Horovod (``hvd.DistributedGradientTape(tape, compression=hvd_quant.QSGD(bits=4))``) reach
+this frontend (``hvd_quant.tensorflow._backend.FRONTEND``) through ``hvd_quant._stock`` without any
 import.
 """
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    "OPS": "._backend", "collectives": "._backend",
-    "GradientReducer": ".reducer", "resolve_codec": ".reducer",
+    "OPS": "._backend", "collectives": "._backend", "resolve_codec": "._backend",
+    "GradientReducer": ".reducer",
     "DistributedGradientTape": ".wrappers", "DistributedOptimizer": ".wrappers",
     "bytes_sent_per_step": ".wrappers", "install_reducer": ".wrappers", "reducer_of": ".wrappers",
     "step_metrics": ".wrappers",

@@ -1,4 +1,5 @@
-"""TensorFlow side of the exchange contract (docs/ARCHITECTURE.md, "Exchange contract").
+"""The TensorFlow frontend: :data:`FRONTEND`, the one object through which the core reaches
+TensorFlow (``hvd_quant.frontend.Frontend``, registered in ``hvd_quant.dispatch``).
 
 TensorFlow tensors are immutable and have no views, while the core decodes into slices of a buffer
 (``decode_into(payload, ops.slice(out, a, b))``). So the TensorFlow frontend runs the core on **NumPy
@@ -10,33 +11,41 @@ arrays in host memory**, reached without copying where TensorFlow allows it:
 * writing back: the decoded float32 sum is handed to TensorFlow as the NumPy array it is
   (``tf.numpy_function`` / ``tf.convert_to_tensor`` adopt aligned NumPy memory).
 
-:data:`OPS` is that :class:`~hvd_quant.exchange.ArrayOps` table. :func:`collectives` is the eager
-:class:`~hvd_quant.exchange.Collectives` table over ``horovod.tensorflow``: ``allgather`` /
-``alltoall`` / ``allreduce`` of uint8 or float arrays, asynchronous (each call runs on its own
-thread; ``synchronize`` joins it) and returning NumPy arrays. Horovod's TensorFlow ops ignore
-``name=`` in eager mode (every eager allgather is called ``HorovodAllgather``, so two in flight
-collide), so each (collective, name, dtype) is a small cached ``tf.function`` in which the name
-holds. Inside ``tf.function`` the frontend does not use this table at all: the collectives become
-graph ops between ``tf.numpy_function`` steps of the same core (``hvd_quant/tensorflow/_graph.py``).
+:data:`OPS` is that :class:`~hvd_quant.exchange.ArrayOps` table. The eager
+:class:`~hvd_quant.exchange.Collectives` tables (:meth:`TensorFlowFrontend.make_collectives`) run
+``allgather`` / ``alltoall`` / ``allreduce`` of ``horovod.tensorflow`` on uint8 or float arrays,
+asynchronously (each call on its own thread; ``synchronize`` joins it), returning NumPy arrays.
+Horovod's TensorFlow ops ignore ``name=`` in eager mode (every eager allgather is called
+``HorovodAllgather``, so two in flight collide), so each (collective, name, dtype) is a small cached
+``tf.function`` in which the name holds. Inside ``tf.function`` the frontend does not use this table:
+the collectives become graph ops between ``tf.numpy_function`` steps of the same core
+(``hvd_quant/tensorflow/_graph.py``, which also builds the stock path's exchanges of symbolic
+tensors: :meth:`TensorFlowFrontend.stock_compress`).
 
-The module also serves ``hvd_quant._stock`` (stock Horovod with an hvd_quant codec as
-``compression=``): :func:`stock_backend` and :func:`stock_adapter` for eager tensors (``_graph.py``,
-the module ``_stock`` dispatches TensorFlow tensors to, hands them here; it builds symbolic ones
-into the graph).
+GPU tensors: the codecs refuse them (:data:`GPU_REFUSED`; docs/TENSORFLOW.md, "GPU"). No machine we
+test on has TensorFlow with a GPU, so no TensorFlow GPU path is offered; the reducer's and the stock
+path's steps read GPU gradients through NumPy, which copies them to the host.
 """
 import concurrent.futures
-import ctypes
 import re
 import threading
 
 import numpy as np
 import tensorflow as tf
 
-from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float, numpy_dtype
-from ..exchange import AVERAGE, SUM, ArrayOps, Collectives, collectives_for
+from .._arrays import HostAdapter, UnsupportedInputError, check_float, numpy_dtype
+from ..exchange import AVERAGE, ArrayOps, Collectives
+from ..frontend import Frontend, TensorInfo
 
-__all__ = ["OPS", "collectives", "hvd_op", "core_op", "op_name", "stock_backend", "stock_adapter",
-           "to_numpy", "adapter"]
+__all__ = ["FRONTEND", "TensorFlowFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec",
+           "sendable_dtype", "stock_adapter", "op_name", "to_numpy", "GPU_REFUSED"]
+
+GPU_REFUSED = (
+    "hvd_quant does not take TensorFlow GPU tensors in its codecs, nor keep a TensorFlow exchange on "
+    "the GPU (device_exchange=True): no machine it is tested on has TensorFlow with a GPU, so that "
+    "path was never run (docs/TENSORFLOW.md, \"GPU\"). hvd_quant.tensorflow's tape and optimizers "
+    "reduce GPU gradients through host steps; for a codec, copy the tensor to the host first "
+    "(with tf.device(\"/cpu:0\"): tf.identity(t)) or pass its NumPy value")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -91,20 +100,7 @@ OPS = ArrayOps(
 
 
 # --------------------------------------------------------------------------------------------------
-# Ops and names
-
-
-def hvd_op(op):
-    """Core op name -> horovod.tensorflow op constant."""
-    import horovod.tensorflow as hvd
-    return {AVERAGE: hvd.Average, SUM: hvd.Sum}[op]
-
-
-def core_op(op):
-    """horovod.tensorflow op constant (or a core op name) -> core op name; Adasum & co. raise."""
-    import horovod.tensorflow as hvd
-    from ..plan import core_op as plan_core_op
-    return plan_core_op(op, hvd.Average, hvd.Sum, hvd.Adasum)
+# Op names
 
 
 _BAD = re.compile(r"[^A-Za-z0-9_.\-]")
@@ -143,7 +139,7 @@ def _graph_fn(kind, name, dtype, ps, op=None, pre=1.0, post=1.0):
                                     process_set=ps)[0]
             sig = [tf.TensorSpec([None], dtype), tf.TensorSpec([None], tf.int32)]
         elif kind == "allreduce":
-            hop = hvd_op(op)
+            hop = FRONTEND.hvd_op(op)
 
             def body(t):
                 return hvd.allreduce(t, op=hop, prescale_factor=pre, postscale_factor=post, name=nm,
@@ -182,96 +178,69 @@ class _Handle:
         return to_numpy(out)
 
 
-_CACHE = {}
-
-
-def collectives(process_set=None):
-    """The eager :class:`~hvd_quant.exchange.Collectives` table for ``process_set`` (default: global).
-
-    Takes NumPy arrays or eager tensors; ``synchronize`` returns NumPy arrays (see module doc).
-    """
-    import horovod.tensorflow as hvd
-    return collectives_for(_CACHE, hvd.global_process_set if process_set is None else process_set,
-                           _make_collectives)
-
-
-def _make_collectives(ps):
-    def allgather_async(t, name):
-        t = _as_tensor(t)
-        return _Handle(_graph_fn("allgather", name, t.dtype, ps), t)
-
-    def alltoall_async(t, splits, name):
-        t = _as_tensor(t)
-        return _Handle(_graph_fn("alltoall", name, t.dtype, ps), t,
-                       tf.constant(list(map(int, splits)), tf.int32))
-
-    def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
-        t = _as_tensor(t)
-        return _Handle(_graph_fn("allreduce", name, t.dtype, ps, op, float(prescale_factor),
-                                 float(postscale_factor)), t)
-
-    return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
-                       alltoall_async=alltoall_async, allreduce_async=allreduce_async,
-                       synchronize=lambda h: h.result(), process_set=ps)
-
-
-# --------------------------------------------------------------------------------------------------
-# hvd_quant._stock: codecs as stock Horovod's compression= (eager tensors here, graph in _graph.py)
-
-
-def stock_backend(process_set=None):
-    """(Collectives, ArrayOps) for eager tensors, for hvd_quant._stock's dispatch on tensor type."""
-    return collectives(process_set), OPS
-
-
 _FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 
-class _Info:
-    __slots__ = ("numel", "shape", "dtype", "is_float", "itemsize", "device", "static")
+class TensorFlowFrontend(Frontend):
+    """TensorFlow's primitives for :class:`hvd_quant.frontend.Frontend`; eager and symbolic tensors
+    alike for the stock path (a symbolic tensor's shape may be unknown: ``describe`` says so)."""
+    name, horovod = "tensorflow", "horovod.tensorflow"
+    float32 = tf.float32
+    horovod_floats = (tf.float16, tf.float32, tf.float64)      # no bfloat16
 
-    def __init__(self, t):
-        shape = t.shape
-        self.static = shape.rank is not None and shape.is_fully_defined()
-        self.shape = tuple(int(d) for d in shape) if self.static else None
-        self.numel = int(np.prod(self.shape, dtype=np.int64)) if self.static else -1
-        self.dtype = t.dtype
-        self.is_float = t.dtype in _FLOATS and self.static
-        self.itemsize = t.dtype.size
-        self.device = getattr(t, "device", "") or ""
+    def adapter(self, obj):
+        """The codecs' adapter for a TensorFlow tensor or variable: host; GPU tensors are refused."""
+        if "GPU" in (getattr(obj, "device", "") or "").upper():
+            raise UnsupportedInputError(GPU_REFUSED)
+        return self.host_adapter
 
+    def make_collectives(self, ps):
+        def allgather_async(t, name):
+            t = _as_tensor(t)
+            return _Handle(_graph_fn("allgather", name, t.dtype, ps), t)
 
-# dtypes Horovod's TensorFlow allreduce takes (no bfloat16); others are sent as float32.
-HOROVOD_FLOAT_DTYPES = (tf.float16, tf.float32, tf.float64)
+        def alltoall_async(t, splits, name):
+            t = _as_tensor(t)
+            return _Handle(_graph_fn("alltoall", name, t.dtype, ps), t,
+                           tf.constant(list(map(int, splits)), tf.int32))
 
+        def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
+            t = _as_tensor(t)
+            return _Handle(_graph_fn("allreduce", name, t.dtype, ps, op, float(prescale_factor),
+                                     float(postscale_factor)), t)
 
-def sendable_dtype(dtype):
-    """``dtype`` if Horovod can allreduce it, else float32 (hvd_quant sums those in float32)."""
-    return dtype if dtype in HOROVOD_FLOAT_DTYPES or not dtype.is_floating else tf.float32
+        return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
+                           alltoall_async=alltoall_async, allreduce_async=allreduce_async,
+                           synchronize=lambda h: h.result(), process_set=ps)
 
+    @staticmethod
+    def stock_compress(sc, tensor):
+        """The stock path's ``compress`` of a TensorFlow tensor (``_graph.stock_compress``: eager
+        tensors through this frontend's tables, symbolic ones built into the graph). ``_graph``
+        imports this module, hence imported here, on the stock path's first TensorFlow tensor."""
+        from ._graph import stock_compress
+        return stock_compress(sc, tensor)
 
-class _StockAdapter:
-    """What hvd_quant._stock needs beyond the two tables (eager and symbolic tensors)."""
+    # -- primitives of the stock path -------------------------------------------------------------
+    @staticmethod
+    def is_floating(dtype):
+        return dtype.is_floating
 
     @staticmethod
     def describe(t):
-        return _Info(t)
+        shape = t.shape
+        static = shape.rank is not None and shape.is_fully_defined()
+        return TensorInfo(tuple(int(d) for d in shape) if static else None, t.dtype,
+                          t.dtype in _FLOATS, t.dtype.size, getattr(t, "device", "") or "")
 
     @staticmethod
-    def placeholder(t):
-        # 1.0 (exact in fp16) that Horovod allreduces with op, prescale and postscale: the factor
-        # decompress applies to the decoded sum. Same dtype Horovod would have seen.
-        with tf.device(getattr(t, "device", "") or ""):
-            return tf.ones([1], dtype=sendable_dtype(t.dtype), name="hvdq_placeholder")
+    def ones(n, dtype, like):
+        with tf.device(getattr(like, "device", "") or ""):
+            return tf.ones([n], dtype=dtype, name="hvdq_placeholder")
 
     @staticmethod
-    def sendable(t):
-        """``t`` itself, or a float32 copy when Horovod cannot reduce its dtype (bfloat16)."""
-        return t if sendable_dtype(t.dtype) == t.dtype else tf.cast(t, tf.float32)
-
-    @staticmethod
-    def cast_back(t, info):
-        return t if t.dtype == info.dtype else tf.cast(t, info.dtype)
+    def cast(t, dtype):
+        return tf.cast(t, dtype)
 
     @staticmethod
     def as_float(t):
@@ -281,47 +250,22 @@ class _StockAdapter:
     def split(flat, sizes):
         return tf.split(flat, list(sizes)) if len(sizes) > 1 else [flat]
 
-    @staticmethod
-    def restore(flat, info):
+    def restore(self, flat, info):
         with tf.device(info.device):
-            out = tf.reshape(tf.convert_to_tensor(flat), info.shape)
-            return out if info.dtype == tf.float32 else tf.cast(out, info.dtype)
-
-
-_ADAPTER = _StockAdapter()
-
-
-def stock_adapter():
-    return _ADAPTER
+            return self.cast_back(tf.reshape(tf.convert_to_tensor(flat), info.shape), info)
 
 
 # --------------------------------------------------------------------------------------------------
-# The codecs' array adapters
-# TensorFlow tensors.
-#
-# CPU (tested): EagerTensors go through NumPy (``.numpy()`` copies: TensorFlow exposes no writable view),
-# payloads and results come back with ``tf.convert_to_tensor``. TensorFlow tensors are immutable, so
-# ``decode_into`` needs a ``tf.Variable`` as ``out`` (decoded into a NumPy temporary, then
-# ``assign`` / ``assign_add``); a plain tensor is refused with a clear error.
-#
-# GPU (written, NOT tested here: the CPU machines have no GPU and the GPU machines no TensorFlow):
-# tensors are shared with Numba through DLPack (``tf.experimental.dlpack.to_dlpack``, read with ctypes
-# into a ``__cuda_array_interface__``). TensorFlow does not expose its CUDA stream, so this path is
-# synchronous: it waits for TensorFlow's queued work (``tf.test.experimental.sync_devices``) before the
-# kernels and for the kernels (``numba.cuda.synchronize``) before returning.
-
-
-_FROM_NAME = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16, "float64": tf.float64}
+# The codecs' array adapter: eager CPU tensors through NumPy (``.numpy()`` copies: TensorFlow exposes
+# no writable view); payloads and results come back with ``tf.convert_to_tensor``. TensorFlow tensors
+# are immutable, so ``decode_into`` needs a ``tf.Variable`` as ``out`` (decoded into a NumPy
+# temporary, then ``assign``); a plain tensor is refused with a clear error.
 
 
 def _describe(x):
     name = x.dtype.name
     check_float(name)
     return tuple(int(d) for d in x.shape), name
-
-
-def _is_variable(x):
-    return isinstance(x, tf.Variable)
 
 
 def _immutable_error(out):
@@ -367,7 +311,7 @@ class TFHostAdapter(HostAdapter):
         return tf.convert_to_tensor(arr)
 
     def out_np(self, out):
-        if not _is_variable(out):
+        if not isinstance(out, tf.Variable):
             raise _immutable_error(out)
         if out.dtype != tf.float32:
             raise UnsupportedInputError(f"decode_into needs a float32 tf.Variable; got {out.dtype.name}")
@@ -385,179 +329,7 @@ class TFHostAdapter(HostAdapter):
         return tf.reshape(t, shape)
 
 
-# ---- GPU through DLPack (untested here) -------------------------------------------------------------
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.CFUNCTYPE(None, ctypes.c_void_p))]
-
-
-_GET_POINTER = ctypes.pythonapi.PyCapsule_GetPointer
-_GET_POINTER.restype = ctypes.c_void_p
-_GET_POINTER.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_TYPESTR = {(0, 8): "|i1", (0, 32): "<i4", (1, 8): "|u1", (2, 16): "<f2", (2, 32): "<f4", (2, 64): "<f8"}
-
-
-class _DLPackView:
-    """A ``__cuda_array_interface__`` over a TensorFlow GPU tensor's DLPack capsule (kept alive)."""
-
-    def __init__(self, tensor):
-        self._tensor = tensor
-        self._capsule = tf.experimental.dlpack.to_dlpack(tensor)
-        ptr = _GET_POINTER(self._capsule, b"dltensor")
-        t = _DLManagedTensor.from_address(ptr).dl_tensor
-        shape = tuple(t.shape[k] for k in range(t.ndim))
-        n = int(np.prod(shape)) if shape else 1
-        typestr = _TYPESTR[(t.dtype.code, t.dtype.bits)]
-        self.__cuda_array_interface__ = {
-            "shape": (n,), "typestr": typestr, "data": ((t.data or 0) + t.byte_offset, False),
-            "version": 3, "strides": None, "stream": None}
-
-
-class TFGpuAdapter(DeviceAdapter):
-    kind = "tensorflow"
-    views = False
-
-    def __init__(self):
-        from numba import cuda
-        self._cuda = cuda
-
-    def describe(self, x):
-        return _describe(x)
-
-    def device_key(self, x):
-        return ("tensorflow", x.device)
-
-    def _index(self, x):
-        return tf.DeviceSpec.from_string(x.device).device_index or 0
-
-    def stream(self, x):
-        tf.test.experimental.sync_devices()        # TF's stream is not exposed: wait for its work
-        return 0
-
-    def context(self, x):
-        return self._cuda.gpus[self._index(x)]
-
-    def _dev(self, t):
-        return self._cuda.as_cuda_array(_DLPackView(t), sync=False)
-
-    def _empty(self, n, dtype, like):
-        with tf.device(like.device):
-            return tf.raw_ops.Empty(shape=[n], dtype=dtype, init=False)
-
-    def input_f32(self, x):
-        t = tf.reshape(tf.cast(x, tf.float32), [-1])
-        return t, self._dev(t)
-
-    def new_bytes(self, nbytes, like):
-        t = self._empty(nbytes, tf.uint8, like)
-        return t, self._dev(t)
-
-    def new_f32(self, numel, like):
-        t = self._empty(numel, tf.float32, like)
-        return t, self._dev(t)
-
-    def new_status(self, like):
-        with tf.device(like.device):
-            t = tf.raw_ops.Empty(shape=[2], dtype=tf.int32, init=True)
-        return t, self._dev(t)
-
-    def bytes_dev(self, payload):
-        return self._dev(payload)
-
-    def numba(self, t):
-        return self._dev(t)
-
-    def payload_nbytes(self, payload):
-        return int(payload.shape[0])
-
-    def numel(self, t):
-        return int(np.prod(t.shape))
-
-    def out_dev(self, out):
-        if not _is_variable(out):
-            raise _immutable_error(out)
-        n = int(np.prod(out.shape))
-        tmp, dev = self.new_f32(n, out)
-
-        def commit(accumulate=False):
-            self._cuda.synchronize()
-            v = tf.reshape(tmp, out.shape)
-            out.assign_add(v) if accumulate else out.assign(v)
-        return dev, commit
-
-    def read_header(self, payload):
-        return payload[:64].numpy()
-
-    def read_status(self, status):
-        bits = int(status.numpy()[1])
-        if bits:
-            self._cuda.as_cuda_array(_DLPackView(status), sync=False)[1:2].copy_to_device(
-                np.zeros(1, np.int32))
-        return bits
-
-    def result(self, f32, dtype_name, shape):
-        self._cuda.synchronize()
-        if dtype_name != "float32":
-            f32 = tf.cast(f32, _FROM_NAME[dtype_name])
-        return tf.reshape(f32, shape)
-
-    def raw_encode_into(self, x, value_dtype, payload):
-        # TensorFlow tensors are immutable: the values go in through a device-to-device copy
-        vals = tf.reshape(tf.bitcast(tf.cast(tf.reshape(x, [-1]), _FROM_NAME[value_dtype]), tf.uint8), [-1])
-        pdev = self._dev(payload)
-        n = int(vals.shape[0])
-        tf.test.experimental.sync_devices()
-        pdev[64:64 + n].copy_to_device(self._dev(vals))
-        pdev[64 + n:].copy_to_device(np.zeros(int(pdev.size) - 64 - n, np.uint8))
-        return pdev
-
-    def raw_residual(self, x, payload, value_dtype, residual):
-        raise UnsupportedInputError("TensorFlow tensors are immutable: error feedback on TensorFlow GPU "
-                                    "tensors runs in the device exchange (hvd_quant/tensorflow/_device.py)")
-
-    def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
-        w = 2 if value_dtype == "float16" else 4
-        raw = tf.reshape(payload[offset:offset + w * numel], [numel, w])
-        vals = tf.cast(tf.bitcast(raw, _FROM_NAME[value_dtype]), tf.float32)
-        if bad is not None:
-            vals = tf.where(bad, tf.fill([numel], float("nan")), vals)
-        if not _is_variable(out):
-            if accumulate:
-                raise _immutable_error(out)
-            return vals                     # decode(): the new tensor is the result
-        v = tf.reshape(vals, out.shape)
-        out.assign_add(v) if accumulate else out.assign(v)
-        return None
-
-    def status_bad(self, status):
-        self._cuda.synchronize()
-        return status[0] != 0
-
-
-_HOST = TFHostAdapter()
-_GPU = None
-
-
-def adapter(obj):
-    global _GPU
-    dev = getattr(obj, "device", "") or ""
-    if "GPU" in dev.upper():
-        if _GPU is None:
-            _GPU = TFGpuAdapter()
-        return _GPU
-    return _HOST
+FRONTEND = TensorFlowFrontend(OPS, TFHostAdapter())
+collectives, hvd_op, core_op = FRONTEND.collectives, FRONTEND.hvd_op, FRONTEND.core_op
+resolve_codec, sendable_dtype = FRONTEND.resolve_codec, FRONTEND.sendable_dtype
+stock_adapter = FRONTEND.stock_adapter

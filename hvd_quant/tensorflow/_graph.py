@@ -24,8 +24,9 @@ of a fixed-size record under ``hvdq.hs.<name>``, inside a ``tf.cond`` that later
 exchange's collectives wait for it, so ranks configured differently raise
 :class:`~hvd_quant.exchange.ConfigMismatchError` on every rank instead of stalling.
 
-Stock path. ``hvd_quant._stock`` dispatches TensorFlow tensors to this module: :func:`stock_compress`
-hands eager tensors to ``StockCompression.compress_on`` with the eager tables of ``_backend.py`` and
+Stock path. ``hvd_quant._stock`` dispatches TensorFlow tensors to the TensorFlow frontend, whose
+``stock_compress`` is :func:`stock_compress` here: it hands eager tensors to
+``StockCompression.compress_on`` with the frontend's eager tables (``_backend.py``) and
 builds the exchange of a symbolic one into the graph, through ``StockCompression``'s public surface
 (``session``, ``compressible``, ``record``, ``config``, ``reduction``, ``adopt_auto``,
 ``_stock.header``, ``_stock.uncompressed``).
@@ -123,23 +124,12 @@ def _numpy_step(fn, inputs, dtype, shape, name):
     return out
 
 
-def _device_step(device):
-    """A step as a ``tf.py_function`` placed on ``device`` (GPU inputs stay on the GPU)."""
-    def make(fn, inputs, dtype, shape, name):
-        with tf.device(device):
-            out = tf.py_function(fn, inputs, dtype, name=name)
-        out.set_shape(shape)
-        return out
-    return make
-
-
 class GraphExchange:
     """Builds exchanges of one :class:`~hvd_quant.exchange.Exchange` (whose ``coll`` is a
     :func:`graph_collectives` table) into the graph being traced."""
 
-    def __init__(self, exchange, process_set, device_exchange=None):
+    def __init__(self, exchange, process_set):
         self.exchange = exchange
-        self.device_exchange = device_exchange     # same configuration on DEVICE_OPS (_device.py)
         self.process_set = process_set
         self.lock = threading.RLock()
         self.steps = {}            # exchange name -> executions started (payload header tags)
@@ -157,8 +147,6 @@ class GraphExchange:
         if coll is self.exchange.coll:
             return
         self.exchange.coll = coll
-        if self.device_exchange is not None:
-            self.device_exchange.coll = coll
         self.verified.clear()
         self.steps.clear()
 
@@ -232,11 +220,10 @@ class GraphExchange:
             ex = self.exchange
             return np.array([ex.payload_nbytes(b - a) for a, b in ex.bounds(numel)], np.int32)
 
-    def build(self, key, flat, header=None, deps=(), device=None):
+    def build(self, key, flat, header=None, deps=()):
         """Graph ops computing the float32 **sum over ranks** of the 1-D float32 ``flat`` (static
-        size) with the core's reduction; returns that 1-D float32 tensor. ``device`` (a GPU device
-        string, with a ``device_exchange``) keeps the exchange on that GPU (``_device.py``, untested
-        with TensorFlow); otherwise the steps run on the host."""
+        size) with the core's reduction; returns that 1-D float32 tensor. The steps run on the host
+        (a GPU ``flat`` is copied there by TensorFlow: docs/TENSORFLOW.md, "GPU")."""
         import horovod.tensorflow as hvd
         ex, ps = self.exchange, self.process_set
         numel = int(flat.shape[0])
@@ -247,27 +234,21 @@ class GraphExchange:
         shape = [None] if sra else [self.sizes(numel)[0]]
         slot = _Slot()
         nm = op_name(key)
-        if device is None:
-            step, start, advance, finish = _numpy_step, self._start, self._advance, self._finish
-        else:
-            step = _device_step(device)
-            start, advance, finish = (functools.partial(f, device) for f in
-                                      (self._start_dev, self._advance_dev, self._finish_dev))
         with tf.control_dependencies(list(deps)):
-            send = step(functools.partial(start, slot, key, header, numel), [flat],
-                        tf.uint8, shape, "hvdq_start")
+            send = _numpy_step(functools.partial(self._start, slot, key, header, numel), [flat],
+                               tf.uint8, shape, "hvdq_start")
         if sra:
             with tf.control_dependencies([send]):      # after start has bound the current world
                 splits = _numpy_step(functools.partial(self._splits, numel), [], tf.int32, [None],
                                      "hvdq_splits")
             recv, _ = hvd.alltoall(send, splits=splits, name=op_name(f"{ex.prefix}.a2a.{nm}"),
                                    ignore_name_scope=True, process_set=ps)
-            send = step(functools.partial(advance, slot, numel), [recv], tf.uint8, shape,
-                        "hvdq_advance")
+            send = _numpy_step(functools.partial(self._advance, slot, numel), [recv], tf.uint8, shape,
+                               "hvdq_advance")
         gathered = hvd.allgather(send, name=op_name(f"{ex.prefix}.ag.{nm}"), ignore_name_scope=True,
                                  process_set=ps)
-        return step(functools.partial(finish, slot, numel), [gathered], tf.float32,
-                    [numel], "hvdq_finish")
+        return _numpy_step(functools.partial(self._finish, slot, numel), [gathered], tf.float32,
+                           [numel], "hvdq_finish")
 
     # The numpy steps (run at execution time, under one lock per engine: the core and the codec
     # keep per-name state).
@@ -297,48 +278,6 @@ class GraphExchange:
             out = self.exchange.finish(p)
             self.t_last = time.perf_counter()
             return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
-
-    # The same steps on a GPU (tf.py_function; inputs are GPU EagerTensors). Written, never run.
-    def _start_dev(self, device, slot, key, header, numel, flat):
-        from . import _device as D
-        with self.lock:
-            self.rebind()
-            if self.t_first is None:
-                self.t_first = time.perf_counter()
-            D.sync_tensorflow()
-            own = D.DEVICE_OPS.clone(D.tf_view(flat).reshape(-1))     # the core may write into it
-            step = self.steps.get(key, 0)
-            self.steps[key] = step + 1
-            slot.pending = self.device_exchange.start(key, own, step=step, header=header)
-            return self._out_dev(slot.pending.handle.tensor, self.sizes(numel)[0], key, device)
-
-    def _advance_dev(self, device, slot, numel, recv):
-        from . import _device as D
-        with self.lock:
-            D.sync_tensorflow()
-            p = self._pending(slot)
-            p.handle.result = D.tf_view(recv).reshape(-1)
-            self.device_exchange.advance(p)
-            return self._out_dev(p.handle.tensor, self.sizes(numel)[1], p.name, device)
-
-    def _finish_dev(self, device, slot, numel, gathered):
-        from . import _device as D
-        with self.lock:
-            D.sync_tensorflow()
-            p = self._pending(slot)
-            slot.pending = None
-            p.handle.result = D.tf_view(gathered).reshape(-1)
-            out = D.to_tf(self.device_exchange.finish(p), tf.float32, device)
-            self.t_last = time.perf_counter()
-            return out
-
-    @staticmethod
-    def _out_dev(arr, expected, key, device):
-        from . import _device as D
-        if int(arr.size) != expected:
-            raise RuntimeError(f"hvd_quant: internal error: exchange {key!r} produced {arr.size} "
-                               f"bytes, {expected} were planned")
-        return D.to_tf(arr, tf.uint8, device)
 
     @staticmethod
     def _pending(slot):
@@ -646,7 +585,7 @@ def stock_compress(sc, tensor):
     graph ``hvd.allreduce(compression=...)``) one per tensor."""
     from .. import _stock
     if tf.executing_eagerly() and hasattr(tensor, "numpy"):
-        return sc.compress_on(_backend, tensor)
+        return sc.compress_on(_backend.FRONTEND, tensor)
     import horovod.tensorflow as hvd
     if os.environ.get("HOROVOD_ELASTIC") == "1":
         raise ValueError(

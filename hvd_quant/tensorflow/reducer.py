@@ -39,7 +39,6 @@ import tensorflow as tf
 
 from .. import plan as _plan
 from ..exchange import AVERAGE, HANDSHAKE_NAME, Exchange, Traffic
-from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
 from . import _backend
 from ._backend import OPS, op_name
@@ -47,26 +46,20 @@ from ._graph import (GraphExchange, build_buckets, describe_gradient, graph_coll
                      gradient_names)
 
 
-__all__ = ["GradientReducer", "resolve_codec"]
+__all__ = ["GradientReducer"]
 
 _PREFIX = "hvdq.tf"
 _Trackable = tf.__internal__.tracking.Trackable
 
 
-def resolve_codec(compression):
-    """:func:`hvd_quant.codecs.resolve_codec`, with this framework's ``hvd.Compression`` namespace."""
-    from horovod.tensorflow.compression import Compression
-    return _resolve_codec(compression, Compression)
-
-
 class _Trace:
     """The plan of one traced signature and what the graph needs beside it."""
-    __slots__ = ("plan", "key", "names", "plain_nbytes", "plain_numel", "device")
+    __slots__ = ("plan", "key", "names", "plain_nbytes", "plain_numel")
 
 
 def _host_copy(a):
-    """A residual as a new float32 NumPy array (device arrays of the device exchange copied over)."""
-    return a.copy_to_host().astype(np.float32) if hasattr(a, "copy_to_host") else np.array(a, np.float32)
+    """A residual as a new float32 NumPy array."""
+    return np.array(a, np.float32)
 
 
 def _join(arrays):
@@ -80,9 +73,8 @@ class GradientReducer(_Trackable):
     ``process_set``, ``device_dense``, ``device_sparse``) plus ``compression`` (a codec, a spec
     string or ``hvd.Compression.none/fp16``), ``reduction`` (``"sra"`` | ``"allgather"``),
     ``bucket_bytes`` (default 25 MiB), ``min_compress_numel`` (default 1024), ``compress_1d``,
-    ``warmup_steps`` and ``error_feedback`` (default: what the codec wants), and
-    ``device_exchange`` (GPU gradients: keep the exchange on the GPU through DLPack and Numba device
-    arrays, ``_device.py``; **untested with TensorFlow**; default off: host steps).
+    ``warmup_steps`` and ``error_feedback`` (default: what the codec wants). ``device_exchange=True``
+    raises (:data:`~hvd_quant.tensorflow._backend.GPU_REFUSED`): GPU gradients take the host steps.
 
     Call it as Horovod calls its own: ``reducer(grads, vars)`` -> reduced grads (``None`` stays
     ``None``), eagerly (it wraps itself in a ``tf.function``) or inside a graph.
@@ -109,10 +101,8 @@ class GradientReducer(_Trackable):
         self.device_dense, self.device_sparse = device_dense, device_sparse
         self._prefix = _PREFIX
         self.memory = Memory(OPS) if self.error_feedback else None
-        # GPU gradients: keep the exchange on the GPU (hvd_quant/tensorflow/_device.py; written, its
-        # TensorFlow half never run). Off: GPU gradients go through the host steps.
-        self.device_exchange = bool(device_exchange) and bool(tf.config.list_logical_devices("GPU"))
-        self.device_memory = None
+        if device_exchange:
+            raise ValueError(f"hvd_quant: {_backend.GPU_REFUSED}")
         with tf.init_scope():
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
         self._traces = {}
@@ -140,17 +130,8 @@ class GradientReducer(_Trackable):
         if self._engine is None or self._engine.exchange.coll is not coll:
             exchange = Exchange(self.codec, coll, OPS, reduction=self.reduction, memory=self.memory,
                                 prefix=self._prefix)
-            device_exchange = None
-            if self.device_exchange:
-                from . import _device
-                _device.register()
-                if self.error_feedback and self.device_memory is None:
-                    self.device_memory = Memory(_device.DEVICE_OPS)
-                device_exchange = Exchange(self.codec, coll, _device.DEVICE_OPS,
-                                           reduction=self.reduction, memory=self.device_memory,
-                                           prefix=self._prefix)
             steps = self._engine.steps if self._engine is not None else self._restored_steps
-            self._engine = GraphExchange(exchange, ps, device_exchange)
+            self._engine = GraphExchange(exchange, ps)
             self._engine.steps.update(steps)
         return self._engine
 
@@ -170,8 +151,6 @@ class GradientReducer(_Trackable):
                                prefix=self._prefix)
         trace = _Trace()
         trace.plan, trace.names = plan, names
-        trace.device = self.device_exchange and any(
-            self._device_of(grads[i]) is not None for i in plan.compressed)
         dense = [(grads[i], int(np.prod(grads[i].shape.as_list(), dtype=np.int64))) for i in plan.plain
                  if isinstance(grads[i], tf.Tensor) and grads[i].shape.is_fully_defined()]
         trace.plain_numel = sum(n for _, n in dense)
@@ -209,15 +188,6 @@ class GradientReducer(_Trackable):
                              ignore_name_scope=True, process_set=self.process_set,
                              device_dense=self.device_dense, device_sparse=self.device_sparse)
 
-    def _device_of(self, flat):
-        """The GPU to keep this bucket's exchange on, or None (host steps)."""
-        if not self.device_exchange:
-            return None
-        dev = flat.device or ""
-        if "GPU" in dev.upper():
-            return dev
-        return None if "CPU" in dev.upper() else "/GPU:0"
-
     def _compressed(self, engine, plan, grads):
         # op=Average: 1/N of the size when the graph runs (elastic Horovod changes it under a trace),
         # rounded to float32 as a Python constant 1/N would be
@@ -226,7 +196,7 @@ class GradientReducer(_Trackable):
             n = tf.cast(engine.world_size(), tf.float64)
             scale = tf.cast(tf.constant(1.0, tf.float64) / n, tf.float32)
         out = build_buckets(plan.buckets, grads, lambda b, flat: engine.build(
-            b.name, flat, header=b.header, device=self._device_of(flat)), scale)
+            b.name, flat, header=b.header), scale)
         return [out[i] if grads[i].dtype == tf.float32 else tf.cast(out[i], grads[i].dtype)
                 for i in plan.compressed]
 
@@ -310,9 +280,9 @@ class GradientReducer(_Trackable):
         same noise."""
         residuals, server = {}, {}
         with self._lock:
-            for memory in (m for m in (self.memory, self.device_memory) if m is not None):
-                for trace in self._traces.values():
-                    worker, own = _plan.save_residuals(memory, trace.plan.buckets, _host_copy)
+            for trace in self._traces.values():
+                if self.memory is not None:
+                    worker, own = _plan.save_residuals(self.memory, trace.plan.buckets, _host_copy)
                     residuals.update(worker)
                     server.update(own)
             residuals.update({k: v for k, v in self._restored.items() if k not in residuals})
@@ -338,8 +308,6 @@ class GradientReducer(_Trackable):
             if self.memory is None:
                 return
             self.memory.clear()
-            if self.device_memory is not None:
-                self.device_memory.clear()
             self._restored = {k: np.array(v, np.float32) for k, v in state.get("residuals", {}).items()}
             self._restored_server = {tuple(k): np.array(v, np.float32).reshape(-1)
                                      for k, v in state.get("server_residuals", {}).items()
@@ -359,18 +327,15 @@ class GradientReducer(_Trackable):
         if self.memory is None or not (self._restored or self._restored_server):
             return
         for trace in traces:
-            # residuals are kept on the host until the exchange fetches them (Memory moves them to
-            # the gradient's device with ops.to_like); a device-exchange plan keeps them in its memory
-            memory = self.device_memory if trace.device else self.memory
-            _plan.restore_residuals(memory, trace.plan.buckets, self._restored, self._restored_server,
+            # residuals are kept on the host until the exchange fetches them
+            _plan.restore_residuals(self.memory, trace.plan.buckets, self._restored, self._restored_server,
                                     _join)
 
     def reset_residuals(self):
         """Forget every error-feedback residual (e.g. after restoring another rank's checkpoint)."""
         with self._lock:
-            for memory in (self.memory, self.device_memory):
-                if memory is not None:
-                    memory.clear()
+            if self.memory is not None:
+                self.memory.clear()
             self._restored, self._restored_server = {}, {}
 
     # The whole state as one string tensor: the set of residual names is only known once the model

@@ -13,8 +13,9 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compression as _HvdCompression
 
 from .. import plan as _plan
+from ..frontend import bytes_sent_per_step
 from . import _backend
-from .reducer import GradientReducer, resolve_codec
+from .reducer import GradientReducer
 
 __all__ = ["DistributedGradientTape", "DistributedOptimizer", "KerasDistributedOptimizer",
            "bytes_sent_per_step", "install_reducer", "reducer_of", "step_metrics"]
@@ -123,8 +124,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
         min_compress_numel: smaller gradients, and 1-D ones unless ``compress_1d``, go uncompressed.
         warmup_steps: full-precision steps first.
         error_feedback: keep per-rank residuals (default: what the codec wants).
-        device_exchange: GPU gradients keep their exchange on the GPU (DLPack + Numba device arrays;
-            written, **untested with TensorFlow**: docs/TENSORFLOW.md, "GPU"). Default: host steps.
+        device_exchange: must be False: GPU gradients take host steps, and ``True`` raises (a GPU
+            exchange for TensorFlow was never run: docs/TENSORFLOW.md, "GPU").
         reducer: a :class:`GradientReducer` to use (and checkpoint). By default the tapes made with
             the same arguments (equal codecs, or the same spec string) share one, so state survives
             the per-step tape: it is ``tape.hvd_quant_reducer``. One reduction per reducer per step:
@@ -216,20 +217,6 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
     return _wrap_optimizer(hvdk.DistributedOptimizer, locals())
 
 
-def bytes_sent_per_step(obj):
-    """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent, "gbps": GB/s}`` for the last step of an
-    hvd_quant tape or optimizer (or reducer); for a stock Horovod wrapper whose ``compression=`` is an
-    hvd_quant codec or StockCompression, pass the codec: bytes since the last call. ``gbps``: the
-    effective bandwidth of the exchange's collectives (``Traffic.bandwidth()``'s total), or None."""
-    from .. import _stock
-    try:
-        t = reducer_of(obj).bytes_per_step()
-    except TypeError:
-        t = _stock.take_traffic(getattr(obj, "_compression", obj))
-    return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio,
-            "gbps": t.bandwidth().get("total", {}).get("gbps")}
-
-
 def step_metrics(obj):
     """What the last step of an hvd_quant tape or optimizer (or reducer) did
     (:func:`hvd_quant.plan.step_metrics`: bytes sent and the fp32 equivalent, the exchange's time, the
@@ -237,5 +224,3 @@ def step_metrics(obj):
     :func:`bytes_sent_per_step`."""
     return reducer_of(obj).step_metrics()
 
-
-_ = resolve_codec  # re-exported by the package

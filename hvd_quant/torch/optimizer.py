@@ -49,24 +49,17 @@ import horovod.torch as hvd
 from .. import plan as _plan
 from ..exchange import Exchange, HANDSHAKE_NAME, Traffic, handshake
 from ..plan import ALLREDUCE, AUTO, AutoChoice
-from ..codecs import resolve_codec as _resolve_codec
 from ..memory import Memory
 from . import _backend
 
 
-__all__ = ["DistributedOptimizer", "resolve_codec"]
+__all__ = ["DistributedOptimizer"]
 
 _STATE_KEY = "hvd_quant"
 # optimizers made in this process, per process set id: names their collectives, so that ranks agree
 # on them whatever other process sets each rank is in (every member makes the set's optimizers in
 # the same order)
 _instances = {}
-
-
-def resolve_codec(compression):
-    """:func:`hvd_quant.codecs.resolve_codec`, with this framework's ``hvd.Compression`` namespace."""
-    from horovod.torch.compression import Compression
-    return _resolve_codec(compression, Compression)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -203,7 +196,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _payload_group(self):
         """CUDA buckets' payloads travel on process groups of this optimizer's own, for this world
-        (``_backend.PayloadGroup``), whose collectives match by order: :meth:`_start_complete` then
+        (``payload_group.PayloadGroup``), whose collectives match by order: :meth:`_start_complete` then
         starts the buckets in plan order. None: Horovod's alltoall and allgather."""
         if not self._buckets:
             return None
@@ -212,7 +205,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _channel_for(self, route):
         """What carries this step's payloads on ``route``: the payload group from the route's second
-        step on; its first step goes through Horovod's collectives (why: ``_backend.PayloadGroup``)."""
+        step on; its first step goes through Horovod's collectives (why: ``payload_group.PayloadGroup``)."""
         return self._channel if route in self._routes_run else None
 
     def _route(self):

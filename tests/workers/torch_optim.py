@@ -345,7 +345,7 @@ def option_cases():
     F.cross_entropy(m(x), y).backward()
     stage, channel = opt._pending[kb].stage, opt._pending[kb].channel
     opt.step()
-    from hvd_quant.torch._backend import PAYLOAD_GROUP
+    from hvd_quant.torch.payload_group import PAYLOAD_GROUP
     check(stage == "second" and (channel is not None) == (DEVICE.type in PAYLOAD_GROUP),
           "ours/sra: second phase started during backward", f"stage {stage}, channel {channel}")
     # The stock path fuses: one optimizer's compressed gradients travel as one bucket per step.
@@ -654,7 +654,7 @@ def process_set_cases():
 
 
 def payload_group_cases():
-    """Process groups of the optimizer's own for the payloads (``torch._backend.PayloadGroup``: NCCL
+    """Process groups of the optimizer's own for the payloads (``torch.payload_group.PayloadGroup``: NCCL
     on CUDA by default; forced onto the CPU here with Gloo), both reductions: with buckets that
     complete in an order differing between ranks, every compressed gradient equals, bit for bit, that
     of the same steps through Horovod's collectives (deterministic codecs: the payloads do not depend
@@ -663,9 +663,9 @@ def payload_group_cases():
     go straight into their buckets).
     ``HVD_QUANT_PAYLOAD_GROUP=0`` on rank 0 turns the group off on every rank; on another rank alone
     it changes nothing (rank 0 decides)."""
-    from hvd_quant.torch import _backend
+    from hvd_quant.torch.payload_group import PayloadGroup
     calls = [0]
-    plain = _backend.PayloadGroup.allgather, _backend.PayloadGroup.alltoall
+    plain = PayloadGroup.allgather, PayloadGroup.alltoall
 
     def counting(f):
         def call(self, *args):
@@ -673,7 +673,7 @@ def payload_group_cases():
             return f(self, *args)
         return call
 
-    _backend.PayloadGroup.allgather, _backend.PayloadGroup.alltoall = map(counting, plain)
+    PayloadGroup.allgather, PayloadGroup.alltoall = map(counting, plain)
     # buckets [c, b] and [a] (reverse order, 16 KiB): even ranks complete [a] first, odd ranks [c, b]
     order = (lambda step: [0, 1, 2]) if R % 2 == 0 else (lambda step: [1, 2, 0])
 
@@ -736,7 +736,7 @@ def payload_group_cases():
             check(calls[0] == (0 if off == 0 else 4) and same(grads, horovods["ours", Q4D, "allgather"]),
                   f"payload-group HVD_QUANT_PAYLOAD_GROUP=0 on rank {off}", f"{calls[0]} through the group")
     finally:
-        _backend.PayloadGroup.allgather, _backend.PayloadGroup.alltoall = plain
+        PayloadGroup.allgather, PayloadGroup.alltoall = plain
 
 
 def main():

@@ -1,0 +1,136 @@
+"""One object per framework: what the core asks of PyTorch or TensorFlow, with the glue that is the
+same for both written once here.
+
+Each framework has one :class:`Frontend` (``hvd_quant.torch._backend.FRONTEND``,
+``hvd_quant.tensorflow._backend.FRONTEND``), registered once in :mod:`hvd_quant.dispatch`. A
+subclass fills in the framework's primitives (``make_collectives``, ``is_floating``, ``describe``,
+``ones``, ``cast``, ``split``, ``as_float``, ``restore``, ``adapter``); the rest is here:
+
+* the codecs' array adapters: ``adapter(obj)`` (``hvd_quant._arrays.adapter_for``);
+* the exchange's tables: ``ops`` (:class:`~hvd_quant.exchange.ArrayOps`) and
+  ``collectives(process_set)`` (:class:`~hvd_quant.exchange.Collectives`, one per process set);
+* the framework's Horovod constants: ``hvd_op`` (core op -> Horovod's), ``core_op`` (Horovod's ->
+  core op; Adasum raises), ``resolve_codec`` (``compression=`` with the framework's
+  ``hvd.Compression`` namespace), ``sendable_dtype`` (the dtype a tensor travels in when Horovod
+  reduces it: its own, or float32 where Horovod cannot reduce it, e.g. bfloat16);
+* the stock path's interface (``hvd_quant._stock``): ``stock_backend(process_set)`` ->
+  ``(Collectives, ArrayOps)`` and ``stock_adapter()``, the frontend itself, with ``describe(t)`` ->
+  :class:`TensorInfo`, ``placeholder(t, n=1)``, ``as_float(t)``, ``split(flat, sizes)``,
+  ``restore(flat, info)``, ``sendable(t)`` and ``cast_back(t, info)``; a frontend may add
+  ``stock_compress(stock_compression, tensor)`` (TensorFlow builds symbolic tensors' exchanges into
+  the graph), and ``host_one``, ``wait_for`` and ``payload_group`` (PyTorch).
+"""
+import importlib
+import math
+
+from . import _stock
+from .codecs import resolve_codec
+from .exchange import AVERAGE, SUM, collectives_for
+from .plan import core_op
+
+__all__ = ["Frontend", "TensorInfo", "bytes_sent_per_step"]
+
+
+class TensorInfo:
+    """What the stock path keeps of a tensor: ``shape`` (None where not static), ``numel`` (-1 where
+    not static), ``dtype`` (the framework's), ``is_float`` (a dense floating tensor of static shape:
+    one the codecs can take), ``itemsize`` (bytes) and ``device`` (the framework's)."""
+    __slots__ = ("numel", "shape", "dtype", "is_float", "itemsize", "device")
+
+    def __init__(self, shape, dtype, is_float, itemsize, device):
+        self.shape, self.dtype, self.itemsize, self.device = shape, dtype, itemsize, device
+        self.numel = -1 if shape is None else math.prod(shape)
+        self.is_float = is_float and shape is not None
+
+
+class Frontend:
+    """One framework as the core sees it (module doc), made with its ArrayOps table (``ops``) and
+    the codecs' adapter for its host tensors (``host_adapter``). Class attributes a subclass sets:
+    ``name`` (the top-level module of its tensor types), ``horovod`` (its Horovod module),
+    ``float32`` and ``horovod_floats`` (its dtypes: float32, and the floating dtypes Horovod's
+    allreduce takes)."""
+    name = horovod = None
+    float32 = None
+    horovod_floats = ()
+
+    def __init__(self, ops, host_adapter):
+        self.ops, self.host_adapter = ops, host_adapter
+        self._collectives = {}          # process set -> Collectives
+
+    def __repr__(self):
+        return f"<hvd_quant frontend {self.name}>"
+
+    # -- Horovod --------------------------------------------------------------------------------------
+    def hvd(self):
+        """The framework's Horovod module (imported on first use: the codecs need no Horovod)."""
+        return importlib.import_module(self.horovod)
+
+    def hvd_op(self, op):
+        """Core op name -> Horovod's op constant."""
+        hvd = self.hvd()
+        return {AVERAGE: hvd.Average, SUM: hvd.Sum}[op]
+
+    def core_op(self, op):
+        """Horovod's op constant (or a core op name, or None: Average) -> core op name; Adasum raises."""
+        hvd = self.hvd()
+        return core_op(op, hvd.Average, hvd.Sum, hvd.Adasum)
+
+    def resolve_codec(self, compression):
+        """:func:`hvd_quant.codecs.resolve_codec` with this framework's ``hvd.Compression``."""
+        return resolve_codec(compression, importlib.import_module(f"{self.horovod}.compression").Compression)
+
+    def collectives(self, process_set=None):
+        """The Collectives table of ``process_set`` (default: Horovod's global one)."""
+        ps = self.hvd().global_process_set if process_set is None else process_set
+        return collectives_for(self._collectives, ps, self.make_collectives)
+
+    def make_collectives(self, process_set):
+        raise NotImplementedError
+
+    # -- dtypes ---------------------------------------------------------------------------------------
+    def is_floating(self, dtype):
+        raise NotImplementedError
+
+    def sendable_dtype(self, dtype):
+        """``dtype`` if Horovod can allreduce it, else float32 (hvd_quant sums those in float32)."""
+        if dtype in self.horovod_floats or not self.is_floating(dtype):
+            return dtype
+        return self.float32
+
+    # -- the stock path -------------------------------------------------------------------------------
+    def stock_backend(self, process_set=None):
+        return self.collectives(process_set), self.ops
+
+    def stock_adapter(self):
+        return self
+
+    def placeholder(self, t, n=1):
+        """``n`` ones in the dtype ``t`` travels in, on ``t``'s device: what Horovod allreduces in place
+        of a compressed tensor. 1.0 is exact in fp16, and Horovod's allreduce of it (op, prescale,
+        postscale) gives N times the factor it would apply to the sum; in ``t``'s own dtype where
+        Horovod can reduce it, since Horovod's grouped allreduce wants one dtype per group."""
+        return self.ones(n, self.sendable_dtype(t.dtype), t)
+
+    def sendable(self, t):
+        """``t`` itself, or a float32 copy when Horovod cannot reduce its dtype (bfloat16)."""
+        return t if self.sendable_dtype(t.dtype) == t.dtype else self.cast(t, self.float32)
+
+    def cast_back(self, t, info):
+        """``t`` in the dtype :meth:`describe` saw (``info``)."""
+        return t if t.dtype == info.dtype else self.cast(t, info.dtype)
+
+
+def bytes_sent_per_step(obj):
+    """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent, "gbps": GB/s}`` of ``obj``'s last step: what
+    this rank sent, beside what an fp32 ring allreduce of the same gradients would have sent, and the
+    effective bandwidth of the exchange's collectives (``Traffic.bandwidth()``'s total; None where no
+    exchange collective was timed). ``obj``: an hvd_quant optimizer, tape or reducer (anything with
+    ``bytes_per_step()``, or an ``hvd_quant_reducer`` that has one); for a stock Horovod optimizer
+    whose ``compression=`` is an hvd_quant codec or :class:`hvd_quant.StockCompression`, the optimizer
+    or the codec: the bytes since the last call."""
+    own = getattr(obj, "hvd_quant_reducer", obj)
+    t = own.bytes_per_step() if hasattr(own, "bytes_per_step") else None
+    if t is None:
+        t = _stock.take_traffic(getattr(obj, "_compression", obj))
+    return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio,
+            "gbps": t.bandwidth().get("total", {}).get("gbps")}
