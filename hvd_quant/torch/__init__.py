@@ -26,13 +26,13 @@ def bytes_sent_per_step(optimizer):
     an hvd_quant codec or :class:`hvd_quant.StockCompression` (for those: since the last call)."""
     from .. import _stock
     t = optimizer.bytes_per_step() if hasattr(optimizer, "bytes_per_step") else None
-    t = t if t is not None else _stock.take_traffic(getattr(optimizer, "_compression", None))
+    t = t if t is not None else _stock.take_traffic(optimizer)
     return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio,
             "gbps": t.bandwidth().get("total", {}).get("gbps")}
 
 
 def step_metrics(optimizer):
-    """What ``optimizer``'s last step did (:func:`hvd_quant.plan.step_metrics`: bytes sent and the
+    """What ``optimizer``'s last step did (:func:`hvd_quant.scheduler.step_metrics`: bytes sent and the
     fp32 equivalent, the exchange's time, the reduction and precision of each bucket), for
     ``hvd_quant.torch.DistributedOptimizer`` and for stock Horovod optimizers whose ``compression=``
     is an hvd_quant codec or :class:`hvd_quant.StockCompression` (for those: bytes since the last
@@ -40,7 +40,5 @@ def step_metrics(optimizer):
     from .. import _stock
     if hasattr(optimizer, "step_metrics"):
         return optimizer.step_metrics()
-    comp = getattr(optimizer, "_compression", None)
-    if isinstance(comp, _stock.StockCompression):
-        return comp.step_metrics(optimizer)
-    return _stock.stock_compression(comp).step_metrics(optimizer) if hasattr(comp, "spec") else None
+    sc = _stock.state_of(optimizer)
+    return None if sc is None else sc.step_metrics(optimizer)
