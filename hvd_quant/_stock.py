@@ -1,8 +1,8 @@
-"""Codecs as stock Horovod's ``compression=`` argument.
+"""Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler.
 
 Horovod's optimizers call ``compress(grad) -> (t, ctx)``, **sum** ``t`` across ranks with allreduce
 (applying ``op``, ``prescale_factor`` and ``postscale_factor``), then ``decompress(summed_t, ctx)``.
-Summing quantized codes is wrong (DESIGN.md), so here:
+Summing quantized codes is wrong (their scales differ per rank), so here:
 
 1. ``compress`` starts hvd_quant's own exchange for the tensor (:class:`hvd_quant.exchange.Exchange`,
    asynchronous, named after the tensor) and hands Horovod a 1-element placeholder holding 1.0;
@@ -12,20 +12,23 @@ Summing quantized codes is wrong (DESIGN.md), so here:
    the device (no host synchronisation), cast back to the gradient's dtype and shape.
 
 Fusion. When ``compress`` is called by a Horovod optimizer (PyTorch: the frame of its
-``_allreduce_grad_async`` / ``_grouped_allreduce_grad_async`` holds ``self`` and the parameter), the
-optimizer's gradients are planned once with :func:`hvd_quant.plan.make_plan`, exactly as
-``hvd_quant.torch.DistributedOptimizer`` plans them: buckets of at most ``bucket_bytes`` of float32 in
-reverse parameter order. ``compress`` then only records the gradient; the bucket's exchange starts when
-its last member arrives, and ``decompress`` returns views of the bucket's result scaled by the factor
-of the optimizer's ``op`` (1/N for Average, 1 for Sum; one scaling launch per bucket; the placeholder
-Horovod still allreduces is not read). The optimizer's ``_allreduce_grad_async`` (not the grouped
-one) is taken over at its first gradient (:meth:`StockCompression._take_over`). From its second step
-its gradients go straight into their buckets, and the float32 ones left uncompressed into plain groups
-(one Horovod allreduce each), as in hvd_quant's optimizer; Horovod's ``synchronize`` gets each result
-from a callable handle, as for Horovod's own sparse path: no Horovod op and no frame lookup per tensor.
-On CUDA the compressed payloads then travel on a payload group of the plan's own (the torch
-frontend's ``PayloadGroup``), once a route has run one such step. Without such an owner
-(``hvd.allreduce(t, compression=...)``, TensorFlow) each tensor is its own exchange, as in 1-3 above.
+``_allreduce_grad_async`` / ``_grouped_allreduce_grad_async`` holds ``self`` and the parameter), its
+gradients are planned once (:func:`hvd_quant.plan.make_plan`) and a
+:class:`hvd_quant.scheduler.StepScheduler` runs their steps, exactly as for
+``hvd_quant.torch.DistributedOptimizer``: ``compress`` hands the gradient to its bucket, and
+``decompress`` returns its piece of the bucket's result, scaled by the factor of the optimizer's
+``op`` (the placeholder Horovod still allreduces is not read). The optimizer's
+``_allreduce_grad_async`` (not the grouped one) is taken over at its first gradient
+(:meth:`StockCompression._take_over`): from its second step its gradients go straight into their
+buckets or plain groups, and Horovod's ``synchronize`` gets each result from a callable handle: no
+Horovod op and no frame lookup per tensor. Without such an optimizer (``hvd.allreduce(t,
+compression=...)``, TensorFlow) each tensor is its own exchange, as in 1-3 above.
+
+This module is the adapter: Horovod's context (the tensor's name and optimizer, read from the calling
+frame), the placeholders, the step boundaries (a gradient seen again starts the next step) and who
+owns the state. A codec given as ``compression=`` is an immutable value: the state of its exchanges
+(a :class:`StockCompression`) belongs to the Horovod optimizer that called (kept on it), or, without
+one, to the process set; a :class:`StockCompression` passed by the user is its own state.
 
 Tensors with fewer than ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and
 non-floating tensors are returned as they are, with a passthrough context, and Horovod allreduces them.
@@ -46,10 +49,10 @@ Frameworks. ``compress`` dispatches on the tensor's type to its frontend (``hvd_
 and ``cast_back(t, info)``. Optionally
 ``stock_compress(stock_compression, tensor)``: return ``(tensor, ctx)`` to take over ``compress`` or
 None to let the generic path run; a ctx with a ``stock_decompress(summed)`` method then finishes in
-``decompress``. TensorFlow's hook
-(``hvd_quant/tensorflow/_graph.py``) builds symbolic tensors' exchanges into the graph with the public
-methods here and hands eager ones to :meth:`StockCompression.compress_on`. The configuration is a
-:class:`hvd_quant.plan.Config`, as in the frontends' optimizers.
+``decompress``. TensorFlow's hook (``hvd_quant/tensorflow/_graph.py``) builds symbolic tensors'
+exchanges into the graph with the public methods here and hands eager ones to
+:meth:`StockCompression.compress_on`. The configuration is a :class:`hvd_quant.plan.Config`, as in
+the frontends' optimizers.
 """
 import functools
 import sys
@@ -58,18 +61,25 @@ import weakref
 
 from . import plan as _plan
 from .dispatch import frontend_for
-from .exchange import SUM as _SUM, Exchange, Traffic, handshake_record
+from .exchange import AVERAGE, SUM, Exchange, Traffic, handshake_record
 from .memory import Memory
+from .scheduler import Presence, StepScheduler, step_metrics
 
-__all__ = ["StockCompression", "compress", "decompress", "stock_compression", "header", "uncompressed",
-           "take_traffic", "PASSTHROUGH"]
+__all__ = ["StockCompression", "Compressor", "state_of", "header", "uncompressed", "take_traffic",
+           "PASSTHROUGH"]
+
 
 def _backend_for(tensor):
     backend = frontend_for(tensor)
     if backend is None or not hasattr(backend, "stock_backend"):
         raise TypeError(f"hvd_quant: no frontend for tensors of type {type(tensor)!r} "
                         "(hvd_quant.dispatch.register_frontend adds one)")
+    if all(backend is not b for b in _USED):
+        _USED.append(backend)
     return backend
+
+
+_USED = []              # the frontends the stock path has served, each once
 
 
 class _Passthrough:
@@ -104,10 +114,11 @@ def header(name, shape):
 
 
 class _Ctx:
-    __slots__ = ("session", "pending", "info", "size")
+    """ctx of a tensor exchanged alone by ``owner`` (a :class:`StockCompression`)."""
+    __slots__ = ("owner", "session", "pending", "info", "size")
 
-    def __init__(self, session, pending, info, size):
-        self.session, self.pending, self.info, self.size = session, pending, info, size
+    def __init__(self, owner, session, pending, info, size):
+        self.owner, self.session, self.pending, self.info, self.size = owner, session, pending, info, size
 
 
 class _Session:
@@ -191,91 +202,64 @@ def _refuse_adasum(backend, owner):
         backend.core_op(op)
 
 
-class _Slot:
-    """ctx of a tensor fused into a bucket of a :class:`_Group`: member ``i`` of bucket ``k``,
-    exchanged by ``route`` ("sra" or "allgather")."""
-    __slots__ = ("group", "k", "i", "info", "route")
 
-    def __init__(self, group, k, i, info, route):
-        self.group, self.k, self.i, self.info, self.route = group, k, i, info, route
+class _Slot:
+    """ctx of a tensor fused into a bucket of a :class:`_Group`: member ``i`` of bucket ``k``."""
+    __slots__ = ("group", "k", "i", "info")
+
+    def __init__(self, group, k, i, info):
+        self.group, self.k, self.i, self.info = group, k, i, info
 
 
 class _Group:
-    """The buckets of one Horovod optimizer's gradients (:func:`hvd_quant.plan.make_plan`), made at its
-    first ``compress``, and each bucket's state in the current step: the gradients recorded so far,
-    the exchange once started, the scaled result once finished, and the members not yet returned."""
+    """One Horovod optimizer's gradients on this path: the plan made at its first ``compress``, where
+    each parameter goes, its placeholders, and the :class:`~hvd_quant.scheduler.StepScheduler` that
+    runs its steps."""
 
     def __init__(self, sc, session, owner, backend, process_set):
-        self.backend, self.process_set = backend, process_set
+        self.sc, self.session, self.backend, self.process_set = sc, session, backend, process_set
         names = owner._parameter_names
         todo = getattr(owner, "_requires_update", None) or set()
         params = [p for g in owner.param_groups for p in g["params"]
                   if p in todo or (not todo and p.requires_grad)]
         tensors = [_plan.Tensor(names.get(p, f"hvdq.param.{i}"), tuple(p.shape), p.is_floating_point())
                    for i, p in enumerate(params)]
-        self.plan = _plan.make_plan(sc.config, tensors, prefix="hvdq.stock")
-        self.session = session
-        self.where = {params[m]: (k, i) for k, b in enumerate(self.plan.buckets)
-                      for i, m in enumerate(b.members)}
+        plan = self.plan = _plan.make_plan(sc.config, tensors, prefix="hvdq.stock")
+        self.where = {params[m]: (k, i) for k, b in enumerate(plan.buckets) for i, m in enumerate(b.members)}
         self.index = {p: i for i, p in enumerate(params)}
-        # Taken over (StockCompression._take_over), the float32 gradients left uncompressed are fused
-        # as in hvd_quant's optimizer: plain groups in reverse order, one Horovod allreduce each.
-        float32 = [session.adapter.describe(q) for q in params]
-        plain = [i for i in self.plan.plain if float32[i].is_float and float32[i].itemsize == 4]
-        numels = [info.numel for info in float32]
-        fused = _plan.fuse(list(reversed(plain)), numels, sc.config.bucket_bytes)
-        self.plain_names = [f"hvdq.stock.plain.{_plan.bucket_header([tensors[i].name for i in g])}"
-                            for g in fused]
-        self.plain_sizes = [[numels[i] for i in g] for g in fused]
+        # Taken over (StockCompression._take_over), the float32 gradients left uncompressed go into
+        # plain groups as in hvd_quant's optimizer.
+        infos = [session.adapter.describe(q) for q in params]
+        fused = _plan.plain_groups(plan, [x.is_float and x.itemsize == 4 for x in infos],
+                                   sc.config.bucket_bytes)
         self.plain_where = {params[i]: (j, m) for j, g in enumerate(fused) for m, i in enumerate(g)}
-        self.plain = fused
-        self.taken_over = False     # StockCompression._take_over replaced its _allreduce_grad_async
-        self.direct = False         # taken over: this step's gradients go straight into their buckets
         self.device = getattr(params[0], "device", None) if params else None
-        self.channel = (None, None)  # (collectives, what carries the payloads) in this world
-        self.next_channel = None     # made in this step, used from the next (_go_direct)
-        # Horovod's factor on the sum (module doc): 1/N for Average; Sum: 1. Its pre/post-scale split.
+        # Horovod's factor on the sum: 1/N for Average, 1 for Sum; its pre/post-scale split.
         op = getattr(owner, "op", None)
-        self.average = op is None or not hasattr(backend, "core_op") or backend.core_op(op) != _SUM
-        f = getattr(owner, "gradient_predivide_factor", 1.0) if self.average else 1.0
-        self.scale_split = (1.0 / f, f)
-        self.routes = [_plan.ALLREDUCE] * len(self.plan.buckets)  # how each bucket last travelled
+        average = op is None or not hasattr(backend, "core_op") or backend.core_op(op) != SUM
+        f = getattr(owner, "gradient_predivide_factor", 1.0) if average else 1.0
         one = getattr(backend, "host_one", None)
         ps = session.coll.process_set
         # named by the gradients alone: ranks configured differently must still meet, in the handshake
-        self.presence = (_plan.Presence(f"hvdq.stock.present.{_plan.digest([t.name for t in tensors])}",
-                                        one)
-                         if one is not None and getattr(ps, "process_set_id", 0) == 0 else None)
-        self.auto = _plan.AutoChoice() if sc.reduction == _plan.AUTO else None
+        presence = (Presence(f"hvdq.stock.present.{_plan.digest([t.name for t in tensors])}", one)
+                    if one is not None and getattr(ps, "process_set_id", 0) == 0 else None)
         wait = getattr(backend, "wait_for", None)   # auto's wait for the device (backends that have one)
-        self.wait_device = None if wait is None else functools.partial(wait, self.device)
-        self.key = self.plan.key                   # names this plan in state_dict()["auto"]
-        self.infos = {}                # parameter -> (dtype, layout, adapter.describe of its gradient)
-        self.ones = {}                 # (dtype, device) -> one placeholder slot per parameter
-        self.new_step()
-
-    def new_step(self):
-        """Start with no step in progress (at creation, or when the world's change cut one short)."""
-        n = len(self.plan.buckets)
-        self.grads = [[None] * len(b.members) for b in self.plan.buckets]
-        self.arrived = [0] * n
-        self.left = [0] * n            # members still to be returned by decompress
-        self.pending = [None] * n      # (exchange, Pending) once started
-        self.result = [None] * n
-        self.seen = set()              # parameters whose gradient arrived in this step
-        self.plain_grads = [[None] * len(g) for g in self.plain]
-        self.plain_arrived = [0] * len(self.plain)
-        self.plain_pending = [None] * len(self.plain)   # Horovod's handle once started
-        self.plain_result = [None] * len(self.plain)
-        self.plain_left = [0] * len(self.plain)
-        self.complete = []             # complete buckets waiting for this step's presence count
-        self.next_start = 0            # with a payload channel: the next bucket to start, plan order
-        self.stepped_direct = False    # whether the step under way went straight into the buckets
-        self.routes_run = set()        # routes that completed a direct step in this world (joining
-                                       # ranks' processes ran none)
-        self.like = None               # a gradient of this step (zeros for buckets none reached)
-        if self.presence is not None:
-            self.presence.reset()
+        self.sched = StepScheduler(
+            plan, [(f"hvdq.stock.plain.{_plan.bucket_header([tensors[i].name for i in g])}",
+                    [infos[i].numel for i in g]) for g in fused],
+            ops=session.ops, exchange_for=session.exchange_for, traffic=session.exchange.traffic,
+            numbering=lambda b: sc.number(b.name, plan.record), split=session.adapter.split,
+            average=average, plain_op=(AVERAGE if average else SUM, 1.0 / f, f), name="hvdq.stock",
+            label="hvd_quant (compression=)", presence=presence,
+            wait_device=None if wait is None else functools.partial(wait, self.device))
+        self.sched.bind(session.coll)
+        self.key = plan.key                 # names this plan in state_dict()["auto"]
+        self.taken_over = False     # StockCompression._take_over replaced its _allreduce_grad_async
+        self.direct = False         # taken over: this step's gradients go straight into their buckets
+        self.stepped_direct = False  # the step under way went straight into its buckets
+        self.seen = set()           # parameters whose gradient arrived in this step
+        self.infos = {}             # parameter -> (dtype, layout, adapter.describe of its gradient)
+        self.ones = {}              # (dtype, device) -> one placeholder slot per parameter
 
     def describe(self, param, tensor):
         """``adapter.describe(tensor)`` of ``param``'s gradient, made once per dtype and layout."""
@@ -289,7 +273,7 @@ class _Group:
         """``param``'s placeholder where Horovod still allreduces one (its grouped path; a taken-over
         optimizer's first step): a view of one buffer per dtype and device, refilled with ones at
         each step's first gradient, instead of a new tensor per gradient. Its value is not read: the
-        bucket's factor comes from the optimizer's op (:meth:`factor`)."""
+        scheduler scales the bucket by the optimizer's op."""
         key = (tensor.dtype, tensor.device)
         ones = self.ones.get(key)
         if ones is None:
@@ -297,37 +281,21 @@ class _Group:
         i = self.index[param]
         return ones[i:i + 1]
 
-    def route(self):
-        """How this step's buckets travel (the configured reduction, or auto's current one)."""
-        return self.auto.current() if self.auto is not None else self.plan.config.reduction
-
-    def absent(self):
-        """True when a rank is inside ``hvd.join()`` this step (:class:`hvd_quant.plan.Presence`)."""
-        return self.presence is not None and self.presence.absent(self.session.coll)
-
-    def payload_channel(self, route):
-        """What carries this step's payloads on ``route``: the payload group made for the current
-        world (its collectives match by order: the buckets then start in plan order), or None
-        (Horovod; always for the allreduce route, and until the route has completed a step whose
-        gradients went straight into their buckets: why in the torch frontend's ``PayloadGroup``)."""
-        if route == _plan.ALLREDUCE or route not in self.routes_run:
-            return None
-        return self.channel[1] if self.channel[0] is self.session.coll else None
-
-    def factor(self):
-        """What Horovod's op applies to the sum over the ranks (those in ``hvd.join()`` add zero)."""
-        return 1.0 / self.session.coll.size if self.average else 1.0
-
 
 def _key_str(key):
     return "/".join(map(str, key))
 
 
+# What compress returns for a gradient a taken-over optimizer already handed over: (gradient, answer),
+# per thread (autograd runs hooks on one thread per device); set only around Horovod's own call.
+_DECIDED = threading.local()
+
+
 class StockCompression:
     """A codec wrapped for stock Horovod's ``compression=`` argument (module doc).
 
-    ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_quant.QSGD(bits=4))`` uses a
-    default ``StockCompression`` of the codec; build one yourself to change the defaults::
+    ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_quant.QSGD(bits=4))`` keeps
+    a ``StockCompression`` of the codec on that optimizer; build one yourself to change the defaults::
 
         compression = hvd_quant.StockCompression(hvd_quant.QSGD(bits=4), reduction="allgather")
 
@@ -337,6 +305,10 @@ class StockCompression:
 
     def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
                  error_feedback=None, bucket_bytes=_plan.BUCKET_BYTES):
+        codec = getattr(codec, "codec", codec)     # a StockCompression: its codec
+        if not hasattr(codec, "encode"):
+            raise TypeError(f"hvd_quant: StockCompression takes an hvd_quant codec, got {codec!r} "
+                            f"(hvd_quant.from_spec makes one from a spec string)")
         self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=bucket_bytes,
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
@@ -348,15 +320,12 @@ class StockCompression:
         self._sessions = {}
         self._groups = {}       # id(optimizer) -> its _Group (dropped with the optimizer)
         self._pending = {}      # exchange name -> (session, Pending) of unfused tensors in flight
-        self._unadvanced = []   # (group or None, exchange, Pending) started and not yet advanced
+        self._unadvanced = []   # (exchange, Pending) of unfused tensors started, not yet advanced
         self._steps = {}        # exchange name -> how many exchanges of that name were started
         self._anon = 0          # fallback names: call order since nothing was pending
         self._restored = {}     # residuals loaded before their session existed
         self._restored_auto = {}    # reduction=auto states loaded before their optimizer's group
         self._graph_autos = {}      # plan key -> AutoChoice of a TensorFlow graph (_graph.GraphAuto)
-        # .decided: (gradient, compress's answer) decided by a taken-over optimizer, per thread
-        # (autograd runs hooks on one thread per device)
-        self._thread = threading.local()
 
     # -- configuration ----------------------------------------------------------------------------
     def summary(self):
@@ -365,6 +334,13 @@ class StockCompression:
     def record(self, name, shape):
         """The handshake record of the first exchange of tensor ``name``."""
         return handshake_record(self.summary(), (name, tuple(shape)))
+
+    def number(self, name, record):
+        """``(step, record)`` of the next exchange named ``name``: how many started before (the noise
+        step), and ``record`` for the first, which carries the handshake (None after)."""
+        step = self._steps.get(name)
+        self._steps[name] = (step or 0) + 1
+        return (0, record) if step is None else (step, None)
 
     def session(self, backend, process_set):
         """The session (``.exchange``, ``.memory``, ``.ops``, ``.adapter``) of ``backend`` and
@@ -392,48 +368,54 @@ class StockCompression:
         self._steps.clear()
         for _, group in self._groups.values():
             if group.session is s:
-                group.new_step()            # the step before the change is not continued
-                if group.auto is not None:
-                    group.auto.reset()      # measure again
+                group.sched.bind(coll)      # the step before the change is not continued
         return True
 
     def compressible(self, info):
         """Whether a tensor ``adapter.describe`` described is compressed (:class:`hvd_quant.plan.Config`)."""
         return self.config.compressible(info.shape, info.is_float)
 
-    def step_metrics(self, optimizer):
-        """:func:`hvd_quant.plan.step_metrics` of ``optimizer``'s last step on this path (bytes: since
-        the last call, as :func:`take_traffic`; ``exchange_s`` is not measured here: None), or None
-        before its first gradient."""
+    def _group_of(self, optimizer):
         entry = self._groups.get(id(optimizer))
-        if entry is None or entry[0]() is not optimizer:
+        return None if entry is None or entry[0]() is not optimizer else entry[1]
+
+    def step_metrics(self, optimizer):
+        """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step on this path (bytes:
+        since the last call, as :func:`take_traffic`; ``exchange_s`` is not measured here: None), or
+        None before its first gradient."""
+        group = self._group_of(optimizer)
+        if group is None:
             return None
-        group = entry[1]
-        return _plan.step_metrics(group.plan, take_traffic(self), list(group.routes), self.codec.spec())
+        return step_metrics(group.plan, take_traffic(self), list(group.sched.routes), self.codec.spec())
 
     def reduction_in_use(self, optimizer):
         """How ``optimizer``'s next step's buckets travel on this path (``"sra"``, ``"allgather"``,
         ``"allreduce"``), or None before its first gradient."""
-        entry = self._groups.get(id(optimizer))
-        return None if entry is None or entry[0]() is not optimizer else entry[1].route()
+        group = self._group_of(optimizer)
+        return None if group is None else group.sched.route()
 
     # -- Horovod Compressor protocol --------------------------------------------------------------
     def compress(self, tensor):
+        decided = getattr(_DECIDED, "value", None)
+        if decided is not None and decided[0] is tensor:
+            return decided[1]
+        return self.compress_from(None, tensor)
+
+    def compress_from(self, caller, tensor):
+        """``compress`` with the calling frame's :class:`_Caller` (None: read it when needed)."""
         backend = _backend_for(tensor)
         hook = getattr(backend, "stock_compress", None)   # a frontend's own path (TensorFlow)
         if hook is not None:
             out = hook(self, tensor)
             if out is not None:
                 return out
-        return self.compress_on(backend, tensor)
+        return self.compress_on(backend, tensor, caller)
 
-    def compress_on(self, backend, tensor):
+    def compress_on(self, backend, tensor, caller=None):
         """``compress`` through ``backend`` (a frontend, or another object with the stock path's
         interface) with its hook skipped."""
-        decided = getattr(self._thread, "decided", None)
-        if decided is not None and decided[0] is tensor:
-            return decided[1]
-        caller = _frame_context(tensor)
+        if caller is None:
+            caller = _frame_context(tensor)
         if caller.param is not None:
             return self._compress_member(self._group(backend, caller), caller.param, tensor)
         session = self.session(backend, caller.process_set)
@@ -450,11 +432,13 @@ class StockCompression:
         if name in self._pending:
             raise RuntimeError(f"hvd_quant: tensor {name!r} was compressed twice before its "
                                f"decompress; names must be unique among tensors in flight")
-        record = self.record(name, info.shape) if name not in self._steps else None
-        pending = self._start(session.exchange, name, session.ops.flatten([tensor]), record,
-                              header(name, info.shape))
+        step, record = self.number(name, self.record(name, info.shape))
+        ex = session.exchange
+        pending = ex.start(name, session.ops.flatten([tensor]), step=step, record=record,
+                           header=header(name, info.shape))
+        self._unadvanced.append((ex, pending))
         self._pending[name] = (session, pending)
-        return adapter.placeholder(tensor), _Ctx(session, pending, info, session.exchange.coll.size)
+        return adapter.placeholder(tensor), _Ctx(self, session, pending, info, ex.coll.size)
 
     def _compress_member(self, group, param, tensor):
         """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters."""
@@ -463,23 +447,23 @@ class StockCompression:
 
     def _member(self, group, param, tensor, direct=False):
         """``(None, ctx)`` when the gradient of ``param`` (one of ``group``'s optimizer's parameters)
-        was recorded into its bucket (``direct``: or its plain group; the ctx is then a callable
-        giving the result), else ``(what Horovod allreduces, ctx)``."""
+        went to its bucket (``direct``: or its plain group; the ctx is then a callable giving the
+        result), else ``(what Horovod allreduces, ctx)``."""
         self._arrived(group, param)
-        session = group.session
+        session, sched = group.session, group.sched
         info = group.describe(param, tensor)
         where = group.where.get(param)
         if where is None or not self.compressible(info):
             spot = group.plain_where.get(param) if direct else None
             if spot is None:
                 return self._uncompressed(session, tensor, info)
-            return None, self._record_plain(group, spot, tensor, info)
-        route = group.route()
-        if not direct and (route == _plan.ALLREDUCE or group.absent()):
-            group.routes[where[0]] = _plan.ALLREDUCE
-            return self._uncompressed(session, tensor, info)
-        slot = self._record(group, where, tensor, info, route)
-        return None, (functools.partial(self._finish_slot, slot) if direct else slot)
+            sched.arrive_plain(*spot, tensor)
+            return None, functools.partial(_finish_plain, group, *spot, info)
+        if not direct and (sched.route() == _plan.ALLREDUCE or sched.absent()):
+            return self._uncompressed(session, tensor, info)    # (the bucket's route: allreduce)
+        sched.arrive(*where, tensor)
+        slot = _Slot(group, *where, info)
+        return None, (functools.partial(_finish_slot, slot) if direct else slot)
 
     @staticmethod
     def _uncompressed(session, tensor, info):
@@ -488,64 +472,36 @@ class StockCompression:
         session.exchange.traffic.add_allreduce(info.numel * itemsize, info.numel, session.coll.size)
         return out
 
-    def _start(self, exchange, name, flat, record, head, group=None, channel=None):
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
-        pending = exchange.start(name, flat, step=step, record=record, header=head, channel=channel)
-        self._unadvanced.append((group, exchange, pending))
-        return pending
-
     def _arrived(self, group, param):
         """Note a gradient of ``group``; one seen before in this step starts the next step, which
-        ends the step before for ``reduction="auto"`` (and may take its decision, the same on every
+        ends the step before (``reduction="auto"`` may take its decision then, the same on every
         rank). A step's first gradient follows the world's changes (elastic), once per step."""
         repeat = param in group.seen
         if not repeat:
             group.seen.add(param)
             if len(group.seen) > 1:
                 return
-        else:
-            group.seen = {param}
-        if self._follow_world(group.session, group.backend, group.process_set):
-            group.seen.add(param)       # (new_step emptied it) this gradient opens the new world's step
-        elif (repeat and group.auto is not None and not group.absent()
-              and group.auto.end_step(wait=group.wait_device)):
-            coll = group.session.coll
-            group.auto.decide(coll, group.session.ops, "hvdq.stock.auto")
-            if coll.rank == 0:
-                print(f"hvd_quant (compression=): {group.auto.summary()}", flush=True)
-        self._step_begins(group)
-
-    @staticmethod
-    def _step_begins(group):
-        """A step's first gradient: refill the placeholders, count the ranks that step (hvd.join()),
-        note the routes the step before completed (a taken-over step: the path of the steps after
-        it), take up a payload group made in it."""
-        group.next_start = 0
-        if group.stepped_direct:    # the step before ran the code of every later step
-            group.routes_run.update(r for r, p in zip(group.routes, group.pending) if p is None)
+        group.seen = {param}
+        sched = group.sched
+        if not self._follow_world(group.session, group.backend, group.process_set):
+            # a taken-over step ran the code of every later step: its routes count as run
+            sched.end_step(timed=repeat, completed=group.stepped_direct)
         group.stepped_direct = group.direct
-        if group.next_channel is not None:
-            group.channel, group.next_channel = group.next_channel, None
         for ones in group.ones.values():
             ones.fill_(1)
-        if group.presence is not None:
-            coll = group.session.coll
-            group.presence.end_step(coll)
-            if coll.size > 1 and group.plan.buckets and group.route() != _plan.ALLREDUCE:
-                group.presence.start(coll)
+        sched.begin_step()
 
     def _group(self, backend, caller):
         """The :class:`_Group` of the Horovod optimizer that called (planned on its first gradient)."""
         owner = caller.owner
-        entry = self._groups.get(id(owner))
-        if entry is not None and entry[0]() is owner:
-            return entry[1]
+        group = self._group_of(owner)
+        if group is not None:
+            return group
         _refuse_adasum(backend, owner)
         group = _Group(self, self.session(backend, caller.process_set), owner, backend,
                        caller.process_set)
-        if group.auto is not None:
-            self._restore_auto(group.key, group.auto)
+        if group.sched.auto is not None:
+            self._restore_auto(group.key, group.sched.auto)
         self._groups[id(owner)] = (weakref.ref(owner), group)
         weakref.finalize(owner, self._groups.pop, id(owner), None)
         if caller.param is not None and getattr(owner, "_groups", None) is None:
@@ -558,11 +514,11 @@ class StockCompression:
         straight into its bucket or plain group, and Horovod's ``synchronize`` gets the result from a
         callable handle (as for Horovod's own sparse path): no placeholder, no Horovod op per tensor,
         no frame lookup. ``direct`` turns on once every rank has handed out a bucket (the first
-        ``_finish_slot``), and off at a step's first gradient in a new world (elastic), for one step:
-        the ranks that joined start with Horovod's per-tensor path, so every rank does. A plan with
-        no bucket (every gradient too small or 1-D; no ``_finish_slot``) turns direct at its second
-        step's first gradient instead, and again after a new world's first step. Other gradients
-        (sparse, outside the plan) take Horovod's own path."""
+        :func:`_finish_slot`), and off at a step's first gradient in a new world (elastic), for one
+        step: the ranks that joined start with Horovod's per-tensor path, so every rank does. A plan
+        with no bucket (every gradient too small or 1-D) turns direct at its second step's first
+        gradient instead, and again after a new world's first step. Other gradients (sparse,
+        outside the plan) take Horovod's own path."""
         horovod_async = owner._allreduce_grad_async
         always = not group.plan.buckets
 
@@ -571,7 +527,7 @@ class StockCompression:
                 return horovod_async(p)
             begins = not group.seen or p in group.seen      # this step's first gradient
             if begins and (group.direct or (always and group.seen)):
-                group.direct = not self._world_changed(group)
+                group.direct = group.backend.stock_backend(group.process_set)[0] is group.session.coll
             if group.direct and p.grad is None:
                 p.grad = p.data.new(p.size()).zero_()   # as Horovod: a gradient of zeros
             grad = p.grad
@@ -582,200 +538,29 @@ class StockCompression:
                         return ctx, None
                 else:
                     out, ctx = self._compress_member(group, p, grad)
-                self._thread.decided = (grad, (out, ctx))   # what compress returns, no frame lookup
+                _DECIDED.value = (grad, (out, ctx))     # what compress returns, no frame lookup
             try:
                 return horovod_async(p)
             finally:
-                self._thread.decided = None
+                _DECIDED.value = None
 
         owner._allreduce_grad_async = allreduce_grad_async
         group.taken_over = True
 
-    @staticmethod
-    def _world_changed(group):
-        return group.backend.stock_backend(group.process_set)[0] is not group.session.coll
-
-    def _record_plain(self, group, spot, tensor, info):
-        """Keep plain member ``spot`` = (group, index); start its allreduce once the group is complete.
-        Returns the callable handle of its result."""
-        j, i = spot
-        grads = group.plain_grads[j]
-        if grads[i] is not None:
-            raise RuntimeError(f"hvd_quant: gradient of {group.plain_names[j]}[{i}] was handed over "
-                               f"twice before its result (backward run twice without a step?)")
-        grads[i] = tensor
-        group.plain_arrived[j] += 1
-        if group.plain_arrived[j] == len(grads):
-            self._launch_plain(group, j)
-        return functools.partial(self._finish_plain, group, j, i, info)
-
-    @staticmethod
-    def _launch_plain(group, j):
-        """Plain group ``j``: one Horovod allreduce of its gradients, flattened (zeros for a member
-        that never arrived), with the optimizer's op and Horovod's pre/post-scale split."""
-        session, grads, sizes = group.session, group.plain_grads[j], group.plain_sizes[j]
-        like = next(g for g in grads if g is not None)
-        flat = session.ops.flatten([g if g is not None else session.ops.zeros(size, like)
-                                    for g, size in zip(grads, sizes)])
-        n = sum(sizes)
-        session.exchange.traffic.add_allreduce(4 * n, n, session.coll.size)
-        op = _plan.AVERAGE if group.average else _SUM
-        pre, post = group.scale_split
-        group.plain_pending[j] = session.coll.allreduce_async(flat, group.plain_names[j], op, pre, post)
-        group.plain_left[j] = sum(g is not None for g in grads)
-        group.plain_grads[j] = [None] * len(grads)
-        group.plain_arrived[j] = 0
-
-    def _finish_plain(self, group, j, i, info):
-        pieces = group.plain_result[j]
-        if pieces is None:
-            if group.complete:      # start the buckets before any wait of the step
-                self._launch_complete(group, group.route(), wait=True)
-            # and finish them: on a payload group that queues their second phases and decodes on
-            # the device without waiting, and the wait below lasts until backward's end
-            self._advance_all(group)
-            for k, pending in enumerate(group.pending):
-                if pending is not None and group.left[k]:      # (left: members to hand out)
-                    self._bucket_result(group, k)
-            if group.plain_pending[j] is None:      # a member never reached this rank's hook
-                self._launch_plain(group, j)
-            flat = group.session.coll.synchronize(group.plain_pending[j])
-            pieces = group.plain_result[j] = group.session.adapter.split(flat, group.plain_sizes[j])
-            group.plain_pending[j] = None
-        group.plain_left[j] -= 1
-        if group.plain_left[j] == 0:
-            group.plain_result[j] = None
-        return group.session.adapter.restore(pieces[i], info)
-
-    def _record(self, group, where, tensor, info, route):
-        """Keep member ``where`` = (bucket, index) of ``group``; start the bucket once it is complete."""
-        k, i = where
-        grads = group.grads[k]
-        b = group.plan.buckets[k]
-        if grads[i] is not None:
-            raise RuntimeError(f"hvd_quant: gradient {b.names[i]!r} was compressed twice before "
-                               f"its decompress (backward run twice without a step?)")
-        grads[i] = tensor
-        group.like = tensor
-        group.arrived[k] += 1
-        if group.arrived[k] == len(grads):
-            group.complete.append(k)
-        if group.complete:
-            self._launch_complete(group, route, wait=False)
-        return _Slot(group, k, i, info, route)
-
-    def _launch_complete(self, group, route, wait):
-        """Launch the complete buckets once this step's presence count is known (``wait``: block)."""
-        if group.presence is not None and not group.presence.known(group.session.coll, wait):
-            return
-        complete, group.complete = group.complete, []
-        channel = group.payload_channel(route)
-        if channel is not None:
-            complete, group.complete, group.next_start = _plan.in_plan_order(complete, group.next_start)
-        for k in complete:
-            self._launch(group, k, route, channel)
-
-    def _launch(self, group, k, route, channel=None):
-        """Start bucket ``k``'s exchange; members that never arrived contribute zeros (as Horovod
-        allreduces zeros for a parameter without a gradient). While a rank is inside ``hvd.join()``
-        the bucket goes through Horovod's allreduce (a Sum, scaled in ``decompress``)."""
-        session, b, grads = group.session, group.plan.buckets[k], group.grads[k]
-        parts = [g if g is not None else session.ops.zeros(b.numels[i], group.like)
-                 for i, g in enumerate(grads)]
-        flat = session.ops.flatten(parts)
-        if group.absent():
-            route = _plan.ALLREDUCE
-        group.routes[k] = route
-        if route == _plan.ALLREDUCE:
-            session.exchange.traffic.add_allreduce(4 * b.numel, b.numel, session.coll.size)
-            group.pending[k] = None, session.coll.allreduce_async(flat, f"{b.name}.sum", _SUM)
-        else:
-            record = group.plan.record if b.name not in self._steps else None
-            ex = session.exchange_for(route)
-            group.pending[k] = ex, self._start(ex, b.name, flat, record, b.header, group, channel)
-            ex.advance_ready([q for _, e, q in self._unadvanced if e is ex])  # done alltoalls: phase two
-        group.left[k] = sum(g is not None for g in grads)     # the members decompress will return
-        group.grads[k] = [None] * len(grads)
-        group.arrived[k] = 0
-
-    def _advance_all(self, group=None):
-        """Move every exchange of ``group`` (None: the unfused tensors) still in its first phase to its
-        second before waiting on any (the overlap rule), once per step, not once per tensor. Another
-        optimizer's exchanges are left to its own ``synchronize()``: advancing one blocks on its
-        alltoall, which a rank may start only there (its presence count was not known in backward),
-        after this optimizer's: two ranks would wait for each other."""
-        mine = [e for e in self._unadvanced if e[0] is group]
-        if mine:
-            self._unadvanced = [e for e in self._unadvanced if e[0] is not group]
-            for _, exchange, pending in mine:
-                exchange.advance(pending)
-
     def decompress(self, tensor, ctx):
-        if isinstance(ctx, _Slot):
-            return self._finish_slot(ctx)
-        if isinstance(ctx, _Cast):
-            return ctx.adapter.cast_back(tensor, ctx.info)
-        if not isinstance(ctx, _Ctx):
-            finish = getattr(ctx, "stock_decompress", None)   # made by a backend's stock_compress
-            return tensor if finish is None else finish(tensor)
-        self._advance_all()
+        return _decompress(tensor, ctx)
+
+    def _finish_alone(self, tensor, ctx):
+        """``decompress`` of a tensor exchanged alone: every such exchange still in its first phase
+        is advanced first (the overlap rule), once per step, not once per tensor."""
+        started, self._unadvanced = self._unadvanced, []
+        for exchange, pending in started:
+            exchange.advance(pending)
         session, pending = ctx.session, ctx.pending
         self._pending.pop(pending.name, None)
         flat = session.exchange.finish(pending)
-        flat = session.ops.scale_(flat, ctx.session.adapter.as_float(tensor) / ctx.size)
+        flat = session.ops.scale_(flat, session.adapter.as_float(tensor) / ctx.size)
         return session.adapter.restore(flat, ctx.info)
-
-    def _finish_slot(self, slot):
-        group, k = slot.group, slot.k
-        if group.taken_over and not group.direct:
-            self._go_direct(group, slot.route)
-        session = group.session
-        pieces = group.result[k]
-        if pieces is None:
-            if group.pending[k] is None:
-                self._launch_complete(group, slot.route, wait=True)
-            if group.pending[k] is None:        # a member never reached compress on this rank
-                channel = group.payload_channel(slot.route)
-                for j in range(group.next_start if channel is not None else k, k + 1):   # plan order
-                    if group.pending[j] is None:
-                        self._launch(group, j, slot.route, channel)
-                group.next_start = max(group.next_start, k + 1)
-                group.complete = [j for j in group.complete if group.pending[j] is None]
-            self._advance_all(group)
-            pieces = self._bucket_result(group, k)
-        group.left[k] -= 1
-        if group.left[k] == 0:
-            group.result[k] = None
-        return session.adapter.restore(pieces[slot.i], slot.info)
-
-    @staticmethod
-    def _bucket_result(group, k):
-        """Bucket ``k``'s result, once its exchange or allreduce is started: finished, scaled by
-        Horovod's factor and split into its members' pieces (one split, not a slice per member),
-        kept until they are handed out."""
-        ex, pending = group.pending[k]
-        flat = ex.finish(pending) if ex is not None else group.session.coll.synchronize(pending)
-        factor = group.factor()
-        flat = flat if factor == 1.0 else group.session.ops.scale_(flat, factor)
-        pieces = group.result[k] = group.session.adapter.split(flat, group.plan.buckets[k].numels)
-        group.pending[k] = None
-        return pieces
-
-    def _go_direct(self, group, route):
-        """A taken-over optimizer's first bucket result in this world: every hook of the step has run
-        on this rank and nothing of the step has been waited for, so every rank comes to this point.
-        Launch the complete buckets (other ranks may wait for them), make the payload group (a
-        collective; used from the next step, so that a bucket of this step does not go one way on
-        one rank and the other way on another), and from the next step on hand the gradients
-        straight to their buckets."""
-        self._launch_complete(group, route, wait=True)
-        make = getattr(group.backend, "payload_group", None)
-        coll = group.session.coll
-        if make is not None and group.device is not None and not group.absent():
-            label = f"hvdq.stock.{group.key}"
-            group.next_channel = (coll, make(coll.process_set, group.device, label, group.plan.record,
-                                             "hvd.DistributedOptimizer(compression=...)"))
-        group.direct = True
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -801,14 +586,15 @@ class StockCompression:
         states.update({_key_str(k): s.memory.state_dict()
                        for k, s in self._sessions.items() if s.memory is not None})
         auto = dict(self._restored_auto)
-        auto.update({g.key: g.auto.state_dict() for _, g in self._groups.values() if g.auto is not None})
+        auto.update({g.key: g.sched.auto.state_dict() for _, g in self._groups.values()
+                     if g.sched.auto is not None})
         auto.update({k: a.state_dict() for k, a in self._graph_autos.items()})
         return {"residuals": {k: dict(v.get(Memory.WORKER, {})) for k, v in states.items()},
                 "server_residuals": {k: dict(v.get(Memory.SERVER, {})) for k, v in states.items()},
                 "steps": dict(self._steps), "auto": auto}
 
     def adopt_auto(self, key, choice):
-        """Keep ``choice``, the :class:`hvd_quant.plan.AutoChoice` of plan ``key`` made by a
+        """Keep ``choice``, the :class:`hvd_quant.scheduler.AutoChoice` of plan ``key`` made by a
         framework's graph path, in :meth:`state_dict`, restored from a loaded state if one waits."""
         self._restore_auto(key, choice)
         self._graph_autos[key] = choice
@@ -824,8 +610,8 @@ class StockCompression:
         for k, a in self._graph_autos.items():
             self._restore_auto(k, a)
         for _, g in self._groups.values():
-            if g.auto is not None:
-                self._restore_auto(g.key, g.auto)
+            if g.sched.auto is not None:
+                self._restore_auto(g.key, g.sched.auto)
         server = state.get("server_residuals", {})
         self._restored = {k: {Memory.WORKER: v, Memory.SERVER: server.get(k, {})}
                           for k, v in state.get("residuals", {}).items()}
@@ -834,34 +620,124 @@ class StockCompression:
                 s.memory.load_state_dict(self._restored.pop(_key_str(k), {}))
 
 
-# The default StockCompression of each codec object (what codec.compress / decompress use).
-_DEFAULTS = {}
+def _go_direct(group):
+    """A taken-over optimizer's first bucket result in this world: every hook of the step has run on
+    this rank and nothing of the step has been waited for, so every rank comes to this point. Start
+    the complete buckets (other ranks may wait for them), make the payload channel (a collective;
+    used from the next step, so that a bucket of this step does not go one way on one rank and the
+    other way on another), and from the next step on hand the gradients straight to their buckets."""
+    sched = group.sched
+    sched.start_complete(wait=True)
+    make = getattr(group.backend, "payload_group", None)
+    coll = group.session.coll
+    if make is not None and group.device is not None and not sched.absent():
+        sched.next_channel = (coll, make(coll.process_set, group.device, f"hvdq.stock.{group.key}",
+                                         group.plan.record, "hvd.DistributedOptimizer(compression=...)"))
+    group.direct = True
 
 
-def stock_compression(codec):
-    """The StockCompression that ``codec.compress`` / ``codec.decompress`` use (created on first use)."""
-    sc = _DEFAULTS.get(id(codec))
-    if sc is None or sc.codec is not codec:
-        sc = _DEFAULTS[id(codec)] = StockCompression(codec)
-        try:
-            weakref.finalize(codec, _DEFAULTS.pop, id(codec), None)
-        except TypeError:       # not weak-referenceable: keep it for the process's lifetime
-            pass
+def _finish_slot(slot):
+    """A fused gradient's result: its piece of the bucket's, cast back to its dtype and shape."""
+    group = slot.group
+    if group.taken_over and not group.direct:
+        _go_direct(group)
+    pieces = group.sched.result(slot.k)
+    group.sched.take(slot.k)
+    return group.session.adapter.restore(pieces[slot.i], slot.info)
+
+
+def _finish_plain(group, j, i, info):
+    """A plain group member's result: its piece of the group's allreduce."""
+    pieces = group.sched.plain_result(j)
+    group.sched.take_plain(j)
+    return group.session.adapter.restore(pieces[i], info)
+
+
+def _decompress(tensor, ctx):
+    """Horovod's ``decompress`` for every ctx this module hands out."""
+    if isinstance(ctx, _Slot):
+        return _finish_slot(ctx)
+    if isinstance(ctx, _Cast):
+        return ctx.adapter.cast_back(tensor, ctx.info)
+    if isinstance(ctx, _Ctx):
+        return ctx.owner._finish_alone(tensor, ctx)
+    finish = getattr(ctx, "stock_decompress", None)   # made by a backend's stock_compress
+    return tensor if finish is None else finish(tensor)
+
+
+# -- who owns a codec's stock state -----------------------------------------------------------------
+_STATE_ATTR = "_hvd_quant_stock"
+
+
+def _owned_state(codec, caller, backend):
+    """The :class:`StockCompression` of ``codec`` for this call: the calling Horovod optimizer's
+    (kept on it, made at its first gradient), else the process set's (one per codec value)."""
+    if caller.owner is not None:
+        sc = vars(caller.owner).get(_STATE_ATTR)
+        if sc is None or sc.codec is not codec:
+            sc = StockCompression(codec)
+            setattr(caller.owner, _STATE_ATTR, sc)
+        return sc
+    ps = caller.process_set
+    if ps is None:
+        ps = backend.stock_backend(None)[0].process_set
+    states = vars(ps).setdefault(_STATE_ATTR, {})
+    sc = states.get(codec)
+    if sc is None:
+        sc = states[codec] = StockCompression(codec)
     return sc
 
 
-def take_traffic(compression):
-    """:class:`~hvd_quant.exchange.Traffic` of ``compression`` (a StockCompression, or a codec used as
-    one) since the last call."""
-    sc = compression if isinstance(compression, StockCompression) else stock_compression(compression)
-    t = sc.traffic
-    sc.reset_traffic()
-    return t
+class Compressor:
+    """Horovod's ``Compressor`` protocol (``compress(tensor) -> (tensor, ctx)``,
+    ``decompress(tensor, ctx)``) for a codec passed as ``compression=`` (module doc): the codec
+    stays a value; the state of its exchanges belongs to the caller (:func:`state_of`)."""
+
+    def compress(self, tensor):
+        decided = getattr(_DECIDED, "value", None)
+        if decided is not None and decided[0] is tensor:
+            return decided[1]
+        caller = _frame_context(tensor)
+        return _owned_state(self, caller, _backend_for(tensor)).compress_from(caller, tensor)
+
+    def decompress(self, tensor, ctx):
+        return _decompress(tensor, ctx)
 
 
-def compress(codec, tensor):
-    return stock_compression(codec).compress(tensor)
+def state_of(obj):
+    """The :class:`StockCompression` behind ``obj``: itself, or the one a Horovod optimizer holds
+    (its ``compression=`` a codec, after its first gradient; or a StockCompression); else None."""
+    if isinstance(obj, StockCompression):
+        return obj
+    sc = getattr(obj, "__dict__", {}).get(_STATE_ATTR)
+    if sc is None and isinstance(getattr(obj, "_compression", None), StockCompression):
+        sc = obj._compression
+    return sc
 
 
-def decompress(codec, tensor, ctx):
-    return stock_compression(codec).decompress(tensor, ctx)
+def _process_set_states(codec):
+    """The states of ``codec`` kept by the global process set of each framework in use."""
+    out = []
+    for backend in _USED:
+        ps = backend.stock_backend(None)[0].process_set
+        sc = getattr(ps, "__dict__", {}).get(_STATE_ATTR, {}).get(codec)
+        if sc is not None and all(sc is not s for s in out):
+            out.append(sc)
+    return out
+
+
+def take_traffic(obj):
+    """:class:`~hvd_quant.exchange.Traffic` since the last call of the stock state of ``obj``: a
+    StockCompression, a Horovod optimizer whose ``compression=`` is a codec or StockCompression, or a
+    codec (its state on the global process set, as ``hvd.allreduce`` and TensorFlow keep it)."""
+    sc = state_of(obj)
+    if sc is not None:
+        states = [sc]
+    else:
+        codec = getattr(obj, "_compression", obj)
+        states = _process_set_states(codec) if hasattr(codec, "spec") else []
+    total = Traffic()
+    for s in states:
+        total.add(s.traffic)
+        s.reset_traffic()
+    return total

@@ -628,11 +628,11 @@ class Codec:
     # -- stock Horovod Compressor protocol -----------------------------------------------------------
     def compress(self, tensor):
         from . import _stock        # _stock builds on the exchange, which builds on the codecs
-        return _stock.compress(self, tensor)
+        return _stock.Compressor.compress(self, tensor)
 
     def decompress(self, tensor, ctx):
         from . import _stock
-        return _stock.decompress(self, tensor, ctx)
+        return _stock.Compressor.decompress(self, tensor, ctx)
 
     # -- device plumbing -----------------------------------------------------------------------------
     def _decode_device(self, arrays, payload, name, shape, dtype):

@@ -131,6 +131,6 @@ def bytes_sent_per_step(obj):
     own = getattr(obj, "hvd_quant_reducer", obj)
     t = own.bytes_per_step() if hasattr(own, "bytes_per_step") else None
     if t is None:
-        t = _stock.take_traffic(getattr(obj, "_compression", obj))
+        t = _stock.take_traffic(obj)
     return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio,
             "gbps": t.bandwidth().get("total", {}).get("gbps")}

@@ -1,10 +1,9 @@
-"""The plan of a compressed gradient reduction, written once for every frontend (no framework here).
+"""The static plan of a compressed gradient reduction, written once for every frontend (no framework).
 
 The PyTorch optimizer, the TensorFlow reducer and the stock ``compression=`` path describe their
 gradients as :class:`Tensor` records (name, shape, floating or not) and take the rest from here:
 
-1. :func:`configure` -> :class:`Config`: the codec (``compression=`` resolved with the framework's
-   ``Compression`` namespace), the reduction, size rules, error feedback (the codec's wish by default)
+1. :func:`configure` -> :class:`Config`: the codec (resolved by the frontend), the reduction, size rules, error feedback (the codec's wish by default)
    and the core op (:func:`core_op` maps a framework's Horovod op constants); bad arguments raise.
 2. :meth:`Config.compressible`: floating point, static shape, at least ``min_compress_numel``
    elements, not 1-D unless ``compress_1d``, a codec that is not a passthrough.
@@ -15,35 +14,32 @@ gradients as :class:`Tensor` records (name, shape, floating or not) and take the
    names alone (the same on every rank and in every process: payload headers, seeded noise,
    checkpoints); its ``name`` (the exchange's) adds the frontend's prefix. :attr:`Plan.record` is the
    handshake record of the summary and the layout: ranks whose plans differ raise.
-4. :class:`AutoChoice`: ``reduction="auto"``, the way a plan's buckets travel (Horovod's fp32
-   allreduce, compressed allgather or SRA) chosen from step times measured in the first steps, the
-   same on every rank (the times travel through one allgather), re-measured when the world changes.
+4. :func:`plain_groups`: the float32 tensors left uncompressed, fused as the buckets are.
 5. :func:`save_residuals` / :func:`restore_residuals`: a :class:`~hvd_quant.memory.Memory`'s worker
    residuals per tensor name (another ``bucket_bytes`` still loads them) and server residuals per
    ``(bucket header, rank, size)``.
+
+What a plan does in each step (arrivals, ``hvd.join()``, ``reduction="auto"``) is
+:mod:`hvd_quant.scheduler`'s.
 """
 import math
 import numbers
-import statistics
-import struct
-import time
 import zlib
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import numpy as np
 
-from .codecs import resolve_codec
 from .exchange import AVERAGE, REDUCTIONS, SUM, handshake_record, is_passthrough_codec
+from .memory import Memory
+
+__all__ = ["Config", "Tensor", "Bucket", "Plan", "AUTO", "ALLREDUCE", "configure", "core_op",
+           "check_reduction", "check_groups", "check_backward_passes", "fuse", "fuse_buckets",
+           "plain_groups", "split_even", "bucket_header", "digest", "make_plan", "save_residuals",
+           "restore_residuals"]
 
 AUTO = "auto"
 ALLREDUCE = "allreduce"
-from .memory import Memory
-
-__all__ = ["Config", "Tensor", "Bucket", "Plan", "AutoChoice", "AUTO", "ALLREDUCE", "configure",
-           "core_op", "check_reduction",
-           "check_groups", "check_backward_passes", "fuse", "fuse_buckets", "split_even", "bucket_header",
-           "digest", "make_plan", "save_residuals", "restore_residuals"]
 
 
 def core_op(op, average, sum_, adasum):
@@ -104,9 +100,8 @@ def check_groups(groups, what):
 
 
 # Default fusion bucket: float32 bytes of gradients per compressed bucket (torch DDP's bucket_cap_mb).
-# Each bucket costs Horovod collectives and host work per step whatever its size; with 4 MiB buckets a
-# ResNet-50 step on one H100 at world size 1 (exchange forced) took 55-62 ms against 51-52 ms with
-# 25 MiB (docs/BENCHMARKS.md), and a 1 Gbit/s CPU exchange was slower than fp32.
+# Each bucket costs Horovod collectives and host work per step whatever its size, so buckets are
+# large (measurements: docs/BENCHMARKS.md).
 BUCKET_BYTES = 25 << 20
 
 
@@ -147,11 +142,11 @@ class Config:
         return 1.0 / size if self.op == AVERAGE else 1.0
 
 
-def configure(compression, namespace=None, *, reduction="sra", bucket_bytes=BUCKET_BYTES,
-              min_compress_numel=1024, compress_1d=False, warmup_steps=0, error_feedback=None,
-              op=AVERAGE, predivide=1.0, extra=()):
-    """A checked :class:`Config`; ``namespace``: the framework's ``Compression``, ``op``: a core op,
-    ``error_feedback``: None for the codec's wish."""
+def configure(codec, *, reduction="sra", bucket_bytes=BUCKET_BYTES, min_compress_numel=1024,
+              compress_1d=False, warmup_steps=0, error_feedback=None, op=AVERAGE, predivide=1.0,
+              extra=()):
+    """A checked :class:`Config`; ``codec``: resolved by the frontend (its ``resolve_codec``), ``op``:
+    a core op, ``error_feedback``: None for the codec's wish."""
     check_reduction(reduction)
     if predivide is not None and predivide != 1.0 and op != AVERAGE:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -160,7 +155,6 @@ def configure(compression, namespace=None, *, reduction="sra", bucket_bytes=BUCK
     warmup_steps = _count(warmup_steps, "warmup_steps", allow_none=True)
     compress_1d = _flag(compress_1d, "compress_1d")
     error_feedback = _flag(error_feedback, "error_feedback", allow_none=True)
-    codec = resolve_codec(compression, namespace)
     if error_feedback is None:
         error_feedback = getattr(codec, "wants_error_feedback", False)
     return Config(codec=codec, reduction=reduction, bucket_bytes=bucket_bytes,
@@ -240,8 +234,7 @@ def fuse(idxs, numels, bucket_bytes):
 # overlap it; every other bucket travels while backward still computes. So the greedy fusion's last
 # bucket gives up its last-produced tensors, up to 1/TAIL_SHARE of bucket_bytes, to a bucket of their
 # own: the exchange left after backward is that small one, and the rest of the old last bucket travels
-# while backward computes the tail's layers (VGG-16's conv1_1-conv3_1: the last 18 of backward's
-# 37 ms in a traced step on an H200, docs/RESULTS.md).
+# while backward computes the tail's layers (docs/RESULTS.md).
 TAIL_SHARE = 8
 
 
@@ -261,21 +254,17 @@ def fuse_buckets(idxs, numels, bucket_bytes):
     return groups if k == len(last) else groups[:-1] + [last[:k], last[k:]]
 
 
+def plain_groups(plan, float32, bucket_bytes):
+    """The plain tensors of ``plan`` whose ``float32[i]`` is true, fused as :func:`fuse` does in
+    reverse order: each group is one allreduce of a flat buffer instead of one per tensor."""
+    numels = {i: math.prod(plan.tensors[i].shape) for i in plan.plain if float32[i]}
+    return fuse([i for i in reversed(plan.plain) if float32[i]], numels, bucket_bytes)
+
+
 def split_even(items, n):
     """``items`` in ``n`` contiguous parts, longer ones first (Horovod's ``split_list``)."""
     d, r = divmod(len(items), n)
     return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
-
-
-def in_plan_order(complete, next_start):
-    """Buckets that start in plan order (a payload group matches collectives by order): of the
-    ``complete`` bucket indices, the run starting at ``next_start`` starts now and the rest wait.
-    Returns ``(start, waiting, next_start)``."""
-    waiting, start = sorted(complete), []
-    while waiting and waiting[0] == next_start:
-        start.append(waiting.pop(0))
-        next_start += 1
-    return start, waiting, next_start
 
 
 def digest(names):
@@ -355,169 +344,3 @@ def restore_residuals(memory, buckets, worker, server, join):
             memory.set(Memory.WORKER, b.name, flat)
         for key in [k for k in server if k[0] == b.header]:
             memory.set(Memory.SERVER, (b.name,) + tuple(key[1:]), join([server.pop(key)]))
-
-
-class AutoChoice:
-    """``reduction="auto"``: which way a plan's compressed buckets travel, from measured step times.
-
-    The first steps follow a fixed schedule, the same on every rank: each candidate once to warm up
-    (plans, kernel compilation; not timed), then each candidate ``trials`` times, interleaved. A step's
-    time is the time from the end of the previous step to the end of this one (:meth:`end_step`, which
-    on CUDA first waits for the device), so it includes everything the reduction costs the step,
-    overlap included. Then every rank
-    allgathers its median per candidate (:meth:`decide`, blocking, once), and all take the candidate
-    with the lowest mean over ranks, but a compressed way only where it measured at least
-    ``margin`` (10%) faster than Horovod's allreduce: step times on a busy host vary by ±8-14%
-    (docs/EXCHANGE.md), so medians of five can put a way that is slower in the steady state a few
-    percent ahead. Ties go to the earlier candidate, Horovod's allreduce first. The choice holds for
-    every bucket of the plan until :meth:`reset` (the world size changed).
-    """
-    CANDIDATES = (ALLREDUCE, "allgather", "sra")
-    WARM_ORDER = ("sra", "allgather", ALLREDUCE)
-
-    def __init__(self, trials=5, clock=time.perf_counter, margin=0.1):
-        self.trials, self.clock, self.margin = int(trials), clock, float(margin)
-        self.reset()
-
-    def reset(self):
-        self.schedule = list(self.WARM_ORDER) + [c for _ in range(self.trials) for c in self.CANDIDATES]
-        self.step = 0
-        self.times = {c: [] for c in self.CANDIDATES}
-        self.choice = None
-        self.medians = None
-        self._last = None
-
-    def current(self):
-        """The reduction of the step in progress: a candidate of the schedule, then the choice."""
-        if self.choice is not None:
-            return self.choice
-        return self.schedule[min(self.step, len(self.schedule) - 1)]
-
-    def end_step(self, wait=None):
-        """Record the end of a step. True when the schedule is over and :meth:`decide` is due.
-
-        ``wait``, called first while steps are timed, waits for the device's queued work (CUDA):
-        without it a way whose collectives leave the host free (hvd_quant's payload group) is timed
-        by its launches, and the host running steps ahead of the GPU charges its work to the next
-        candidate (at 4 GPUs over sockets, VGG-16 8-bit allgather measured 55 ms a step and ran 204)."""
-        if self.choice is not None:
-            return False
-        if wait is not None:
-            wait()
-        now = self.clock()
-        if self._last is not None and self.step >= len(self.WARM_ORDER):
-            self.times[self.schedule[self.step]].append(now - self._last)
-        self._last = now
-        self.step += 1
-        return self.step >= len(self.schedule)
-
-    def decide(self, coll, ops, name):
-        """Allgather every rank's medians (seconds, float64) and take the same choice on every rank."""
-        record = self.record()
-        if coll.size > 1:
-            record = ops.to_bytes(coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)))
-        return self.choose(record)
-
-    def record(self):
-        """This rank's median step time per candidate (float64 seconds), as bytes to allgather."""
-        return struct.pack(f"<{len(self.CANDIDATES)}d",
-                           *[statistics.median(self.times[c]) for c in self.CANDIDATES])
-
-    def choose(self, gathered):
-        """Take the choice from every rank's :meth:`record`, concatenated (the same on every rank)."""
-        n = len(self.CANDIDATES)
-        rows = [struct.unpack_from(f"<{n}d", gathered, r * 8 * n) for r in range(len(gathered) // (8 * n))]
-        self.medians = [sum(r[i] for r in rows) / len(rows) for i in range(n)]
-        best = min(range(n), key=lambda i: (self.medians[i], i))
-        plain = self.CANDIDATES.index(ALLREDUCE)
-        if self.medians[best] > (1.0 - self.margin) * self.medians[plain]:
-            best = plain
-        self.choice = self.CANDIDATES[best]
-        return self.choice
-
-    def state_dict(self):
-        """Where the schedule stands (a resumed run takes the same ways on the same steps)."""
-        return {"step": self.step, "times": {c: list(t) for c, t in self.times.items()},
-                "choice": self.choice, "medians": None if self.medians is None else list(self.medians)}
-
-    def load_state_dict(self, state):
-        self.reset()
-        self.step = int(state.get("step", 0))
-        for c, t in dict(state.get("times", {})).items():
-            if c in self.times:
-                self.times[c] = [float(x) for x in t]
-        self.choice = state.get("choice")
-        if self.choice is not None and self.choice not in self.CANDIDATES:
-            raise ValueError(f"hvd_quant: saved reduction=auto choice {self.choice!r} is not one of "
-                             f"{self.CANDIDATES}")
-        medians = state.get("medians")
-        self.medians = None if medians is None else [float(x) for x in medians]
-
-    def summary(self):
-        """One line for the log: the choice and the mean median step time of each candidate."""
-        times = ", ".join(f"{c} {m * 1e3:.2f} ms" for c, m in zip(self.CANDIDATES, self.medians or ()))
-        return f"reduction=auto chose {self.choice!r} (median step time, mean over ranks: {times})"
-
-
-class Presence:
-    """Which ranks step this time, for Horovod's ``hvd.join()``.
-
-    A rank inside ``hvd.join()`` takes part in allreduces only (it contributes zeros); an alltoall or
-    allgather started while a rank has joined fails in Horovod 0.28.1, or crashes it. So in every step
-    that would exchange compressed buckets, each stepping rank adds 1 to a one-element Sum allreduce
-    (:meth:`start`, at its first gradient) and no compressed exchange starts before its result is
-    known (:meth:`known`). When it is less than the world size, some rank has joined, and this
-    step's buckets go through Horovod's allreduce as plain gradients instead (``absent``), as
-    Horovod's own optimizer does under ``hvd.join()``. ``one`` makes the host tensor holding 1 (a
-    host tensor, so reading the count never waits on a device stream).
-    """
-
-    def __init__(self, name, one):
-        self.name, self.one = name, one
-        self.reset()
-
-    def reset(self):
-        """No count in flight or known (a new world: the old one's allreduce is not waited for)."""
-        self.handle = None
-        self.count = None
-
-    def start(self, coll):
-        self.handle = coll.allreduce_async(self.one(), self.name, SUM)
-        self.count = None
-
-    def known(self, coll, wait):
-        """True once this step's count is known (``wait``: block for it); False while in flight."""
-        if self.handle is None:
-            return True
-        if not wait and coll.poll is not None and not coll.poll(self.handle):
-            return False
-        self.count = int(coll.synchronize(self.handle))
-        self.handle = None
-        return True
-
-    def absent(self, coll):
-        """True when a rank did not step this time (it is inside ``hvd.join()``)."""
-        return self.count is not None and self.count < coll.size
-
-    def end_step(self, coll):
-        self.known(coll, wait=True)
-        self.count = None
-
-
-def step_metrics(plan, traffic, routes, precision):
-    """What a frontend's last step did, as plain Python values (``step_metrics()`` of the frontends,
-    for logs and TensorBoard): ``sent`` bytes this rank sent and ``fp32`` what an fp32 ring allreduce
-    of the same gradients would have sent, their ``ratio``, ``exchange_s`` (seconds from the first
-    gradient handed to the exchange to the last result; None where not measured), ``reduction`` (how
-    the compressed buckets travelled), ``buckets`` (per bucket: ``name``, ``numel``, ``reduction``,
-    ``precision``: the codec's spec, or ``"fp32"`` when it went through Horovod's allreduce) and
-    ``uncompressed`` (the tensors Horovod allreduced as they are: ``tensors``, ``numel``)."""
-    buckets = [{"name": b.header, "numel": b.numel, "reduction": r,
-                "precision": "fp32" if r == ALLREDUCE else precision}
-               for b, r in zip(plan.buckets, routes)]
-    plain = [plan.tensors[i].shape for i in plan.plain]
-    return {"sent": traffic.sent_bytes, "fp32": traffic.fp32_bytes, "ratio": traffic.ratio,
-            "exchange_s": traffic.seconds, "reduction": routes[0] if routes else ALLREDUCE,
-            "buckets": buckets,
-            "uncompressed": {"tensors": len(plain),
-                             "numel": sum(math.prod(s) for s in plain if s is not None)}}

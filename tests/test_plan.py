@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hvd_quant
-from hvd_quant import plan
+from hvd_quant import plan, scheduler
 from hvd_quant.exchange import AVERAGE, SUM, ArrayOps, handshake_record
 from hvd_quant.memory import Memory
 
@@ -26,9 +26,14 @@ NUMPY_OPS = ArrayOps(
     to_like=lambda t, like: t, clone=lambda t: np.array(t, copy=True))
 
 
+def configure(compression, **kw):
+    """plan.configure with the codec resolved as the frontends resolve ``compression=``."""
+    return plan.configure(hvd_quant.codecs.resolve_codec(compression), **kw)
+
+
 def cfg(**kw):
     kw.setdefault("compression", "qsgd:bits=4,bucket_size=512")
-    return plan.configure(kw.pop("compression"), **kw)
+    return configure(kw.pop("compression"), **kw)
 
 
 def fp(name, *shape):
@@ -146,13 +151,13 @@ TENSORS = [fp("a", 64, 64), fp("bias", 64), fp("b", 128, 64), fp("c", 32, 32)]
 
 
 def record(config=None, tensors=TENSORS, groups=None, prefix="hvdq"):
-    return plan.make_plan(plan.configure(**dict(BASE, **(config or {}))), tensors, groups, prefix).record
+    return plan.make_plan(configure(**dict(BASE, **(config or {}))), tensors, groups, prefix).record
 
 
 def test_record_is_identical_for_identical_configs():
     assert record() == record()                     # separate codec objects, equal configuration
     assert len(record()) == len(handshake_record("x"))
-    assert plan.configure(**BASE) == plan.configure(**BASE)
+    assert configure(**BASE) == configure(**BASE)
 
 
 @pytest.mark.parametrize("change", [
@@ -186,12 +191,12 @@ def test_record_differs_when_the_layout_differs(kw):
 
 
 def test_summary_names_every_field_that_applies():
-    assert plan.configure(**BASE).summary() == (
+    assert configure(**BASE).summary() == (
         "qsgd:bits=4,bucket_size=512,mode=stochastic,norm=max reduction=sra bucket_bytes=4194304 "
         "min_compress_numel=1024 compress_1d=False warmup_steps=0 error_feedback=False op=average "
         "predivide=1.0 backward_passes=1")
     codec = hvd_quant.OneBit()
-    stock = plan.configure(codec, bucket_bytes=None, warmup_steps=None, op=None, predivide=None)
+    stock = configure(codec, bucket_bytes=None, warmup_steps=None, op=None, predivide=None)
     assert stock.summary() == (f"{codec.spec()} reduction=sra min_compress_numel=1024 "
                                "compress_1d=False error_feedback=True")
 
@@ -224,9 +229,9 @@ def test_core_op_refuses(op, message):
 
 
 @pytest.mark.parametrize("call,message", [
-    pytest.param(lambda: plan.configure("qsgd", reduction="ring"), "reduction must be one of",
+    pytest.param(lambda: configure("qsgd", reduction="ring"), "reduction must be one of",
                  id="reduction"),
-    pytest.param(lambda: plan.configure("qsgd", op=SUM, predivide=2.0),
+    pytest.param(lambda: configure("qsgd", op=SUM, predivide=2.0),
                  "gradient_predivide_factor not supported with op != Average", id="predivide-with-sum"),
     pytest.param(lambda: plan.check_groups(0, "torch.Tensor"),
                  "groups should be a non-negative integer or a list of list of torch.Tensor", id="groups-0"),
@@ -251,7 +256,7 @@ def test_settings_refused_by_name(name, value, error):
     """A setting that would otherwise pass silently (``bool("no")`` is True; a negative size or step
     count) is refused, naming the argument, before any rank talks to another."""
     with pytest.raises(error, match=f"^{name} must be"):
-        plan.configure("qsgd", **{name: value})
+        configure("qsgd", **{name: value})
 
 
 @pytest.mark.parametrize("name,value,expected", [
@@ -259,7 +264,7 @@ def test_settings_refused_by_name(name, value, error):
     ("warmup_steps", np.int32(3), 3), ("error_feedback", np.bool_(True), True),
 ])
 def test_settings_accepted(name, value, expected):
-    got = getattr(plan.configure("qsgd", **{name: value}), name)
+    got = getattr(configure("qsgd", **{name: value}), name)
     assert got == expected and type(got) is type(expected)
 
 
@@ -270,7 +275,7 @@ def test_settings_accepted(name, value, expected):
     pytest.param("onebit", False, False, id="refused"),
 ])
 def test_error_feedback_default_is_the_codecs_wish(compression, error_feedback, expected):
-    assert plan.configure(compression, error_feedback=error_feedback).error_feedback is expected
+    assert configure(compression, error_feedback=error_feedback).error_feedback is expected
 
 
 @pytest.mark.parametrize("op,predivide,factors,scale", [
@@ -279,7 +284,7 @@ def test_error_feedback_default_is_the_codecs_wish(compression, error_feedback, 
     pytest.param(SUM, 1.0, (1.0, 1.0), 1.0, id="sum"),
 ])
 def test_scale_factors(op, predivide, factors, scale):
-    c = plan.configure("qsgd", op=op, predivide=predivide)
+    c = configure("qsgd", op=op, predivide=predivide)
     assert c.allreduce_factors() == factors and c.result_scale(4) == scale
 
 
@@ -358,7 +363,7 @@ def test_auto_choice_schedule_and_decision():
     from hvd_quant.exchange import Collectives
     cost = {"allreduce": 3.0, "allgather": 1.0, "sra": 2.0}
     now = [0.0]
-    auto = plan.AutoChoice(trials=3, clock=lambda: now[0])
+    auto = scheduler.AutoChoice(trials=3, clock=lambda: now[0])
     seen = []
     while auto.choice is None:
         used = auto.current()
@@ -375,13 +380,13 @@ def test_auto_choice_schedule_and_decision():
     assert not auto.end_step()                 # decided: nothing more is timed
     auto.reset()
     assert auto.choice is None and auto.current() == "sra"
-    tie = plan.AutoChoice(trials=1, clock=lambda: 0.0)
+    tie = scheduler.AutoChoice(trials=1, clock=lambda: 0.0)
     while not tie.end_step():
         pass
     tie.decide(coll, None, "unused")
     assert tie.choice == "allreduce"            # equal times: no compression
     # a compressed way is taken only where it measured at least `margin` (10%) faster
-    near = plan.AutoChoice()
+    near = scheduler.AutoChoice()
     assert near.choose(struct.pack("<3d", 1.0, 0.91, 0.95)) == "allreduce"
     assert near.choose(struct.pack("<3d", 1.0, 0.95, 0.89)) == "sra"
     assert near.choose(struct.pack("<6d", 1.0, 0.86, 0.95, 1.0, 0.98, 0.95)) == "allreduce"  # 0.92
@@ -393,7 +398,7 @@ def test_auto_choice_waits_for_the_device_before_timing():
     at every step of the schedule; once the choice is made, nothing is waited for."""
     from hvd_quant.exchange import Collectives
     events = []
-    auto = plan.AutoChoice(trials=1, clock=lambda: events.append("clock") or 0.0)
+    auto = scheduler.AutoChoice(trials=1, clock=lambda: events.append("clock") or 0.0)
     while not auto.end_step(wait=lambda: events.append("wait")):
         pass
     assert events == ["wait", "clock"] * len(auto.schedule)
@@ -406,8 +411,99 @@ def test_auto_choice_waits_for_the_device_before_timing():
 
 def test_in_plan_order():
     """Buckets that start in plan order: the run from next_start starts, the rest waits for it."""
-    from hvd_quant.plan import in_plan_order
+    from hvd_quant.scheduler import in_plan_order
     assert in_plan_order([1], 0) == ([], [1], 0)               # 1 waits for 0
     assert in_plan_order([1, 0, 3], 0) == ([0, 1], [3], 2)     # 0 and 1 go; 3 waits for 2
     assert in_plan_order([2], 2) == ([2], [], 3)
     assert in_plan_order([], 4) == ([], [], 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# The step scheduler, with a stand-in exchange and collectives (world size 2, every rank's gradient
+# the same: the exchange's sum is 2 x the gradient)
+
+
+class _FakeExchange:
+    def __init__(self, log):
+        self.log = log
+
+    def start(self, name, flat, step=None, record=None, header=None, channel=None):
+        self.log.append(("start", name, channel))
+        return {"name": name, "sum": flat * 2}
+
+    def advance_ready(self, pendings):
+        pass
+
+    def advance(self, p):
+        self.log.append(("advance", p["name"]))
+
+    def finish(self, p):
+        return p["sum"]
+
+
+def _scheduler(present=2, channel=None):
+    """A scheduler of buckets (d, b) and (a,) and one plain group (c), its log of collectives."""
+    from hvd_quant.exchange import Collectives, Traffic
+    log = []
+
+    def allreduce(t, name, op=None, pre=1.0, post=1.0):
+        log.append(("allreduce", name))
+        return np.int64(present) if name == "present" else np.asarray(t) * 2
+
+    config = cfg(reduction="sra", bucket_bytes=4 * 2000, min_compress_numel=10)
+    p = plan.make_plan(config, [fp("a", 40, 40), fp("b", 30, 30), fp("c", 5), fp("d", 20, 20)])
+    assert [b.names for b in p.buckets] == [("d", "b"), ("a",)] and p.plain == (2,)
+    s = scheduler.StepScheduler(
+        p, [("plain.0", [5])], ops=NUMPY_OPS, exchange_for=lambda route: _FakeExchange(log),
+        traffic=Traffic(), numbering=lambda b: (0, None),
+        split=lambda flat, numels: np.split(flat, np.cumsum(numels)[:-1]),
+        presence=scheduler.Presence("present", lambda: np.ones(1)))
+    s.bind(Collectives(rank=0, size=2, allgather_async=None, alltoall_async=None,
+                       allreduce_async=allreduce, synchronize=lambda h: h))
+    if channel is not None:
+        s.channel = (s.coll, channel)
+        s.routes_run.add("sra")
+    return s, log
+
+
+def _grads():
+    return {n: np.full(numel, v, np.float32) for n, numel, v in
+            (("a", 1600, 1.0), ("b", 900, 2.0), ("c", 5, 3.0), ("d", 400, 4.0))}
+
+
+@pytest.mark.parametrize("channel", [None, "channel"])
+def test_scheduler_starts_complete_buckets_in_plan_order_on_a_channel(channel):
+    """Bucket 1 completes first: without a channel it starts at once; on one (collectives matched
+    by order) it waits for bucket 0. A member that never arrived (b) contributes zeros; results are
+    the sums scaled by 1/N (Average)."""
+    s, log = _scheduler(channel=channel)
+    g = _grads()
+    assert s.begin_step() and log == [("allreduce", "present")]
+    s.arrive(1, 0, g["a"])
+    s.arrive(0, 0, g["d"])
+    started = [e[1] for e in log if e[0] == "start"]
+    assert started == (["hvdq.a"] if channel is None else [])
+    pieces = s.result(0)
+    assert [float(x[0]) for x in pieces] == [4.0, 0.0] and s.routes[0] == "sra"
+    s.take(0, 2)
+    assert [float(x[0]) for x in s.result(1)] == [1.0]
+    started = [e[1:] for e in log if e[0] == "start"]
+    want = [("hvdq.a", None), ("hvdq.d..b(2,1253ae5c)", None)] if channel is None else \
+        [("hvdq.d..b(2,1253ae5c)", channel), ("hvdq.a", channel)]
+    assert started == want and s.routes == ["sra", "sra"]
+    s.arrive_plain(0, 0, g["c"])
+    assert [float(x[0]) for x in s.plain_result(0)] == [6.0]      # plain_op: a Sum by default
+
+
+def test_scheduler_sends_buckets_through_allreduce_while_a_rank_joined():
+    """The presence count says one of two ranks steps: every bucket goes through one Sum allreduce
+    (a joined rank takes part in allreduces only), scaled as the exchange's result."""
+    s, log = _scheduler(present=1)
+    g = _grads()
+    s.begin_step()
+    s.arrive(0, 0, g["d"])
+    s.arrive(0, 1, g["b"])
+    s.arrive(1, 0, g["a"])
+    assert not any(e[0] == "start" for e in log)
+    assert ("allreduce", "hvdq.d..b(2,1253ae5c).sum") in log and ("allreduce", "hvdq.a.sum") in log
+    assert [float(x[0]) for x in s.result(0)] == [4.0, 2.0] and s.routes == ["allreduce"] * 2

@@ -93,7 +93,7 @@ DEFAULT_METHODS = ("single", "ddp-fp32", "ddp-fp16", "ddp-powersgd4", "hvd-fp32"
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
                "loopback": {}, "ws1": {}, "ws1-forced": {"HOROVOD_ELASTIC": "1"}, "local": {}}
-# Warm-up covers reduction="auto"'s 18 measured steps (hvd_quant.plan.AutoChoice), for every method alike
+# Warm-up covers reduction="auto"'s 18 measured steps (hvd_quant.scheduler.AutoChoice), for every method alike
 GPU_DEFAULTS = dict(models="resnet50,vgg16,vit_b_16", batch_size=64, image_size=224, num_classes=1000,
                     num_warmup_batches=25, num_batches_per_iter=10, num_iters=10)
 CPU_DEFAULTS = dict(models="cpu_resnet", batch_size=16, image_size=32, num_classes=10,

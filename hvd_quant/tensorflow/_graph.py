@@ -52,6 +52,7 @@ import tensorflow as tf
 
 from .. import plan as _plan
 from ..exchange import HANDSHAKE_NAME, Collectives, check_handshake, collectives_for
+from ..scheduler import AutoChoice
 from . import _backend
 from ._backend import OPS, op_name
 
@@ -456,18 +457,18 @@ def build_buckets(buckets, grads, total_of, scale=None):
 
 
 class GraphAuto:
-    """``reduction="auto"`` in a graph (:class:`hvd_quant.plan.AutoChoice`'s schedule and choice):
+    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`'s schedule and choice):
     :meth:`route` is an op, run once per execution of the reduction, giving the index in
     ``AutoChoice.CANDIDATES`` of the way this step's buckets travel; :meth:`bucket` builds a bucket's
     compressed ways under a ``tf.switch_case`` on it, :meth:`plain` each gradient's allreduce. The step time is the host time between two
     executions of the route op. When the schedule ends, the ranks allgather their medians in the
     graph (a ``tf.cond`` that later steps skip) and take the same choice; rank 0 logs it once."""
-    CANDIDATES = _plan.AutoChoice.CANDIDATES
+    CANDIDATES = AutoChoice.CANDIDATES
 
     def __init__(self, name, process_set, engines):
         self.name, self.process_set = name, process_set
         self.engines = engines           # reduction -> GraphExchange
-        self.choice = _plan.AutoChoice()
+        self.choice = AutoChoice()
         self.ticked = False
         self.lock = threading.Lock()
 
@@ -514,8 +515,8 @@ class GraphAuto:
 
     def plain(self, route, tensor, hctx, name):
         """Horovod's allreduce of ``tensor`` (with the arguments of Horovod's own call, ``hctx``),
-        flattened, when ``route`` says so; on the compressed ways, of an empty slice of it (a
-        ``tf.cond`` per gradient instead measured 2% slower on MobileNetV2). Built in ``compress``,
+        flattened, when ``route`` says so; on the compressed ways, of an empty slice of it (cheaper
+        than a ``tf.cond`` per gradient). Built in ``compress``,
         before Horovod's allreduce of the placeholder, so that it waits for the gradient and the
         route only, and is sent as soon as backward makes the gradient."""
         import horovod.tensorflow as hvd

@@ -40,6 +40,7 @@ import tensorflow as tf
 from .. import plan as _plan
 from ..exchange import AVERAGE, HANDSHAKE_NAME, Exchange, Traffic
 from ..memory import Memory
+from ..scheduler import step_metrics
 from . import _backend
 from ._backend import OPS, op_name
 from ._graph import (GraphExchange, build_buckets, describe_gradient, graph_collectives,
@@ -85,12 +86,11 @@ class GradientReducer(_Trackable):
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=None, device_dense="", device_sparse="", device_exchange=False):
         import horovod.tensorflow as hvd
-        from horovod.tensorflow.compression import Compression
         op = _backend.core_op(op)
         _plan.check_reduction(reduction, auto=False)   # "auto" is measured by the PyTorch paths only
         _plan.check_groups(groups, "tf.Variable")
         self.config = _plan.configure(
-            compression, Compression, reduction=reduction, bucket_bytes=bucket_bytes,
+            _backend.resolve_codec(compression), reduction=reduction, bucket_bytes=bucket_bytes,
             min_compress_numel=min_compress_numel, compress_1d=compress_1d, warmup_steps=warmup_steps,
             error_feedback=error_feedback, op=op, predivide=gradient_predivide_factor)
         self.op, self.codec, self.reduction = op, self.config.codec, reduction
@@ -265,12 +265,12 @@ class GradientReducer(_Trackable):
         return self.last_traffic
 
     def step_metrics(self):
-        """What the last reduction did (:func:`hvd_quant.plan.step_metrics`; ``exchange_s``: host time
+        """What the last reduction did (:func:`hvd_quant.scheduler.step_metrics`; ``exchange_s``: host time
         from the first compressed exchange's start to its last finish, None without one)."""
         plan, routes = self._last
         if plan is None:
             return None
-        return _plan.step_metrics(plan, self.last_traffic, routes, self.codec.spec())
+        return step_metrics(plan, self.last_traffic, routes, self.codec.spec())
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self):

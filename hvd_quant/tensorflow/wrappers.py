@@ -219,7 +219,7 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
 
 def step_metrics(obj):
     """What the last step of an hvd_quant tape or optimizer (or reducer) did
-    (:func:`hvd_quant.plan.step_metrics`: bytes sent and the fp32 equivalent, the exchange's time, the
+    (:func:`hvd_quant.scheduler.step_metrics`: bytes sent and the fp32 equivalent, the exchange's time, the
     reduction and precision of each bucket); None before its first step. The stock path: use
     :func:`bytes_sent_per_step`."""
     return reducer_of(obj).step_metrics()

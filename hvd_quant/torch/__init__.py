@@ -20,14 +20,12 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def step_metrics(optimizer):
-    """What ``optimizer``'s last step did (:func:`hvd_quant.plan.step_metrics`: bytes sent and the
+    """What ``optimizer``'s last step did (:func:`hvd_quant.scheduler.step_metrics`: bytes sent and the
     fp32 equivalent, the exchange's time, the reduction and precision of each bucket), for
     ``hvd_quant.torch.DistributedOptimizer`` and for stock Horovod optimizers whose ``compression=``
     is an hvd_quant codec or :class:`hvd_quant.StockCompression` (for those: bytes since the last
     call, and no time). None for a stock optimizer before its first gradient or without our codec."""
     if hasattr(optimizer, "step_metrics"):
         return optimizer.step_metrics()
-    comp = getattr(optimizer, "_compression", None)
-    if isinstance(comp, _stock.StockCompression):
-        return comp.step_metrics(optimizer)
-    return _stock.stock_compression(comp).step_metrics(optimizer) if hasattr(comp, "spec") else None
+    sc = _stock.state_of(optimizer)
+    return None if sc is None else sc.step_metrics(optimizer)

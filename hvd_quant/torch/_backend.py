@@ -150,7 +150,7 @@ class TorchFrontend(Frontend):
 
     @staticmethod
     def host_one():
-        """A host int32 tensor holding 1 (:class:`hvd_quant.plan.Presence`)."""
+        """A host int32 tensor holding 1 (:class:`hvd_quant.scheduler.Presence`)."""
         return torch.ones(1, dtype=torch.int32)
 
     # -- primitives of the stock path -------------------------------------------------------------

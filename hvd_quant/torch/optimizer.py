@@ -13,9 +13,10 @@ the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / `
    Every rank checks, through one
    blocking allgather under a fixed name, that every rank made the same plan with the same codec:
    ranks configured differently raise :class:`hvd_quant.exchange.ConfigMismatchError` at once.
-2. A gradient hook counts the ready gradients of each bucket; when the last one arrives the bucket is
-   flattened into a float32 buffer and its exchange (``hvd_quant.exchange``: ``sra`` or
-   ``allgather``) starts, overlapping with the rest of backward.
+2. A gradient hook hands each ready gradient to the step's scheduler
+   (:class:`hvd_quant.scheduler.StepScheduler`, shared with the stock ``compression=`` path); when a
+   bucket's last gradient arrives it is flattened into a float32 buffer and its exchange
+   (``hvd_quant.exchange``: ``sra`` or ``allgather``) starts, overlapping with the rest of backward.
 3. ``synchronize()`` launches what is missing, advances every bucket to its last phase, then finishes
    each and divides by N for ``op=hvd.Average``; each float32 ``p.grad`` becomes a view of its
    bucket's result (as DDP's ``gradient_as_bucket_view``: no per-parameter copy; the buffer is
@@ -48,8 +49,8 @@ import horovod.torch as hvd
 
 from .. import plan as _plan
 from ..exchange import Exchange, HANDSHAKE_NAME, Traffic, handshake
-from ..plan import ALLREDUCE, AUTO, AutoChoice
 from ..memory import Memory
+from ..scheduler import Presence, StepScheduler, step_metrics
 from . import _backend
 
 
@@ -105,11 +106,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._prefix = f"hvdq{n}" if ps_id == 0 else f"hvdq{n}.ps{ps_id}"
         self._memory = Memory(_backend.OPS) if self.error_feedback else None
         self._coll = None             # the process set's Collectives, once connected
-        self._channel = None          # the payloads' process groups in this world (_payload_group)
-        self._routes_run = set()      # routes that completed a step in this world (_channel_for)
         self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")
-        self._auto = AutoChoice() if self.reduction == AUTO else None
-        self._handles = {}           # param -> plain allreduce handle (or callable for sparse)
+        self._handles = {}           # param -> per-tensor allreduce handle (or callable for sparse)
         self._launched = set()       # params whose gradient was handed to an exchange or allreduce
         self._grad_accs = []
         self._requires_update = set()
@@ -118,12 +116,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._step = 0               # completed synchronizations: warmup and the noise key
         self._step_agreed = False    # ranks take the largest counter at their first exchange
         self._traffic = Traffic()    # this step so far
-        self._presence = (_plan.Presence(f"{self._prefix}.present", _backend.host_one)
-                          if process_set.process_set_id == 0 else None)   # hvd.join() is global
         self.last_traffic = Traffic()  # the last completed step
         self._t_first = None          # when this step's first gradient was handed in
         self._compress_now = False    # this step's buckets take a compressed exchange
-        self._last_routes = ((), ())  # (route, buckets started compressed) of the last step
         self._make_plan(groups)
 
         elastic = os.environ.get('HOROVOD_ELASTIC') == '1'
@@ -143,29 +138,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             groups = [[index[id(p)] for p in grp if id(p) in index] for grp in groups]
         tensors = [_plan.Tensor(self._parameter_names[p], tuple(p.shape), p.is_floating_point())
                    for p in params]
-        self._grad_plan = _plan.make_plan(self.config, tensors, groups, prefix=self._prefix)
-        self._buckets = self._grad_plan.buckets
+        plan = self._grad_plan = _plan.make_plan(self.config, tensors, groups, prefix=self._prefix)
+        self._buckets = plan.buckets
         self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
-        self._p_bucket = {p: k for k, ps in enumerate(self._bucket_params) for p in ps}
-        self._bucket_sizes = [list(b.numels) for b in self._buckets]     # the plan's layout
-        self._bucket_shapes = [list(b.shapes) for b in self._buckets]
-        # The float32 gradients left uncompressed (1-D and small: ResNet-50 has 107 of its 161) are
-        # fused as well, into plain groups of the same size in reverse order, each one Horovod
-        # allreduce of a flat buffer whose views become their .grad: one call per group instead
-        # of one per tensor (host time per step, docs/BENCHMARKS.md).
-        plain = [i for i, p in enumerate(params) if p not in self._p_bucket and p.dtype == torch.float32]
-        self._plain = [[params[i] for i in g]
-                       for g in _plan.fuse(list(reversed(plain)), [p.numel() for p in params],
-                                           self.config.bucket_bytes)]
-        self._p_plain = {p: j for j, ps in enumerate(self._plain) for p in ps}
-        self._plain_sizes = [[p.numel() for p in ps] for ps in self._plain]
+        self._p_bucket = {p: (k, m) for k, ps in enumerate(self._bucket_params) for m, p in enumerate(ps)}
+        # The float32 gradients left uncompressed (1-D and small) are fused as well, into plain
+        # groups of the same size in reverse order: one Horovod allreduce of a flat buffer per group,
+        # whose views become their .grad, instead of one call per tensor.
+        plain = _plan.plain_groups(plan, [p.dtype == torch.float32 for p in params],
+                                   self.config.bucket_bytes)
+        self._plain = [[params[i] for i in g] for g in plain]
+        self._p_plain = {p: (j, m) for j, ps in enumerate(self._plain) for m, p in enumerate(ps)}
+        self._bucket_shapes = [b.shapes for b in self._buckets]
         self._plain_shapes = [[tuple(p.shape) for p in ps] for ps in self._plain]
-        self._plain_arrived = [0] * len(self._plain)
-        self._plain_handles = {}      # plain group -> its allreduce's handle
-        self._arrived = [0] * len(self._buckets)
-        self._pending = [None] * len(self._buckets)
-        self._complete = []           # buckets complete, waiting for this step's presence count
-        self._next_start = 0          # ordered exchanges: the next bucket to start, in plan order
+        pre, post = self.config.allreduce_factors()
+        presence = (Presence(f"{self._prefix}.present", _backend.host_one)
+                    if self.process_set.process_set_id == 0 else None)   # hvd.join() is global
+        self._sched = StepScheduler(
+            plan, [(f"{self._prefix}.plain.{j}", [p.numel() for p in ps])
+                   for j, ps in enumerate(self._plain)],
+            ops=_backend.OPS, exchange_for=self._exchange_for, traffic=self._traffic,
+            numbering=lambda b: (self._step, None), split=lambda flat, sizes: flat.split(sizes),
+            average=self.op == _plan.AVERAGE, plain_op=(self.op, pre, post), name=self._prefix,
+            label="hvd_quant", presence=presence, wait_device=self._wait_device)
 
     def _connect(self):
         """(Re)bind to the process set's current rank and size and check every rank agrees."""
@@ -179,10 +174,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._step_agreed = False
         for ex in self._exchanges.values():
             ex.coll = coll
-        self._channel = self._payload_group()
-        self._routes_run.clear()        # a joining rank's process ran none
-        if self._auto is not None:
-            self._auto.reset()          # another world: measure again
+        self._sched.bind(coll)          # another world: routes and auto start over
+        self._sched.channel = (coll, self._payload_group())
 
     def _exchange_for(self, reduction):
         ex = self._exchanges.get(reduction)
@@ -196,21 +189,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _payload_group(self):
         """CUDA buckets' payloads travel on process groups of this optimizer's own, for this world
-        (``payload_group.PayloadGroup``), whose collectives match by order: :meth:`_start_complete` then
-        starts the buckets in plan order. None: Horovod's alltoall and allgather."""
+        (``payload_group.PayloadGroup``), whose collectives match by order (the scheduler then starts
+        the buckets in plan order), from a route's second step on. None: Horovod's alltoall and
+        allgather."""
         if not self._buckets:
             return None
         return _backend.payload_group(self.process_set, self._bucket_params[0][0].device,
                                       self._prefix)
 
-    def _channel_for(self, route):
-        """What carries this step's payloads on ``route``: the payload group from the route's second
-        step on; its first step goes through Horovod's collectives (why: ``payload_group.PayloadGroup``)."""
-        return self._channel if route in self._routes_run else None
-
-    def _route(self):
-        """How this step's compressed buckets travel: ``"sra"``, ``"allgather"`` or ``"allreduce"``."""
-        return self.reduction if self._auto is None else self._auto.current()
+    @property
+    def _auto(self):
+        return self._sched.auto
 
     # -- hooks --------------------------------------------------------------------------------------
     def _register_hooks(self):
@@ -252,8 +241,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             top, neg_low = hvd.allreduce(t, op=hvd.Max, name=f"{self._prefix}.step",
                                          process_set=self.process_set).tolist()
             self._step = int(top)
-            if top != -neg_low and self._auto is not None:
-                self._auto.reset()
+            if top != -neg_low and self._sched.auto is not None:
+                self._sched.auto.reset()
 
     def _ready(self, p):
         if p in self._launched:
@@ -263,23 +252,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._connect()             # the first gradient of a step: the world may have changed
             if not self._step_agreed:
                 self._agree_step(p.device)
-            self._compress_now = bool(self._buckets) and not self._in_warmup() \
-                and self._route() != ALLREDUCE
-            if self._compress_now and self._presence is not None and self._coll.size > 1:
-                self._presence.start(self._coll)
+            self._compress_now = self._sched.begin_step(compress=not self._in_warmup())
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
-        j = self._p_plain.get(p)
-        if j is not None:
+        spot = self._p_plain.get(p)
+        if spot is not None:
             if p.grad.is_sparse and not self.sparse_as_dense:
                 self._launch_plain(p)       # its slot in the group carries zeros (_bucket_grad)
-            self._plain_arrived[j] += 1
-            if self._plain_arrived[j] == len(self._plain[j]):
-                self._launch_plain_group(j)
+            self._sched.arrive_plain(*spot, self._bucket_grad(p))
             return
-        k = self._p_bucket.get(p)
-        if k is None or not self._compress_now:
+        spot = self._p_bucket.get(p)
+        if spot is None or not self._compress_now:
             self._launch_plain(p)
             return
         if p.grad.is_sparse and not self.sparse_as_dense:
@@ -287,39 +271,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # keeps the layout every rank planned, with zeros in this slot, and its result there is
             # ignored (synchronize skips parameters that have a handle).
             self._launch_plain(p)
-        self._arrived[k] += 1
-        if self._arrived[k] == len(self._bucket_params[k]):
-            self._complete.append(k)
-        if self._complete:
-            self._start_complete(wait=False)
-
-    def _start_complete(self, wait):
-        """Start the complete buckets' exchanges once this step's presence count is known (``wait``:
-        block for it); if a rank is inside ``hvd.join()``, their gradients go through Horovod's
-        allreduce instead, as with Horovod's own optimizer."""
-        if self._presence is not None and not self._presence.known(self._coll, wait):
-            return
-        if self._presence is not None and self._presence.absent(self._coll):
-            self._compress_now = False
-        complete, self._complete = self._complete, []
-        if not self._compress_now:
-            # every bucket member that arrived so far, complete bucket or not; later ones go plain
-            # (_arrived counts only members kept for a bucket: none where the step began plain)
-            if any(self._arrived):
-                for q in sorted(self._launched, key=self._parameter_names.get):
-                    if q in self._p_bucket and q not in self._handles:
-                        self._launch_plain(q)
-            return
-        route = self._route()
-        ex = self._exchange_for(route)
-        channel = self._channel_for(route)
-        if channel is not None:
-            complete, self._complete, self._next_start = _plan.in_plan_order(complete, self._next_start)
-        for k in complete:
-            b = self._buckets[k]
-            flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._bucket_params[k]])
-            self._pending[k] = ex.start(b.name, flat, step=self._step, header=b.header, channel=channel)
-            ex.advance_ready(self._pending)      # earlier buckets whose alltoall is done: phase two
+        self._sched.arrive(*spot, self._bucket_grad(p))
 
     def _bucket_grad(self, q):
         """What ``q`` puts into its bucket: its gradient, densified if sparse (``sparse_as_dense``), or
@@ -328,24 +280,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         return q.grad.to_dense() if q.grad.is_sparse else q.grad
 
-    def _launch_plain_group(self, j):
-        """Plain group ``j``: one uncompressed allreduce of its members' gradients, flattened."""
-        flat = _backend.OPS.flatten([self._bucket_grad(q) for q in self._plain[j]])
-        pre, post = self.config.allreduce_factors()
-        self._traffic.add_allreduce(4 * flat.numel(), flat.numel(), self._coll.size)
-        self._plain_handles[j] = self._coll.allreduce_async(flat, f"{self._prefix}.plain.{j}",
-                                                            self.op, pre, post)
-
-    def _hand_out(self, params, shapes, sizes, flat):
-        """Each of ``params`` gets its piece of ``flat`` (a bucket's or plain group's result, laid out
-        in their order, ``sizes`` elements each) as its gradient: float32 ``p.grad`` become views of it
-        (as DDP's gradient_as_bucket_view), other dtypes copies; sparse gradients reduced by Horovod's
-        sparse allreduce (in ``_handles``) are left to it. One ``split`` for the views, the planned
-        ``shapes`` as tuples (``p.shape`` makes a new ``torch.Size``), and no ``view`` of a piece that
-        already has its shape (biases and norms: a view costs about 2 us): this runs for every
-        parameter at every step."""
+    def _hand_out(self, params, shapes, pieces):
+        """Each of ``params`` gets its piece (of a bucket's or plain group's result, in their order)
+        as its gradient: float32 ``p.grad`` become views of it (as DDP's gradient_as_bucket_view),
+        other dtypes copies; sparse gradients reduced by Horovod's sparse allreduce (in ``_handles``)
+        are left to it. The planned ``shapes`` are tuples (``p.shape`` makes a new ``torch.Size``),
+        and a piece that already has its shape is not viewed again: this runs for every parameter
+        at every step."""
         handles = self._handles
-        for p, shape, piece in zip(params, shapes, flat.split(sizes)):
+        for p, shape, piece in zip(params, shapes, pieces):
             if handles and p in handles:
                 continue
             grad = p.grad
@@ -382,25 +325,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._connect()
         for p in sorted(self._requires_update - self._launched, key=self._parameter_names.get):
             self._ready(p)
-        self._start_complete(wait=True)
-        started = [k for k, pending in enumerate(self._pending) if pending is not None]
-        route = self._route()
-        self._last_routes = (route, started)
-        flats = []
-        if started:
-            flats = self._exchange_for(route).finish_all([self._pending[k] for k in started])
-            self._routes_run.add(route)
-        scale = self.config.result_scale(self._coll.size)
-        for k, flat in zip(started, flats):
-            if scale != 1.0:
-                flat = _backend.OPS.scale_(flat, scale)
-            self._hand_out(self._bucket_params[k], self._bucket_shapes[k], self._bucket_sizes[k], flat)
-            self._pending[k] = None
-        for j, handle in self._plain_handles.items():
-            self._hand_out(self._plain[j], self._plain_shapes[j], self._plain_sizes[j],
-                           hvd.synchronize(handle))
-        self._plain_handles.clear()
-        self._plain_arrived = [0] * len(self._plain)
+        sched = self._sched
+        for k, pieces in sched.finish_started():
+            self._hand_out(self._bucket_params[k], self._bucket_shapes[k], pieces)
+        for j in sched.plain_started():
+            self._hand_out(self._plain[j], self._plain_shapes[j], sched.plain_result(j))
+            sched.take_plain(j, len(self._plain[j]))
         for p, h in self._handles.items():
             if callable(h):
                 p.grad.zero_().add_(h())
@@ -413,18 +343,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad.copy_(out)
         self._handles.clear()
         self._launched.clear()
-        self._arrived = [0] * len(self._buckets)
-        self._next_start = 0
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
-        joined = self._presence is not None and self._presence.absent(self._coll)
-        if self._presence is not None:
-            self._presence.end_step(self._coll)
-        if (self._auto is not None and not self._in_warmup() and not joined
-                and self._auto.end_step(wait=self._wait_device)):
-            self._auto.decide(self._coll, _backend.OPS, f"{self._prefix}.auto")
-            if self._coll.rank == 0:
-                print(f"hvd_quant: {self._auto.summary()}", flush=True)
+        sched.end_step(timed=not self._in_warmup())
         self._step += 1
         if self._t_first is not None:
             self._traffic.seconds = time.perf_counter() - self._t_first
@@ -481,7 +402,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def reduction_in_use(self):
         """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"`` or
         ``"allreduce"`` (``reduction="auto"``: the schedule's candidate, then the choice)."""
-        return self._route()
+        return self._sched.route()
 
     # -- traffic ------------------------------------------------------------------------------------
     def bytes_per_step(self):
@@ -491,11 +412,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step_metrics(self):
         """What the last step did: bytes, the exchange's time, the reduction and precision of each
-        bucket (:func:`hvd_quant.plan.step_metrics`)."""
-        route, started = self._last_routes
-        started = set(started)
-        routes = [route if k in started else ALLREDUCE for k in range(len(self._buckets))]
-        return _plan.step_metrics(self._grad_plan, self.last_traffic, routes, self.codec.spec())
+        bucket (:func:`hvd_quant.scheduler.step_metrics`)."""
+        return step_metrics(self._grad_plan, self.last_traffic, self._sched.routes, self.codec.spec())
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -515,12 +433,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ours = state_dict.pop(_STATE_KEY, None)
         self._handles = {}
         self._launched = set()
-        self._arrived = [0] * len(self._buckets)
-        self._plain_arrived = [0] * len(self._plain)
-        self._plain_handles = {}
-        self._pending = [None] * len(self._buckets)
-        self._complete = []
-        self._next_start = 0
+        self._sched.clear_step()
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:
@@ -571,7 +484,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             Default: no compression (plain Horovod allreduce).
         reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"`` or ``"sra"``, whichever
             measured the fastest step in the first steps, the same on every rank, logged once on
-            rank 0; :class:`hvd_quant.plan.AutoChoice`), ``"sra"`` (scatter-reduce-allgather with
+            rank 0; :class:`hvd_quant.scheduler.AutoChoice`), ``"sra"`` (scatter-reduce-allgather with
             requantization; traffic flat in the number of ranks) or ``"allgather"`` (each rank
             decodes every rank's payload; one quantization).
         bucket_bytes: compressed gradients are fused into buckets of at most this many float32 bytes,
@@ -603,9 +516,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             groups = num_groups
     _plan.check_groups(groups, "torch.Tensor")
     _plan.check_backward_passes(backward_passes_per_step)
-    from horovod.torch.compression import Compression
     config = _plan.configure(
-        compression, Compression, reduction=reduction, bucket_bytes=bucket_bytes,
+        _backend.resolve_codec(compression), reduction=reduction, bucket_bytes=bucket_bytes,
         min_compress_numel=min_compress_numel, compress_1d=compress_1d, warmup_steps=warmup_steps,
         error_feedback=error_feedback, op=_backend.core_op(op), predivide=gradient_predivide_factor,
         extra=(("backward_passes", backward_passes_per_step),))

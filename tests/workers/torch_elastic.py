@@ -34,7 +34,7 @@ import hvd_quant  # noqa: E402
 import hvd_quant.torch  # noqa: E402
 from hvd_quant import _stock  # noqa: E402
 from hvd_quant.memory import Memory  # noqa: E402
-from hvd_quant.plan import AutoChoice  # noqa: E402
+from hvd_quant.scheduler import AutoChoice  # noqa: E402
 
 MODE = sys.argv[1]
 
@@ -70,7 +70,7 @@ elif MODE == "stock":
         m = MODELS[key] = make_model()
         OPTS[key] = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(),
                                              compression=comp)
-        STOCK[key] = comp if isinstance(comp, hvd_quant.StockCompression) else _stock.stock_compression(comp)
+        STOCK[key] = comp       # a codec's state is the optimizer's: _stock.state_of(opt) once it stepped
 else:
     raise SystemExit(f"mode must be hvdq or stock, got {MODE!r}")
 
@@ -151,7 +151,7 @@ def after_step(b, size, first):
     # the exchange follows the world size
     for k, opt in OPTS.items():
         if k in STOCK:
-            sc = STOCK[k]
+            sc = _stock.state_of(opt)
             sessions = list(sc._sessions.values())
             ok = sessions and all(s.coll.size == size for s in sessions)
             plans = [p for s in sessions for ex in s.exchanges.values() if ex.reduction == "sra"
@@ -180,8 +180,9 @@ def after_step(b, size, first):
             LAST["fp32"][k] = (size, t.fp32_bytes)
     for k, opt in OPTS.items():
         if first and k in ("qsgd_auto", "stock_auto"):
-            auto = opt._auto if k == "qsgd_auto" else STOCK[k]._groups[id(opt)][1].auto
-            route = opt.reduction_in_use() if k == "qsgd_auto" else STOCK[k].reduction_in_use(opt)
+            sc = None if k == "qsgd_auto" else _stock.state_of(opt)
+            auto = opt._auto if k == "qsgd_auto" else sc._groups[id(opt)][1].sched.auto
+            route = opt.reduction_in_use() if k == "qsgd_auto" else sc.reduction_in_use(opt)
             check(auto.choice is None and route in AutoChoice.CANDIDATES and auto.step <= 1,
                   f"auto.measuring.{k}.b{b}", f"choice {auto.choice!r}, schedule step {auto.step}, "
                   f"next route {route}")

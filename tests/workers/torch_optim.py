@@ -331,7 +331,8 @@ def option_cases():
     def b_alltoall_done(g, deadline_s=60.0):
         end = time.monotonic() + deadline_s      # b never started: the check below fails
         while time.monotonic() < end:
-            p = opt._pending[kb]
+            p = opt._sched.pending[kb]
+            p = None if p is None else p[1]
             if p is not None and p.handle is not None and opt._coll.poll(p.handle):
                 return
             time.sleep(0.005)
@@ -343,7 +344,7 @@ def option_cases():
     m.b.weight.register_hook(lambda g: time.sleep(0.2))
     m.a.weight.register_hook(b_alltoall_done)
     F.cross_entropy(m(x), y).backward()
-    stage, channel = opt._pending[kb].stage, opt._pending[kb].channel
+    stage, channel = opt._sched.pending[kb][1].stage, opt._sched.pending[kb][1].channel
     opt.step()
     from hvd_quant.torch.payload_group import PAYLOAD_GROUP
     check(stage == "second" and (channel is not None) == (DEVICE.type in PAYLOAD_GROUP),
