@@ -97,7 +97,8 @@ def result(metrics):
     if not epochs or not summary:
         raise ValueError(f"{metrics}: no epoch or summary record")
     last, s = epochs[-1], summary[-1]
-    return dict(final_val_loss=last["test_loss"], test_accuracy=last["test_accuracy"], steps=s["steps"],
+    return dict(final_val_loss=last["test_loss"], test_accuracy=last["test_accuracy"],
+                test_count=last["test_count"], steps=s["steps"],
                 train_time_s=round(s["train_time"], 2), bytes_sent_per_step=s["bytes_sent_per_step"],
                 bytes_fp32_per_step=s["bytes_fp32_per_step"])
 
@@ -121,7 +122,6 @@ def table(cfg, exp, raw):
     base = {r["seed"]: r for r in mine if r["precision"] == cfg["baseline"]}
     targets = exp["targets"]
     mnist = exp["metric"] == "accuracy"
-    n_test = exp.get("test_count")
     if mnist:
         columns = ["method", "codec", "seeds", "final val loss (mean ± s.d.)", "test accuracy % (mean ± s.d.)",
                    "s.e. over test images (points)", "accuracy diff vs fp32, points (paired, mean ± s.d.)",
@@ -140,7 +140,8 @@ def table(cfg, exp, raw):
             diffs = [100 * (r["test_accuracy"] - base[r["seed"]]["test_accuracy"]) for r in paired]
         else:
             diffs = [100 * (r["final_val_loss"] / base[r["seed"]]["final_val_loss"] - 1) for r in paired]
-        d_m, d_sd = _mean_sd(diffs) if key != cfg["baseline"] else (None, None)
+        is_base = key == cfg["baseline"]
+        d_m, d_sd = _mean_sd(diffs) if not is_base else (None, None)
         target = targets.get(key)
         verdict = ""
         if target is not None and d_m is not None:
@@ -149,10 +150,11 @@ def table(cfg, exp, raw):
         cells = [prec["label"], prec["compression"], len(runs), _pm(loss_m, loss_sd, "{:.4f}")]
         if mnist:
             acc_m, acc_sd = _mean_sd([100 * r["test_accuracy"] for r in runs])
-            se = 100 * math.sqrt(acc_m / 100 * (1 - acc_m / 100) / n_test)
-            cells += [_pm(acc_m, acc_sd, "{:.2f}"), f"{se:.2f}", _pm(d_m, d_sd, "{:+.2f}"), tgt, verdict]
+            se = 100 * math.sqrt(acc_m / 100 * (1 - acc_m / 100) / runs[0]["test_count"])
+            cells += [_pm(acc_m, acc_sd, "{:.2f}"), f"{se:.2f}",
+                      "baseline" if is_base else _pm(d_m, d_sd, "{:+.2f}"), tgt, verdict]
         else:
-            cells += [f"{math.exp(loss_m):.3f}", _pm(d_m, d_sd, "{:+.2f}"), tgt, verdict]
+            cells += [f"{math.exp(loss_m):.3f}", "baseline" if is_base else _pm(d_m, d_sd, "{:+.2f}"), tgt, verdict]
         rows.append(cells)
         summary[key] = {"diffs": diffs, "verdict": verdict}
     return columns, rows, summary
@@ -264,13 +266,15 @@ def main(argv=None):
             running.remove(item)
             rec = {"task": exp["task"], "experiment": exp["id"], "precision": key,
                    "compression": cfg["precisions"][key]["compression"], "seed": seed, "status": "ok",
-                   "test_count": exp.get("test_count"), "wall_s": round(wall, 1), "log": f"{run_id}.log"}
+                   "wall_s": round(wall, 1), "log": f"{run_id}.log"}
             try:
                 if proc.returncode != 0:
                     raise RuntimeError(f"exit {proc.returncode}" if wall < args.timeout else "timeout")
                 rec.update(result(metrics))
-            except (RuntimeError, ValueError, OSError) as e:
-                rec["status"] = f"failed ({e})"
+            except (RuntimeError, ValueError, OSError, KeyError) as e:
+                rec["status"] = f"failed ({type(e).__name__}: {e})"
+                tail = (out_dir / f"{run_id}.log").read_text(errors="replace").splitlines()[-15:]
+                print(f"--- {run_id} failed; the end of its log:\n" + "\n".join(tail), flush=True)
             raw.append(rec)
             done = len(raw)
             print(f"[{done}/{len(todo)} {time.monotonic() - t0:6.0f}s] {run_id}: {rec['status']}"

@@ -70,7 +70,7 @@ def test_matrix_covers_the_issue():
 
 def _raw(task, exp, key, seed, loss, acc):
     return {"task": task, "experiment": exp, "precision": key, "seed": seed, "status": "ok",
-            "final_val_loss": loss, "test_accuracy": acc}
+            "final_val_loss": loss, "test_accuracy": acc, "test_count": 1000}
 
 
 def test_paired_table_and_verdicts(tmp_path):
@@ -91,6 +91,7 @@ def test_paired_table_and_verdicts(tmp_path):
     by = {r[0]: dict(zip(cols, r)) for r in rows}
     assert by["32bit"]["test accuracy % (mean ± s.d.)"] == "98.00 ± 1.00"
     assert by["32bit"]["s.e. over test images (points)"] == f"{100 * math.sqrt(0.98 * 0.02 / 1000):.2f}"
+    assert by["32bit"]["accuracy diff vs fp32, points (paired, mean ± s.d.)"] == "baseline"
     assert by["QSGD 4bit"]["accuracy diff vs fp32, points (paired, mean ± s.d.)"] == "-1.00 ± 0.00"
     assert by["QSGD 4bit"]["verdict"] == "missed" and by["QSGD 8bit"]["verdict"] == "met"
     assert summary["qsgd8"]["diffs"] == pytest.approx([-0.1, -0.2, -0.3])

@@ -238,7 +238,7 @@ def evaluate(hvd, model, ds, batches, args, rank, size, tag):
                          name=f"eval.{tag}")
     model.train()
     c, t, l = sums.tolist()
-    return (c / t if t else None), (l / t if t else None)
+    return (c / t if t else None), (l / t if t else None), int(t)
 
 
 def _sync(device):
@@ -340,9 +340,10 @@ def run_model(name, args, hvd, ds, log, device):
                          exchange=step_metrics(dist) if at_log and kind == "hvd_quant" else None)
         if ds is not None and not args.no_eval:
             t0 = time.perf_counter()
-            acc, test_loss = evaluate(hvd, model, ds, batches, args, rank, size, f"{name}.{epoch}")
+            acc, test_loss, test_count = evaluate(hvd, model, ds, batches, args, rank, size, f"{name}.{epoch}")
             test_time = time.perf_counter() - t0
-            log.epoch(epoch, epoch_train + test_time, test_time, acc, test_loss=test_loss, steps=step)
+            log.epoch(epoch, epoch_train + test_time, test_time, acc, test_loss=test_loss, steps=step,
+                      test_count=test_count)
             if args.task == "lm":
                 log.emit(f"Validation loss {test_loss:.4f} nats/byte (perplexity {math.exp(test_loss):.3f}, "
                          f"{test_loss / math.log(2):.3f} bits/byte) after {step} steps")
