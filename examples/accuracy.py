@@ -170,7 +170,7 @@ def versions():
     return out
 
 
-def write(cfg, raw, out_dir, data_dir, meta):
+def write(cfg, raw, data_dir, meta):
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     for exp in cfg["experiments"]:
@@ -183,12 +183,13 @@ def write(cfg, raw, out_dir, data_dir, meta):
             w.writeheader()
             w.writerows(sorted(mine, key=lambda r: (r["precision"], r["seed"])))
         columns, rows, _ = table(cfg, exp, raw)
-        failed = [f"{r['precision']} seed {r['seed']}: {r['status']}" for r in mine if r["status"] != "ok"]
+        failed = [f"{r['precision']} seed {r['seed']}: {r['status']}" for r in mine
+                  if r["status"].startswith("failed")]
         doc = {"title": exp["title"], "command": meta["command"], "commit": meta["commit"],
                "machine": meta["machine"], "date": meta["date"], "versions": meta["versions"],
                "columns": columns, "rows": rows,
                "notes": exp["notes"].strip() + (" Runs that did not finish: " + "; ".join(failed) + "."
-                                               if failed else ""),
+                                               if failed else "") + meta.get("notes", ""),
                "raw_file": f"{name}_raw.csv"}
         with open(data_dir / f"{name}.json", "w") as f:
             json.dump(doc, f, indent=1)
@@ -280,7 +281,7 @@ def main(argv=None):
             print(f"[{done}/{len(todo)} {time.monotonic() - t0:6.0f}s] {run_id}: {rec['status']}"
                   + (f", val loss {rec['final_val_loss']:.4f}, accuracy {rec['test_accuracy']:.4f}"
                      if rec["status"] == "ok" else ""), flush=True)
-            write(cfg, raw, out_dir, args.data_dir, meta)
+            write(cfg, raw, args.data_dir, meta)
     if args.dry_run:
         return 0
     for exp in cfg["experiments"]:

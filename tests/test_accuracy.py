@@ -103,7 +103,7 @@ def test_paired_table_and_verdicts(tmp_path):
     assert by["QSGD 4bit"]["verdict"] == "missed" and by["QSGD 8bit"]["verdict"] == "met"
     meta = {"command": "c", "commit": "abc1234", "machine": "m", "date": "2026-12-01", "versions": {"x": "1"}}
     accuracy.write(cfg, raw + [dict(_raw("lm", "lm-stdlib", "fp16", 1, None, None), status="failed (exit 1)")],
-                   tmp_path, tmp_path, meta)
+                   tmp_path, meta)
     doc = json.load(open(tmp_path / "accuracy_lm.json"))
     assert set(doc) == {"title", "command", "commit", "machine", "date", "versions", "columns", "rows",
                         "notes", "raw_file"}
