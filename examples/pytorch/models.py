@@ -16,6 +16,10 @@ built-in definitions need nothing but torch and follow the published architectur
   exact network.
 - ``transformer``: the SST-5 text classifier: token + learned position embeddings, pre-norm
   Transformer encoder (6 layers, 256 wide, 4 heads by default), mean pooling over real tokens.
+- ``byte_lm``: a byte-level causal language model (GPT-style): byte + learned position embeddings,
+  pre-norm Transformer blocks under a causal mask (2 layers, 128 wide, 4 heads by default), a final
+  norm and a linear read-out over the 256 bytes; it returns the logits of every position as
+  ``[batch * context, 256]`` so the driver's cross-entropy and accuracy count bytes.
 
 For ImageNet-size inputs, ``source="auto"`` uses torchvision's definition when torchvision is
 importable (``resnet*``, ``resnext50_32x4d``, ``vgg16/19``, ``alexnet``, ``vit_b_16``, ``vit_s_16`` via
@@ -49,7 +53,7 @@ class ModelContext:
 @dataclass
 class ModelSpec:
     name: str
-    kind: str                      # "image" | "text"
+    kind: str                      # "image" | "text" | "lm"
     build: Callable[[ModelContext], nn.Module]
     summary: str
     torchvision: Optional[Callable] = None  # (tv_models, ctx) -> nn.Module
@@ -488,3 +492,27 @@ class TextTransformer(nn.Module):
 register("transformer", "text", "SST-5 Transformer encoder classifier (6 layers, 256 wide, 4 heads)")(
     lambda ctx: TextTransformer(ctx.vocab_size, ctx.num_classes, ctx.embed_dim, ctx.heads, ctx.layers,
                                 ctx.max_len, ctx.dropout))
+
+
+# --------------------------------------------------------------------------- byte-level language model
+
+class ByteLM(nn.Module):
+    def __init__(self, vocab_size=256, dim=128, heads=4, layers=2, context=128, dropout=0.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Parameter(torch.empty(1, context, dim).normal_(std=0.02))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=dropout, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(dim), enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab_size)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        h = self.blocks(self.embed(ids) + self.pos[:, :t], mask=self.mask[:t, :t], is_causal=True)
+        return self.head(h).reshape(-1, self.head.out_features)
+
+
+register("byte_lm", "lm", "byte-level causal Transformer language model (2 layers, 128 wide, 4 heads)")(
+    lambda ctx: ByteLM(ctx.vocab_size, ctx.embed_dim, ctx.heads, ctx.layers, ctx.max_len, ctx.dropout))

