@@ -8,9 +8,9 @@ through ``hvd_quant._stock``.
 from .._lazy import lazy_exports
 
 _EXPORTS = {"OPS": "._backend", "collectives": "._backend", "DistributedOptimizer": ".optimizer",
-            "resolve_codec": ".optimizer"}
+            "resolve_codec": ".optimizer", "OneBitAdam": ".onebit_adam"}
 
-__all__ = ["DistributedOptimizer", "bytes_sent_per_step", "step_metrics", "collectives", "OPS",
+__all__ = ["DistributedOptimizer", "OneBitAdam", "bytes_sent_per_step", "step_metrics", "collectives", "OPS",
            "resolve_codec"]
 
 
