@@ -96,14 +96,11 @@ class OneBitAdam(torch.optim.Optimizer):
                  freeze_step, bucket_bytes=BUCKET_BYTES, decoupled_weight_decay=False,
                  bias_correction=True, named_parameters=None, compression=None,
                  process_set=hvd.global_process_set):
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
+        for value, what in ((lr, "lr"), (eps, "eps"), (weight_decay, "weight_decay")):
+            if not value >= 0.0:
+                raise ValueError(f"{what} must be >= 0; got {value!r}")
         if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1); got {betas!r}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         for flag, name in ((decoupled_weight_decay, "decoupled_weight_decay"),
                            (bias_correction, "bias_correction")):
             if not isinstance(flag, bool):
@@ -163,8 +160,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self._group = {p: g for g in self.param_groups for p in g["params"]}
         for p in params:
             if not self.state[p]:
-                self.state[p].update(step=0, exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                                     exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                self.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         self._params = params
         self._laid_out = self._layout()
         self._coll = None               # agree on the new plan at the next step
