@@ -157,7 +157,6 @@ class OneBitAdam(torch.optim.Optimizer):
         self.buckets = plan.buckets     # plan.Bucket records: name, header, members, offsets
         self._record = plan.record
         self._bucket_params = [[params[i] for i in b.members] for b in plan.buckets]
-        self._group = {p: g for g in self.param_groups for p in g["params"]}
         for p in params:
             if not self.state[p]:
                 self.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
@@ -202,6 +201,8 @@ class OneBitAdam(torch.optim.Optimizer):
                                  "then. Add or remove parameters before the freeze only.")
             self._plan()
         grads = [self._grad(p) for p in self._params]
+        # each parameter's group, looked up every step: load_state_dict replaces the group dicts
+        self._group = {p: g for g in self.param_groups for p in g["params"]}
         coll = self._connect()
         traffic = Traffic()
         if t <= self.freeze_step:
@@ -272,7 +273,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 g = g.add(p, alpha=wd)
             m.lerp_(g, 1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        if group["bias_correction"]:
+        if group.get("bias_correction", True):     # (absent from torch.optim.Adam's groups)
             bc1, bc2 = 1 - b1 ** t, 1 - b2 ** min(t, self.freeze_step)
         else:
             bc1 = bc2 = 1.0

@@ -22,8 +22,9 @@ Every rank draws its own batch from a generator seeded by (rank, step), so local
   sum) per bucket: the error is bounded by the scales of this and the last step. The momentum
   and the parameters have the same bytes on every rank; the variance stays as it was at the freeze;
   bytes per step against fp32's.
-* ``resume``: state_dict after the freeze, torch.save, a new model and optimizer, load: the same
-  parameters as the uninterrupted run, bit for bit; the same without the residuals differs.
+* ``resume``: state_dict after the freeze, torch.save, a new model and optimizer, load, then a new
+  learning rate in both runs: the same parameters as the uninterrupted run, bit for bit; the same
+  without the residuals differs.
 * ``broadcast``: rank 0 loads a checkpoint, the others start fresh; ``hvd.broadcast_optimizer_state``
   gives every rank rank 0's state, and the next steps keep the ranks identical.
 * ``errors``: bad arguments, sparse gradients, parameter groups changed after the freeze, ranks
@@ -234,13 +235,19 @@ def resume_cases():
           all(size == N for _, _, size in ours["server_residuals"]),
           "state_dict holds worker residuals per parameter and server residuals per (bucket, rank, size)",
           f"{len(ours['worker_residuals'])} worker, {len(ours['server_residuals'])} server")
-    straight = run(model, opt, 6, 9)
+
+    def decay(o):       # a learning-rate schedule's change after the checkpoint, in both runs
+        for g in o.param_groups:
+            g["lr"] = 4e-3
+        return o
+
+    straight = run(model, decay(opt), 6, 9)
     m2, o2 = restored(blob)
-    again = run(m2, o2, 6, 9)
+    again = run(m2, decay(o2), 6, 9)
     check(all(torch.equal(a, b) for a, b in zip(straight, again)),
-          "resume after the freeze equals the uninterrupted run, bit for bit")
+          "resume after the freeze (and a new lr) equals the uninterrupted run, bit for bit")
     m3, o3 = restored(blob, drop_residuals=True)
-    lost = run(m3, o3, 6, 9)
+    lost = run(m3, decay(o3), 6, 9)
     check(not all(torch.equal(a, b) for a, b in zip(straight, lost)), "resume without residuals differs")
 
 
