@@ -221,7 +221,7 @@ class OneBitAdam(torch.optim.Optimizer):
         if coll.size == 1:
             return grads
         index = {p: i for i, p in enumerate(self._params)}
-        flats, handles = [], []
+        flats, handles = [], []     # the flat buffers stay referenced until their allreduce is done
         for b, ps in zip(self.buckets, self._bucket_params):
             flat = OPS.flatten([grads[index[p]] for p in ps])
             handles.append(coll.allreduce_async(flat, f"{b.name}.fp32", AVERAGE))
