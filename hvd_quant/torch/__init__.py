@@ -10,10 +10,10 @@ from .. import _stock
 from ..frontend import bytes_sent_per_step
 
 _EXPORTS = {"OPS": "._backend", "collectives": "._backend", "resolve_codec": "._backend",
-            "DistributedOptimizer": ".optimizer"}
+            "DistributedOptimizer": ".optimizer", "OneBitAdam": ".onebit_adam"}
 
-__all__ = ["DistributedOptimizer", "bytes_sent_per_step", "step_metrics", "collectives", "OPS",
-           "resolve_codec"]
+__all__ = ["DistributedOptimizer", "OneBitAdam", "bytes_sent_per_step", "step_metrics", "collectives",
+           "OPS", "resolve_codec"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
