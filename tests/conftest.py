@@ -46,8 +46,6 @@ QUICK = {
     "tests/test_exchange_unit.py::test_deterministic_qsgd_within_bound_and_identical": 2,
     "tests/test_exchange_unit.py::test_error_feedback_sums_to_the_truth_over_steps": 0,
     "tests/test_exchange_unit.py::test_memory_state_roundtrip_is_exact": 1,
-    # PyTorch frontend: a real 2-rank Horovod job over Gloo
-    "tests/test_torch_optimizer.py::test_optimizer_entry_points": 1,
     # TensorFlow frontend (in-process) and the CUDA path in the simulator
     "tests/test_tf_unit.py::test_resolve_codec_and_ops": 0,
     "tests/test_tf_unit.py::test_state_roundtrip_through_checkpoint": 0,
@@ -66,6 +64,7 @@ QUICK = {
     "tests/test_examples.py::test_keyword_sentiment_ceiling": 0,
     "tests/test_examples.py::test_lm_corpus_and_windows": 0,
     "tests/test_examples.py::test_reference_numbers_are_copied_from_the_published_files": 0,
+    # a real 2-rank Horovod job (Gloo): the driver, hvd_quant.torch.DistributedOptimizer, QSGD
     "tests/test_examples.py::test_lm_job_logs_validation_loss_and_measured_bytes": 0,
     "tests/test_accuracy.py::test_matrix_covers_the_issue": 0,
     "tests/test_accuracy.py::test_paired_table_and_verdicts": 0,
