@@ -3,7 +3,7 @@
 # when already done), then runs pytest on real multi-process Horovod jobs (Gloo and MPI on CPU).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k codec -x`.
 # `bash scripts/test.sh --quick`: the fast tier only (pytest -m quick; tests/conftest.py lists it):
-# every module touched and real 2-rank Horovod jobs, about 5 minutes on 2 cores after the set-up.
+# a few cases of every area and real 2-rank Horovod jobs. CI (.ci/run) runs the whole suite.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # HVD_QUANT_TF=2.19 or 2.20: against that TensorFlow with tf_keras (scripts/bootstrap.sh).

@@ -2,10 +2,11 @@
 
 The fast tier is ``bash scripts/test.sh --quick`` (``pytest tests -m quick``): the tests listed in
 :data:`QUICK` get the ``quick`` marker here, at most ``n`` cases of a parametrized one (the first ones
-collected). Together they import and exercise every module of hvd_quant, numba_kernels and examples
-(the CUDA kernels through Numba's simulator) and run real 2-rank Horovod jobs (Gloo), within about
-5 minutes on 2 cores. An entry that matches no collected test fails the quick run, so a renamed test
-cannot drop out of the tier unnoticed.
+collected): one or two cases of each area rather than the grids. Together they import and exercise
+the codecs, kernels (CPU, and CUDA through Numba's simulator), plan, exchange, memory, both
+frontends, the benchmark drivers' logic and the examples, and run real 2-rank Horovod jobs (Gloo).
+An entry that names a test that does not exist fails the quick run, so a renamed test cannot drop
+out of the tier unnoticed.
 """
 import os
 import sys
@@ -25,13 +26,12 @@ QUICK = {
     "tests/test_codecs.py::test_spec_examples": 0,
     "tests/test_codecs.py::test_spec_round_trip": 3,
     "tests/test_codecs.py::test_wire_nbytes_formula": 0,
-    "tests/test_codecs.py::test_deterministic_error_at_most_half_a_level": 2,
+    "tests/test_codecs.py::test_deterministic_error_at_most_half_a_level": 1,
     "tests/test_codecs.py::test_stochastic_is_unbiased": 2,
     "tests/test_codecs.py::test_sortquant_stochastic_is_unbiased": 1,
     "tests/test_codecs.py::test_kmeans_sends_each_value_to_its_nearest_centroid": 1,
     "tests/test_codecs.py::test_mean_abs_is_scaled_sign": 0,
     "tests/test_codecs.py::test_bad_payload_is_refused": 2,
-    "tests/test_codecs.py::test_decode_into_accumulates_without_changing_numerics": 0,
     # CPU kernels against their NumPy twins; the wire header
     "tests/test_kernels.py::test_qsgd_cpu_equals_reference": 2,
     "tests/test_kernels.py::test_onebit_cpu_equals_reference": 2,
@@ -46,8 +46,6 @@ QUICK = {
     "tests/test_exchange_unit.py::test_deterministic_qsgd_within_bound_and_identical": 2,
     "tests/test_exchange_unit.py::test_error_feedback_sums_to_the_truth_over_steps": 0,
     "tests/test_exchange_unit.py::test_memory_state_roundtrip_is_exact": 1,
-    # PyTorch frontend: a real 2-rank Horovod job over Gloo
-    "tests/test_torch_optimizer.py::test_optimizer_entry_points": 1,
     # TensorFlow frontend (in-process) and the CUDA path in the simulator
     "tests/test_tf_unit.py::test_resolve_codec_and_ops": 0,
     "tests/test_tf_unit.py::test_state_roundtrip_through_checkpoint": 0,
@@ -66,6 +64,7 @@ QUICK = {
     "tests/test_examples.py::test_keyword_sentiment_ceiling": 0,
     "tests/test_examples.py::test_lm_corpus_and_windows": 0,
     "tests/test_examples.py::test_reference_numbers_are_copied_from_the_published_files": 0,
+    # a real 2-rank Horovod job (Gloo): the driver, hvd_quant.torch.DistributedOptimizer, QSGD
     "tests/test_examples.py::test_lm_job_logs_validation_loss_and_measured_bytes": 0,
     "tests/test_accuracy.py::test_matrix_covers_the_issue": 0,
     "tests/test_accuracy.py::test_paired_table_and_verdicts": 0,
