@@ -28,17 +28,16 @@ import inspect
 import math
 import operator
 import os
-import random
 import threading
 import weakref
 
 import numpy as np
 
 from numba_kernels import wire
-from numba_kernels._scalar import mix64_py
 from numba_kernels.wire import PayloadError
 
 from ._arrays import UnsupportedInputError, adapter_for, device_statuses, status_for
+from ._noise import fresh_seed, noise_key
 
 __all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "KMeans", "FP16", "NoCompression", "Compression", "REGISTRY",
            "register", "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
@@ -175,37 +174,6 @@ def _check_choice(key, v, choices):
     return v
 
 
-_SEED_SALT = 0x6A09E667F3BCC908
-_M64 = (1 << 64) - 1
-
-
-def noise_base(seed, rank, name_hash):
-    """The part of :func:`noise_key` that stays fixed for one name on one rank (computed once)."""
-    h = mix64_py((seed ^ _SEED_SALT) & _M64)
-    h = mix64_py(h ^ (rank & _M64))
-    return mix64_py(h ^ name_hash)
-
-
-def noise_key(seed, k, rank, name_hash):
-    """The 64-bit key of stochastic rounding: an integer mix of (seed, rank, name hash, k).
-
-    ``k`` counts draws for the same name: a direct :meth:`Codec.encode` passes its call count for that
-    name, the exchange passes the training step (its payload names are stable across steps, so it
-    keeps :func:`noise_base` and mixes in the step alone). The kernels hash this key with the element
-    index into one uniform per element."""
-    return mix64_py(noise_base(seed, rank, name_hash) ^ (k & _M64))
-
-
-_FRESH = random.Random(os.urandom(32))
-os.register_at_fork(after_in_child=lambda: _FRESH.seed(os.urandom(32)))
-
-
-def fresh_seed():
-    """64 fresh random bits (the base of unseeded stochastic rounding): a generator seeded from OS
-    entropy at import and again in every forked child, so processes never share a stream."""
-    return _FRESH.getrandbits(64)
-
-
 # Direct encode calls with a fixed seed: id(codec) -> {name hash: calls so far}. The counts belong
 # to the caller's use of one codec object, not to its configuration, so they live here (dropped when
 # the object is) and the codec itself stays an immutable value.
@@ -253,7 +221,7 @@ def _validated(codec, header_bytes, nbytes, name):
 
 
 @functools.lru_cache(maxsize=4096)
-def expectation(codec, numel, name):
+def _expectation(codec, numel, name):
     """What a receiver expects of a payload header (``wire.Expect``), for the on-device check."""
     method, bits, mode, norm, bs = codec._fields()
     return wire.Expect(method, bits, mode, norm, bs, int(numel), wire.name_hash(name), name is not None)
@@ -329,6 +297,16 @@ class Codec:
     def wire_nbytes(self, numel):
         """Size in bytes of the payload of a tensor of ``numel`` elements (header included)."""
         return self._layout(_check_int("numel", numel, 0)).total
+
+    def header_plan(self, shape, dtype_name, name):
+        """(name hash, header words, layout) of an input of ``shape`` and dtype ``dtype_name`` sent
+        under ``name``: what :meth:`encode_into` takes, built once per input and memoised."""
+        return _prepared(self, shape, dtype_name, name)
+
+    def expectation(self, numel, name):
+        """What a receiver expects of the header of a payload of ``numel`` elements sent under
+        ``name`` (``wire.Expect``, the decoders' ``expect``; memoised)."""
+        return _expectation(self, numel, name)
 
     def _check_header(self, h, name):
         """Raise PayloadError if header ``h`` is not of this configuration (or not ``name``'s)."""
@@ -410,7 +388,7 @@ class Codec:
     def encode_into(self, x, payload, words, lay, key, arrays=None, residual=None):
         """Encode ``x`` (``lay.numel`` elements) into ``payload``, a uint8 buffer (or a slice of one)
         of ``lay.total`` bytes of the same kind and device, with header ``words`` and noise ``key``
-        prepared by the caller (:func:`_prepared`, :func:`noise_key`): the exchange's hot path, with
+        prepared by the caller (:meth:`header_plan`, :func:`noise_key`): the exchange's hot path, with
         no allocation and no per-call preparation. ``arrays``: the adapter of ``x``, if known.
 
         ``residual`` (a flat float32 buffer of ``x``'s kind, or None): also write ``x - decode(payload)``
@@ -589,7 +567,7 @@ class Codec:
         into ``out`` (so a bad payload can never pass silently into a sum) and the reason is kept in a
         device status word; :meth:`check_device_errors` reads it (synchronising) and raises.
 
-        ``expect`` (a ``wire.Expect`` from :func:`expectation`, given instead of ``name``) and
+        ``expect`` (a ``wire.Expect`` from :meth:`expectation`, given instead of ``name``) and
         ``arrays`` (the payload's adapter) let a caller that decodes the same layout every step skip
         the per-call preparation."""
         if name is not None and type(name) is not str:
@@ -643,7 +621,7 @@ class Codec:
             shape, dtype_name, expect = h.shape, h.dtype_name, None
         else:
             dtype_name = _dtype_text(dtype)
-            expect = expectation(self, math.prod(shape), name)
+            expect = self.expectation(math.prod(shape), name)
         numel = math.prod(shape)
         if nbytes != self.wire_nbytes(numel):
             raise PayloadError(f"payload has {nbytes} bytes; {numel} elements take {self.wire_nbytes(numel)}")
@@ -676,7 +654,7 @@ class Codec:
                 raise PayloadError(f"payload has {nbytes} bytes; out has {numel} elements, which take "
                                    f"{self.wire_nbytes(numel)}")
             if expect is None:
-                expect = expectation(self, numel, name)
+                expect = self.expectation(numel, name)
             stream = arrays.stream(payload)
             pdev = arrays.bytes_dev(payload)
             status_t, status_dev = status_for(self, arrays, payload)
@@ -926,7 +904,7 @@ def _device_decoder(codec, arrays, payload, numel, accumulate, name, expect):
     hit = _DEVICE_DECODERS.get(key)
     if hit is None:
         if expect is None:
-            expect = expectation(codec, numel, name)
+            expect = codec.expectation(numel, name)
         bound = None
         if numel and codec._bound_kernel(arrays, numel, accumulate) is not None:
             bound = codec.bind_decode(arrays, numel, accumulate, expect, None,

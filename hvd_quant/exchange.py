@@ -1,14 +1,14 @@
 """The compressed gradient exchange, written once for every framework.
 
-Horovod sums what it is given, and quantized codes cannot be summed (DESIGN.md). This module builds
+Horovod sums what it is given, and quantized codes cannot be summed. This module builds
 the two reductions that can, out of Horovod's public ``alltoall``, ``allgather`` and ``allreduce``:
 
 ``reduction="sra"`` (scatter-reduce-allgather, the default)
     1. split the flat float32 buffer into N chunks whose bounds fall on the codec's buckets;
-    2. encode chunk j (header name ``<name>#c<j>@<step>``), concatenate, ``alltoall``: rank r receives
-       every rank's chunk r;
+    2. encode chunk j (header name ``<name>#c<j>``, the same every step) at its offset of one send
+       buffer, ``alltoall``: rank r receives every rank's chunk r;
     3. decode and sum the N payloads in rank order, in float32;
-    4. requantize the reduced chunk (header ``<name>#r<r>@<step>``) and ``allgather`` it;
+    4. requantize the reduced chunk (header ``<name>#r<r>``) and ``allgather`` it;
     5. every rank, the owner too, decodes the same gathered bytes, so replicas stay bit-identical.
     Traffic per rank is about 2(N-1)/N * payload(n), flat in N (``docs/EXCHANGE.md``).
 
@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from numba_kernels._scalar import mix64_py
+from numba_kernels.wire import MASK64
 
 from ._arrays import adapter_for
-from .codecs import _M64, _prepared, expectation, fresh_seed, noise_base
+from ._noise import fresh_seed, noise_base
 
 __all__ = [
     "AVERAGE", "SUM", "REDUCTIONS", "Collectives", "ArrayOps", "Exchange", "Pending", "Traffic",
@@ -333,9 +334,9 @@ class _Chunk:
     def __init__(self, ex, plan, a, b, off, tag, like):
         codec = ex.codec
         self.a, self.b, self.off = a, b, off
-        self.nh, self.words, self.lay = _prepared(codec, (b - a,), "float32", tag)
+        self.nh, self.words, self.lay = codec.header_plan((b - a,), "float32", tag)
         self.size = self.lay.total if b > a else 0      # an empty chunk sends nothing
-        self.expect = expectation(codec, b - a, tag)
+        self.expect = codec.expectation(b - a, tag)
         seed = plan.fresh if codec.seed is None else codec.seed
         self.noise = noise_base(seed, ex.coll.rank, self.nh) if codec.stochastic else None
         arrays = plan.arrays
@@ -344,8 +345,8 @@ class _Chunk:
         self.accumulate = codec.bind_decode(arrays, b - a, True, self.expect, like)
 
     def key(self, step):
-        """The noise key of this payload at ``step`` (``codecs.noise_key``); 0 without noise."""
-        return 0 if self.noise is None else mix64_py(self.noise ^ (step & _M64))
+        """The noise key of this payload at ``step`` (``_noise.noise_key``); 0 without noise."""
+        return 0 if self.noise is None else mix64_py(self.noise ^ (step & MASK64))
 
 
 class _Plan:
@@ -655,7 +656,7 @@ class Exchange:
         self._check_hs(p)
         ops, coll, plan = self.ops, self.coll, p.plan
         data = _wait(self, p.handle)
-        if p.t0 is not None:        # inline: the step's Python-call budget (DESIGN.md)
+        if p.t0 is not None:        # inline: this runs once per bucket and step
             self.traffic.timed.append(("alltoall", plan.sent[0], p.t0, self._mark(p.like)))
         own, red = plan.own, plan.reduced
         n, each = own.b - own.a, own.size

@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 HEADER_NBYTES = 64
+MASK64 = (1 << 64) - 1     # the noise keys and header words are 64-bit unsigned
 MAGIC = b"HVDQ"
 VERSION = 1
 MAX_NDIM = 8
