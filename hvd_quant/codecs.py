@@ -8,8 +8,8 @@ tensor on the same device, TensorFlow tensor) and back::
     g = c.decode(payload, name="layer1.weight")        # grad's shape and dtype (quantized values)
     c.decode_into(payload, acc, accumulate=True)       # acc (flat float32) += decoded values
 
-A payload is a 64-byte header (format version, method, bits, mode, norm, bucket size, numel, dtype,
-shape, name hash, checksums), the bit-packed codes and the float32 per-bucket scales
+A payload is a 64-byte header (format version, method, bits, mode, param (norm or split_bits),
+bucket size, numel, dtype, shape, name hash, checksums), the bit-packed codes and the float32 per-bucket scales
 (``numba_kernels/wire.py``, ``docs/CODECS.md``). Any instance of an equal configuration decodes it
 (that is what a receiving rank does); a payload of another configuration, a truncated or corrupt one,
 or (when ``decode`` is given a ``name``) another tensor's, raises :class:`PayloadError` saying what is
@@ -33,7 +33,9 @@ import weakref
 
 import numpy as np
 
+import numba_kernels
 from numba_kernels import wire
+from numba_kernels._memo import memo
 from numba_kernels.wire import PayloadError
 
 from ._arrays import UnsupportedInputError, adapter_for, device_statuses, status_for
@@ -174,30 +176,49 @@ def _check_choice(key, v, choices):
     return v
 
 
-# Direct encode calls with a fixed seed: id(codec) -> {name hash: calls so far}. The counts belong
-# to the caller's use of one codec object, not to its configuration, so they live here (dropped when
-# the object is) and the codec itself stays an immutable value.
-_DIRECT_CALLS = {}
-_direct_lock = threading.Lock()
+class _ThreadState(threading.local):
+    """What direct :meth:`Codec.encode` / :meth:`Codec.decode_into` calls keep between calls, one per
+    thread, so that the codec stays an immutable value and threads never share it:
+
+    * ``calls``: id(codec) -> (weak reference to the codec, {name hash: seeded encodes so far}): the
+      ``k`` of :func:`noise_key` counts one codec object's encodes of a name on this thread;
+    * ``launches``: prepared kernel launches; each writes its parameter buffer (and, on a device,
+      its scratch) on every call, so each thread prepares its own."""
+
+    def __init__(self):
+        self.calls = {}
+        self.launches = {}
+
+
+_THREAD = _ThreadState()
 
 
 def _direct_count(codec, nh):
-    """How many direct encodes ``codec`` (this object) made for name hash ``nh`` before this one."""
-    with _direct_lock:
-        calls = _DIRECT_CALLS.get(id(codec))
-        if calls is None:
-            calls = _DIRECT_CALLS[id(codec)] = {}
-            weakref.finalize(codec, _DIRECT_CALLS.pop, id(codec), None)
-        k = calls.get(nh, 0)
-        calls[nh] = k + 1
+    """How many direct encodes ``codec`` (this object) made for name hash ``nh`` on this thread
+    before this one."""
+    table = _THREAD.calls
+    entry = table.get(id(codec))
+    if entry is None or entry[0]() is not codec:        # new, or another object under a reused id
+        if len(table) >= 1024:
+            for key in [key for key, (ref, _) in table.items() if ref() is None]:
+                del table[key]
+        entry = table[id(codec)] = (weakref.ref(codec), {})
+    calls = entry[1]
+    k = calls.get(nh, 0)
+    calls[nh] = k + 1
     return k
+
+
+def _thread_launch(key, make, *args):
+    """``make(*args)``, built once per ``key`` on this thread (:class:`_ThreadState`)."""
+    return memo(_THREAD.launches, key, make, *args)
 
 
 @functools.lru_cache(maxsize=4096)
 def _prepared(codec, shape, dtype_name, name):
     """(name hash, header words, layout) of an input: a pure function of its arguments, memoised."""
-    method, bits, mode, norm, bs = codec._fields()
-    header = wire.Header(method, bits, mode, norm, bs, wire.DTYPES[dtype_name], shape,
+    method, bits, mode, param, bs = codec._fields()
+    header = wire.Header(method, bits, mode, param, bs, wire.DTYPES[dtype_name], shape,
                          name_hash=wire.name_hash(name))
     words = header.words()              # validates rank and dims before any work
     return header.name_hash, words, codec._layout(header.numel)
@@ -206,8 +227,8 @@ def _prepared(codec, shape, dtype_name, name):
 @functools.lru_cache(maxsize=4096)
 def _layout_of(codec, numel):
     """The payload layout of ``numel`` elements (``wire.layout``; memoised, layouts are never modified)."""
-    method, bits, mode, norm, bs = codec._fields()
-    return wire.layout(method, numel, bits, bs, mode, norm)
+    method, bits, mode, param, bs = codec._fields()
+    return wire.layout(method, numel, bits, bs, mode, param)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -223,8 +244,8 @@ def _validated(codec, header_bytes, nbytes, name):
 @functools.lru_cache(maxsize=4096)
 def _expectation(codec, numel, name):
     """What a receiver expects of a payload header (``wire.Expect``), for the on-device check."""
-    method, bits, mode, norm, bs = codec._fields()
-    return wire.Expect(method, bits, mode, norm, bs, int(numel), wire.name_hash(name), name is not None)
+    method, bits, mode, param, bs = codec._fields()
+    return wire.Expect(method, bits, mode, param, bs, int(numel), wire.name_hash(name), name is not None)
 
 
 class Codec:
@@ -237,7 +258,7 @@ class Codec:
     per-bucket plans, or for direct :meth:`encode` calls small module-level tables.
 
     Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical order), ``_config()`` (the
-    values of those parameters), ``_fields()`` (the header's method/bits/mode/norm/bucket_size) and
+    values of those parameters), ``_fields()`` (the header's method/bits/mode/param/bucket_size) and
     the host/device encode and decode steps."""
 
     name = None
@@ -288,7 +309,7 @@ class Codec:
 
     # -- wire ----------------------------------------------------------------------------------------
     def _fields(self):
-        """(method, bits, mode, norm, bucket_size) as written in the header."""
+        """(method, bits, mode, param, bucket_size) as written in the header."""
         raise NotImplementedError
 
     def _layout(self, numel):
@@ -310,15 +331,15 @@ class Codec:
 
     def _check_header(self, h, name):
         """Raise PayloadError if header ``h`` is not of this configuration (or not ``name``'s)."""
-        method, bits, mode, norm, bs = self._fields()
+        method, bits, mode, param, bs = self._fields()
         if h.method != method:
             raise PayloadError(f"payload was made by the {h.method_name!r} codec; this codec is {self.spec()!r}")
-        for field, got, want in (("bits", h.bits, bits), ("mode", h.mode, mode), ("norm", h.norm, norm),
+        for field, got, want in (("bits", h.bits, bits), ("mode", h.mode, mode), ("param", h.param, param),
                                  ("bucket_size", h.bucket_size, bs)):
             if got != want:
-                raise PayloadError(f"payload configuration differs in {field}: payload has "
-                                   f"{self._field_text(field, got)}, this codec ({self.spec()}) has "
-                                   f"{self._field_text(field, want)}")
+                have, need = self._field_text(field, got), self._field_text(field, want)
+                raise PayloadError(f"payload configuration differs in {have.split('=')[0]}: payload has "
+                                   f"{have}, this codec ({self.spec()}) has {need}")
         if name is not None:
             nh = wire.name_hash(name)
             if h.name_hash != nh:
@@ -434,19 +455,24 @@ class Codec:
     def bind_decode(self, arrays, numel, accumulate, expect, like, status=None):
         """``f(payload, out)``: :meth:`decode_into` of payloads of ``numel`` elements checked against
         ``expect``, resolved now as :meth:`bind_encode` does (device: the check runs in the decode
-        kernel and reports through a status word of this codec on ``like``'s device, or through the
-        device handle ``status``)."""
+        kernel and reports through ``status``, the caller's ``arrays.new_status(like)``, or else
+        through the status word of this codec on ``like``'s device that :meth:`check_device_errors`
+        reads)."""
         launch = self._bound_kernel(arrays, numel, bool(accumulate)) if numel else None
+        if arrays.device and status is None:
+            status = status_for(self, arrays, like)
         if launch is None:
+            if arrays.device:
+                return lambda payload, out: self._decode_into_device(arrays, payload, out, accumulate, None,
+                                                                     expect, status)
             return lambda payload, out: self.decode_into(payload, out, accumulate=accumulate, expect=expect,
                                                          arrays=arrays)
         if arrays.device:
-            if status is None:
-                _, status = status_for(self, arrays, like)
+            status_dev = status[1]
             pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
 
             def decode(payload, out):
-                launch(pay(payload), out_dev(out)[0], stream(out), status, expect)
+                launch(pay(payload), out_dev(out)[0], stream(out), status_dev, expect)
         else:
             total = self._layout(numel).total
             payload_np, out_np = arrays.payload_np, arrays.out_np
@@ -464,7 +490,7 @@ class Codec:
         return decode
 
     # -- fused launches: one per exchange phase ------------------------------------------------------
-    def bind_decode_sum(self, arrays, numel, expect, like):
+    def bind_decode_sum(self, arrays, numel, expect, like, status=None):
         """``f(payloads, n, out)``: ``out`` = the sum, in order, of the ``n`` payloads of ``numel``
         elements held back to back in ``payloads``, each checked against ``expect``: one launch (the
         allgather's decode). None where this codec has no fused kernel (the caller loops)."""
@@ -472,14 +498,14 @@ class Codec:
         if launch is None:
             return None
         if arrays.device:
-            _, status = status_for(self, arrays, like)
+            status = (status or status_for(self, arrays, like))[1]
             pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
             return lambda payloads, n, out: launch(pay(payloads), n, out_dev(out)[0], stream(out), status,
                                                    expect)
         pay, out_np = arrays.payload_np, arrays.out_np
         return lambda payloads, n, out: launch(pay(payloads), n, out_np(out)[0], None, None, expect)
 
-    def bind_reduce_requantize(self, arrays, lay, words, expect, like):
+    def bind_reduce_requantize(self, arrays, lay, words, expect, like, status=None):
         """``f(payloads, n, residual, out_payload, key)``: SRA's middle phase in one launch: sum the
         ``n`` received payloads of ``lay.numel`` elements (checked against ``expect``), add
         ``residual`` if given, encode the result into ``out_payload`` with header ``words`` and noise
@@ -488,7 +514,7 @@ class Codec:
         if launch is None:
             return None
         if arrays.device:
-            _, status = status_for(self, arrays, like)
+            status = (status or status_for(self, arrays, like))[1]
             pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
 
             def reduce(payloads, n, residual, out_payload, key):
@@ -502,7 +528,7 @@ class Codec:
                    words, key, None, None, expect)
         return reduce
 
-    def bind_decode_chunks(self, arrays, numel, chunk, name_hashes, expect, like):
+    def bind_decode_chunks(self, arrays, numel, chunk, name_hashes, expect, like, status=None):
         """``f(gathered, out)``: SRA's last phase in one launch: chunk j of ``out`` (elements
         [j*chunk, (j+1)*chunk)) decoded from the j-th payload of ``gathered``, each checked against
         ``expect`` and its own name hash. ``name_hashes``: the chunks' hashes, on ``like``'s device,
@@ -512,7 +538,7 @@ class Codec:
         if launch is None:
             return None
         if arrays.device:
-            _, status = status_for(self, arrays, like)
+            status = (status or status_for(self, arrays, like))[1]
             pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
             return lambda gathered, out: launch(pay(gathered), out_dev(out)[0], stream(out), status, name_hashes,
                                                 expect)
@@ -637,8 +663,8 @@ class Codec:
                                    status_dev, expect)
             return arrays.result(out_t if res is None else res, dtype_name, shape)
 
-    def _decode_into_device(self, arrays, payload, out, accumulate, name, expect):
-        if arrays.views:
+    def _decode_into_device(self, arrays, payload, out, accumulate, name, expect, status=None):
+        if arrays.views and status is None:
             numel = arrays.numel(out)
             total, bound = _device_decoder(self, arrays, payload, numel, bool(accumulate), name, expect)
             if arrays.payload_nbytes(payload) != total:
@@ -657,7 +683,7 @@ class Codec:
                 expect = self.expectation(numel, name)
             stream = arrays.stream(payload)
             pdev = arrays.bytes_dev(payload)
-            status_t, status_dev = status_for(self, arrays, payload)
+            status_t, status_dev = status or status_for(self, arrays, payload)
             self._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
                                   expect)
         return out
@@ -785,7 +811,7 @@ class QSGD(Codec):
     def _field_text(self, field, code):
         if field == "mode":
             return f"mode={_MODE_NAMES.get(code, code)}"
-        if field == "norm":
+        if field == "param":
             return f"norm={_NORM_NAMES.get(code, code)}"
         return super()._field_text(field, code)
 
@@ -793,7 +819,7 @@ class QSGD(Codec):
         return wire.layout(self._method, numel, self.bits, self.bucket_size, wire.MODES["stochastic"])
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         xf = arrays.input_f32(x)
         if self.mode == "fake":
             tmp = np.empty(self._qlayout(xf.size).total, np.uint8)
@@ -814,13 +840,13 @@ class QSGD(Codec):
             else:
                 out[...] = vals
             return
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.qsgd_decode_cpu(pay, out, self.bits, self.bucket_size, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         xt, xdev = arrays.input_f32(x)
         if self.mode == "fake":     # through Numba's dispatcher: an accuracy-study mode, not a hot path
-            import numba_kernels.cuda as K
+            K = numba_kernels.cuda
             n = lay.numel
             tt, _ = arrays.new_bytes(self._qlayout(n).total, x)
             tn, pn = arrays.numba(tt), arrays.numba(pt)
@@ -836,8 +862,10 @@ class QSGD(Codec):
         if self.mode == "fake" or not arrays.views:
             return None
         if arrays.device:
-            return _cuda_encoder(self, numel) if accumulate is None else _cuda_decoder(self, numel, accumulate)
-        import numba_kernels.cpu as K
+            K = numba_kernels.cuda
+            return (self._cuda_prepare_encode(K, numel) if accumulate is None
+                    else self._cuda_prepare_decode(K, numel, accumulate))
+        K = numba_kernels.cpu
         if accumulate is None:
             return K.prepare_qsgd_encode(numel, self.bits, self.bucket_size, self.stochastic,
                                          self.norm == "l2")
@@ -876,66 +904,57 @@ class QSGD(Codec):
         _cuda_decoder(self, arrays.numel(out_t), accumulate)(pdev, out_dev, stream, status_dev, expect)
 
 
-@functools.lru_cache(maxsize=4096)
 def _prepared_launch(codec, arrays, numel, accumulate):
-    """The codec's prepared launch of ``numel`` elements on ``arrays``' device or the CPU
-    (``Codec._bound_kernel``: the encode when ``accumulate`` is None), built once; None where the
-    generic path serves."""
-    return codec._bound_kernel(arrays, numel, accumulate) if numel else None
+    """This thread's prepared launch of ``codec`` for ``numel`` elements on ``arrays``' device or the
+    CPU (``Codec._bound_kernel``: the encode when ``accumulate`` is None); None where the generic
+    path serves."""
+    if not numel:
+        return None
+    return _thread_launch(("bound", codec, arrays, numel, accumulate), codec._bound_kernel, arrays, numel,
+                          accumulate)
 
 
-@functools.lru_cache(maxsize=4096)
 def _direct_encoder(codec, arrays, shape, dtype_name, name):
     """A direct ``encode``'s (name hash, payload bytes, header words, prepared launch
     ``f(x, payload, words, key, stream, residual)`` taking the adapter's device handles or NumPy
-    arrays), or None (generic path)."""
-    nh, words, lay = _prepared(codec, shape, dtype_name, name)
-    launch = _prepared_launch(codec, arrays, lay.numel, None)
-    return None if launch is None else (nh, lay.total, words, launch)
-
-
-_DEVICE_DECODERS = {}
+    arrays), or None (generic path); this thread's."""
+    def make():
+        nh, words, lay = _prepared(codec, shape, dtype_name, name)
+        launch = _prepared_launch(codec, arrays, lay.numel, None)
+        return None if launch is None else (nh, lay.total, words, launch)
+    return _thread_launch(("encode", codec, arrays, shape, dtype_name, name), make)
 
 
 def _device_decoder(codec, arrays, payload, numel, accumulate, name, expect):
     """A direct device ``decode_into``'s (payload bytes, bound launch ``f(payload, out)`` or None for
-    the generic path), per device (the launch reports to that device's status word of ``codec``)."""
-    key = (codec, arrays, arrays.device_key(payload), numel, accumulate, name, expect)
-    hit = _DEVICE_DECODERS.get(key)
-    if hit is None:
-        if expect is None:
-            expect = codec.expectation(numel, name)
+    the generic path), this thread's, per device (the launch reports to that device's status word of
+    ``codec``)."""
+    def make():
+        exp = codec.expectation(numel, name) if expect is None else expect
         bound = None
-        if numel and codec._bound_kernel(arrays, numel, accumulate) is not None:
-            bound = codec.bind_decode(arrays, numel, accumulate, expect, None,
-                                      status=status_for(codec, arrays, payload)[1])
-        if len(_DEVICE_DECODERS) >= 4096:
-            _DEVICE_DECODERS.clear()
-        hit = _DEVICE_DECODERS[key] = (codec.wire_nbytes(numel), bound)
-    return hit
+        if numel and _prepared_launch(codec, arrays, numel, accumulate) is not None:
+            bound = codec.bind_decode(arrays, numel, accumulate, exp, None,
+                                      status=status_for(codec, arrays, payload))
+        return codec.wire_nbytes(numel), bound
+    key = ("decode", codec, arrays, arrays.device_key(payload), numel, accumulate, name, expect)
+    return _thread_launch(key, make)
 
 
-@functools.lru_cache(maxsize=4096)
 def _fused(codec, device, kind, numel, chunk):
-    """The codec's prepared fused launch (``Codec._fused_prepare``) on the CPU or a CUDA device."""
-    if device:
-        import numba_kernels.cuda as K
-    else:
-        import numba_kernels.cpu as K
-    return codec._fused_prepare(K, kind, numel, chunk)
+    """A new prepared fused launch of the codec (``Codec._fused_prepare``) on the CPU or a CUDA
+    device, owned by the caller (an exchange's plan)."""
+    return codec._fused_prepare(numba_kernels.cuda if device else numba_kernels.cpu, kind, numel, chunk)
 
 
-@functools.lru_cache(maxsize=4096)
 def _cuda_encoder(codec, numel):
-    """The codec's prepared CUDA encode of ``numel`` elements (built once; kernels compile on first use)."""
-    import numba_kernels.cuda as K
-    return codec._cuda_prepare_encode(K, numel)
+    """This thread's prepared CUDA encode of ``codec`` for ``numel`` elements."""
+    return _thread_launch(("cuda encode", codec, numel), codec._cuda_prepare_encode, numba_kernels.cuda, numel)
 
 
-@functools.lru_cache(maxsize=4096)
 def _cuda_decoder(codec, numel, accumulate):
-    import numba_kernels.cuda as K
-    return codec._cuda_prepare_decode(K, numel, bool(accumulate))
+    """This thread's prepared CUDA decode of ``codec`` for ``numel`` elements."""
+    return _thread_launch(("cuda decode", codec, numel, bool(accumulate)), codec._cuda_prepare_decode,
+                          numba_kernels.cuda, numel, bool(accumulate))
 
 
 def _dev_view(arrays, t):
@@ -948,7 +967,7 @@ def _raw_decode_dev(arrays, payload, pdev, out, value_dtype, accumulate, stream,
     """Raw float values on a device, with framework ops; NaN where the header check failed."""
     bad = None
     if expect is not None:
-        import numba_kernels.cuda as K
+        K = numba_kernels.cuda
         K.check_header_cuda(arrays.numba(payload), arrays.numba(status_t), expect, stream)
         bad = arrays.status_bad(status_t)
     return arrays.raw_decode_into(payload, 64, arrays.numel(out), value_dtype, out, accumulate, bad)
@@ -1010,12 +1029,12 @@ class OneBit(Codec):
         return self.scale == "two_mean"
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.onebit_encode_cpu(arrays.input_f32(x), pay, words, self.bucket_size or 0, self._two_mean,
                             residual=residual)
 
     def _decode_host(self, pay, out, accumulate):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.onebit_decode_cpu(pay, out, self.bucket_size or 0, self._two_mean, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
@@ -1030,8 +1049,10 @@ class OneBit(Codec):
         if not arrays.views:
             return None
         if arrays.device:
-            return _cuda_encoder(self, numel) if accumulate is None else _cuda_decoder(self, numel, accumulate)
-        import numba_kernels.cpu as K
+            K = numba_kernels.cuda
+            return (self._cuda_prepare_encode(K, numel) if accumulate is None
+                    else self._cuda_prepare_decode(K, numel, accumulate))
+        K = numba_kernels.cpu
         if accumulate is None:
             enc = K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
             return lambda x, payload, header, key, stream, residual: enc(x, payload, header, stream, residual)
@@ -1077,7 +1098,7 @@ class SortQuant(Codec):
     Kernels: Numba CPU (a stable radix sort per bucket) and CUDA (a block per bucket sorts it in shared
     memory with a bitonic network: on CUDA ``bucket_size`` is at most 4096), both bit-identical to the
     NumPy reference; not tuned yet (no fused reduce kernels: SRA and allgather decode and sum payload
-    by payload). Wire: 64-byte header (``norm`` holds split_bits), ceil(numel*bits/8) code bytes (zero
+    by payload). Wire: 64-byte header (``param`` holds split_bits), ceil(numel*bits/8) code bytes (zero
     padded to 4), then 8 * 2**split_bits scale bytes per bucket. A bucket holding NaN or Inf, or whose
     range overflows float32, decodes to NaN (only that bucket). bits 2..16, split_bits 1..bits-1,
     bucket_size >= 1. Noise and ``seed`` as :class:`QSGD`.
@@ -1106,30 +1127,30 @@ class SortQuant(Codec):
     def _field_text(self, field, code):
         if field == "mode":
             return f"mode={_MODE_NAMES.get(code, code)}"
-        if field == "norm":
+        if field == "param":
             return f"split_bits={code}"
         return super()._field_text(field, code)
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.sortquant_encode_cpu(arrays.input_f32(x), pay, words, self.bits, self.split_bits, self.bucket_size,
                                self.stochastic, key, residual=residual)
 
     def _decode_host(self, pay, out, accumulate):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.sortquant_decode_cpu(pay, out, self.bits, self.split_bits, self.bucket_size, accumulate)
 
     def _bound_kernel(self, arrays, numel, accumulate):
         if arrays.device or not arrays.views:
             return None
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         if accumulate is None:
             return K.prepare_sortquant_encode(numel, self.bits, self.split_bits, self.bucket_size,
                                               self.stochastic)
         return K.prepare_sortquant_decode(numel, self.bits, self.split_bits, self.bucket_size, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        import numba_kernels.cuda as K     # (through Numba's dispatcher: device arrays, not pointers)
+        K = numba_kernels.cuda     # (through Numba's dispatcher: device arrays, not pointers)
         xt, xdev = arrays.input_f32(x)
         K.sortquant_encode_cuda(_nb(arrays, xt, xdev), _nb(arrays, pt, pdev), words, self.bits,
                                 self.split_bits, self.bucket_size, self.stochastic, key, stream,
@@ -1138,7 +1159,7 @@ class SortQuant(Codec):
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
-        import numba_kernels.cuda as K
+        K = numba_kernels.cuda
         K.sortquant_decode_cuda(_nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev), self.bits,
                                 self.split_bits, self.bucket_size, accumulate, stream,
                                 None if status_t is None else _nb(arrays, status_t, status_dev), expect)
@@ -1196,24 +1217,24 @@ class KMeans(Codec):
         return super()._field_text(field, code)
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.kmeans_encode_cpu(arrays.input_f32(x), pay, words, self.bits, self.bucket_size or 0, self.iters, key,
                             residual=residual)
 
     def _decode_host(self, pay, out, accumulate):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.kmeans_decode_cpu(pay, out, self.bits, self.bucket_size or 0, accumulate)
 
     def _bound_kernel(self, arrays, numel, accumulate):
         if arrays.device or not arrays.views:
             return None
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         if accumulate is None:
             return K.prepare_kmeans_encode(numel, self.bits, self.bucket_size or 0, self.iters)
         return K.prepare_kmeans_decode(numel, self.bits, self.bucket_size or 0, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        import numba_kernels.cuda as K     # (through Numba's dispatcher: device arrays, not pointers)
+        K = numba_kernels.cuda     # (through Numba's dispatcher: device arrays, not pointers)
         xt, xdev = arrays.input_f32(x)
         K.kmeans_encode_cuda(_nb(arrays, xt, xdev), _nb(arrays, pt, pdev), words, self.bits, self.bucket_size or 0,
                              self.iters, key, stream,
@@ -1221,7 +1242,7 @@ class KMeans(Codec):
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
-        import numba_kernels.cuda as K
+        K = numba_kernels.cuda
         K.kmeans_decode_cuda(_nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev), self.bits,
                              self.bucket_size or 0, accumulate, stream,
                              None if status_t is None else _nb(arrays, status_t, status_dev), expect)
@@ -1244,7 +1265,7 @@ class _Raw(Codec):
         return (self._method, 16 if self._value_dtype == "float16" else 32, 0, 0, 0)
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         xs = arrays.input_np(x)
         K.write_header_cpu(pay, words)
         w = 2 if self._value_dtype == "float16" else 4
@@ -1261,7 +1282,7 @@ class _Raw(Codec):
         w = 2 if self._value_dtype == "float16" else 4
         raw = pay[64:64 + w * out.size]
         if w == 2 and raw.ctypes.data % 2 == 0:
-            import numba_kernels.cpu as K
+            K = numba_kernels.cpu
             K.half_decode_cpu(raw.view(np.uint16), out, accumulate)    # NumPy's values, 9x faster
             return
         if raw.ctypes.data % w:
@@ -1273,7 +1294,7 @@ class _Raw(Codec):
             out[...] = vals
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        import numba_kernels.cuda as K
+        K = numba_kernels.cuda
         arrays.raw_encode_into(x, self._value_dtype, pt)
         K.write_header_cuda(arrays.numba(pt), words, stream)
         if residual is not None:

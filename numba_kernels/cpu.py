@@ -1513,8 +1513,8 @@ def _write_header_only(payload, header):
     _write_header(payload, header)
 
 
-def _header_errors(payload, method, bits, mode, norm, bucket_size, numel, name_hash, check_name):
-    return _hdr_err(payload, method, bits, mode, norm, bucket_size, numel, name_hash, check_name)
+def _header_errors(payload, method, bits, mode, param, bucket_size, numel, name_hash, check_name):
+    return _hdr_err(payload, method, bits, mode, param, bucket_size, numel, name_hash, check_name)
 
 
 _header_errors = njit(cache=True)(_renamed(_header_errors, "_" + _STAMP))
@@ -1955,10 +1955,12 @@ class _DecodeChunksCPU:
             raise wire.PayloadError(f"gathered has {gathered.size} bytes, the chunks need {self.total}")
         if expect is not None or name_hashes is not None:
             key = (expect, id(name_hashes))         # a caller passes the same ones every step
-            if self._exps is None or self._exps[0] != key:
-                self._exps = (key, name_hashes, chunk_expects(self.numel, self.bs0, self.chunk, self.method,
-                                                              self.bits, self.mode, expect, name_hashes))
-            for j, e in enumerate(self._exps[2]):
+            exps = self._exps                       # (read once: another thread may replace it)
+            if exps is None or exps[0] != key:
+                exps = self._exps = (key, name_hashes, chunk_expects(self.numel, self.bs0, self.chunk,
+                                                                     self.method, self.bits, self.mode,
+                                                                     expect, name_hashes))
+            for j, e in enumerate(exps[2]):
                 _check_expect(gathered[self.offsets[j]:self.offsets[j + 1]], e)
         if self.numel:
             k = self._serial if self._serial is not None else self._kernel.pick(self.ntasks)

@@ -323,7 +323,8 @@ class _Encode:
         self.nscales = lay.nscales
         nb = lay.nbuckets
         self._raw = {}
-        self._reduce = self._combine = self._parts = None
+        self._reduce = self._combine = None
+        self._parts = {}
         self._hdr = None
         if _W.supported(bits, bs, numel, FUSE_MAX):
             self.path = "warp"
@@ -367,13 +368,13 @@ class _Encode:
     def _combiner(self):
         return _kernel("combine", _B.make_combine, (self.red,))
 
-    def _scratch(self):
-        """The segments' sums of a long-bucket encode (3 float32 per segment), allocated once and
-        reused by every call: calls of one prepared launch must be ordered (one stream, as the
-        frontends launch everything on the caller's current stream)."""
-        if self._parts is None:
-            self._parts = cuda.device_array(3 * self._rgrid * (BLOCK // 32), np.float32)
-        return self._parts
+    def _scratch(self, stream):
+        """The segments' sums of a long-bucket encode (3 float32 per segment), one array per stream,
+        allocated once: work on one stream runs in order, so its calls may reuse it."""
+        parts = self._parts.get(stream)
+        if parts is None:
+            parts = self._parts[stream] = cuda.device_array(3 * self._rgrid * (BLOCK // 32), np.float32)
+        return parts
 
     def _src_sizes(self):
         n = self.numel
@@ -386,25 +387,23 @@ class _Encode:
                  + [0, self.numel] + self._src_sizes())
         raw = self._raw[resid] = _Raw(self._dispatcher(resid), sig, sizes)
         if self.path == "block" and not self.args[5] and self.numel and self._reduce is None:
-            parts = self._scratch()
+            nparts = 3 * self._rgrid * (BLOCK // 32)
             self._reduce = _Raw(self._reducer(), SIG_REDUCE,
-                                [self.numel, parts.size, self.numel, self.bs, self.args[1]]
-                                + self._src_sizes())
+                                [self.numel, nparts, self.numel, self.bs, self.args[1]] + self._src_sizes())
             self._combine = _Raw(self._combiner(), SIG_REDUCE,
-                                 [parts.size, self.nscales, self.numel, self.bs, self.args[1]]
-                                 + self._src_sizes())
-            self._reduce.slots[1].value = self._combine.slots[0].value = _ptr(parts)
+                                 [nparts, self.nscales, self.numel, self.bs, self.args[1]] + self._src_sizes())
         return raw
 
     def _launch_scales(self, x_ptr, scales_ptr, st):
         """A long-bucket encode's scales: the segments' sums, then the buckets'."""
+        self._reduce.slots[1].value = self._combine.slots[0].value = _ptr(self._scratch(st))
         self._reduce.slots[0].value = x_ptr
         self._reduce.launch(self._rgrid, BLOCK, st)
         self._combine.slots[1].value = scales_ptr
         self._combine.launch(self._cgrid, BLOCK, st)
 
     def _sim_scales(self, x, scales, stream, extra):
-        parts = self._scratch()
+        parts = self._scratch(stream)
         self._reducer()[self._rgrid, BLOCK, stream](x, parts, self.numel, self.bs, self.args[1], *extra)
         self._combiner()[self._cgrid, BLOCK, stream](parts, scales, self.numel, self.bs, self.args[1],
                                                      *extra)
@@ -811,7 +810,20 @@ def prepare_onebit_reduce_requantize(numel, bucket_size, two_mean):
 
 # ---- plain launchers (same signatures as numba_kernels.reference) --------------------------------------
 
-_cached = functools.partial(memo, {})     # (key, make, *args) -> the prepared launch
+class _Launches(threading.local):
+    """This thread's prepared launches of the plain launchers: a prepared launch writes its parameter
+    buffer and scratch on every call, so threads never share one."""
+
+    def __init__(self):
+        self.table = {}
+
+
+_LAUNCHES = _Launches()
+
+
+def _cached(key, make, *args):
+    """``make(*args)``, prepared once per ``key`` on this thread."""
+    return memo(_LAUNCHES.table, key, make, *args)
 
 
 def _size_of(a, what, typestr):

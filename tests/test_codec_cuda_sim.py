@@ -20,6 +20,24 @@ CODECS = ["qsgd:bits=4,bucket_size=16,seed=3", "qsgd:bits=8,bucket_size=7,mode=d
           "onebit:bucket_size=32", "sortquant:bits=4,split_bits=2,bucket_size=16,seed=3",
           "sortquant:bits=6,split_bits=3,bucket_size=40,mode=deterministic", "kmeans:bits=3,iters=4",
           "kmeans:bits=4,iters=2,bucket_size=24,seed=none", "fp16", "none"]
+# per codec: a configuration whose payload of n elements has as many bytes as the codec's payload of
+# 100 elements, and its n (the check "bad-config" feeds it to the codec's device decode)
+OTHER = {"qsgd:bits=4,bucket_size=16,seed=3": ("qsgd:bits=4,bucket_size=16,mode=deterministic", 100),
+         "qsgd:bits=8,bucket_size=7,mode=deterministic,norm=l2": ("qsgd:bits=8,bucket_size=7,mode=deterministic",
+                                                                  100),
+         "qsgd:bits=2,bucket_size=32,mode=fake,seed=1": ("none", 100),
+         "onebit:bucket_size=16": ("onebit:bucket_size=15", 100),
+         "onebit:scale=mean_abs": ("onebit:bucket_size=100,scale=mean_abs", 100),
+         "qsgd:bits=4,bucket_size=32,seed=5": ("qsgd:bits=4,bucket_size=32,mode=deterministic", 100),
+         "qsgd:bits=8,bucket_size=64,norm=l2,seed=2": ("qsgd:bits=8,bucket_size=64,seed=2", 100),
+         "onebit:bucket_size=32": ("onebit:bucket_size=26", 100),
+         "sortquant:bits=4,split_bits=2,bucket_size=16,seed=3":
+             ("sortquant:bits=4,split_bits=2,bucket_size=16,mode=deterministic", 100),
+         "sortquant:bits=6,split_bits=3,bucket_size=40,mode=deterministic":
+             ("sortquant:bits=6,split_bits=3,bucket_size=40", 100),
+         "kmeans:bits=3,iters=4": ("kmeans:bits=3,iters=4,bucket_size=100", 100),
+         "kmeans:bits=4,iters=2,bucket_size=24,seed=none": ("kmeans:bits=4,iters=2,bucket_size=21", 100),
+         "fp16": ("none", 50), "none": ("fp16", 200)}
 CHECKS = ["encode-bytes", "decode-header-read", "decode-shape-given", "decode-into-accumulate",
           "bad-config-nan-and-status", "bad-name-nan-and-status", "wrong-size-raises",
           "numel-mismatch-detected", "clean-status"]
@@ -167,16 +185,12 @@ def _child():
         except hq.PayloadError:
             ok = False
         r["decode-into-accumulate"] = ok
-        r["clean-status"] = ok
-        # another configuration with the same payload size: the device check refuses it
-        other = {"qsgd": "qsgd:bits=4,bucket_size=16,mode=deterministic",
-                 "onebit": "onebit:bucket_size=16,scale=mean_abs" if "16" in spec else "onebit"}.get(
-            spec.split(":")[0])
-        if spec.startswith("onebit:scale"):
-            other = "onebit:scale=two_mean"
-        if other is not None and hq.from_spec(other).wire_nbytes(100) == devc.wire_nbytes(100) \
-                and hq.from_spec(other) != devc:
-            po = hq.from_spec(other).encode(xd, name="w")
+        # a payload of another configuration with the same size: the device check refuses it
+        other_spec, n_other = OTHER[spec]
+        other = hq.from_spec(other_spec)
+        if other != devc and other.wire_nbytes(n_other) == devc.wire_nbytes(100):
+            po = other.encode(SimTensor(cuda.to_device(rng.standard_normal(n_other).astype(np.float32))),
+                              name="w")
             out = SimTensor(cuda.to_device(np.zeros(100, np.float32)))
             devc.decode_into(po, out, name="w")
             nan_all = bool(np.isnan(out.dev.copy_to_host()).all())
@@ -186,8 +200,8 @@ def _child():
             except hq.PayloadError as e:
                 raised = "differs" in str(e)
             r["bad-config-nan-and-status"] = nan_all and raised
-        else:          # fp16/none: a payload of the other raw codec has another size
-            r["bad-config-nan-and-status"] = True
+        else:
+            r["bad-config-nan-and-status"] = f"{other_spec} is no other configuration of the same size"
         out = SimTensor(cuda.to_device(np.zeros(100, np.float32)))
         devc.decode_into(pd, out, name="v")
         nan_all = bool(np.isnan(out.dev.copy_to_host()).all())
@@ -214,6 +228,14 @@ def _child():
                 r["numel-mismatch-detected"] = nan_all and "numel differs" in str(e)
         except hq.PayloadError:
             r["numel-mismatch-detected"] = True
+        # the errors above were read (and reset): a good payload decodes cleanly again
+        out = SimTensor(cuda.to_device(np.zeros(100, np.float32)))
+        devc.decode_into(pd, out, name="w")
+        try:
+            devc.check_device_errors()
+            r["clean-status"] = nan_eq(yh.reshape(-1), out.dev.copy_to_host())
+        except hq.PayloadError as e:
+            r["clean-status"] = str(e)
         res[spec] = r
     res["compiled"] = sorted(K.kernels)
     json.dump(res, sys.stdout)
