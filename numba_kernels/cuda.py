@@ -811,11 +811,13 @@ def prepare_onebit_reduce_requantize(numel, bucket_size, two_mean):
 # ---- plain launchers (same signatures as numba_kernels.reference) --------------------------------------
 
 class _Launches(threading.local):
-    """This thread's prepared launches of the plain launchers: a prepared launch writes its parameter
-    buffer and scratch on every call, so threads never share one."""
+    """This thread's prepared launches of the plain launchers (``table``) and device scratch
+    (``scratch``, :func:`_scratch`): a prepared launch writes its parameter buffer and scratch on
+    every call, so threads never share one."""
 
     def __init__(self):
         self.table = {}
+        self.scratch = {}
 
 
 _LAUNCHES = _Launches()
@@ -936,17 +938,17 @@ def _as_dev(a):
     return a if SIMULATOR or isinstance(a, cuda.devicearray.DeviceNDArray) else cuda.as_cuda_array(a)
 
 
-_SCRATCH = {}       # (what, sizes..., stream handle) -> device arrays the encodes reuse (one device per process)
-
-
 def _scratch(key, make):
-    """The device scratch ``make()`` built once per ``key``: work on one stream runs in order, so calls
-    on a stream share it (SortQuant and KMeans the same codes array); at most 64 kept."""
-    got = _SCRATCH.get(key)
+    """The device scratch ``make()`` built once per ``key`` (what, sizes, stream handle) on this
+    thread: a thread's work on one stream runs in order, so its calls share it (SortQuant and KMeans
+    the same codes array); another thread's launches could fall between an encode's kernels, so
+    threads never share one. At most 64 kept per thread (one device per process)."""
+    table = _LAUNCHES.scratch
+    got = table.get(key)
     if got is None:
-        if len(_SCRATCH) >= 64:
-            _SCRATCH.clear()
-        got = _SCRATCH[key] = make()
+        if len(table) >= 64:
+            table.clear()
+        got = table[key] = make()
     return got
 
 

@@ -40,7 +40,7 @@ OTHER = {"qsgd:bits=4,bucket_size=16,seed=3": ("qsgd:bits=4,bucket_size=16,mode=
          "fp16": ("none", 50), "none": ("fp16", 200)}
 CHECKS = ["encode-bytes", "decode-header-read", "decode-shape-given", "decode-into-accumulate",
           "bad-config-nan-and-status", "bad-name-nan-and-status", "wrong-size-raises",
-          "numel-mismatch-detected", "clean-status"]
+          "numel-mismatch-detected", "clean-status", "threads"]
 
 
 class SimTensor:
@@ -236,9 +236,58 @@ def _child():
             r["clean-status"] = nan_eq(yh.reshape(-1), out.dev.copy_to_host())
         except hq.PayloadError as e:
             r["clean-status"] = str(e)
+        r["threads"] = _threads(hq, cuda, spec, nan_eq)
         res[spec] = r
     res["compiled"] = sorted(K.kernels)
     json.dump(res, sys.stdout)
+
+
+def _threads(hq, cuda, spec, nan_eq):
+    """Two threads, each with its own equal codec, encode and decode other inputs at once on the
+    device: the payloads and decoded values of each are those of its calls alone. The simulator runs
+    one kernel at a time (a lock around its launches here), so the threads interleave between
+    launches: what they would share (scratch, parameters, status words) is shared across those."""
+    import threading
+    from numba.cuda.simulator import kernel as sim_kernel
+    configure, lock = sim_kernel.FakeCUDAKernel.__getitem__, threading.Lock()
+
+    def serialised(self, config):       # (the simulator keeps a launch's grid on the kernel object)
+        def launch(*args):
+            with lock:
+                return configure(self, config)(*args)
+        return launch
+    sim_kernel.FakeCUDAKernel.__getitem__ = serialised
+    xs = [[np.random.default_rng(10 * t + k).standard_normal(n).astype(np.float32)
+           for k, n in enumerate((100, 37, 256))] for t in range(2)]
+
+    def run(codec, inputs):
+        out = []
+        for x in inputs:
+            p = codec.encode(SimTensor(cuda.to_device(x)), name="w")
+            y = SimTensor(cuda.to_device(np.ones(x.size, np.float32)))
+            codec.decode_into(p, y, accumulate=True, name="w")
+            out.append((p.dev.copy_to_host(), y.dev.copy_to_host()))
+        return out
+    alone = [run(hq.from_spec(spec), inputs) for inputs in xs]
+    got = [None, None]
+    start = threading.Barrier(2)
+
+    def work(t):
+        start.wait()
+        got[t] = run(hq.from_spec(spec), xs[t])
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sim_kernel.FakeCUDAKernel.__getitem__ = configure
+    for t in range(2):
+        if got[t] is None:
+            return f"thread {t} raised"
+        for k, ((pa, ya), (pb, yb)) in enumerate(zip(got[t], alone[t])):
+            if not (np.array_equal(pa, pb) and nan_eq(ya, yb)):
+                return f"thread {t}, call {k} differs from the same calls alone"
+    return True
 
 
 @pytest.fixture(scope="module")
