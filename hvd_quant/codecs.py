@@ -254,8 +254,8 @@ class Codec:
     A codec is an immutable value: its configuration is set once by ``__init__``, it compares and
     hashes by that configuration, and it holds no runtime state, so one instance can be shared by
     any number of optimizers, threads and ranks (``Compression.fp16`` is a global). What a run needs
-    (noise counters, device status words, buffers) lives with whoever runs it: the exchange's
-    per-bucket plans, or for direct :meth:`encode` calls small module-level tables.
+    (noise counters, prepared launches, device status words, buffers) lives with whoever runs it:
+    the exchange's per-bucket plans, or for direct calls the calling thread (:class:`_ThreadState`).
 
     Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical order), ``_config()`` (the
     values of those parameters), ``_fields()`` (the header's method/bits/mode/param/bucket_size) and
@@ -376,7 +376,7 @@ class Codec:
         into the header so that ``decode(..., name=...)`` can refuse another tensor's payload.
 
         Seeded stochastic rounding draws with the key :func:`noise_key` (seed, k, rank, name hash):
-        k is this codec object's count of encodes of ``name`` unless ``step`` is given, rank the
+        k is this codec object's count of encodes of ``name`` on this thread unless ``step`` is given, rank the
         process's Horovod rank (environment) unless ``rank`` is given. ``step=s, rank=r`` gives the
         payload the exchange sends for that name at step s from rank r."""
         if name is not None and type(name) is not str:
@@ -769,8 +769,8 @@ class QSGD(Codec):
 
     Noise: ``seed=None`` draws fresh noise on every call. With a fixed ``seed`` the uniforms are a
     counter-based hash of the key :func:`noise_key` (seed, k, rank, name hash) and the element index.
-    For a direct :meth:`encode`, k counts this codec object's encode calls for that name in this
-    process and rank is ``HOROVOD_RANK`` (or ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0): the k-th
+    For a direct :meth:`encode`, k counts this codec object's encode calls for that name on the
+    calling thread and rank is ``HOROVOD_RANK`` (or ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0): the k-th
     call on the same input gives the same payload in every run. Inside the exchange, k is the
     training step and rank the process set rank, so ranks draw independent noise.
 
