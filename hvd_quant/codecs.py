@@ -279,8 +279,7 @@ class OneBit(Codec):
                     else self._cuda_prepare_decode(K, numel, accumulate))
         K = numba_kernels.cpu
         if accumulate is None:
-            enc = K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
-            return lambda x, payload, header, key, stream, residual: enc(x, payload, header, stream, residual)
+            return K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
         return K.prepare_onebit_decode(numel, self.bucket_size or 0, self._two_mean, accumulate)
 
     def _fused_prepare(self, K, kind, numel, chunk):

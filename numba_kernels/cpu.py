@@ -212,7 +212,8 @@ class QsgdDecodeCPU(_DecodeCPU):
 
 
 class OnebitEncodeCPU(_PreparedBase):
-    """``prepare_onebit_encode(...)(x, payload, header, stream=None, residual=None)``."""
+    """``prepare_onebit_encode(...)(x, payload, header, key=0, stream=None, residual=None)``: the
+    signature of every prepared encode (``key`` unused: 1-bit draws no noise)."""
     __slots__ = ("args",)
 
     def __init__(self, numel, bucket_size, two_mean):
@@ -223,7 +224,7 @@ class OnebitEncodeCPU(_PreparedBase):
         self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
                      lay.nscales, bs, bool(two_mean))
 
-    def __call__(self, x, payload, header, stream=None, residual=None):
+    def __call__(self, x, payload, header, key=0, stream=None, residual=None):
         x = _flat(x)
         if x.size != self.numel:
             raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
@@ -386,7 +387,7 @@ def onebit_encode_cpu(x, payload, header, bucket_size, two_mean, stream=None, re
     """1-bit encode (see ``onebit_encode_ref``); ``bucket_size`` 0 = one bucket per tensor."""
     n = x.size
     _cached((2, n, bucket_size, two_mean), prepare_onebit_encode, n, bucket_size, two_mean)(
-        x, payload, header, stream, residual)
+        x, payload, header, 0, stream, residual)
 
 
 def onebit_decode_cpu(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None,
@@ -454,12 +455,8 @@ class _ReduceRequantizeCPU:
     def __init__(self, numel, bits, bucket_size, two_mean, stochastic=False, norm_l2=False):
         self.numel = numel
         self.sum = _DecodeSumCPU(numel, bits, bucket_size, two_mean)
-        if two_mean is None:
-            enc = QsgdEncodeCPU(numel, bits, bucket_size, stochastic, norm_l2)
-            self.encode = enc
-        else:
-            enc = OnebitEncodeCPU(numel, bucket_size, two_mean)
-            self.encode = lambda x, p, h, key, stream, residual: enc(x, p, h, stream, residual)
+        self.encode = (QsgdEncodeCPU(numel, bits, bucket_size, stochastic, norm_l2) if two_mean is None
+                       else OnebitEncodeCPU(numel, bucket_size, two_mean))
 
     def __call__(self, payloads, n, residual, out_payload, header, key=0, stream=None, status=None,
                  expect=None):
