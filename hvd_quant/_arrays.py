@@ -46,8 +46,9 @@ def adapter_for(obj):
 # ---- device status words ---------------------------------------------------------------------------
 # A device decode checks its payload's header on the device and records what was wrong in an int32[2]
 # status array (wire.ERROR_BITS): [0] for the payload just decoded, [1] sticky until read. They belong
-# to the run, not to the (immutable) codec: one per (codec, device) here, read by
-# ``Codec.check_device_errors``; the exchange's plans keep their own.
+# to the run, not to the (immutable) codec: here one per (codec configuration, device) for direct
+# ``decode_into`` calls, read by ``Codec.check_device_errors``; each exchange plan makes its own
+# (``new_status``) and reads it itself.
 
 _STATUS = {}            # (codec, device key) -> (adapter, status tensor, device array)
 _status_lock = threading.Lock()
@@ -260,7 +261,7 @@ class NumpyAdapter(HostAdapter):
         if not isinstance(x, np.ndarray):
             x = np.asarray(x)
         name = _DTYPE_NAMES.get(x.dtype)
-        if name is None:                # (dtype.name is built anew on every access: microseconds)
+        if name is None:                # (dtype.name is built anew on every access)
             name = _DTYPE_NAMES[x.dtype] = x.dtype.name
         check_float(name)
         return x.shape, name

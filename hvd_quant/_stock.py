@@ -46,10 +46,10 @@ Frameworks. ``compress`` dispatches on the tensor's type to its frontend (``hvd_
 :class:`hvd_quant.frontend.Frontend`), which provides ``stock_backend(process_set)`` ->
 ``(Collectives, ArrayOps)`` and ``stock_adapter()`` -> an object with ``describe(t)``,
 ``placeholder(t)``, ``split(flat, sizes)``, ``restore(flat, info)``, ``as_float(t)``, ``sendable(t)``
-and ``cast_back(t, info)``. Optionally
-``stock_compress(stock_compression, tensor)``: return ``(tensor, ctx)`` to take over ``compress`` or
-None to let the generic path run; a ctx with a ``stock_decompress(summed)`` method then finishes in
-``decompress``. TensorFlow's hook (``hvd_quant/tensorflow/_graph.py``) builds symbolic tensors'
+and ``cast_back(t, info)``. A framework may also register a hook
+(``hvd_quant.dispatch.STOCK_HOOKS``), ``hook(stock_compression, tensor)``: it returns ``(tensor, ctx)``
+to take over ``compress`` or None to let the generic path run; a ctx with a
+``stock_decompress(summed)`` method then finishes in ``decompress``. TensorFlow's hook (``hvd_quant/tensorflow/_graph.py``) builds symbolic tensors'
 exchanges into the graph with the public methods here and hands eager ones to
 :meth:`StockCompression.compress_on`. The configuration is a :class:`hvd_quant.plan.Config`, as in
 the frontends' optimizers.
@@ -60,7 +60,7 @@ import threading
 import weakref
 
 from . import plan as _plan
-from .dispatch import frontend_for
+from .dispatch import frontend_for, stock_hook_for
 from .exchange import AVERAGE, SUM, Exchange, Traffic, handshake_record
 from .memory import Memory
 from .scheduler import Presence, StepScheduler, step_metrics
@@ -404,7 +404,7 @@ class StockCompression:
     def compress_from(self, caller, tensor):
         """``compress`` with the calling frame's :class:`_Caller` (None: read it when needed)."""
         backend = _backend_for(tensor)
-        hook = getattr(backend, "stock_compress", None)   # a frontend's own path (TensorFlow)
+        hook = stock_hook_for(tensor)       # a framework's own path (TensorFlow: graphs)
         if hook is not None:
             out = hook(self, tensor)
             if out is not None:

@@ -8,8 +8,8 @@ tensor on the same device, TensorFlow tensor) and back::
     g = c.decode(payload, name="layer1.weight")        # grad's shape and dtype (quantized values)
     c.decode_into(payload, acc, accumulate=True)       # acc (flat float32) += decoded values
 
-A payload is a 64-byte header (format version, method, bits, mode, norm, bucket size, numel, dtype,
-shape, name hash, checksums), the bit-packed codes and the float32 per-bucket scales
+A payload is a 64-byte header (format version, method, bits, mode, param (norm or split_bits),
+bucket size, numel, dtype, shape, name hash, checksums), the bit-packed codes and the float32 per-bucket scales
 (``numba_kernels/wire.py``, ``docs/CODECS.md``). Any instance of an equal configuration decodes it
 (that is what a receiving rank does); a payload of another configuration, a truncated or corrupt one,
 or (when ``decode`` is given a ``name``) another tensor's, raises :class:`PayloadError` saying what is
@@ -23,724 +23,21 @@ Host arrays (NumPy, torch CPU, TensorFlow CPU) run the Numba CPU kernels; CUDA t
 CUDA kernels on the framework's current stream without synchronising with the host (see
 :meth:`Codec.decode_into` for how errors in device payloads surface).
 """
-import functools
-import inspect
-import math
-import operator
-import os
-import random
-import threading
-import weakref
-
 import numpy as np
 
+import numba_kernels
 from numba_kernels import wire
-from numba_kernels._scalar import mix64_py
-from numba_kernels.wire import PayloadError
+from numba_kernels.wire import PayloadError     # (re-exported, as UnsupportedInputError and noise_key)
 
-from ._arrays import UnsupportedInputError, adapter_for, device_statuses, status_for
+from ._arrays import UnsupportedInputError
+from ._codec import (_check_choice, _check_int, _dev_view, _f32_view, _nb, _p_bool, _p_int, _p_opt_int,
+                     _p_str, _raw_decode_dev, Codec, from_spec, register, REGISTRY)
+from ._launches import _cuda_decoder, _cuda_encoder
+from ._noise import noise_key
 
 __all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "KMeans", "FP16", "NoCompression", "Compression", "REGISTRY",
            "register", "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
 
-REGISTRY = {}
-
-
-def register(name, *aliases):
-    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``).
-    Names are matched without regard to case, as :func:`from_spec` reads them; a name holding
-    ``:``, ``,``, ``=`` or white space could not be read back from a spec and is refused."""
-    for key in (name,) + aliases:
-        if not isinstance(key, str) or not key or any(c in key for c in ":,=") or key != "".join(key.split()):
-            raise ValueError(f"a codec name is a non-empty str without ':', ',', '=' or white space; got {key!r}")
-
-    def deco(cls):
-        cls.name = name
-        for key in (k.lower() for k in (name,) + aliases):
-            if key in REGISTRY:
-                raise ValueError(f"codec name {key!r} is already registered to {REGISTRY[key].__name__}")
-            REGISTRY[key] = cls
-        return cls
-    return deco
-
-
-# ---- spec value parsers: each raises ValueError naming the parameter and the value -----------------
-
-def _p_int(key, text):
-    try:
-        return int(text, 10) if text.lstrip("+-").isdigit() else int(text, 0)     # "08", "0x200"
-    except ValueError:
-        raise ValueError(f"{key}={text!r} is not an integer") from None
-
-
-def _p_opt_int(key, text):
-    return None if text.lower() == "none" else _p_int(key, text)
-
-
-def _p_bool(key, text):
-    t = text.lower()
-    if t in ("true", "1", "yes", "on"):
-        return True
-    if t in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"{key}={text!r} is not a boolean (true/false)")
-
-
-def _p_str(key, text):
-    return text.lower()         # the modes and norms: as the codec names, without regard to case
-
-
-def _fmt(v):
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return "none" if v is None else str(v)
-
-
-def from_spec(spec):
-    """Build a codec from a string spec: ``"name"`` or ``"name:key=value,key=value"``.
-
-    Examples: ``"none"``, ``"fp16"``, ``"qsgd:bits=4,bucket_size=512,mode=deterministic"``,
-    ``"onebit:bucket_size=64,scale=mean_abs"``. A codec instance is returned as it is. Unknown names,
-    unknown keys, malformed items and bad values raise ``ValueError`` naming the bad part."""
-    if isinstance(spec, Codec):
-        return spec
-    if not isinstance(spec, str):
-        raise ValueError(f"a codec spec is a string such as 'qsgd:bits=4'; got {type(spec).__name__}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip().lower()
-    cls = REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown codec {name!r} in spec {spec!r}; known codecs: {', '.join(sorted(REGISTRY))}")
-    kwargs = {}
-    for item in (rest.split(",") if rest.strip() else []):
-        key, eq, text = item.partition("=")
-        key, text = key.strip(), text.strip()
-        if not eq or not key:
-            raise ValueError(f"bad item {item!r} in codec spec {spec!r}: expected key=value")
-        parser = cls.PARAMS.get(key)
-        if parser is None:
-            known = ", ".join(cls.PARAMS) or "none"
-            raise ValueError(f"unknown parameter {key!r} for codec {name!r} in spec {spec!r}; "
-                             f"known parameters: {known}")
-        if key in kwargs:
-            raise ValueError(f"parameter {key!r} given twice in codec spec {spec!r}")
-        try:
-            kwargs[key] = parser(key, text)
-        except ValueError as e:
-            raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
-    try:
-        return cls(**kwargs)
-    except ValueError as e:
-        raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
-
-
-def _name_arg(name):
-    """A tensor name given to encode/decode: a str (a subclass as its str)."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str or None; got {type(name).__name__} {name!r}")
-    return str(name)
-
-
-def _shape_arg(shape):
-    """``decode``'s expected shape: an int or a sequence of ints, as NumPy takes it."""
-    try:
-        if not hasattr(shape, "__len__"):
-            return (operator.index(shape),)
-        return tuple(operator.index(d) for d in shape)
-    except TypeError:
-        raise TypeError(f"shape must be an int or a sequence of ints; got {shape!r}") from None
-
-
-def _env_rank():
-    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        v = os.environ.get(var)
-        if v is not None and v.strip().lstrip("-").isdigit():
-            return int(v)
-    return 0
-
-
-def _check_int(key, v, lo, hi=None, why=""):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"{key} must be an integer; got {v!r}")
-    v = int(v)
-    if v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise ValueError(f"{key} must be {rng}{why}; got {v}")
-    return v
-
-
-def _check_choice(key, v, choices):
-    if v not in choices:
-        raise ValueError(f"{key} must be one of {', '.join(repr(c) for c in choices)}; got {v!r}")
-    return v
-
-
-_SEED_SALT = 0x6A09E667F3BCC908
-_M64 = (1 << 64) - 1
-
-
-def noise_base(seed, rank, name_hash):
-    """The part of :func:`noise_key` that stays fixed for one name on one rank (computed once)."""
-    h = mix64_py((seed ^ _SEED_SALT) & _M64)
-    h = mix64_py(h ^ (rank & _M64))
-    return mix64_py(h ^ name_hash)
-
-
-def noise_key(seed, k, rank, name_hash):
-    """The 64-bit key of stochastic rounding: an integer mix of (seed, rank, name hash, k).
-
-    ``k`` counts draws for the same name: a direct :meth:`Codec.encode` passes its call count for that
-    name, the exchange passes the training step (its payload names are stable across steps, so it
-    keeps :func:`noise_base` and mixes in the step alone). The kernels hash this key with the element
-    index into one uniform per element."""
-    return mix64_py(noise_base(seed, rank, name_hash) ^ (k & _M64))
-
-
-_FRESH = random.Random(os.urandom(32))
-os.register_at_fork(after_in_child=lambda: _FRESH.seed(os.urandom(32)))
-
-
-def fresh_seed():
-    """64 fresh random bits (the base of unseeded stochastic rounding): a generator seeded from OS
-    entropy at import and again in every forked child, so processes never share a stream."""
-    return _FRESH.getrandbits(64)
-
-
-# Direct encode calls with a fixed seed: id(codec) -> {name hash: calls so far}. The counts belong
-# to the caller's use of one codec object, not to its configuration, so they live here (dropped when
-# the object is) and the codec itself stays an immutable value.
-_DIRECT_CALLS = {}
-_direct_lock = threading.Lock()
-
-
-def _direct_count(codec, nh):
-    """How many direct encodes ``codec`` (this object) made for name hash ``nh`` before this one."""
-    with _direct_lock:
-        calls = _DIRECT_CALLS.get(id(codec))
-        if calls is None:
-            calls = _DIRECT_CALLS[id(codec)] = {}
-            weakref.finalize(codec, _DIRECT_CALLS.pop, id(codec), None)
-        k = calls.get(nh, 0)
-        calls[nh] = k + 1
-    return k
-
-
-@functools.lru_cache(maxsize=4096)
-def _prepared(codec, shape, dtype_name, name):
-    """(name hash, header words, layout) of an input: a pure function of its arguments, memoised."""
-    method, bits, mode, norm, bs = codec._fields()
-    header = wire.Header(method, bits, mode, norm, bs, wire.DTYPES[dtype_name], shape,
-                         name_hash=wire.name_hash(name))
-    words = header.words()              # validates rank and dims before any work
-    return header.name_hash, words, codec._layout(header.numel)
-
-
-@functools.lru_cache(maxsize=4096)
-def _layout_of(codec, numel):
-    """The payload layout of ``numel`` elements (``wire.layout``; memoised, layouts are never modified)."""
-    method, bits, mode, norm, bs = codec._fields()
-    return wire.layout(method, numel, bits, bs, mode, norm)
-
-
-@functools.lru_cache(maxsize=4096)
-def _validated(codec, header_bytes, nbytes, name):
-    """The header of a payload of ``nbytes`` bytes starting with ``header_bytes``, checked against
-    ``codec`` and ``name`` (PayloadError otherwise). Pure, so memoised: an exchange receives the same
-    headers every step."""
-    h = wire.parse_header(header_bytes, nbytes)
-    codec._check_header(h, name)
-    return h
-
-
-@functools.lru_cache(maxsize=4096)
-def expectation(codec, numel, name):
-    """What a receiver expects of a payload header (``wire.Expect``), for the on-device check."""
-    method, bits, mode, norm, bs = codec._fields()
-    return wire.Expect(method, bits, mode, norm, bs, int(numel), wire.name_hash(name), name is not None)
-
-
-class Codec:
-    """Base class: the payload plumbing shared by every codec (see the module docstring).
-
-    A codec is an immutable value: its configuration is set once by ``__init__``, it compares and
-    hashes by that configuration, and it holds no runtime state, so one instance can be shared by
-    any number of optimizers, threads and ranks (``Compression.fp16`` is a global). What a run needs
-    (noise counters, device status words, buffers) lives with whoever runs it: the exchange's
-    per-bucket plans, or for direct :meth:`encode` calls small module-level tables.
-
-    Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical order), ``_config()`` (the
-    values of those parameters), ``_fields()`` (the header's method/bits/mode/norm/bucket_size) and
-    the host/device encode and decode steps."""
-
-    name = None
-    PARAMS = {}
-    _method = None
-    stochastic = False          # whether encode draws noise (then ``noise_key`` keys it)
-    seed = None
-
-    def _freeze(self, **config):
-        self.__dict__.update(config)
-        self.__dict__["_hash"] = hash((type(self).__name__, tuple(self._config().items())))
-
-    def __setattr__(self, key, value):
-        raise AttributeError(f"{type(self).__name__} is an immutable configuration; build a new codec "
-                             f"(e.g. from_spec(...)) instead of setting {key!r}")
-
-    def __delattr__(self, key):
-        raise AttributeError(f"{type(self).__name__} is an immutable configuration")
-
-    # -- configuration -------------------------------------------------------------------------------
-    def _config(self):
-        return {}
-
-    def spec(self):
-        """Canonical string spec; ``from_spec(c.spec()) == c`` (built once: the codec is immutable)."""
-        s = self.__dict__.get("_spec")
-        if s is None:
-            default = {k: p.default for k, p in inspect.signature(type(self)).parameters.items()}
-            items = [f"{k}={_fmt(v)}" for k, v in self._config().items()
-                     if v is not None or default.get(k) is not None]    # None spelled out where not the default
-            s = self.__dict__["_spec"] = self.name + (":" + ",".join(items) if items else "")
-        return s
-
-    def __eq__(self, other):
-        return type(self) is type(other) and self._config() == other._config()
-
-    def __hash__(self):
-        return self._hash
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
-        return f"{type(self).__name__}({args})"
-
-    @property
-    def wants_error_feedback(self):
-        """Whether the caller should keep an error-feedback residual for this codec (biased codecs)."""
-        return False
-
-    # -- wire ----------------------------------------------------------------------------------------
-    def _fields(self):
-        """(method, bits, mode, norm, bucket_size) as written in the header."""
-        raise NotImplementedError
-
-    def _layout(self, numel):
-        return _layout_of(self, numel)
-
-    def wire_nbytes(self, numel):
-        """Size in bytes of the payload of a tensor of ``numel`` elements (header included)."""
-        return self._layout(_check_int("numel", numel, 0)).total
-
-    def _check_header(self, h, name):
-        """Raise PayloadError if header ``h`` is not of this configuration (or not ``name``'s)."""
-        method, bits, mode, norm, bs = self._fields()
-        if h.method != method:
-            raise PayloadError(f"payload was made by the {h.method_name!r} codec; this codec is {self.spec()!r}")
-        for field, got, want in (("bits", h.bits, bits), ("mode", h.mode, mode), ("norm", h.norm, norm),
-                                 ("bucket_size", h.bucket_size, bs)):
-            if got != want:
-                raise PayloadError(f"payload configuration differs in {field}: payload has "
-                                   f"{self._field_text(field, got)}, this codec ({self.spec()}) has "
-                                   f"{self._field_text(field, want)}")
-        if name is not None:
-            nh = wire.name_hash(name)
-            if h.name_hash != nh:
-                what = "carries no name" if h.name_hash == 0 else f"has name hash {h.name_hash:#010x}"
-                raise PayloadError(f"name mismatch: payload {what}, expected {name!r} (hash {nh:#010x}): "
-                                   "it belongs to another tensor")
-
-    def _field_text(self, field, code):
-        return f"{field}={code}"
-
-    def _parse(self, pay, name):
-        """The validated header of host payload ``pay`` (a NumPy uint8 array), for ``name``."""
-        return _validated(self, pay[:wire.HEADER_NBYTES].tobytes(), pay.size, name)
-
-    # -- noise ---------------------------------------------------------------------------------------
-    def _direct_key(self, nh, step, rank):
-        """The noise key of a direct :meth:`encode` call (see the codec's docstring on seeds). ``step``
-        and ``rank`` are checked even where they choose nothing (no seed, no noise)."""
-        if step is not None:
-            step = _check_int("step", step, 0)
-        if rank is not None:
-            rank = _check_int("rank", rank, 0)
-        if not self.stochastic:
-            return 0
-        if self.seed is None:
-            return fresh_seed()
-        k = _direct_count(self, nh) if step is None else step
-        return noise_key(self.seed, k, _env_rank() if rank is None else rank, nh)
-
-    # -- public API ----------------------------------------------------------------------------------
-    def encode(self, x, name=None, step=None, rank=None):
-        """Encode ``x`` (NumPy array, torch tensor on CPU/CUDA, eager TensorFlow tensor; float32, float16,
-        bfloat16 or float64) into a 1-D uint8 payload of the same kind and device. ``name`` is hashed
-        into the header so that ``decode(..., name=...)`` can refuse another tensor's payload.
-
-        Seeded stochastic rounding draws with the key :func:`noise_key` (seed, k, rank, name hash):
-        k is this codec object's count of encodes of ``name`` unless ``step`` is given, rank the
-        process's Horovod rank (environment) unless ``rank`` is given. ``step=s, rank=r`` gives the
-        payload the exchange sends for that name at step s from rank r."""
-        if name is not None and type(name) is not str:
-            name = _name_arg(name)
-        arrays = adapter_for(x)
-        shape, dtype = arrays.describe(x)
-        direct = _direct_encoder(self, arrays, shape, dtype, name)
-        if direct is not None:          # a prepared kernel launch: nothing else to resolve
-            nh, total, words, launch = direct
-            key = self._direct_key(nh, step, rank)
-            if arrays.device:
-                t, px = arrays.input_f32(x)
-                pt, pp = arrays.new_bytes(total, t)
-                launch(px, pp, words, key, arrays.stream(t), None)
-                return pt
-            pay = np.empty(total, np.uint8)
-            launch(arrays.input_f32(x), pay, words, key, None, None)
-            return arrays.wrap_payload(pay, x)
-        nh, words, lay = _prepared(self, shape, dtype, name)
-        key = self._direct_key(nh, step, rank)
-        if arrays.device:
-            with arrays.context(x):
-                pt, pdev = arrays.new_bytes(lay.total, x)
-                self._encode_dev(arrays, x, pt, pdev, words, lay, key, arrays.stream(x))
-                return pt
-        pay = np.empty(lay.total, np.uint8)
-        self._encode_host(arrays, x, pay, words, lay, key)
-        return arrays.wrap_payload(pay, x)
-
-    def encode_into(self, x, payload, words, lay, key, arrays=None, residual=None):
-        """Encode ``x`` (``lay.numel`` elements) into ``payload``, a uint8 buffer (or a slice of one)
-        of ``lay.total`` bytes of the same kind and device, with header ``words`` and noise ``key``
-        prepared by the caller (:func:`_prepared`, :func:`noise_key`): the exchange's hot path, with
-        no allocation and no per-call preparation. ``arrays``: the adapter of ``x``, if known.
-
-        ``residual`` (a flat float32 buffer of ``x``'s kind, or None): also write ``x - decode(payload)``
-        there, from the encode itself (error feedback without a second pass); bit-identical to
-        decoding the payload and subtracting."""
-        arrays = arrays or adapter_for(x)
-        if arrays.numel(x) != lay.numel or arrays.payload_nbytes(payload) != lay.total:
-            raise PayloadError(f"encode_into: x has {arrays.numel(x)} elements and the payload "
-                               f"{arrays.payload_nbytes(payload)} bytes; the layout is for {lay.numel} "
-                               f"elements in {lay.total} bytes")
-        if arrays.device:
-            with arrays.context(x):
-                self._encode_dev(arrays, x, payload, arrays.bytes_dev(payload), words, lay, key,
-                                 arrays.stream(x), residual)
-        else:
-            self._encode_host(arrays, x, arrays.payload_np(payload), words, lay, key,
-                              None if residual is None else arrays.out_np(residual)[0])
-        return payload
-
-    def bind_encode(self, arrays, lay, words, like):
-        """``f(x, payload, key, residual=None)``: :meth:`encode_into` for inputs of ``lay.numel``
-        elements like ``like`` with header ``words``, everything else resolved now (the kernel's
-        prepared launch, the adapter). Sizes are the caller's promise: the exchange's plans hold them.
-        Device tensors: one device per process (Horovod's model), on the framework's current stream."""
-        launch = self._bound_kernel(arrays, lay.numel, None) if lay.numel else None
-        if launch is None:
-            return lambda x, payload, key, residual=None: self.encode_into(
-                x, payload, words, lay, key, arrays=arrays, residual=residual)
-        if arrays.device:
-            f32, pay, out_dev, stream = arrays.input_f32, arrays.bytes_dev, arrays.out_dev, arrays.stream
-
-            def encode(x, payload, key, residual=None):
-                launch(f32(x)[1], pay(payload), words, key, stream(x),
-                       None if residual is None else out_dev(residual)[0])
-        else:
-            f32, pay, out_np = arrays.input_f32, arrays.payload_np, arrays.out_np
-
-            def encode(x, payload, key, residual=None):
-                launch(f32(x), pay(payload), words, key, None,
-                       None if residual is None else out_np(residual)[0])
-        return encode
-
-    def bind_decode(self, arrays, numel, accumulate, expect, like, status=None):
-        """``f(payload, out)``: :meth:`decode_into` of payloads of ``numel`` elements checked against
-        ``expect``, resolved now as :meth:`bind_encode` does (device: the check runs in the decode
-        kernel and reports through a status word of this codec on ``like``'s device, or through the
-        device handle ``status``)."""
-        launch = self._bound_kernel(arrays, numel, bool(accumulate)) if numel else None
-        if launch is None:
-            return lambda payload, out: self.decode_into(payload, out, accumulate=accumulate, expect=expect,
-                                                         arrays=arrays)
-        if arrays.device:
-            if status is None:
-                _, status = status_for(self, arrays, like)
-            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
-
-            def decode(payload, out):
-                launch(pay(payload), out_dev(out)[0], stream(out), status, expect)
-        else:
-            total = self._layout(numel).total
-            payload_np, out_np = arrays.payload_np, arrays.out_np
-
-            def decode(payload, out):
-                p = payload_np(payload)
-                if p.size != total:
-                    raise PayloadError(f"payload has {p.size} bytes; {numel} elements take {total}")
-                h = _validated(self, p[:wire.HEADER_NBYTES].tobytes(), total, None)
-                if h.numel != numel or (expect.check_name and h.name_hash != expect.name_hash):
-                    raise PayloadError(f"payload holds {h.numel} elements with name hash "
-                                       f"{h.name_hash:#010x}; expected {numel} with "
-                                       f"{expect.name_hash:#010x}: it belongs to another tensor")
-                launch(p, out_np(out)[0])
-        return decode
-
-    # -- fused launches: one per exchange phase ------------------------------------------------------
-    def bind_decode_sum(self, arrays, numel, expect, like):
-        """``f(payloads, n, out)``: ``out`` = the sum, in order, of the ``n`` payloads of ``numel``
-        elements held back to back in ``payloads``, each checked against ``expect``: one launch (the
-        allgather's decode). None where this codec has no fused kernel (the caller loops)."""
-        launch = _fused(self, arrays.device, "sum", numel, 0) if numel and arrays.views else None
-        if launch is None:
-            return None
-        if arrays.device:
-            _, status = status_for(self, arrays, like)
-            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
-            return lambda payloads, n, out: launch(pay(payloads), n, out_dev(out)[0], stream(out), status,
-                                                   expect)
-        pay, out_np = arrays.payload_np, arrays.out_np
-        return lambda payloads, n, out: launch(pay(payloads), n, out_np(out)[0], None, None, expect)
-
-    def bind_reduce_requantize(self, arrays, lay, words, expect, like):
-        """``f(payloads, n, residual, out_payload, key)``: SRA's middle phase in one launch: sum the
-        ``n`` received payloads of ``lay.numel`` elements (checked against ``expect``), add
-        ``residual`` if given, encode the result into ``out_payload`` with header ``words`` and noise
-        ``key``, and overwrite ``residual`` with what that encode lost. None where unfused."""
-        launch = _fused(self, arrays.device, "reduce", lay.numel, 0) if lay.numel and arrays.views else None
-        if launch is None:
-            return None
-        if arrays.device:
-            _, status = status_for(self, arrays, like)
-            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
-
-            def reduce(payloads, n, residual, out_payload, key):
-                launch(pay(payloads), n, None if residual is None else out_dev(residual)[0], pay(out_payload),
-                       words, key, stream(out_payload), status, expect)
-            return reduce
-        pay, out_np = arrays.payload_np, arrays.out_np
-
-        def reduce(payloads, n, residual, out_payload, key):
-            launch(pay(payloads), n, None if residual is None else out_np(residual)[0], pay(out_payload),
-                   words, key, None, None, expect)
-        return reduce
-
-    def bind_decode_chunks(self, arrays, numel, chunk, name_hashes, expect, like):
-        """``f(gathered, out)``: SRA's last phase in one launch: chunk j of ``out`` (elements
-        [j*chunk, (j+1)*chunk)) decoded from the j-th payload of ``gathered``, each checked against
-        ``expect`` and its own name hash. ``name_hashes``: the chunks' hashes, on ``like``'s device,
-        built once by the caller. None where unfused."""
-        launch = (_fused(self, arrays.device, "chunks", numel, chunk)
-                  if numel and arrays.views and getattr(self, "bucket_size", None) else None)
-        if launch is None:
-            return None
-        if arrays.device:
-            _, status = status_for(self, arrays, like)
-            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
-            return lambda gathered, out: launch(pay(gathered), out_dev(out)[0], stream(out), status, name_hashes,
-                                                expect)
-        pay, out_np = arrays.payload_np, arrays.out_np
-        return lambda gathered, out: launch(pay(gathered), out_np(out)[0], None, None, name_hashes, expect)
-
-    def _fused_prepare(self, K, kind, numel, chunk):
-        """The kernel module ``K``'s prepared fused launch ``kind`` ("sum", "reduce", "chunks"), or
-        None (codecs without fused kernels)."""
-        return None
-
-    def _bound_kernel(self, arrays, numel, accumulate):
-        """The prepared kernel launch behind :meth:`bind_encode` (``accumulate`` None) or
-        :meth:`bind_decode`, or None where the generic path serves (raw codecs, fake mode, TensorFlow
-        tensors, which are immutable)."""
-        return None
-
-    def decode(self, payload, name=None, shape=None, dtype=None):
-        """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
-
-        Host payloads are fully validated (PayloadError). For a device payload, passing ``shape`` and
-        ``dtype`` avoids any host synchronisation: the header is then checked on the device (as in
-        :meth:`decode_into`); without them the 64-byte header is copied to the host (one
-        synchronisation) and validated there."""
-        if name is not None and type(name) is not str:
-            name = _name_arg(name)
-        if shape is not None:
-            shape = _shape_arg(shape)
-        arrays = adapter_for(payload)
-        if arrays.device:
-            return self._decode_device(arrays, payload, name, shape, dtype)
-        pay = arrays.payload_np(payload)
-        h = self._parse(pay, name)
-        if shape is not None and shape != h.shape:
-            raise PayloadError(f"payload holds shape {h.shape}, caller expected {tuple(shape)}")
-        if dtype is not None and _dtype_text(dtype) != h.dtype_name:
-            raise PayloadError(f"payload holds dtype {h.dtype_name}, caller expected {_dtype_text(dtype)}")
-        out = np.empty(h.numel, np.float32)
-        self._decode_host(pay, out, False)
-        return arrays.wrap_result(out, h.dtype_name, h.shape, payload)
-
-    def decode_into(self, payload, out, accumulate=False, name=None, expect=None, arrays=None):
-        """Write (``accumulate=False``) or add (``True``) the decoded values into ``out``, a flat
-        float32 array/tensor of the payload's kind with the payload's element count; no temporary of
-        that size is allocated (except for TensorFlow, whose tensors are immutable: ``out`` must be a
-        ``tf.Variable``). Returns ``out``.
-
-        Errors. Host payloads raise :class:`PayloadError` before anything is written. For device
-        payloads only sizes are checked on the host (a wrong size raises at once); the header is
-        checked on the device, in the same stream order: if it is wrong (magic, version,
-        configuration, numel, checksums, or the name when ``name`` is given) the decode writes NaN
-        into ``out`` (so a bad payload can never pass silently into a sum) and the reason is kept in a
-        device status word; :meth:`check_device_errors` reads it (synchronising) and raises.
-
-        ``expect`` (a ``wire.Expect`` from :func:`expectation`, given instead of ``name``) and
-        ``arrays`` (the payload's adapter) let a caller that decodes the same layout every step skip
-        the per-call preparation."""
-        if name is not None and type(name) is not str:
-            name = _name_arg(name)
-        arrays = arrays or adapter_for(payload)
-        if arrays.device:
-            return self._decode_into_device(arrays, payload, out, accumulate, name, expect)
-        pay = arrays.payload_np(payload)
-        h = self._parse(pay, name)
-        if expect is not None and expect.check_name and h.name_hash != expect.name_hash:
-            raise PayloadError(f"name mismatch: payload has name hash {h.name_hash:#010x}, expected "
-                               f"{expect.name_hash:#010x}: it belongs to another tensor")
-        out_np, commit = arrays.out_np(out)
-        if out_np.size != h.numel:
-            raise PayloadError(f"payload holds {h.numel} elements but out has {out_np.size}")
-        launch = _prepared_launch(self, arrays, h.numel, bool(accumulate))
-        if launch is None:
-            self._decode_host(pay, out_np, accumulate)
-        else:
-            launch(pay, out_np)
-        if commit is not None:
-            commit()
-        return out
-
-    def check_device_errors(self):
-        """Raise PayloadError if any device payload decoded by this codec since the last call failed
-        its on-device header check (reads the device status words: synchronises). Resets them."""
-        problems = []
-        for key, arrays, status_t in device_statuses(self):
-            bits = arrays.read_status(status_t)
-            if bits:
-                problems.append(f"{key}: {wire.describe_error_bits(bits)}")
-        if problems:
-            raise PayloadError("device payload(s) refused (their decode wrote NaN): " + "; ".join(problems))
-
-    # -- stock Horovod Compressor protocol -----------------------------------------------------------
-    def compress(self, tensor):
-        from . import _stock        # _stock builds on the exchange, which builds on the codecs
-        return _stock.Compressor.compress(self, tensor)
-
-    def decompress(self, tensor, ctx):
-        from . import _stock
-        return _stock.Compressor.decompress(self, tensor, ctx)
-
-    # -- device plumbing -----------------------------------------------------------------------------
-    def _decode_device(self, arrays, payload, name, shape, dtype):
-        nbytes = arrays.payload_nbytes(payload)
-        if shape is None or dtype is None:
-            h = wire.parse_header(arrays.read_header(payload), nbytes)     # synchronises (64 bytes)
-            self._check_header(h, name)
-            shape, dtype_name, expect = h.shape, h.dtype_name, None
-        else:
-            dtype_name = _dtype_text(dtype)
-            expect = expectation(self, math.prod(shape), name)
-        numel = math.prod(shape)
-        if nbytes != self.wire_nbytes(numel):
-            raise PayloadError(f"payload has {nbytes} bytes; {numel} elements take {self.wire_nbytes(numel)}")
-        with arrays.context(payload):
-            stream = arrays.stream(payload)
-            pdev = arrays.bytes_dev(payload)
-            if expect is not None:
-                status_t, status_dev = status_for(self, arrays, payload)
-            else:
-                status_t = status_dev = None        # checked on the host already
-            out_t, out_dev = arrays.new_f32(numel, payload)
-            res = self._decode_dev(arrays, payload, pdev, out_t, out_dev, False, stream, status_t,
-                                   status_dev, expect)
-            return arrays.result(out_t if res is None else res, dtype_name, shape)
-
-    def _decode_into_device(self, arrays, payload, out, accumulate, name, expect):
-        if arrays.views:
-            numel = arrays.numel(out)
-            total, bound = _device_decoder(self, arrays, payload, numel, bool(accumulate), name, expect)
-            if arrays.payload_nbytes(payload) != total:
-                raise PayloadError(f"payload has {arrays.payload_nbytes(payload)} bytes; out has {numel} "
-                                   f"elements, which take {total}")
-            if bound is not None:       # a prepared kernel launch: nothing else to resolve
-                bound(payload, out)
-                return out
-        with arrays.context(payload):
-            numel = arrays.numel(out)
-            nbytes = arrays.payload_nbytes(payload)
-            if nbytes != self.wire_nbytes(numel):
-                raise PayloadError(f"payload has {nbytes} bytes; out has {numel} elements, which take "
-                                   f"{self.wire_nbytes(numel)}")
-            if expect is None:
-                expect = expectation(self, numel, name)
-            stream = arrays.stream(payload)
-            pdev = arrays.bytes_dev(payload)
-            status_t, status_dev = status_for(self, arrays, payload)
-            self._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
-                                  expect)
-        return out
-
-    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
-                         expect):
-        """Kernel codecs: decode into a device view of ``out`` (or into the adapter's temporary, then
-        commit, for frameworks whose tensors are immutable)."""
-        out_dev, commit = arrays.out_dev(out)
-        self._decode_dev(arrays, payload, pdev, out, out_dev, accumulate and commit is None, stream,
-                         status_t, status_dev, expect)
-        if commit is not None:
-            commit(accumulate)
-
-    # -- subclass steps ------------------------------------------------------------------------------
-    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        """Write the payload of host input ``x`` into the NumPy uint8 array ``pay`` (and, given a
-        float32 NumPy ``residual``, ``x - decode(pay)`` into it)."""
-        raise NotImplementedError
-
-    def _decode_host(self, pay, out, accumulate):
-        raise NotImplementedError
-
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        """Write the payload of device input ``x`` into ``pt`` (framework tensor) / ``pdev`` (its
-        device-array view), and the residual into ``residual`` (a flat float32 tensor) if given."""
-        raise NotImplementedError
-
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
-                    expect):
-        """Decode (and, when ``expect`` is given, check on the device) into ``out_dev``."""
-        raise NotImplementedError
-
-
-def _dtype_text(dtype):
-    """Normalise a dtype given as text, NumPy, torch or TF dtype to 'float32' | 'float16' | ..."""
-    if isinstance(dtype, str):
-        name = dtype
-    elif type(dtype).__module__.split(".")[0] in ("torch", "tensorflow"):
-        name = getattr(dtype, "name", None) or str(dtype)
-    else:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            name = str(dtype)
-    name = name.replace("torch.", "")
-    name = {"half": "float16", "float": "float32", "double": "float64"}.get(name, name)
-    if name not in wire.DTYPES:
-        raise UnsupportedInputError(f"unsupported dtype {dtype!r}")
-    return name
-
-
-def _f32_view(pay, offset, numel):
-    """float32 values stored at ``offset`` (copied if the payload is not 4-byte aligned)."""
-    raw = pay[offset:offset + 4 * numel]
-    if raw.ctypes.data % 4:
-        raw = raw.copy()
-    return raw.view(np.float32)
-
-
-# ---- QSGD ---------------------------------------------------------------------------------------------
 
 _MODE_NAMES = {v: k for k, v in wire.MODES.items()}
 _NORM_NAMES = {v: k for k, v in wire.NORMS.items()}
@@ -765,8 +62,8 @@ class QSGD(Codec):
 
     Noise: ``seed=None`` draws fresh noise on every call. With a fixed ``seed`` the uniforms are a
     counter-based hash of the key :func:`noise_key` (seed, k, rank, name hash) and the element index.
-    For a direct :meth:`encode`, k counts this codec object's encode calls for that name in this
-    process and rank is ``HOROVOD_RANK`` (or ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0): the k-th
+    For a direct :meth:`encode`, k counts this codec object's encode calls for that name on the
+    calling thread and rank is ``HOROVOD_RANK`` (or ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0): the k-th
     call on the same input gives the same payload in every run. Inside the exchange, k is the
     training step and rank the process set rank, so ranks draw independent noise.
 
@@ -807,7 +104,7 @@ class QSGD(Codec):
     def _field_text(self, field, code):
         if field == "mode":
             return f"mode={_MODE_NAMES.get(code, code)}"
-        if field == "norm":
+        if field == "param":
             return f"norm={_NORM_NAMES.get(code, code)}"
         return super()._field_text(field, code)
 
@@ -815,7 +112,7 @@ class QSGD(Codec):
         return wire.layout(self._method, numel, self.bits, self.bucket_size, wire.MODES["stochastic"])
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         xf = arrays.input_f32(x)
         if self.mode == "fake":
             tmp = np.empty(self._qlayout(xf.size).total, np.uint8)
@@ -836,18 +133,19 @@ class QSGD(Codec):
             else:
                 out[...] = vals
             return
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.qsgd_decode_cpu(pay, out, self.bits, self.bucket_size, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         xt, xdev = arrays.input_f32(x)
         if self.mode == "fake":     # through Numba's dispatcher: an accuracy-study mode, not a hot path
-            import numba_kernels.cuda as K
+            K = numba_kernels.cuda
             n = lay.numel
             tt, _ = arrays.new_bytes(self._qlayout(n).total, x)
             tn, pn = arrays.numba(tt), arrays.numba(pt)
             K.qsgd_encode_cuda(arrays.numba(xt), tn, words, self.bits, self.bucket_size, True,
-                               self.norm == "l2", key, stream, None if residual is None else arrays.numba(residual))
+                               self.norm == "l2", key, stream,
+                               None if residual is None else arrays.numba(residual))
             K.qsgd_decode_cuda(tn, pn[64:64 + 4 * n].view(np.float32), self.bits, self.bucket_size,
                                False, stream)
             K.write_header_cuda(pn, words, stream)
@@ -858,8 +156,10 @@ class QSGD(Codec):
         if self.mode == "fake" or not arrays.views:
             return None
         if arrays.device:
-            return _cuda_encoder(self, numel) if accumulate is None else _cuda_decoder(self, numel, accumulate)
-        import numba_kernels.cpu as K
+            K = numba_kernels.cuda
+            return (self._cuda_prepare_encode(K, numel) if accumulate is None
+                    else self._cuda_prepare_decode(K, numel, accumulate))
+        K = numba_kernels.cpu
         if accumulate is None:
             return K.prepare_qsgd_encode(numel, self.bits, self.bucket_size, self.stochastic,
                                          self.norm == "l2")
@@ -896,84 +196,6 @@ class QSGD(Codec):
             return _raw_decode_dev(arrays, payload, pdev, out_t, "float32", accumulate, stream, status_t,
                                    status_dev, expect)
         _cuda_decoder(self, arrays.numel(out_t), accumulate)(pdev, out_dev, stream, status_dev, expect)
-
-
-@functools.lru_cache(maxsize=4096)
-def _prepared_launch(codec, arrays, numel, accumulate):
-    """The codec's prepared launch of ``numel`` elements on ``arrays``' device or the CPU
-    (``Codec._bound_kernel``: the encode when ``accumulate`` is None), built once; None where the
-    generic path serves."""
-    return codec._bound_kernel(arrays, numel, accumulate) if numel else None
-
-
-@functools.lru_cache(maxsize=4096)
-def _direct_encoder(codec, arrays, shape, dtype_name, name):
-    """A direct ``encode``'s (name hash, payload bytes, header words, prepared launch
-    ``f(x, payload, words, key, stream, residual)`` taking the adapter's device handles or NumPy
-    arrays), or None (generic path)."""
-    nh, words, lay = _prepared(codec, shape, dtype_name, name)
-    launch = _prepared_launch(codec, arrays, lay.numel, None)
-    return None if launch is None else (nh, lay.total, words, launch)
-
-
-_DEVICE_DECODERS = {}
-
-
-def _device_decoder(codec, arrays, payload, numel, accumulate, name, expect):
-    """A direct device ``decode_into``'s (payload bytes, bound launch ``f(payload, out)`` or None for
-    the generic path), per device (the launch reports to that device's status word of ``codec``)."""
-    key = (codec, arrays, arrays.device_key(payload), numel, accumulate, name, expect)
-    hit = _DEVICE_DECODERS.get(key)
-    if hit is None:
-        if expect is None:
-            expect = expectation(codec, numel, name)
-        bound = None
-        if numel and codec._bound_kernel(arrays, numel, accumulate) is not None:
-            bound = codec.bind_decode(arrays, numel, accumulate, expect, None,
-                                      status=status_for(codec, arrays, payload)[1])
-        if len(_DEVICE_DECODERS) >= 4096:
-            _DEVICE_DECODERS.clear()
-        hit = _DEVICE_DECODERS[key] = (codec.wire_nbytes(numel), bound)
-    return hit
-
-
-@functools.lru_cache(maxsize=4096)
-def _fused(codec, device, kind, numel, chunk):
-    """The codec's prepared fused launch (``Codec._fused_prepare``) on the CPU or a CUDA device."""
-    if device:
-        import numba_kernels.cuda as K
-    else:
-        import numba_kernels.cpu as K
-    return codec._fused_prepare(K, kind, numel, chunk)
-
-
-@functools.lru_cache(maxsize=4096)
-def _cuda_encoder(codec, numel):
-    """The codec's prepared CUDA encode of ``numel`` elements (built once; kernels compile on first use)."""
-    import numba_kernels.cuda as K
-    return codec._cuda_prepare_encode(K, numel)
-
-
-@functools.lru_cache(maxsize=4096)
-def _cuda_decoder(codec, numel, accumulate):
-    import numba_kernels.cuda as K
-    return codec._cuda_prepare_decode(K, numel, bool(accumulate))
-
-
-def _dev_view(arrays, t):
-    """The device-array view of a flat float32 tensor (None stays None)."""
-    return None if t is None else arrays.out_dev(t)[0]
-
-
-def _raw_decode_dev(arrays, payload, pdev, out, value_dtype, accumulate, stream, status_t, status_dev,
-                    expect):
-    """Raw float values on a device, with framework ops; NaN where the header check failed."""
-    bad = None
-    if expect is not None:
-        import numba_kernels.cuda as K
-        K.check_header_cuda(arrays.numba(payload), arrays.numba(status_t), expect, stream)
-        bad = arrays.status_bad(status_t)
-    return arrays.raw_decode_into(payload, 64, arrays.numel(out), value_dtype, out, accumulate, bad)
 
 
 # ---- 1-bit --------------------------------------------------------------------------------------------
@@ -1032,12 +254,12 @@ class OneBit(Codec):
         return self.scale == "two_mean"
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.onebit_encode_cpu(arrays.input_f32(x), pay, words, self.bucket_size or 0, self._two_mean,
                             residual=residual)
 
     def _decode_host(self, pay, out, accumulate):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.onebit_decode_cpu(pay, out, self.bucket_size or 0, self._two_mean, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
@@ -1052,11 +274,12 @@ class OneBit(Codec):
         if not arrays.views:
             return None
         if arrays.device:
-            return _cuda_encoder(self, numel) if accumulate is None else _cuda_decoder(self, numel, accumulate)
-        import numba_kernels.cpu as K
+            K = numba_kernels.cuda
+            return (self._cuda_prepare_encode(K, numel) if accumulate is None
+                    else self._cuda_prepare_decode(K, numel, accumulate))
+        K = numba_kernels.cpu
         if accumulate is None:
-            enc = K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
-            return lambda x, payload, header, key, stream, residual: enc(x, payload, header, stream, residual)
+            return K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
         return K.prepare_onebit_decode(numel, self.bucket_size or 0, self._two_mean, accumulate)
 
     def _fused_prepare(self, K, kind, numel, chunk):
@@ -1099,7 +322,7 @@ class SortQuant(Codec):
     Kernels: Numba CPU (a stable radix sort per bucket) and CUDA (a block per bucket sorts it in shared
     memory with a bitonic network: on CUDA ``bucket_size`` is at most 4096), both bit-identical to the
     NumPy reference; not tuned yet (no fused reduce kernels: SRA and allgather decode and sum payload
-    by payload). Wire: 64-byte header (``norm`` holds split_bits), ceil(numel*bits/8) code bytes (zero
+    by payload). Wire: 64-byte header (``param`` holds split_bits), ceil(numel*bits/8) code bytes (zero
     padded to 4), then 8 * 2**split_bits scale bytes per bucket. A bucket holding NaN or Inf, or whose
     range overflows float32, decodes to NaN (only that bucket). bits 2..16, split_bits 1..bits-1,
     bucket_size >= 1. Noise and ``seed`` as :class:`QSGD`.
@@ -1128,30 +351,30 @@ class SortQuant(Codec):
     def _field_text(self, field, code):
         if field == "mode":
             return f"mode={_MODE_NAMES.get(code, code)}"
-        if field == "norm":
+        if field == "param":
             return f"split_bits={code}"
         return super()._field_text(field, code)
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.sortquant_encode_cpu(arrays.input_f32(x), pay, words, self.bits, self.split_bits, self.bucket_size,
                                self.stochastic, key, residual=residual)
 
     def _decode_host(self, pay, out, accumulate):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.sortquant_decode_cpu(pay, out, self.bits, self.split_bits, self.bucket_size, accumulate)
 
     def _bound_kernel(self, arrays, numel, accumulate):
         if arrays.device or not arrays.views:
             return None
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         if accumulate is None:
             return K.prepare_sortquant_encode(numel, self.bits, self.split_bits, self.bucket_size,
                                               self.stochastic)
         return K.prepare_sortquant_decode(numel, self.bits, self.split_bits, self.bucket_size, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        import numba_kernels.cuda as K     # (through Numba's dispatcher: device arrays, not pointers)
+        K = numba_kernels.cuda     # (through Numba's dispatcher: device arrays, not pointers)
         xt, xdev = arrays.input_f32(x)
         K.sortquant_encode_cuda(_nb(arrays, xt, xdev), _nb(arrays, pt, pdev), words, self.bits,
                                 self.split_bits, self.bucket_size, self.stochastic, key, stream,
@@ -1160,7 +383,7 @@ class SortQuant(Codec):
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
-        import numba_kernels.cuda as K
+        K = numba_kernels.cuda
         K.sortquant_decode_cuda(_nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev), self.bits,
                                 self.split_bits, self.bucket_size, accumulate, stream,
                                 None if status_t is None else _nb(arrays, status_t, status_dev), expect)
@@ -1218,24 +441,24 @@ class KMeans(Codec):
         return super()._field_text(field, code)
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.kmeans_encode_cpu(arrays.input_f32(x), pay, words, self.bits, self.bucket_size or 0, self.iters, key,
                             residual=residual)
 
     def _decode_host(self, pay, out, accumulate):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         K.kmeans_decode_cpu(pay, out, self.bits, self.bucket_size or 0, accumulate)
 
     def _bound_kernel(self, arrays, numel, accumulate):
         if arrays.device or not arrays.views:
             return None
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         if accumulate is None:
             return K.prepare_kmeans_encode(numel, self.bits, self.bucket_size or 0, self.iters)
         return K.prepare_kmeans_decode(numel, self.bits, self.bucket_size or 0, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        import numba_kernels.cuda as K     # (through Numba's dispatcher: device arrays, not pointers)
+        K = numba_kernels.cuda     # (through Numba's dispatcher: device arrays, not pointers)
         xt, xdev = arrays.input_f32(x)
         K.kmeans_encode_cuda(_nb(arrays, xt, xdev), _nb(arrays, pt, pdev), words, self.bits, self.bucket_size or 0,
                              self.iters, key, stream,
@@ -1243,15 +466,10 @@ class KMeans(Codec):
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
-        import numba_kernels.cuda as K
+        K = numba_kernels.cuda
         K.kmeans_decode_cuda(_nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev), self.bits,
                              self.bucket_size or 0, accumulate, stream,
                              None if status_t is None else _nb(arrays, status_t, status_dev), expect)
-
-
-def _nb(arrays, t, dev):
-    """A Numba device array of ``t``, whose device handle is ``dev`` (torch's is a raw pointer)."""
-    return arrays.numba(t) if type(dev) is int else dev
 
 
 # ---- raw: fp16 and none ---------------------------------------------------------------------------------
@@ -1266,7 +484,7 @@ class _Raw(Codec):
         return (self._method, 16 if self._value_dtype == "float16" else 32, 0, 0, 0)
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        import numba_kernels.cpu as K
+        K = numba_kernels.cpu
         xs = arrays.input_np(x)
         K.write_header_cpu(pay, words)
         w = 2 if self._value_dtype == "float16" else 4
@@ -1283,7 +501,7 @@ class _Raw(Codec):
         w = 2 if self._value_dtype == "float16" else 4
         raw = pay[64:64 + w * out.size]
         if w == 2 and raw.ctypes.data % 2 == 0:
-            import numba_kernels.cpu as K
+            K = numba_kernels.cpu
             K.half_decode_cpu(raw.view(np.uint16), out, accumulate)    # NumPy's values, 9x faster
             return
         if raw.ctypes.data % w:
@@ -1295,7 +513,7 @@ class _Raw(Codec):
             out[...] = vals
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        import numba_kernels.cuda as K
+        K = numba_kernels.cuda
         arrays.raw_encode_into(x, self._value_dtype, pt)
         K.write_header_cuda(arrays.numba(pt), words, stream)
         if residual is not None:

@@ -10,7 +10,7 @@ that no framework is imported before it is used. Resolved once per type.
 """
 import importlib
 
-__all__ = ["FRONTENDS", "register_frontend", "frontend_for"]
+__all__ = ["FRONTENDS", "STOCK_HOOKS", "register_frontend", "frontend_for", "stock_hook_for"]
 
 FRONTENDS = {
     "numpy": "hvd_quant._arrays",
@@ -21,7 +21,16 @@ FRONTENDS = {
 # ml_dtypes' scalar and array types (bfloat16 NumPy values, what TensorFlow's .numpy() gives) are NumPy's
 _SAME_AS = {"ml_dtypes": "numpy"}
 
+# The stock path's own compress of a framework, where it has one: ``hook(stock_compression, tensor)``
+# returns ``(tensor, ctx)`` to take over ``compress``, or None to let the generic path run.
+# TensorFlow builds symbolic tensors' exchanges into the graph; the hook's module builds on the
+# frontend, so it is registered here beside it rather than reached through it.
+STOCK_HOOKS = {
+    "tensorflow": "hvd_quant.tensorflow._graph:stock_compress",
+}
+
 _BY_TYPE = {}           # type(obj) -> its frontend, resolved once
+_HOOK_BY_TYPE = {}      # type(obj) -> its stock hook or None, resolved once
 
 
 def register_frontend(top_module, frontend):
@@ -29,6 +38,7 @@ def register_frontend(top_module, frontend):
     path as in the module doc)."""
     FRONTENDS[top_module] = frontend
     _BY_TYPE.clear()
+    _HOOK_BY_TYPE.clear()
 
 
 def _load(entry):
@@ -49,3 +59,14 @@ def frontend_for(obj):
             return None
         frontend = _BY_TYPE[type(obj)] = _load(entry)
     return frontend
+
+
+def stock_hook_for(obj):
+    """The stock path's hook of ``obj``'s framework (:data:`STOCK_HOOKS`), or None."""
+    try:
+        return _HOOK_BY_TYPE[type(obj)]
+    except KeyError:
+        top = type(obj).__module__.split(".", 1)[0]
+        entry = STOCK_HOOKS.get(_SAME_AS.get(top, top))
+        hook = _HOOK_BY_TYPE[type(obj)] = None if entry is None else _load(entry)
+        return hook

@@ -1,14 +1,14 @@
 """The compressed gradient exchange, written once for every framework.
 
-Horovod sums what it is given, and quantized codes cannot be summed (DESIGN.md). This module builds
+Horovod sums what it is given, and quantized codes cannot be summed. This module builds
 the two reductions that can, out of Horovod's public ``alltoall``, ``allgather`` and ``allreduce``:
 
 ``reduction="sra"`` (scatter-reduce-allgather, the default)
     1. split the flat float32 buffer into N chunks whose bounds fall on the codec's buckets;
-    2. encode chunk j (header name ``<name>#c<j>@<step>``), concatenate, ``alltoall``: rank r receives
-       every rank's chunk r;
+    2. encode chunk j (header name ``<name>#c<j>``, the same every step) at its offset of one send
+       buffer, ``alltoall``: rank r receives every rank's chunk r;
     3. decode and sum the N payloads in rank order, in float32;
-    4. requantize the reduced chunk (header ``<name>#r<r>@<step>``) and ``allgather`` it;
+    4. requantize the reduced chunk (header ``<name>#r<r>``) and ``allgather`` it;
     5. every rank, the owner too, decodes the same gathered bytes, so replicas stay bit-identical.
     Traffic per rank is about 2(N-1)/N * payload(n), flat in N (``docs/EXCHANGE.md``).
 
@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from numba_kernels._scalar import mix64_py
+from numba_kernels.wire import MASK64, describe_error_bits
 
 from ._arrays import adapter_for
-from .codecs import _M64, _prepared, expectation, fresh_seed, noise_base
+from ._noise import fresh_seed, noise_base
 
 __all__ = [
     "AVERAGE", "SUM", "REDUCTIONS", "Collectives", "ArrayOps", "Exchange", "Pending", "Traffic",
@@ -333,34 +334,37 @@ class _Chunk:
     def __init__(self, ex, plan, a, b, off, tag, like):
         codec = ex.codec
         self.a, self.b, self.off = a, b, off
-        self.nh, self.words, self.lay = _prepared(codec, (b - a,), "float32", tag)
+        self.nh, self.words, self.lay = codec.header_plan((b - a,), "float32", tag)
         self.size = self.lay.total if b > a else 0      # an empty chunk sends nothing
-        self.expect = expectation(codec, b - a, tag)
+        self.expect = codec.expectation(b - a, tag)
         seed = plan.fresh if codec.seed is None else codec.seed
         self.noise = noise_base(seed, ex.coll.rank, self.nh) if codec.stochastic else None
         arrays = plan.arrays
         self.encode = codec.bind_encode(arrays, self.lay, self.words, like)
-        self.decode = codec.bind_decode(arrays, b - a, False, self.expect, like)
-        self.accumulate = codec.bind_decode(arrays, b - a, True, self.expect, like)
+        self.decode = codec.bind_decode(arrays, b - a, False, self.expect, like, plan.status)
+        self.accumulate = codec.bind_decode(arrays, b - a, True, self.expect, like, plan.status)
 
     def key(self, step):
-        """The noise key of this payload at ``step`` (``codecs.noise_key``); 0 without noise."""
-        return 0 if self.noise is None else mix64_py(self.noise ^ (step & _M64))
+        """The noise key of this payload at ``step`` (``_noise.noise_key``); 0 without noise."""
+        return 0 if self.noise is None else mix64_py(self.noise ^ (step & MASK64))
 
 
 class _Plan:
     """What one exchange name needs every step, built once (and again when the process set's rank
     or size changes): chunk bounds and layouts, header words and expectations, the adapter of its
-    tensors, the noise base, the traffic of a step, and reusable buffers where the frontend's arrays
-    allow it (``ArrayOps.reusable``)."""
+    tensors, the noise base, the traffic of a step, reusable buffers where the frontend's arrays
+    allow it (``ArrayOps.reusable``), and on a device the status words its decodes report header
+    errors to (``status``: the adapter's ``new_status``; its own, so that exchanges and direct
+    decodes of equal codecs never mix their errors)."""
     __slots__ = ("coll", "numel", "arrays", "send", "own", "reduced", "gather", "send_nbytes",
                  "gather_nbytes", "fresh", "steps", "traffic", "buffers", "server_key", "decode_sum",
-                 "reduce", "decode_chunks", "keep", "sent", "splits")
+                 "reduce", "decode_chunks", "keep", "sent", "splits", "status")
 
     def __init__(self, ex, name, header, numel, like):
         codec, coll = ex.codec, ex.coll
         self.coll, self.numel = coll, numel
         self.arrays = adapter_for(like)
+        self.status = self.arrays.new_status(like) if self.arrays.device else None
         self.fresh = fresh_seed()          # unseeded noise: this plan's base, mixed with the step
         bounds = ex.bounds(numel)
         r, size = coll.rank, coll.size
@@ -391,15 +395,17 @@ class _Plan:
         self.decode_sum = self.reduce = self.decode_chunks = self.keep = None
         arrays = self.arrays
         if ex.reduction == "allgather":
-            self.decode_sum = codec.bind_decode_sum(arrays, numel, self.own.expect, like)
+            self.decode_sum = codec.bind_decode_sum(arrays, numel, self.own.expect, like, self.status)
         else:
             red = self.reduced
-            self.reduce = codec.bind_reduce_requantize(arrays, red.lay, red.words, self.own.expect, like)
+            self.reduce = codec.bind_reduce_requantize(arrays, red.lay, red.words, self.own.expect, like,
+                                                       self.status)
             full = [c for c in self.gather if c.b > c.a]
             if full:
                 self.keep, hashes = arrays.constant_u32([c.nh for c in full], like)
                 per = -(-(-(-numel // ex.align)) // size) * ex.align      # chunk_bounds' chunk length
-                self.decode_chunks = codec.bind_decode_chunks(arrays, numel, per, hashes, full[0].expect, like)
+                self.decode_chunks = codec.bind_decode_chunks(arrays, numel, per, hashes, full[0].expect, like,
+                                                           self.status)
         self.steps = 0
         self.server_key = (name, r, size)     # the chunk this rank owns, at this world size
         t = self.traffic = Traffic()
@@ -655,7 +661,7 @@ class Exchange:
         self._check_hs(p)
         ops, coll, plan = self.ops, self.coll, p.plan
         data = _wait(self, p.handle)
-        if p.t0 is not None:        # inline: the step's Python-call budget (DESIGN.md)
+        if p.t0 is not None:        # inline: this runs once per bucket and step
             self.traffic.timed.append(("alltoall", plan.sent[0], p.t0, self._mark(p.like)))
         own, red = plan.own, plan.reduced
         n, each = own.b - own.a, own.size
@@ -716,15 +722,14 @@ class Exchange:
             for j, c in enumerate(plan.gather):
                 self._decode(p, j, c.accumulate if j else c.decode, ops.slice(data, c.off, c.off + c.size), out)
         if p.name not in self._verified:
-            # Device payloads are checked by a kernel that writes NaN on a bad header; read its status
-            # word once per exchange name (one synchronisation, on the first step only) so that a
-            # misconfiguration raises instead of showing up as NaN.
+            # Device payloads are checked by a kernel that writes NaN on a bad header; read the plan's
+            # status word once per exchange name (one synchronisation, on the first step only) so
+            # that a misconfiguration raises instead of showing up as NaN.
             self._verified.add(p.name)
-            try:
-                self.codec.check_device_errors()
-            except ValueError as e:
-                raise PayloadMismatchError(f"hvd_quant: a payload for {p.name!r} was refused on "
-                                           f"the device: {e}") from e
+            bits = plan.arrays.read_status(plan.status[0]) if plan.status is not None else 0
+            if bits:
+                raise PayloadMismatchError(f"hvd_quant: a payload for {p.name!r} was refused on the device "
+                                           f"(its decode wrote NaN): {describe_error_bits(bits)}")
         p.result, p.stage, p.like, p.handle = out, "done", None, None
         return out
 

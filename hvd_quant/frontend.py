@@ -17,8 +17,9 @@ subclass fills in the framework's primitives (``make_collectives``, ``is_floatin
   ``(Collectives, ArrayOps)`` and ``stock_adapter()``, the frontend itself, with ``describe(t)`` ->
   :class:`TensorInfo`, ``placeholder(t, n=1)``, ``as_float(t)``, ``split(flat, sizes)``,
   ``restore(flat, info)``, ``sendable(t)`` and ``cast_back(t, info)``; a frontend may add
-  ``stock_compress(stock_compression, tensor)`` (TensorFlow builds symbolic tensors' exchanges into
-  the graph), and ``host_one``, ``wait_for`` and ``payload_group`` (PyTorch).
+  ``host_one``, ``wait_for`` and ``payload_group`` (PyTorch). A framework's own stock ``compress``
+  (TensorFlow builds symbolic tensors' exchanges into the graph) is registered beside its frontend
+  (``hvd_quant.dispatch.STOCK_HOOKS``).
 """
 import importlib
 import math

@@ -2,8 +2,17 @@
 
 * :mod:`numba_kernels.wire` -- the payload format (header, layout), pure Python.
 * :mod:`numba_kernels.reference` -- ``*_ref``: the NumPy specification.
-* :mod:`numba_kernels.cpu` -- ``*_cpu``: ``njit(parallel=True, cache=True)`` kernels.
-* :mod:`numba_kernels.cuda` -- ``*_cuda``: ``numba.cuda`` kernels (also run in the CUDA simulator).
+* :mod:`numba_kernels.cpu` -- ``*_cpu`` and ``prepare_*``: the CPU launch layer over
+  ``njit(parallel=True, cache=True)`` kernels, one module per codec (``_cpu_qsgd``, ``_cpu_onebit``,
+  ``_cpu_sortquant``, ``_cpu_kmeans``, ``_cpu_half``) on shared parts (``_cpu_base``).
+* :mod:`numba_kernels.cuda` -- ``*_cuda`` and ``prepare_*``: ``numba.cuda`` kernels (also run in the
+  CUDA simulator): the launch layer (``_cuda_launch``), the prepared launches (``_cuda_prepared``), the
+  kernels per path and codec (``_cuda_warp``, ``_cuda_block``, ``_cuda_sortquant``, ``_cuda_kmeans``).
+* ``_scalar`` -- the scalar math, written once and compiled for both.
+
+A ``prepare_*`` function returns a launch its caller owns: it writes its parameter buffer (and, on
+a device, its scratch) on every call, so one launch serves one thread; the plain ``*_cpu`` /
+``*_cuda`` launchers keep theirs per thread.
 
 Every ``*_cpu`` / ``*_cuda`` launcher has the signature of its ``*_ref`` twin and gives the same bytes
 and the same float32 values, bit for bit (tests/test_kernels.py). ``numba_kernels.cuda`` is imported

@@ -78,7 +78,7 @@ def add_term(kind, v, p, q, cnt):
 
 @cuda.jit(device=True)
 def hdr_err(payload, expect, check_name):
-    """Error bits of a payload header against ``expect`` (method, bits, mode, norm, bucket_size, numel,
+    """Error bits of a payload header against ``expect`` (method, bits, mode, param, bucket_size, numel,
     name_hash): ``reference.header_errors_ref``."""
     return header_errors(payload, expect[0], expect[1], expect[2], expect[3], expect[4], expect[5],
                          expect[6], check_name)

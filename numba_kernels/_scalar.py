@@ -255,7 +255,7 @@ def build(jit, fmul):
         return h
 
     @jit
-    def header_errors(payload, method, bits, mode, norm, bucket_size, numel, name_hash, check_name):
+    def header_errors(payload, method, bits, mode, param, bucket_size, numel, name_hash, check_name):
         """Error bits (``wire.ERROR_BITS``) of the 64-byte header at the start of ``payload`` against
         the expected fields: ``reference.header_errors_ref``, compiled."""
         err = 0
@@ -269,7 +269,7 @@ def build(jit, fmul):
             err |= 8
         if payload[7] != mode:
             err |= 16
-        if payload[8] != norm:
+        if payload[8] != param:
             err |= 32
         bsz = 0
         for k in range(4):

@@ -442,7 +442,7 @@ def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=No
         out[...] = val
 
 
-def header_errors_ref(payload, method, bits, mode, norm, bucket_size, numel, name_hash, check_name):
+def header_errors_ref(payload, method, bits, mode, param, bucket_size, numel, name_hash, check_name):
     """Error bits (``wire.ERROR_BITS``) of a payload header against what the receiver expects.
 
     The reference of the CUDA check kernel, which cannot raise and reports these bits instead."""
@@ -458,7 +458,7 @@ def header_errors_ref(payload, method, bits, mode, norm, bucket_size, numel, nam
         err |= 8
     if h[7] != mode:
         err |= 16
-    if h[8] != norm:
+    if h[8] != param:
         err |= 32
     if int.from_bytes(h[12:16], "little") != bucket_size:
         err |= 64

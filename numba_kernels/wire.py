@@ -13,7 +13,8 @@ Header, little-endian, 64 bytes::
       6   1  bits            bits per code (qsgd, sortquant 2..16, kmeans 1..8, onebit 1, fp16 16, none 32)
       7   1  mode            qsgd: 0 stochastic, 1 deterministic, 2 fake; onebit: 0 two_mean, 1 mean_abs;
                              sortquant: 0 stochastic, 1 deterministic; kmeans 0
-      8   1  norm            qsgd: 0 max, 1 l2; sortquant: split_bits (1..bits-1); otherwise 0
+      8   1  param           the method's second parameter: qsgd's norm (0 max, 1 l2), sortquant's
+                             split_bits (1..bits-1); otherwise 0
       9   1  dtype           original dtype: 0 float32, 1 float16, 2 bfloat16, 3 float64
      10   1  ndim            0..8
      11   1  flags           bit 0: a name hash is present
@@ -21,7 +22,7 @@ Header, little-endian, 64 bytes::
      16   8  numel           uint64
      24  32  shape           8 x uint32 (unused dims 0)
      56   4  name_hash       uint32 FNV-1a of the UTF-8 name (0 = no name; a real hash of 0 is stored as 1)
-     60   2  config_crc      uint16: FNV-1a over bytes 4..8 and 12..15 (version, method, bits, mode, norm,
+     60   2  config_crc      uint16: FNV-1a over bytes 4..8 and 12..15 (version, method, bits, mode, param,
                              bucket_size), folded to 16 bits
      62   2  header_crc      uint16: FNV-1a over bytes 0..61, folded to 16 bits
 
@@ -53,6 +54,7 @@ __all__ = [
 ]
 
 HEADER_NBYTES = 64
+MASK64 = (1 << 64) - 1     # the noise keys and header words are 64-bit unsigned
 MAGIC = b"HVDQ"
 VERSION = 1
 MAX_NDIM = 8
@@ -76,7 +78,7 @@ ERROR_BITS = {
     4: "method differs",
     8: "bits differ",
     16: "mode differs",
-    32: "norm/scale differs",
+    32: "norm/split_bits differs",
     64: "bucket_size differs",
     128: "numel differs",
     256: "name hash differs (payload of another tensor)",
@@ -93,7 +95,7 @@ class Expect(NamedTuple):
     method: int
     bits: int
     mode: int
-    norm: int
+    param: int
     bucket_size: int
     numel: int
     name_hash: int = 0
@@ -131,8 +133,8 @@ def _name_hash(name):
     return fnv1a32(name.encode("utf-8")) or 1
 
 
-def config_crc(version, method, bits, mode, norm, bucket_size):
-    cfg = bytes([version, method, bits, mode, norm]) + int(bucket_size).to_bytes(4, "little")
+def config_crc(version, method, bits, mode, param, bucket_size):
+    cfg = bytes([version, method, bits, mode, param]) + int(bucket_size).to_bytes(4, "little")
     return fold16(fnv1a32(cfg))
 
 
@@ -160,10 +162,10 @@ def _align4(n):
     return (n + 3) & ~3
 
 
-def layout(method, numel, bits=0, bucket_size=0, mode=0, norm=0):
+def layout(method, numel, bits=0, bucket_size=0, mode=0, param=0):
     """Where everything sits in a payload of ``numel`` elements.
 
-    ``bucket_size`` 0 (onebit, kmeans) means one bucket for the whole tensor; ``norm`` is sortquant's
+    ``bucket_size`` 0 (onebit, kmeans) means one bucket for the whole tensor; ``param`` is sortquant's
     split_bits."""
     numel = int(numel)
     if method == METHODS["kmeans"]:
@@ -171,7 +173,7 @@ def layout(method, numel, bits=0, bucket_size=0, mode=0, norm=0):
         return Layout(numel, nb, (numel * bits + 7) // 8, (1 << bits) * nb)
     if method == METHODS["sortquant"]:
         nb = -(-numel // bucket_size)
-        return Layout(numel, nb, (numel * bits + 7) // 8, 2 * (1 << norm) * nb)
+        return Layout(numel, nb, (numel * bits + 7) // 8, 2 * (1 << param) * nb)
     if method == METHODS["qsgd"]:
         if mode == MODES["fake"]:
             return Layout(numel, values_nbytes=4 * numel)
@@ -190,16 +192,16 @@ def layout(method, numel, bits=0, bucket_size=0, mode=0, norm=0):
 
 class Header:
     """The decoded fields of a payload header (see the module docstring)."""
-    __slots__ = ("version", "method", "bits", "mode", "norm", "dtype", "shape", "flags",
+    __slots__ = ("version", "method", "bits", "mode", "param", "dtype", "shape", "flags",
                  "bucket_size", "numel", "name_hash")
 
-    def __init__(self, method, bits, mode, norm, bucket_size, dtype, shape, name_hash=0,
+    def __init__(self, method, bits, mode, param, bucket_size, dtype, shape, name_hash=0,
                  version=VERSION, numel=None):
         self.version = version
         self.method = method
         self.bits = bits
         self.mode = mode
-        self.norm = norm
+        self.param = param
         self.bucket_size = bucket_size
         self.dtype = dtype
         self.shape = tuple(int(d) for d in shape)
@@ -219,7 +221,7 @@ class Header:
         return _METHOD_NAMES.get(self.method, f"<method code {self.method}>")
 
     def config_crc(self):
-        return config_crc(self.version, self.method, self.bits, self.mode, self.norm, self.bucket_size)
+        return config_crc(self.version, self.method, self.bits, self.mode, self.param, self.bucket_size)
 
     def to_bytes(self):
         if len(self.shape) > MAX_NDIM:
@@ -231,7 +233,7 @@ class Header:
             raise ValueError(f"bucket_size {self.bucket_size} does not fit the header (< 2**32)")
         b = bytearray(HEADER_NBYTES)
         b[0:4] = MAGIC
-        b[4:12] = bytes([self.version, self.method, self.bits, self.mode, self.norm, self.dtype,
+        b[4:12] = bytes([self.version, self.method, self.bits, self.mode, self.param, self.dtype,
                          len(self.shape), self.flags])
         b[12:16] = int(self.bucket_size).to_bytes(4, "little")
         b[16:24] = int(self.numel).to_bytes(8, "little")
@@ -247,7 +249,7 @@ class Header:
         return tuple(np.frombuffer(self.to_bytes(), dtype="<u8").astype(np.uint64))
 
     def __repr__(self):
-        return (f"Header({self.method_name}, bits={self.bits}, mode={self.mode}, norm={self.norm}, "
+        return (f"Header({self.method_name}, bits={self.bits}, mode={self.mode}, param={self.param}, "
                 f"bucket_size={self.bucket_size}, dtype={self.dtype_name}, shape={self.shape}, "
                 f"name_hash={self.name_hash:#010x})")
 
@@ -272,13 +274,13 @@ def parse_header(buf, nbytes):
     crc = int.from_bytes(b[62:64], "little")
     if crc != fold16(fnv1a32(b[0:62])):
         raise PayloadError("bad header checksum: the payload header is corrupt")
-    version, method, bits, mode, norm, dtype, ndim, flags = b[4:12]
+    version, method, bits, mode, param, dtype, ndim, flags = b[4:12]
     bucket_size = int.from_bytes(b[12:16], "little")
     numel = int.from_bytes(b[16:24], "little")
     if ndim > MAX_NDIM:
         raise PayloadError(f"corrupt header: ndim {ndim} > {MAX_NDIM}")
     shape = tuple(int.from_bytes(b[24 + 4 * k:28 + 4 * k], "little") for k in range(ndim))
-    h = Header(method, bits, mode, norm, bucket_size, dtype, shape,
+    h = Header(method, bits, mode, param, bucket_size, dtype, shape,
                name_hash=int.from_bytes(b[56:60], "little"), version=version, numel=numel)
     if int.from_bytes(b[60:62], "little") != h.config_crc():
         raise PayloadError("bad configuration checksum: the payload header is corrupt")
@@ -292,18 +294,18 @@ def parse_header(buf, nbytes):
     if n != numel:
         raise PayloadError(f"corrupt header: shape {shape} has {n} elements but numel says {numel}")
     if method == METHODS["qsgd"] and not (2 <= bits <= 16 and bucket_size >= 1 and mode in (0, 1, 2)
-                                          and norm in (0, 1)):
+                                          and param in (0, 1)):
         raise PayloadError(f"corrupt header: invalid qsgd fields bits={bits} bucket_size={bucket_size} "
-                           f"mode={mode} norm={norm}")
+                           f"mode={mode} norm={param}")
     if method == METHODS["onebit"] and mode not in (0, 1):
         raise PayloadError(f"corrupt header: invalid onebit scale code {mode}")
     if method == METHODS["sortquant"] and not (2 <= bits <= 16 and bucket_size >= 1 and mode in (0, 1)
-                                               and 1 <= norm < bits):
+                                               and 1 <= param < bits):
         raise PayloadError(f"corrupt header: invalid sortquant fields bits={bits} bucket_size={bucket_size} "
-                           f"mode={mode} split_bits={norm}")
-    if method == METHODS["kmeans"] and not (1 <= bits <= 8 and mode == 0 and norm == 0):
-        raise PayloadError(f"corrupt header: invalid kmeans fields bits={bits} mode={mode} norm={norm}")
-    expected = layout(method, numel, bits, bucket_size, mode, norm).total
+                           f"mode={mode} split_bits={param}")
+    if method == METHODS["kmeans"] and not (1 <= bits <= 8 and mode == 0 and param == 0):
+        raise PayloadError(f"corrupt header: invalid kmeans fields bits={bits} mode={mode} param={param}")
+    expected = layout(method, numel, bits, bucket_size, mode, param).total
     if nbytes != expected:
         what = "truncated" if nbytes < expected else "too long"
         raise PayloadError(f"payload {what}: {nbytes} bytes, but its header (numel={numel}) implies {expected}")

@@ -20,9 +20,27 @@ CODECS = ["qsgd:bits=4,bucket_size=16,seed=3", "qsgd:bits=8,bucket_size=7,mode=d
           "onebit:bucket_size=32", "sortquant:bits=4,split_bits=2,bucket_size=16,seed=3",
           "sortquant:bits=6,split_bits=3,bucket_size=40,mode=deterministic", "kmeans:bits=3,iters=4",
           "kmeans:bits=4,iters=2,bucket_size=24,seed=none", "fp16", "none"]
+# per codec: a configuration whose payload of n elements has as many bytes as the codec's payload of
+# 100 elements, and its n (the check "bad-config" feeds it to the codec's device decode)
+OTHER = {"qsgd:bits=4,bucket_size=16,seed=3": ("qsgd:bits=4,bucket_size=16,mode=deterministic", 100),
+         "qsgd:bits=8,bucket_size=7,mode=deterministic,norm=l2": ("qsgd:bits=8,bucket_size=7,mode=deterministic",
+                                                                  100),
+         "qsgd:bits=2,bucket_size=32,mode=fake,seed=1": ("none", 100),
+         "onebit:bucket_size=16": ("onebit:bucket_size=15", 100),
+         "onebit:scale=mean_abs": ("onebit:bucket_size=100,scale=mean_abs", 100),
+         "qsgd:bits=4,bucket_size=32,seed=5": ("qsgd:bits=4,bucket_size=32,mode=deterministic", 100),
+         "qsgd:bits=8,bucket_size=64,norm=l2,seed=2": ("qsgd:bits=8,bucket_size=64,seed=2", 100),
+         "onebit:bucket_size=32": ("onebit:bucket_size=26", 100),
+         "sortquant:bits=4,split_bits=2,bucket_size=16,seed=3":
+             ("sortquant:bits=4,split_bits=2,bucket_size=16,mode=deterministic", 100),
+         "sortquant:bits=6,split_bits=3,bucket_size=40,mode=deterministic":
+             ("sortquant:bits=6,split_bits=3,bucket_size=40", 100),
+         "kmeans:bits=3,iters=4": ("kmeans:bits=3,iters=4,bucket_size=100", 100),
+         "kmeans:bits=4,iters=2,bucket_size=24,seed=none": ("kmeans:bits=4,iters=2,bucket_size=21", 100),
+         "fp16": ("none", 50), "none": ("fp16", 200)}
 CHECKS = ["encode-bytes", "decode-header-read", "decode-shape-given", "decode-into-accumulate",
           "bad-config-nan-and-status", "bad-name-nan-and-status", "wrong-size-raises",
-          "numel-mismatch-detected", "clean-status"]
+          "numel-mismatch-detected", "clean-status", "threads"]
 
 
 class SimTensor:
@@ -167,16 +185,12 @@ def _child():
         except hq.PayloadError:
             ok = False
         r["decode-into-accumulate"] = ok
-        r["clean-status"] = ok
-        # another configuration with the same payload size: the device check refuses it
-        other = {"qsgd": "qsgd:bits=4,bucket_size=16,mode=deterministic",
-                 "onebit": "onebit:bucket_size=16,scale=mean_abs" if "16" in spec else "onebit"}.get(
-            spec.split(":")[0])
-        if spec.startswith("onebit:scale"):
-            other = "onebit:scale=two_mean"
-        if other is not None and hq.from_spec(other).wire_nbytes(100) == devc.wire_nbytes(100) \
-                and hq.from_spec(other) != devc:
-            po = hq.from_spec(other).encode(xd, name="w")
+        # a payload of another configuration with the same size: the device check refuses it
+        other_spec, n_other = OTHER[spec]
+        other = hq.from_spec(other_spec)
+        if other != devc and other.wire_nbytes(n_other) == devc.wire_nbytes(100):
+            po = other.encode(SimTensor(cuda.to_device(rng.standard_normal(n_other).astype(np.float32))),
+                              name="w")
             out = SimTensor(cuda.to_device(np.zeros(100, np.float32)))
             devc.decode_into(po, out, name="w")
             nan_all = bool(np.isnan(out.dev.copy_to_host()).all())
@@ -186,8 +200,8 @@ def _child():
             except hq.PayloadError as e:
                 raised = "differs" in str(e)
             r["bad-config-nan-and-status"] = nan_all and raised
-        else:          # fp16/none: a payload of the other raw codec has another size
-            r["bad-config-nan-and-status"] = True
+        else:
+            r["bad-config-nan-and-status"] = f"{other_spec} is no other configuration of the same size"
         out = SimTensor(cuda.to_device(np.zeros(100, np.float32)))
         devc.decode_into(pd, out, name="v")
         nan_all = bool(np.isnan(out.dev.copy_to_host()).all())
@@ -214,9 +228,66 @@ def _child():
                 r["numel-mismatch-detected"] = nan_all and "numel differs" in str(e)
         except hq.PayloadError:
             r["numel-mismatch-detected"] = True
+        # the errors above were read (and reset): a good payload decodes cleanly again
+        out = SimTensor(cuda.to_device(np.zeros(100, np.float32)))
+        devc.decode_into(pd, out, name="w")
+        try:
+            devc.check_device_errors()
+            r["clean-status"] = nan_eq(yh.reshape(-1), out.dev.copy_to_host())
+        except hq.PayloadError as e:
+            r["clean-status"] = str(e)
+        r["threads"] = _threads(hq, cuda, spec, nan_eq)
         res[spec] = r
-    res["compiled"] = sorted(K.kernels)
+    res["compiled"] = [list(k) for k in K.kernels]
     json.dump(res, sys.stdout)
+
+
+def _threads(hq, cuda, spec, nan_eq):
+    """Two threads, each with its own equal codec, encode and decode other inputs at once on the
+    device: the payloads and decoded values of each are those of its calls alone. The simulator runs
+    one kernel at a time (a lock around its launches here), so the threads interleave between
+    launches: what they would share (scratch, parameters, status words) is shared across those."""
+    import threading
+    from numba.cuda.simulator import kernel as sim_kernel
+    configure, lock = sim_kernel.FakeCUDAKernel.__getitem__, threading.Lock()
+
+    def serialised(self, config):       # (the simulator keeps a launch's grid on the kernel object)
+        def launch(*args):
+            with lock:
+                return configure(self, config)(*args)
+        return launch
+    sim_kernel.FakeCUDAKernel.__getitem__ = serialised
+    xs = [[np.random.default_rng(10 * t + k).standard_normal(n).astype(np.float32)
+           for k, n in enumerate((100, 37, 256))] for t in range(2)]
+
+    def run(codec, inputs):
+        out = []
+        for x in inputs:
+            p = codec.encode(SimTensor(cuda.to_device(x)), name="w")
+            y = SimTensor(cuda.to_device(np.ones(x.size, np.float32)))
+            codec.decode_into(p, y, accumulate=True, name="w")
+            out.append((p.dev.copy_to_host(), y.dev.copy_to_host()))
+        return out
+    alone = [run(hq.from_spec(spec), inputs) for inputs in xs]
+    got = [None, None]
+    start = threading.Barrier(2)
+
+    def work(t):
+        start.wait()
+        got[t] = run(hq.from_spec(spec), xs[t])
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sim_kernel.FakeCUDAKernel.__getitem__ = configure
+    for t in range(2):
+        if got[t] is None:
+            return f"thread {t} raised"
+        for k, ((pa, ya), (pb, yb)) in enumerate(zip(got[t], alone[t])):
+            if not (np.array_equal(pa, pb) and nan_eq(ya, yb)):
+                return f"thread {t}, call {k} differs from the same calls alone"
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -234,5 +305,5 @@ def test_device_codec_path(results, spec, check):
 def test_codec_kernels_ran(results):
     """The codecs' device path launched the kernels these cases select: the general encode without a
     residual (QSGD 4-bit without error feedback) and the warp decode of 16-element buckets."""
-    got = set(results["compiled"])
-    assert {"block_encode_4_0_1_False", "warp_decode_4_0_1"} <= got, sorted(got)
+    got = {tuple(k) for k in results["compiled"]}
+    assert {("block_encode", 4, 0, 1, False), ("warp_decode", 4, 0, 1)} <= got, sorted(got)

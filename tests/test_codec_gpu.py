@@ -420,10 +420,67 @@ def check_torch_codec_path():
     return fails
 
 
+def check_threads_on_streams():
+    """Two threads, each with its own equal codec and its own CUDA stream, encode and decode other
+    tensors through the public API at once: every payload and decoded value is the one that thread's
+    calls give alone (warp and general paths, one bucket per tensor, long buckets, SortQuant, KMeans)."""
+    import threading
+    import torch
+    import hvd_quant as hq
+    specs = ["qsgd:bits=3,bucket_size=512,seed=7", "onebit", "qsgd:bits=4,bucket_size=512,seed=7",
+             "qsgd:bits=8,bucket_size=128,mode=deterministic", "onebit:bucket_size=64",
+             "qsgd:bits=4,bucket_size=10000,seed=3", "sortquant:bits=4,split_bits=2,bucket_size=512,seed=1",
+             "kmeans:bits=3,iters=5,bucket_size=512"]
+    calls = 200
+    gens = [torch.Generator(device="cuda").manual_seed(t) for t in range(2)]
+    xs = [[torch.randn(int(n), device="cuda", generator=gens[t])
+           for n in torch.randint(1, 300000, (calls,), generator=torch.Generator().manual_seed(t))]
+          for t in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+
+    def run(codec, t):
+        out = []
+        with torch.cuda.stream(streams[t]):
+            for x in xs[t]:
+                p = codec.encode(x, name="w")
+                y = torch.ones_like(x)
+                codec.decode_into(p, y, accumulate=True, name="w")
+                out.append((p, y))
+        streams[t].synchronize()
+        return [(p.cpu().numpy(), y.cpu().numpy()) for p, y in out]
+    torch.cuda.synchronize()
+    fails = []
+    for spec in specs:
+        alone = [run(hq.from_spec(spec), t) for t in range(2)]
+        got, start = [None, None], threading.Barrier(2)
+
+        def work(t):
+            start.wait()
+            got[t] = run(hq.from_spec(spec), t)
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        try:
+            hq.from_spec(spec).check_device_errors()
+        except hq.PayloadError as e:
+            fails.append(f"{spec}: {e}")
+        for t in range(2):
+            if got[t] is None:
+                fails.append(f"{spec}: thread {t} raised")
+                continue
+            bad = [k for k, ((pa, ya), (pb, yb)) in enumerate(zip(got[t], alone[t]))
+                   if not (np.array_equal(pa, pb) and _nan_eq(ya, yb))]
+            if bad:
+                fails.append(f"{spec}: thread {t}: {len(bad)} of {calls} calls differ from alone")
+    return fails
+
+
 CHECKS = {"kernels_match_reference": check_kernels_match_reference,
           "fused_kernels_match_reference": check_fused_kernels_match_reference,
           "sort_kmeans_kernels_match_reference": check_sort_kmeans_kernels_match_reference,
-          "torch_codec_path": check_torch_codec_path}
+          "torch_codec_path": check_torch_codec_path, "threads_on_streams": check_threads_on_streams}
 
 
 def run_check(name):

@@ -20,7 +20,7 @@ Horovod's TensorFlow ops ignore ``name=`` in eager mode (every eager allgather i
 ``tf.function`` in which the name holds. Inside ``tf.function`` the frontend does not use this table:
 the collectives become graph ops between ``tf.numpy_function`` steps of the same core
 (``hvd_quant/tensorflow/_graph.py``, which also builds the stock path's exchanges of symbolic
-tensors: :meth:`TensorFlowFrontend.stock_compress`).
+tensors: its ``stock_compress``, registered in ``hvd_quant.dispatch.STOCK_HOOKS``).
 
 GPU tensors: the codecs refuse them (:data:`GPU_REFUSED`; docs/TENSORFLOW.md, "GPU"). No machine we
 test on has TensorFlow with a GPU, so no TensorFlow GPU path is offered; the reducer's and the stock
@@ -212,14 +212,6 @@ class TensorFlowFrontend(Frontend):
         return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
                            synchronize=lambda h: h.result(), process_set=ps)
-
-    @staticmethod
-    def stock_compress(sc, tensor):
-        """The stock path's ``compress`` of a TensorFlow tensor (``_graph.stock_compress``: eager
-        tensors through this frontend's tables, symbolic ones built into the graph). ``_graph``
-        imports this module, hence imported here, on the stock path's first TensorFlow tensor."""
-        from ._graph import stock_compress
-        return stock_compress(sc, tensor)
 
     # -- primitives of the stock path -------------------------------------------------------------
     @staticmethod

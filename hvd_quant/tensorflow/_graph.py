@@ -24,8 +24,8 @@ of a fixed-size record under ``hvdq.hs.<name>``, inside a ``tf.cond`` that later
 exchange's collectives wait for it, so ranks configured differently raise
 :class:`~hvd_quant.exchange.ConfigMismatchError` on every rank instead of stalling.
 
-Stock path. ``hvd_quant._stock`` dispatches TensorFlow tensors to the TensorFlow frontend, whose
-``stock_compress`` is :func:`stock_compress` here: it hands eager tensors to
+Stock path. ``hvd_quant._stock`` hands TensorFlow tensors to :func:`stock_compress` here (the
+hook registered in ``hvd_quant.dispatch.STOCK_HOOKS``): it hands eager tensors to
 ``StockCompression.compress_on`` with the frontend's eager tables (``_backend.py``) and
 builds the exchange of a symbolic one into the graph, through ``StockCompression``'s public surface
 (``session``, ``compressible``, ``record``, ``config``, ``reduction``, ``adopt_auto``,

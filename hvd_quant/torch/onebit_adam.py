@@ -33,7 +33,6 @@ frozen after the warm-up), as torch.optim.Adam; under ``"hvd_quant_onebit_adam"`
 residuals by parameter name and server residuals by ``(bucket header, rank, world size)``. The state
 exists from construction, so ``hvd.broadcast_optimizer_state`` broadcasts it without a step.
 """
-import math
 import numbers
 
 import torch

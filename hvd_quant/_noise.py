@@ -1,0 +1,40 @@
+"""The keys of stochastic rounding: an integer mix of (seed, rank, name hash, k), and fresh seeds.
+
+The kernels hash a 64-bit key with each element's index into one uniform per element
+(``numba_kernels._scalar``); this module derives that key. Both the codecs (direct ``encode``) and
+the exchange (one key per payload and step) use it.
+"""
+import os
+import random
+
+from numba_kernels._scalar import mix64_py
+from numba_kernels.wire import MASK64
+
+_SEED_SALT = 0x6A09E667F3BCC908
+
+
+def noise_base(seed, rank, name_hash):
+    """The part of :func:`noise_key` that stays fixed for one name on one rank (computed once)."""
+    h = mix64_py((seed ^ _SEED_SALT) & MASK64)
+    h = mix64_py(h ^ (rank & MASK64))
+    return mix64_py(h ^ name_hash)
+
+
+def noise_key(seed, k, rank, name_hash):
+    """The 64-bit key of stochastic rounding: an integer mix of (seed, rank, name hash, k).
+
+    ``k`` counts draws for the same name: a direct ``Codec.encode`` passes its call count for that
+    name, the exchange passes the training step (its payload names are stable across steps, so it
+    keeps :func:`noise_base` and mixes in the step alone). The kernels hash this key with the element
+    index into one uniform per element."""
+    return mix64_py(noise_base(seed, rank, name_hash) ^ (k & MASK64))
+
+
+_FRESH = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _FRESH.seed(os.urandom(32)))
+
+
+def fresh_seed():
+    """64 fresh random bits (the base of unseeded stochastic rounding): a generator seeded from OS
+    entropy at import and again in every forked child, so processes never share a stream."""
+    return _FRESH.getrandbits(64)

@@ -1,0 +1,228 @@
+"""1-bit SGD's CPU kernels: per-bucket scales from the lane sums, a sign bit per element, and the
+fused decode_sum and decode_chunks (``reference.onebit_*_ref``).
+"""
+import numpy as np
+from numba import prange
+
+from ._cpu_base import (_Kernel, _inline, _lane_segment, _lane_sums, _lanes, _onebit_scales, _put,
+                        _segment_lanes, _tree, _wide, _write_header)
+from ._scalar import F0, SEGMENT, UFF
+
+
+@_inline
+def _onebit_store(scales, b, two_mean, sp, sq, npos, n):
+    """Stores bucket b's scales (:func:`_onebit_scales`) from its sums and count of x >= 0."""
+    hi, lo = _onebit_scales(two_mean, sp, sq, npos, n)
+    if two_mean:
+        scales[2 * b] = hi
+        scales[2 * b + 1] = lo
+    else:
+        scales[b] = hi
+
+
+@_inline
+def _onebit_scale(x, scales, b, bs, two_mean, p, q, c):
+    """Bucket b's scales from its canonical sums (:func:`_lane_sums`)."""
+    st = b * bs
+    en = min(x.size, st + bs)
+    if two_mean:        # (the kind a literal: each loop compiled for its own)
+        npos = _lane_sums(x, st, en, 2, p, q, c)
+    else:
+        npos = _lane_sums(x, st, en, 3, p, q, c)
+    _onebit_store(scales, b, two_mean, _tree(p), _tree(q), npos, en - st)
+
+
+@_inline
+def _onebit_pair(scales, b, two_mean):
+    """(hi, lo): what bucket b's bits 1 and 0 decode to."""
+    if two_mean:
+        return scales[2 * b], scales[2 * b + 1]
+    return scales[b], -scales[b]
+
+
+@_inline
+def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, has_res):
+    """The bits (x >= 0) of x[e0:e1], eight to a byte (e0 a multiple of 8), and their residual."""
+    xs = x[e0:e1]
+    pb = payload[codes_off + (e0 >> 3):codes_off + ((e1 + 7) >> 3)]
+    nw = xs.size >> 6
+    for w in range(nw):       # 64 bits in a word, then its 8 bytes (4.6x faster than byte by byte)
+        xg = xs[64 * w:64 * w + 64]
+        v = np.uint64(0)
+        for k in range(64):
+            v |= np.uint64(xg[k] >= F0) << np.uint64(k)
+        pg = pb[8 * w:8 * w + 8]
+        for k in range(8):
+            pg[k] = np.uint8((v >> np.uint64(8 * k)) & UFF)
+    for j in range(8 * nw, pb.size):
+        u = np.int32(0)
+        for k in range(min(8, xs.size - 8 * j)):
+            u |= np.int32(xs[8 * j + k] >= F0) << k
+        pb[j] = np.uint8(u)
+    if has_res:
+        # what the decode writes for the bit (x >= 0) of each element
+        st = e0
+        while st < e1:
+            b = st // bs
+            en = min(e1, b * bs + bs)
+            hi, lo = _onebit_pair(scales, b, two_mean)
+            xb = x[st:en]
+            rb = residual[st:en]
+            for j in range(xb.size):
+                xv = xb[j]
+                rb[j] = xv - (hi if xv >= F0 else lo)
+            st = en
+
+
+@_inline
+def _onebit_header_pad(payload, header, codes_end, scales_off, nscales):
+    """Writes the header, zeroes the padding after the codes; returns the scales (float32)."""
+    _write_header(payload, header)
+    for k in range(codes_end, scales_off):
+        payload[k] = 0
+    return payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+
+
+@_Kernel
+def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean, span,
+                   residual, has_res):
+    """Buckets of at most SEGMENT elements: each task (``span`` elements, whole buckets) takes its
+    buckets' sums, then their bits, while they are in cache."""
+    numel = x.size
+    scales = _onebit_header_pad(payload, header, codes_end, scales_off, nscales)
+    nb = (numel + bs - 1) // bs
+    per = span // bs
+    for c in prange((numel + span - 1) // span):
+        _wide()
+        p, q, cl = _lanes()
+        for b in range(c * per, min(nb, c * per + per)):
+            _onebit_scale(x, scales, b, bs, two_mean, p, q, cl)
+        _onebit_bits(x, payload, codes_off, scales, bs, two_mean, c * span, min(numel, c * span + span),
+                     residual, has_res)
+
+
+@_Kernel
+def _onebit_encode_long(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean,
+                        span, residual, has_res):
+    """Buckets of more than SEGMENT elements (``OneBit()``'s one bucket per tensor): every segment's
+    sums in parallel, each bucket's scales from them in the canonical order (:func:`_lane_sums`),
+    then the bits, ``span`` elements (whole segments) per task."""
+    numel = x.size
+    scales = _onebit_header_pad(payload, header, codes_end, scales_off, nscales)
+    nb = (numel + bs - 1) // bs
+    nseg = (bs + SEGMENT - 1) // SEGMENT
+    sp = np.zeros(nb * nseg, np.float32)
+    sq = np.zeros(nb * nseg, np.float32)
+    sn = np.zeros(nb * nseg, np.int64)
+    for t in prange(nb * nseg):
+        _wide()
+        b = t // nseg
+        st = b * bs + (t - b * nseg) * SEGMENT
+        en = min(min(numel, b * bs + bs), st + SEGMENT)
+        if st < en:
+            tp, tq, tc = _lanes()
+            if two_mean:
+                sn[t] = _lane_segment(x, st, en, 2, tp, tq, tc)
+            else:
+                sn[t] = _lane_segment(x, st, en, 3, tp, tq, tc)
+            sp[t] = _tree(tp)
+            sq[t] = _tree(tq)
+    # a short last bucket's missing segments add +0.0 (count 0): no lane changes (docs/CODECS.md)
+    p = np.empty(32, np.float32)
+    q = np.empty(32, np.float32)
+    for b in range(nb):
+        t = b * nseg
+        npos = _segment_lanes(sp[t:t + nseg], sq[t:t + nseg], sn[t:t + nseg], p, q)
+        _onebit_store(scales, b, two_mean, _tree(p), _tree(q), npos, min(numel, b * bs + bs) - b * bs)
+    for c in prange((numel + span - 1) // span):
+        _wide()
+        _onebit_bits(x, payload, codes_off, scales, bs, two_mean, c * span, min(numel, c * span + span),
+                     residual, has_res)
+
+
+@_inline
+def _onebit_unpack(payload, codes_off, st, ob, hi, lo, accumulate):
+    """ob[j] (+)= hi or lo, as bit st + j of the codes is 1 or 0: eight at a time from each byte when
+    the bucket starts on one, the rest bit by bit."""
+    j0 = 0
+    if (st & 7) == 0:
+        pb = payload[codes_off + (st >> 3):codes_off + ((st + ob.size) >> 3)]
+        for g in range(pb.size):
+            v = pb[g]
+            og = ob[8 * g:8 * g + 8]
+            for k in range(8):
+                _put(og, k, hi if (v >> k) & 1 else lo, accumulate)
+        j0 = 8 * pb.size
+    for j in range(j0, ob.size):
+        i = st + j
+        _put(ob, j, hi if (payload[codes_off + (i >> 3)] >> (i & 7)) & 1 else lo, accumulate)
+
+
+@_inline
+def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, e0, e1, accumulate):
+    """out[i] (+)= the value of element i of a 1-bit payload, for i in [e0, e1)."""
+    st = e0
+    while st < e1:
+        b = st // bs
+        en = min(e1, b * bs + bs)
+        hi, lo = _onebit_pair(scales, b, two_mean)
+        if accumulate:
+            _onebit_unpack(payload, codes_off, st, out[st:en], hi, lo, True)
+        else:
+            _onebit_unpack(payload, codes_off, st, out[st:en], hi, lo, False)
+        st = en
+
+
+@_Kernel
+def _onebit_decode(payload, out, codes_off, scales_off, nscales, bs, two_mean, accumulate, span):
+    numel = out.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    for c in prange((numel + span - 1) // span):
+        _wide()
+        _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, c * span,
+                          min(numel, c * span + span), accumulate)
+
+
+@_Kernel
+def _onebit_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, two_mean, span,
+                       addend, has_add):
+    numel = out.size
+    for c in prange((numel + span - 1) // span):
+        _wide()
+        e0 = c * span
+        e1 = min(numel, e0 + span)
+        for k in range(npay):
+            p = payloads[k * total:(k + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+            _onebit_dec_range(p, out, codes_off, scales, bs, two_mean, e0, e1, k > 0)
+        if has_add:
+            for i in range(e0, e1):
+                out[i] = out[i] + addend[i]
+
+
+@_Kernel
+def _onebit_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
+                          last_nscales, codes_off, bs, two_mean, span):
+    numel = out.size
+    nch = (numel + chunk - 1) // chunk
+    per = (chunk + span - 1) // span
+    for t in prange(nch * per):
+        _wide()
+        j = t // per
+        e0 = (t - j * per) * span
+        a = j * chunk
+        o = out[a:min(numel, a + chunk)]
+        if j == nch - 1:
+            p = gathered[j * total:j * total + last_total]
+            scales = p[last_scales_off:last_scales_off + 4 * last_nscales].view(np.float32)
+        else:
+            p = gathered[j * total:(j + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+        if e0 < o.size:
+            _onebit_dec_range(p, o, codes_off, scales, bs, two_mean, e0, min(o.size, e0 + span), False)
+
+
+# ---- half precision (the fp16 codec) ----------------------------------------------------------------
+# NumPy converts float32 <-> float16 one element at a time through branches (about 2.5 ns an element
+# on this project's CPU VM, 11x a copy); these are the same conversions, bit for bit (NumPy's
+# npy_floatbits_to_halfbits / npy_halfbits_to_floatbits), written as selects the compiler vectorises.

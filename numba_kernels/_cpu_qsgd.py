@@ -1,0 +1,181 @@
+"""QSGD's CPU kernels: encode (scales, levels, pack), decode, and the fused decode_sum and
+decode_chunks (``reference.qsgd_*_ref``).
+"""
+import numpy as np
+from numba import prange
+
+from ._cpu_base import (_BITS, _DEC_BLOCK, _Widths, _abs_max_bits, _chunk_codes, _inline, _lane_sums, _lanes,
+                        _lookup, _mix64, _pack, _put, _qsgd_round, _sqrt32, _tree, _uniform24, _unpack, _wide,
+                        _write_header)
+from ._scalar import F0, FINF, GAMMA, U8, U24M, U40
+
+
+@_inline
+def _level(xv, unit, sf, s, stochastic, r):
+    return np.int32(_qsgd_round(abs(xv) / unit, xv < F0, sf, s, stochastic, r))
+
+
+@_inline
+def _qsgd_levels(x, st, en, codes, c0, unit, sf, s, stochastic, key):
+    """codes[i - c0] = the code of x[i] for the elements [st, en) of a bucket whose scale is positive
+    and finite. Stochastic: each aligned group of 64 elements takes its 32 splitmix64 draws in one loop
+    the compiler vectorises (``_scalar.uniform24``: draw l serves elements l and l + 32); elements of
+    partial groups draw one at a time."""
+    if not stochastic:
+        xb = x[st:en]
+        cb = codes[st - c0:en - c0]
+        for j in range(xb.size):
+            cb[j] = _level(xb[j], unit, sf, s, False, np.uint32(0))
+        return
+    i = st
+    while i < en:
+        if (i & 63) == 0 and i + 64 <= en:
+            kb = key + np.uint64(i >> 1) * GAMMA            # draw p = (i >> 6) * 32 + l
+            xg = x[i:i + 64]
+            cg = codes[i - c0:i - c0 + 64]
+            for l in range(32):
+                z = _mix64(kb + np.uint64(l) * GAMMA)
+                cg[l] = _level(xg[l], unit, sf, s, True, np.uint32((z >> U8) & U24M))
+                cg[l + 32] = _level(xg[l + 32], unit, sf, s, True, np.uint32(z >> U40))
+            i += 64
+        else:
+            stop = min(en, (i | 63) + 1)
+            for j in range(i, stop):
+                codes[j - c0] = _level(x[j], unit, sf, s, True, np.uint32(_uniform24(key, j)))
+            i = stop
+
+
+@_Widths
+def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, stochastic,
+                 norm_l2, key, kchunk, residual, has_res):
+    numel = x.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    scale_bits = scales.view(np.int32)
+    xi = x.view(np.int32)
+    _write_header(payload, header)
+    for k in range(codes_end, scales_off):
+        payload[k] = 0
+    nb = (numel + bs - 1) // bs
+    nchunks = (nb + kchunk - 1) // kchunk
+    s = (1 << (_BITS - 1)) - 1
+    sf = np.float32(s)
+    for c in prange(nchunks):
+        _wide()
+        p, q, cl = _lanes()
+        b0, b1, e0, ng, codes = _chunk_codes(c, kchunk, nb, bs, numel)
+        for b in range(b0, b1):
+            st = b * bs
+            en = min(numel, st + bs)
+            if norm_l2:
+                _lane_sums(x, st, en, 1, p, q, cl)
+                scales[b] = _sqrt32(_tree(p))
+            else:
+                scale_bits[b] = _abs_max_bits(xi, st, en)
+            scale = scales[b]
+            unit = scale / sf
+            if scale > F0 and scale < FINF:
+                _qsgd_levels(x, st, en, codes, e0, unit, sf, s, stochastic, key)
+            else:                       # zero or non-finite scale: level 0 (decodes to 0 or NaN)
+                for j in range(st - e0, en - e0):
+                    codes[j] = s
+            if has_res:
+                # what the decode writes: float32(code - s) * unit (x[i] is read before residual[i]
+                # is written: residual may be x)
+                xb = x[st:en]
+                rb = residual[st:en]
+                cb = codes[st - e0:en - e0]
+                for j in range(xb.size):
+                    rb[j] = xb[j] - np.float32(cb[j] - s) * unit
+        _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)
+
+
+@_inline
+def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, BITS):
+    """out[i] (+)= the value of element i of a QSGD payload, for the elements of buckets [b0, b1).
+    At 8 bits each value comes from its byte in one loop that vectorises whole; up to 7 bits (and
+    buckets of at least half as many elements as codes) each code's value is computed once per
+    bucket and looked up (:func:`_lookup`). Both are faster than unpacking the codes into an array and
+    computing each element's value from its code, which the other widths do (docs/BENCHMARKS.md)."""
+    numel = out.size
+    s = np.int32((1 << (BITS - 1)) - 1)
+    sf = np.float32(s)
+    K = 1 << BITS
+    table = K <= 128 and K <= 2 * bs
+    book = np.empty(K if table else 1, np.float32)
+    codes = np.empty(1 if table or BITS == 8 else _DEC_BLOCK, np.int32)
+    for b in range(b0, b1):
+        unit = scales[b] / sf
+        en = min(numel, (b + 1) * bs)
+        if BITS == 8:
+            ob = out[b * bs:en]
+            pb = payload[codes_off + b * bs:codes_off + en]
+            for j in range(ob.size):
+                _put(ob, j, np.float32(np.int32(pb[j]) - s) * unit, accumulate)
+            continue
+        if table:
+            for c in range(K):
+                book[c] = np.float32(np.int32(c) - s) * unit
+            _lookup(payload, codes_off, out[b * bs:en], b * bs, book, accumulate, BITS)
+            continue
+        for st in range(b * bs, en, _DEC_BLOCK):
+            ob = _unpack(payload, codes_off, out, st, en, codes, BITS)
+            for j in range(ob.size):
+                _put(ob, j, np.float32(codes[j] - s) * unit, accumulate)
+
+
+@_Widths
+def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, kchunk):
+    numel = out.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    nb = (numel + bs - 1) // bs
+    nchunks = (nb + kchunk - 1) // kchunk
+    for c in prange(nchunks):
+        _wide()
+        b0 = c * kchunk
+        _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, min(nb, b0 + kchunk), accumulate, _BITS)
+
+
+@_Widths
+def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, kchunk,
+                     addend, has_add):
+    """out = the float32 sum of the npay payloads' decodes, in payload order (+ addend[i] last)."""
+    numel = out.size
+    nb = (numel + bs - 1) // bs
+    nchunks = (nb + kchunk - 1) // kchunk
+    for c in prange(nchunks):
+        _wide()
+        b0 = c * kchunk
+        b1 = min(nb, b0 + kchunk)
+        for k in range(npay):
+            p = payloads[k * total:(k + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+            _qsgd_dec_range(p, out, codes_off, scales, bs, b0, b1, k > 0, _BITS)
+        if has_add:
+            for i in range(b0 * bs, min(numel, b1 * bs)):
+                out[i] = out[i] + addend[i]
+
+
+@_Widths
+def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
+                        last_nscales, codes_off, bs, kchunk):
+    """Chunk j's payload (at j*total in gathered) decoded into out[j*chunk:(j+1)*chunk]; the last
+    chunk has its own layout (last_*)."""
+    numel = out.size
+    nch = (numel + chunk - 1) // chunk
+    per = (chunk // bs + kchunk - 1) // kchunk          # tasks per full chunk
+    for t in prange(nch * per):
+        _wide()
+        j = t // per
+        c = t - j * per
+        a = j * chunk
+        o = out[a:min(numel, a + chunk)]
+        if j == nch - 1:
+            p = gathered[j * total:j * total + last_total]
+            scales = p[last_scales_off:last_scales_off + 4 * last_nscales].view(np.float32)
+        else:
+            p = gathered[j * total:(j + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+        nb = (o.size + bs - 1) // bs
+        b0 = c * kchunk
+        if b0 < nb:
+            _qsgd_dec_range(p, o, codes_off, scales, bs, b0, min(nb, b0 + kchunk), False, _BITS)

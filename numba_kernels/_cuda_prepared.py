@@ -1,0 +1,521 @@
+"""The prepared CUDA launches, one class per kind of operation (encode, decode, reduce_requantize,
+decode_sum / decode_chunks) and the ``prepare_*`` functions that build them: the kernel path, grid,
+layout and parameter buffer are chosen once; a call writes the pointers and scalars that change
+and launches (see :mod:`numba_kernels.cuda`). A prepared launch belongs to its caller: it writes its
+parameter buffer and scratch on every call.
+"""
+import numpy as np
+from numba import cuda
+
+from . import _cuda_block as _B
+from . import _cuda_warp as _W
+from . import wire
+from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, MEAN_ABS, PACK_DET,
+                           PACK_ONEBIT, PACK_STOCH, SIG_BLOCK_DECODE, SIG_BLOCK_ENCODE, SIG_DECODE_MULTI,
+                           SIG_REDUCE, SIG_WARP_DECODE, SIG_WARP_ENCODE, SIMULATOR, TWO_MEAN)
+from ._cuda_launch import (_encode_groups, _grid, _kernel, _NO_EXPECT, _ONE_PAYLOAD, _persistent, _ptr, _Raw,
+                           _sim_no_src, _sim_stream, _sm_count, _stream, _words, _zero_status,
+                           check_header_cuda, FUSE_MAX, MAXCH)
+
+
+# ---- prepared launches --------------------------------------------------------------------------------
+
+class _Encode:
+    """A prepared encode: ``__call__(x, payload, header, key, stream, residual=None)``."""
+    __slots__ = ("numel", "total", "codes_off", "scales_off", "nwords", "nscales", "bits", "bs", "red",
+                 "pack", "path", "grid", "args", "spec", "_raw", "_rgrid", "_reduce", "_hdr", "src",
+                 "_exp", "_cgrid", "_combine", "_parts")
+
+    def __init__(self, numel, bits, bs, red, pack, lay, src=False):
+        self.src = src              # reduce_requantize: the values are sums of payloads
+        self._exp = None
+        self.numel, self.bits, self.bs, self.red, self.pack = numel, bits, bs, red, pack
+        self.total = lay.total
+        self.codes_off, self.scales_off = lay.codes_offset, lay.scales_offset
+        self.nwords = (lay.scales_offset - lay.codes_offset) // 4
+        self.nscales = lay.nscales
+        nb = lay.nbuckets
+        self._raw = {}
+        self._reduce = self._combine = None
+        self._parts = {}
+        self._hdr = None
+        if _W.supported(bits, bs, numel, FUSE_MAX):
+            self.path = "warp"
+            ngroups = max(1, _grid(nb, BLOCK // 32))
+            regk = _W.regk(bs)
+            paired = pack == PACK_STOCH and regk >= 2 and bs % 64 == 0
+            self.spec = (bits, red, pack, regk, paired)
+            self.grid = ngroups
+            # n, nb, bs, K, ngroups
+            self.args = (numel, nb, bs, (bs + 31) // 32, ngroups)
+        else:
+            self.path = "block"
+            self.spec = (bits, red, pack)
+            if bs <= FUSE_MAX:
+                g = _encode_groups(bs, bits)
+                self.grid = max(1, _grid(nb, g))
+                fused = True
+            else:
+                g = _B.PACK_WORDS // bits * bits       # blocks start on element boundaries
+                self.grid = max(1, _grid(self.nwords, g))
+                fused = False
+                self._rgrid = _grid(nb * -(-bs // _B.SEGMENT), BLOCK // 32)     # a warp per segment
+                self._cgrid = _grid(nb, BLOCK // 32)                            # a warp per bucket
+            # n, nb, bs, inv_bs, G, fused
+            self.args = (numel, nb, bs, 1.0 / bs, g, fused)
+
+    def _dispatcher(self, resid):
+        if self.path == "warp":
+            if self.src:
+                return _kernel("warp_reduce_requantize", _W.make_encode, self.spec + (resid, True))
+            return _kernel("warp_encode", _W.make_encode, self.spec + (resid,))
+        if self.src:
+            return _kernel("block_reduce_requantize", _B.make_encode, self.spec + (resid, True))
+        return _kernel("block_encode", _B.make_encode, self.spec + (resid,))
+
+    def _reducer(self):
+        if self.src:
+            return _kernel("reduce_sum", _B.make_reduce, (self.red, self.bits, self.pack, True))
+        return _kernel("reduce", _B.make_reduce, (self.red,))
+
+    def _combiner(self):
+        return _kernel("combine", _B.make_combine, (self.red,))
+
+    def _scratch(self, stream):
+        """The segments' sums of a long-bucket encode (3 float32 per segment), one array per stream,
+        allocated once: work on one stream runs in order, so its calls may reuse it."""
+        parts = self._parts.get(stream)
+        if parts is None:
+            parts = self._parts[stream] = cuda.device_array(3 * self._rgrid * (BLOCK // 32), np.float32)
+        return parts
+
+    def _src_sizes(self):
+        n = self.numel
+        return [self.total, self.nwords, self.nscales, 2, None, 0, 0, 0, self.total // 4,
+                self.scales_off // 4, n, 0]
+
+    def _prepare_raw(self, resid):
+        sig = SIG_WARP_ENCODE if self.path == "warp" else SIG_BLOCK_ENCODE
+        sizes = ([self.numel, self.total, self.nwords, self.nscales, None] + list(self.args)
+                 + [0, self.numel] + self._src_sizes())
+        raw = self._raw[resid] = _Raw(self._dispatcher(resid), sig, sizes)
+        if self.path == "block" and not self.args[5] and self.numel and self._reduce is None:
+            nparts = 3 * self._rgrid * (BLOCK // 32)
+            self._reduce = _Raw(self._reducer(), SIG_REDUCE,
+                                [self.numel, nparts, self.numel, self.bs, self.args[1]] + self._src_sizes())
+            self._combine = _Raw(self._combiner(), SIG_REDUCE,
+                                 [nparts, self.nscales, self.numel, self.bs, self.args[1]] + self._src_sizes())
+        return raw
+
+    def _launch_scales(self, x_ptr, scales_ptr, st):
+        """A long-bucket encode's scales: the segments' sums, then the buckets'."""
+        self._reduce.slots[1].value = self._combine.slots[0].value = _ptr(self._scratch(st))
+        self._reduce.slots[0].value = x_ptr
+        self._reduce.launch(self._rgrid, BLOCK, st)
+        self._combine.slots[1].value = scales_ptr
+        self._combine.launch(self._cgrid, BLOCK, st)
+
+    def _sim_scales(self, x, scales, stream, extra):
+        parts = self._scratch(stream)
+        self._reducer()[self._rgrid, BLOCK, stream](x, parts, self.numel, self.bs, self.args[1], *extra)
+        self._combiner()[self._cgrid, BLOCK, stream](parts, scales, self.numel, self.bs, self.args[1],
+                                                     *extra)
+
+    def __call__(self, x, payload, header, key, stream=None, residual=None):
+        resid = residual is not None
+        if SIMULATOR:
+            return self._sim(x, payload, header, key, stream, residual)
+        raw = self._raw.get(resid)
+        if raw is None:
+            raw = self._prepare_raw(resid)
+        px = _ptr(x)
+        pp = _ptr(payload)
+        s = raw.slots
+        s[0].value = px
+        s[1].value = pp
+        s[2].value = pp + self.codes_off
+        s[3].value = pp + self.scales_off
+        hs = self._hdr                      # (a plan passes the same header words every step)
+        if hs is None or hs[1] is not header or hs[0] is not raw:
+            raw.set_tuple(4, header)
+            self._hdr = (raw, header)
+        nargs = len(self.args)
+        s[5 + nargs].value = int(key)
+        s[6 + nargs].value = _ptr(residual) if resid else px
+        st = _stream(stream)
+        if self._reduce is not None:
+            self._launch_scales(px, pp + self.scales_off, st)
+        raw.launch(self.grid, BLOCK, st)
+
+    def _sim(self, x, payload, header, key, stream, residual):
+        stream = _sim_stream(stream)
+        x = x.reshape(-1) if x.ndim != 1 else x
+        words = payload[self.codes_off:self.scales_off].view(np.uint32)
+        scales = payload[self.scales_off:self.scales_off + 4 * self.nscales].view(np.float32)
+        res = x if residual is None else (residual.reshape(-1) if residual.ndim != 1 else residual)
+        extra = _sim_no_src()
+        if self.path == "block" and not self.args[5] and self.numel:
+            self._sim_scales(x, scales, stream, extra)
+        self._dispatcher(residual is not None)[self.grid, BLOCK, stream](
+            x, payload, words, scales, _words(header), *self.args, np.uint64(int(key)), res, *extra)
+
+
+class _Decode:
+    """A prepared decode: ``__call__(payload, out, stream, status, expect)``."""
+    __slots__ = ("numel", "total", "codes_off", "scales_off", "nwords", "nscales", "path", "spec",
+                 "args", "grid", "_raw", "_exp")
+
+    def __init__(self, numel, bits, bs, kind, accumulate, lay):
+        self.numel = numel
+        self.total = lay.total
+        self.codes_off, self.scales_off = lay.codes_offset, lay.scales_offset
+        self.nwords = (lay.scales_offset - lay.codes_offset) // 4
+        self.nscales = lay.nscales
+        nb = lay.nbuckets
+        self._raw = None
+        self._exp = None
+        if _W.supported(bits, bs, numel, FUSE_MAX):
+            self.path = "warp"
+            self.spec = (bits, kind, _W.dec_steps(bs))
+            ngroups = _grid(nb, BLOCK // 32)
+            self.grid = ngroups          # capped at the resident blocks once compiled (persistent grid)
+            # n, nb, bs, K, ngroups, accumulate
+            self.args = (numel, nb, bs, (bs + 31) // 32, ngroups, bool(accumulate))
+        else:
+            self.path = "block"
+            self.spec = (bits, kind)
+            nchunks = _grid(numel, _B.DEC_CHUNK)
+            self.grid = min(nchunks, 8 * _sm_count())
+            # n, bs, inv_bs, accumulate, nchunks
+            self.args = (numel, bs, 1.0 / bs, bool(accumulate), nchunks)
+
+    def _dispatcher(self):
+        if self.path == "warp":
+            return _kernel("warp_decode", _W.make_decode, self.spec)
+        return _kernel("block_decode", _B.make_decode, self.spec)
+
+    def _prepare_raw(self):
+        sig = SIG_WARP_DECODE if self.path == "warp" else SIG_BLOCK_DECODE
+        sizes = [self.total, self.nwords, self.nscales, self.numel, 2, None, 0, 0] + list(self.args)
+        if self.path == "warp":
+            sizes += [1] + list(_ONE_PAYLOAD)
+        raw = self._raw = _Raw(self._dispatcher(), sig, sizes)
+        if self.path == "warp":
+            self.grid = _persistent(raw, self.grid)
+        return raw
+
+    def __call__(self, payload, out, stream=None, status=None, expect=None):
+        if self.numel == 0:
+            if expect is not None and status is not None:
+                check_header_cuda(payload, status, expect, stream)
+            return
+        if SIMULATOR:
+            return self._sim(payload, out, stream, status, expect)
+        raw = self._raw
+        if raw is None:
+            raw = self._prepare_raw()
+        pp = _ptr(payload)
+        s = raw.slots
+        s[0].value = pp
+        s[1].value = pp + self.codes_off
+        s[2].value = pp + self.scales_off
+        s[3].value = _ptr(out)
+        s[4].value = _ptr(_zero_status() if status is None else status)
+        if expect is not self._exp:
+            if expect is None:
+                raw.set_tuple(5, _NO_EXPECT)
+                s[6].value = False
+                s[7].value = False
+            else:
+                raw.set_tuple(5, expect[:7])
+                s[6].value = True
+                s[7].value = bool(expect[7])
+            self._exp = expect
+        raw.launch(self.grid, BLOCK, _stream(stream))
+
+    def _sim(self, payload, out, stream, status, expect):
+        stream = _sim_stream(stream)
+        words = payload[self.codes_off:self.scales_off].view(np.uint32)
+        scales = payload[self.scales_off:self.scales_off + 4 * self.nscales].view(np.float32)
+        out = out.reshape(-1) if out.ndim != 1 else out
+        if expect is None:
+            exp, check, check_name = _NO_EXPECT, False, False
+        else:
+            exp, check, check_name = tuple(int(v) for v in expect[:7]), True, bool(expect[7])
+        extra = (_sim_no_src()[1],) + _ONE_PAYLOAD if self.path == "warp" else ()
+        self._dispatcher()[self.grid, BLOCK, stream](
+            payload, words, scales, out, _zero_status() if status is None else status, exp, check,
+            check_name, *self.args, *extra)
+
+
+def prepare_qsgd_encode(numel, bits, bucket_size, stochastic, norm_l2):
+    """A prepared QSGD encode: ``(x, payload, header, key, stream, residual=None)``."""
+    numel, bits, bs = int(numel), int(bits), int(bucket_size)
+    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bs)
+    return _Encode(numel, bits, bs, L2 if norm_l2 else MAX, PACK_STOCH if stochastic else PACK_DET, lay)
+
+
+def prepare_qsgd_decode(numel, bits, bucket_size, accumulate):
+    """A prepared QSGD decode: ``(payload, out, stream, status, expect)``."""
+    numel, bits, bs = int(numel), int(bits), int(bucket_size)
+    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bs)
+    return _Decode(numel, bits, bs, DEC_QSGD, accumulate, lay)
+
+
+def prepare_onebit_encode(numel, bucket_size, two_mean):
+    """A prepared 1-bit encode: ``(x, payload, header, key, stream, residual=None)`` (key ignored)."""
+    numel = int(numel)
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    lay = wire.layout(wire.METHODS["onebit"], numel, 1, int(bucket_size or 0), mode)
+    bs = int(bucket_size or 0) or max(numel, 1)
+    return _Encode(numel, 1, bs, TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, lay)
+
+
+def prepare_onebit_decode(numel, bucket_size, two_mean, accumulate):
+    """A prepared 1-bit decode: ``(payload, out, stream, status, expect)``."""
+    numel = int(numel)
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    lay = wire.layout(wire.METHODS["onebit"], numel, 1, int(bucket_size or 0), mode)
+    bs = int(bucket_size or 0) or max(numel, 1)
+    return _Decode(numel, 1, bs, DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS, accumulate, lay)
+
+
+# ---- fused operations: several payloads in one launch (see numba_kernels.reference) -------------------
+
+def _expect_args(expect):
+    if expect is None:
+        return _NO_EXPECT, False, False
+    return tuple(int(v) for v in expect[:7]), True, bool(expect[7])
+
+
+class _ReduceRequantize(_Encode):
+    """A prepared reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
+    status, expect)``, one launch of the general path's encode (three above FUSE_MAX: the scales'
+    reduce and combine, then the pack) whose values are the payloads' sums plus ``residual``,
+    computed where the encode reads them (registers; nothing float32 goes through global memory). A
+    bad payload among the n makes the sum NaN (the reference's encode of NaN); its error bits go to
+    ``status``."""
+    __slots__ = ()
+
+    def __call__(self, payloads, n, residual, out_payload, header, key=0, stream=None, status=None,
+                 expect=None):
+        resid = residual is not None
+        if SIMULATOR:
+            return self._sim_src(payloads, n, residual, out_payload, header, key, stream, status, expect)
+        raw = self._raw.get(resid)
+        if raw is None:
+            raw = self._prepare_raw(resid)
+        pp = _ptr(out_payload)
+        pin = _ptr(payloads)
+        pr = _ptr(residual) if resid else 0
+        pst = _ptr(_zero_status() if status is None else status)
+        exp, check, check_name = _expect_args(expect)
+        nargs = len(self.args)
+        s = raw.slots
+        s[0].value = pp                       # (x: unused)
+        s[1].value = pp
+        s[2].value = pp + self.codes_off
+        s[3].value = pp + self.scales_off
+        hs = self._hdr
+        if hs is None or hs[1] is not header or hs[0] is not raw:
+            raw.set_tuple(4, header)
+            self._hdr = (raw, header)
+        s[5 + nargs].value = int(key)
+        s[6 + nargs].value = pr
+        st = _stream(stream)
+        new_exp = self._exp is None or self._exp[0] is not raw or self._exp[1] is not expect
+        self._exp = (raw, expect)
+        for r, i0 in ((self._reduce, 5), (raw, 7 + nargs)):
+            if r is None:
+                continue
+            t = r.slots
+            r.set_payloads(i0, pin, n, self.total)
+            t[i0 + 3].value = pst
+            if new_exp:
+                r.set_tuple(i0 + 4, exp)
+            t[i0 + 5].value = check
+            t[i0 + 6].value = check_name
+            t[i0 + 7].value = int(n)
+            t[i0 + 10].value = pr
+            t[i0 + 11].value = resid
+        if self._reduce is not None:
+            self._launch_scales(pp, pp + self.scales_off, st)
+        raw.launch(self.grid, BLOCK, st)
+
+    def _sim_src(self, payloads, n, residual, out_payload, header, key, stream, status, expect):
+        stream = _sim_stream(stream)
+        words = out_payload[self.codes_off:self.scales_off].view(np.uint32)
+        scales = out_payload[self.scales_off:self.scales_off + 4 * self.nscales].view(np.float32)
+        rin = residual if residual is not None else _sim_no_src()[2]
+        exp, check, check_name = _expect_args(expect)
+        src = (payloads, payloads.view(np.uint32), payloads.view(np.float32),
+               _zero_status() if status is None else status, exp, check, check_name, int(n),
+               self.total // 4, self.scales_off // 4, rin, residual is not None)
+        if self.path == "block" and not self.args[5] and self.numel:
+            self._sim_scales(rin, scales, stream, src)
+        self._dispatcher(residual is not None)[self.grid, BLOCK, stream](
+            rin, out_payload, words, scales, _words(header), *self.args, np.uint64(int(key)), rin, *src)
+
+
+class _DecodeMulti:
+    """A prepared decode_sum ``(payloads, n, out, stream, status, expect)`` or decode_chunks
+    ``(gathered, out, stream, status, name_hashes, expect)``: one launch of the warp decode in a
+    multi-payload mode where the warp kernels apply, else of ``block_decode_multi``."""
+    __slots__ = ("numel", "total", "chunks", "spec", "grid", "args", "method", "bits", "mode", "bs0",
+                 "chunk", "offsets", "path", "_nh", "_np", "_raw", "_exp")
+
+    def __init__(self, numel, bits, bucket_size, kind, two_mean, chunk=None):
+        self.numel, self.bits, self.bs0 = numel, bits, bucket_size
+        qsgd = two_mean is None
+        self.method = wire.METHODS["qsgd" if qsgd else "onebit"]
+        self.mode = 0 if qsgd else wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+        bs = bucket_size or max(numel, 1)
+        self.chunks = chunk is not None
+        if self.chunks:
+            from .reference import chunk_ranges
+            ranges = chunk_ranges(numel, bucket_size, chunk)
+            if len(ranges) > MAXCH:
+                raise ValueError(f"{len(ranges)} chunks: at most {MAXCH} in one decode_chunks")
+            if not bucket_size:
+                chunk = bs
+            full = wire.layout(self.method, min(chunk, numel), bits, bucket_size, self.mode)
+            lm = ranges[-1][1] - ranges[-1][0] if ranges else 0
+            last = wire.layout(self.method, lm, bits, bucket_size, self.mode)
+            self.offsets = [j * full.total for j in range(len(ranges))] + [
+                (len(ranges) - 1) * full.total + last.total if ranges else 0]
+            self.total = self.offsets[-1]
+            tail = (chunk, lm, last.scales_offset // 4)
+        else:
+            full = wire.layout(self.method, numel, bits, bucket_size, self.mode)
+            self.total = full.total
+            tail = (max(numel, 1), numel, full.scales_offset // 4)
+        self.chunk = chunk
+        multi = _B.MULTI_CHUNKS if self.chunks else _B.MULTI_SUM
+        pw, psoff = full.total // 4, full.scales_offset // 4
+        # the kernel's arguments after check_name; None: name_hashes (at self._nh), npay at self._np
+        if _W.supported(bits, bs, numel, FUSE_MAX):
+            self.path = "warp"
+            self.spec = (bits, kind, _W.dec_steps(bs), multi)
+            nb = _grid(numel, bs)
+            self.grid = max(1, _grid(nb, BLOCK // 32))     # capped once compiled (persistent grid)
+            # n, nb, bs, K, ngroups, accumulate, name_hashes, npay, words per payload, scales offset
+            # (words), buckets per chunk, the last chunk's scales offset (words)
+            self.args = (numel, nb, bs, (bs + 31) // 32, self.grid, False, None, 1, pw, psoff,
+                         max(1, tail[0] // bs), tail[2])
+            self._nh, self._np = 6, 7
+        else:
+            self.path = "block"
+            self.spec = (bits, kind, multi)
+            nchunks = _grid(numel, _B.DEC_CHUNK)
+            self.grid = max(1, min(nchunks, 8 * _sm_count()))
+            # name_hashes, n, bs, inv_bs, nchunks, npay, words per payload, scales offset (words),
+            # chunk, last numel, last chunk's scales offset (words)
+            self.args = (None, numel, bs, 1.0 / bs, nchunks, 1, pw, psoff) + tail
+            self._nh, self._np = 0, 5
+        self._raw = None
+        self._exp = None
+
+    def _dispatcher(self):
+        if self.path == "warp":
+            return _kernel("warp_decode_multi", _W.make_decode, self.spec)
+        return _kernel("block_decode_multi", _B.make_decode_multi, self.spec)
+
+    def _checks(self, expect, name_hashes):
+        if name_hashes is not None and expect is None:
+            if self.method == wire.METHODS["qsgd"]:
+                raise ValueError("checking QSGD chunks needs expect (it gives the mode and norm)")
+            expect = wire.Expect(self.method, 1, self.mode, 0, self.bs0, 0)
+        exp, check, _ = _expect_args(expect)
+        if self.chunks:
+            return exp, check, name_hashes is not None
+        return exp, check, bool(expect[7]) if check else False
+
+    def _launch(self, payloads, n, out, stream, status, expect, name_hashes):
+        exp, check, check_name = self._checks(expect, name_hashes)
+        if self.numel == 0 and not (check and status is not None):
+            return
+        if SIMULATOR:
+            args = list(self.args)
+            args[self._nh] = name_hashes if name_hashes is not None else _sim_no_src()[1]
+            args[self._np] = int(n)
+            out = out.reshape(-1) if out.ndim != 1 else out
+            return self._dispatcher()[self.grid, BLOCK, _sim_stream(stream)](
+                payloads, payloads.view(np.uint32), payloads.view(np.float32), out,
+                _zero_status() if status is None else status, exp, check, check_name, *args)
+        raw = self._raw
+        if raw is None:
+            sig = SIG_WARP_DECODE if self.path == "warp" else SIG_DECODE_MULTI
+            raw = self._raw = _Raw(self._dispatcher(), sig,
+                                   [self.total, self.total // 4, self.total // 4, self.numel, 2, None,
+                                    0, 0] + [1 if a is None else a for a in self.args])
+            if self.path == "warp":
+                self.grid = _persistent(raw, self.grid)
+        s = raw.slots
+        raw.set_payloads(0, _ptr(payloads), n, self.total)
+        s[3].value = _ptr(out)
+        s[4].value = _ptr(_zero_status() if status is None else status)
+        if exp != self._exp:        # what the kernel checks (name hashes alone make one up)
+            raw.set_tuple(5, exp)
+            self._exp = exp
+        s[6].value = check
+        s[7].value = check_name
+        s[8 + self._nh].value = _ptr(name_hashes) if name_hashes is not None else 0
+        s[8 + self._np].value = int(n)
+        raw.launch(self.grid, BLOCK, _stream(stream))
+
+    def __call__(self, payloads, *args, **kw):
+        if self.chunks:
+            return self.decode_chunks(payloads, *args, **kw)
+        return self.decode_sum(payloads, *args, **kw)
+
+    def decode_sum(self, payloads, n, out, stream=None, status=None, expect=None):
+        self._launch(payloads, n, out, stream, status, expect, None)
+
+    def decode_chunks(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
+        self._launch(gathered, 1, out, stream, status, expect, name_hashes)
+
+
+def _kinds(two_mean):
+    if two_mean is None:
+        return DEC_QSGD
+    return DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS
+
+
+def prepare_qsgd_decode_sum(numel, bits, bucket_size):
+    """A prepared QSGD decode_sum: ``(payloads, n, out, stream, status, expect)``."""
+    return _DecodeMulti(int(numel), int(bits), int(bucket_size), DEC_QSGD, None)
+
+
+def prepare_onebit_decode_sum(numel, bucket_size, two_mean):
+    """A prepared 1-bit decode_sum: ``(payloads, n, out, stream, status, expect)``."""
+    return _DecodeMulti(int(numel), 1, int(bucket_size or 0), _kinds(bool(two_mean)), bool(two_mean))
+
+
+def prepare_qsgd_decode_chunks(numel, bits, bucket_size, chunk):
+    """A prepared QSGD decode_chunks: ``(gathered, out, stream, status, name_hashes, expect)``."""
+    return _DecodeMulti(int(numel), int(bits), int(bucket_size), DEC_QSGD, None, int(chunk))
+
+
+def prepare_onebit_decode_chunks(numel, bucket_size, two_mean, chunk):
+    """A prepared 1-bit decode_chunks: ``(gathered, out, stream, status, name_hashes, expect)``."""
+    return _DecodeMulti(int(numel), 1, int(bucket_size or 0), _kinds(bool(two_mean)), bool(two_mean),
+                        int(chunk))
+
+
+def prepare_qsgd_reduce_requantize(numel, bits, bucket_size, stochastic, norm_l2):
+    """A prepared QSGD reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
+    status, expect)``."""
+    numel, bits, bs = int(numel), int(bits), int(bucket_size)
+    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bs)
+    return _ReduceRequantize(numel, bits, bs, L2 if norm_l2 else MAX,
+                             PACK_STOCH if stochastic else PACK_DET, lay, src=True)
+
+
+def prepare_onebit_reduce_requantize(numel, bucket_size, two_mean):
+    """A prepared 1-bit reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
+    status, expect)`` (key ignored)."""
+    numel = int(numel)
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    lay = wire.layout(wire.METHODS["onebit"], numel, 1, int(bucket_size or 0), mode)
+    bs = int(bucket_size or 0) or max(numel, 1)
+    return _ReduceRequantize(numel, 1, bs, TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, lay, src=True)
