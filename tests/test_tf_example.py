@@ -21,7 +21,8 @@ SCRIPT = ROOT / "examples" / "tensorflow" / "train_keras.py"
 def test_keras_example_runs_under_horovodrun(spec, reduction, min_ratio, tmp_path):
     result = run_horovod(SCRIPT, np=2, controller="gloo", timeout=300, args=[
         "--compression", spec, "--reduction", reduction, "--epochs", "2", "--max-steps", "8",
-        "--log-every", "4", "--tensorboard", str(tmp_path / "tb")], keep_cr=True)
+        "--train-size", "1536", "--log-every", "4", "--tensorboard", str(tmp_path / "tb")],
+        keep_cr=True)
     out, err = result.stdout, result.stderr
     assert re.search(r"^\[0\]<stdout>:world size 2, codec " + re.escape(spec.split(":")[0]), out, re.M), out
     assert not re.search(r"^\[1\]<stdout>:", out, re.M), "only rank 0 prints"
@@ -37,7 +38,8 @@ def test_keras_example_runs_under_horovodrun(spec, reduction, min_ratio, tmp_pat
     tags = tensorboard_scalars(tmp_path / "tb" / "cnn")       # rank 0's tf.summary scalars
     assert [s for s, _ in tags["train/loss"]] == [4, 8], tags.get("train/loss")
     assert all(v >= min_ratio for _, v in tags["exchange/ratio"]) and tags["exchange/seconds"]
-    # each epoch's test pass at the global step it ended on (6 steps per epoch, --max-steps 8)
+    # each epoch's test pass at the global step it ended on (1,536 images: 768 a rank in batches of
+    # 128 make 6 steps per epoch; --max-steps 8)
     assert [s for s, _ in tags["test/accuracy"]] == [6, 8], tags.get("test/accuracy")
 
 
