@@ -50,7 +50,7 @@ QUICK = {
     "tests/test_tf_unit.py::test_resolve_codec_and_ops": 0,
     "tests/test_tf_unit.py::test_state_roundtrip_through_checkpoint": 0,
     "tests/test_tf_unit.py::test_keras3_optimizers_refused_keras2_taken": 0,
-    "tests/test_tf_device.py::test_device_exchange_in_cuda_simulator": 0,
+    "tests/test_tf_device.py::test_codecs_refuse_a_tensorflow_gpu_tensor": 0,
     # the benchmarks' drivers (no jobs) and the examples
     "tests/test_bench_train.py::test_method_ids": 0,
     "tests/test_bench_train.py::test_chart_is_drawn_or_says_why": 0,
