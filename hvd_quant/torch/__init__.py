@@ -1,8 +1,10 @@
-"""PyTorch frontend: ``hvd_quant.torch.DistributedOptimizer`` and the torch side of the exchange.
+"""PyTorch frontend: ``hvd_quant.torch.DistributedOptimizer``, ``ddp_comm_hook`` and the torch side of
+the exchange.
 
-Attributes are imported on first use: ``DistributedOptimizer`` imports ``horovod.torch``, while the
-codecs reach the torch frontend (``hvd_quant.torch._backend.FRONTEND``: array adapters, ArrayOps)
-for torch tensors without Horovod. Codecs passed to stock ``hvd.DistributedOptimizer(compression=...)``
+Attributes are imported on first use: ``DistributedOptimizer`` and ``OneBitAdam`` import
+``horovod.torch`` (without Horovod they raise an ImportError that says so), while ``ddp_comm_hook``
+(torch.distributed) and the codecs (``hvd_quant.torch._backend.FRONTEND``: array adapters, ArrayOps)
+need no Horovod. Codecs passed to stock ``hvd.DistributedOptimizer(compression=...)``
 reach it through ``hvd_quant._stock``.
 """
 from .._lazy import lazy_exports
@@ -10,13 +12,24 @@ from .. import _stock
 from ..frontend import bytes_sent_per_step
 
 _EXPORTS = {"OPS": "._backend", "collectives": "._backend", "resolve_codec": "._backend",
-            "DistributedOptimizer": ".optimizer", "OneBitAdam": ".onebit_adam"}
+            "DistributedOptimizer": ".optimizer", "OneBitAdam": ".onebit_adam",
+            "ddp_comm_hook": ".ddp", "DDPCommState": ".ddp"}
 
-__all__ = ["DistributedOptimizer", "OneBitAdam", "bytes_sent_per_step", "step_metrics", "collectives",
-           "OPS", "resolve_codec"]
+__all__ = ["DistributedOptimizer", "OneBitAdam", "ddp_comm_hook", "DDPCommState", "bytes_sent_per_step",
+           "step_metrics", "collectives", "OPS", "resolve_codec"]
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+_lazy_getattr, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+
+def __getattr__(name):
+    try:
+        return _lazy_getattr(name)
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "horovod":
+            raise
+        raise ImportError(f"hvd_quant.torch.{name} runs on Horovod (horovod.torch), which is not installed; "
+                          f"hvd_quant.torch.ddp_comm_hook needs only torch.distributed") from e
 
 
 def step_metrics(optimizer):

@@ -1,0 +1,371 @@
+"""``hvd_quant.torch.ddp_comm_hook``: the codecs for ``torch.nn.parallel.DistributedDataParallel``.
+
+DDP hands each bucket of gradients to a communication hook (``model.register_comm_hook(state,
+hook)``) and waits for the futures the hook returned once backward has ended. This hook runs DDP's
+gradients through the plan, scheduler and exchange of ``hvd_quant.torch.DistributedOptimizer``, with
+``torch.distributed`` collectives (:func:`collectives`, Gloo or NCCL) in place of Horovod's:
+
+1. The first step plans the gradients (``hvd_quant.plan``). Its buckets are held until DDP's last one
+   (``bucket.is_last()``); then each parameter is named by its place in that step's bucket layout
+   (``p0``, ``p1``, ...: DDP's first layout is the same in every run of the same model and DDP
+   arguments), compressible gradients are fused into buckets of at most ``bucket_bytes`` in the order
+   DDP handed them over, the others into plain groups, and every rank checks through one blocking
+   allgather that every rank made the same plan (ranks configured differently raise
+   :class:`~hvd_quant.ConfigMismatchError`). The plan belongs to the parameters, not to DDP's
+   buckets: DDP's rebuild of its buckets after the first step changes nothing here, and residuals,
+   seeded noise and checkpoints keep their keys.
+2. From then on each DDP bucket's gradients arrive at the scheduler
+   (:class:`~hvd_quant.scheduler.StepScheduler`) as views of the bucket's buffer; a planned bucket
+   starts its exchange as soon as its last member has arrived, while backward goes on.
+3. At DDP's last bucket every started exchange is advanced, then finished and averaged, and the
+   results are written into the buffers of the step's DDP buckets, whose futures are then complete.
+
+``warmup_steps``, and steps where ``reduction="auto"`` runs (or chose) fp32 allreduce, reduce each
+bucket as DDP itself does (buffer / N, then a Sum allreduce). Buckets whose dtype is not floating
+point take that allreduce too; a process group of one rank gets its buffer back as it is.
+"""
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import plan as _plan
+from ..codecs import resolve_codec
+from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Exchange, Traffic, handshake
+from ..memory import Memory
+from ..scheduler import StepScheduler, step_metrics
+from ._backend import OPS, wait_for
+
+__all__ = ["ddp_comm_hook", "DDPCommState", "collectives"]
+
+_PREFIX = "hvdq.ddp"
+
+
+class _Work:
+    """A torch.distributed collective in flight: ``wait()`` gives its result, after ``post``."""
+    __slots__ = ("work", "out", "post")
+
+    def __init__(self, work, out, post=None):
+        self.work, self.out, self.post = work, out, post
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.post is not None:
+            self.out, self.post = self.post(self.out), None
+        return self.out
+
+
+def collectives(process_group=None):
+    """The exchange's :class:`~hvd_quant.exchange.Collectives` over a ``torch.distributed`` process
+    group (default: the world).
+
+    Its collectives match across ranks by order, not by name, so the caller issues them in one order
+    on every rank: the scheduler does, given hooks that come in DDP's bucket order. It has no
+    ``poll``: an SRA exchange polled while backward runs would start its second phase at a moment,
+    and so in an order, that differs between ranks. ``allgather_async`` gathers the lengths first
+    (one small blocking allgather) and pads each payload to the longest; ``alltoall_async`` takes
+    the received lengths to be this rank's split on every rank (the plans are equal: the handshake
+    checks). On NCCL, host tensors (the handshake, auto's record) travel on the current CUDA device.
+    """
+    pg = process_group if process_group is not None else dist.group.WORLD
+    rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend(pg) == dist.Backend.NCCL else None)
+
+    def on_device(t):
+        return t if device is None or t.device == device else t.to(device)
+
+    def allgather_async(t, name):
+        t = on_device(t)
+        sizes = torch.empty(size, dtype=torch.int64, device=t.device)
+        dist.all_gather_single(sizes, torch.tensor([t.numel()], dtype=torch.int64, device=t.device),
+                                    group=pg)
+        sizes = sizes.tolist()
+        each = max(sizes)
+        if t.numel() != each:
+            padded = t.new_zeros(each)
+            padded[:t.numel()].copy_(t)
+            t = padded
+        out = t.new_empty(each * size)
+        work = dist.all_gather_single(out, t, group=pg, async_op=True)
+        if all(s == each for s in sizes):
+            return _Work(work, out)
+        return _Work(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
+
+    def alltoall_async(t, splits, name):
+        mine = int(splits[rank])
+        out = t.new_empty(mine * size)
+        work = dist.all_to_all_single(out, t, [mine] * size, [int(s) for s in splits], group=pg,
+                                      async_op=True)
+        return _Work(work, out)
+
+    def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
+        if prescale_factor != 1.0:
+            t.mul_(prescale_factor)
+        work = dist.all_reduce(t, group=pg, async_op=True)
+        factor = postscale_factor / size if op == AVERAGE else postscale_factor
+        return _Work(work, t, None if factor == 1.0 else lambda o: o.mul_(factor))
+
+    return Collectives(rank=rank, size=size, allgather_async=allgather_async,
+                       alltoall_async=alltoall_async, allreduce_async=allreduce_async,
+                       synchronize=lambda handle: handle.wait(), process_set=pg, poll=None)
+
+
+def _done(value):
+    fut = torch.futures.Future(devices=[value.device] if value.is_cuda else None)
+    fut.set_result(value)
+    return fut
+
+
+class DDPCommState:
+    """The hook's state (module doc): the plan, the scheduler, the error-feedback residuals, the step
+    counter and ``reduction="auto"``'s measurements. Made by :func:`ddp_comm_hook`.
+
+    ``state_dict()`` holds ``step``, ``codec`` (its spec), ``reduction``, this rank's worker
+    residuals by parameter name (``residuals``), the SRA "server" residuals by ``(bucket, rank,
+    world size)`` (``server_residuals``) and ``auto``'s state; every rank saves its own (residuals
+    differ between ranks) and ``load_state_dict()`` restores it, before or after the first step.
+    ``bytes_per_step()`` and ``step_metrics()`` describe the last step, as the optimizer's do.
+    """
+
+    def __init__(self, config, process_group=None):
+        self.config, self.codec = config, config.codec
+        self.process_group = process_group
+        self.memory = Memory(OPS) if config.error_feedback else None
+        self.step = 0                   # completed steps: warm-up and the noise key
+        self.traffic = Traffic()        # this step so far
+        self.last_traffic = Traffic()
+        self._coll = None
+        self._plan = self._sched = None
+        self._exchanges = {}            # route -> Exchange
+        self._spots = {}                # id(parameter) -> (plain?, bucket or group, member)
+        self._params = ()               # the planned parameters (their ids key _spots)
+        self._layout = []               # the first step's DDP buckets' parameters, until planned
+        self._held = []                 # this step's (future, buffer, parameters) for the scheduler
+        self._open = False              # a step is under way
+        self._compress = False          # this step's buckets go through the scheduler
+        self._t0 = None
+        self._loaded = None             # a state_dict loaded before the plan was made
+
+    # -- the hook ---------------------------------------------------------------------------------
+    def reduce(self, bucket):
+        """DDP's hook: the future of ``bucket``'s averaged buffer (module doc)."""
+        buf = bucket.buffer()
+        coll = self._collectives()
+        if not self._open:
+            self._begin_step()
+        if coll.size == 1:
+            fut = _done(buf)
+        else:
+            floating = buf.is_floating_point()
+            if floating and self._plan is None:
+                self._layout.append(bucket.parameters())
+            if floating and self._compress:
+                fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+                self._held.append((fut, buf, bucket.parameters()))
+                if self._sched is not None:
+                    self._arrive(buf, self._held[-1][2])
+            else:
+                fut = self._allreduce(buf)
+        if bucket.is_last():
+            self._end_step()
+        return fut
+
+    def _collectives(self):
+        if self._coll is None:
+            self._coll = collectives(self.process_group)
+        return self._coll
+
+    def _allreduce(self, buf):
+        """DDP's own reduction of a bucket: buffer / N, then a Sum allreduce."""
+        size = self._coll.size
+        self.traffic.add_allreduce(buf.numel() * buf.element_size(), buf.numel(), size)
+        buf.div_(size)
+        work = dist.all_reduce(buf, group=self._coll.process_set, async_op=True)
+        return work.get_future().then(lambda f: f.value()[0])
+
+    def _begin_step(self):
+        self._open = True
+        self._t0 = time.perf_counter()
+        warm = self.step < self.config.warmup_steps
+        if self._sched is not None:
+            self._compress = self._sched.begin_step(compress=not warm)
+        else:
+            self._compress = not warm
+
+    def _arrive(self, buf, params):
+        sched, off = self._sched, 0
+        for p in params:
+            n = p.numel()
+            spot = self._spots.get(id(p))
+            if spot is None:
+                raise RuntimeError("hvd_quant: DDP handed ddp_comm_hook a parameter it did not hand over "
+                                   "in the first step; make a new hook state for another model")
+            plain, k, i = spot
+            (sched.arrive_plain if plain else sched.arrive)(k, i, buf[off:off + n])
+            off += n
+        if off != buf.numel():
+            raise RuntimeError(f"hvd_quant: a DDP bucket of {buf.numel()} elements holds parameters of "
+                               f"{off}: its buffer is not their gradients back to back")
+
+    def _end_step(self):
+        if self._plan is None and self._layout:
+            self._make_plan([p for ps in self._layout for p in ps])
+            self._layout = []
+            if self._held:
+                self._compress = self._sched.begin_step()
+                for _, buf, params in self._held:
+                    if self._compress:
+                        self._arrive(buf, params)
+        if self._held:
+            self._finish_held()
+        if self._sched is not None:
+            self._sched.end_step(timed=self.step >= self.config.warmup_steps)
+        self.step += 1
+        self.traffic.seconds = time.perf_counter() - self._t0
+        self.last_traffic = self.traffic.copy()
+        self.traffic.reset()
+        self._open = False
+
+    def _finish_held(self):
+        held, self._held = self._held, []
+        if not self._compress:          # the plan has no compressed bucket: DDP's allreduce
+            for fut, buf, _ in held:
+                fut.set_result(self._allreduce(buf).wait())
+            return
+        sched, out = self._sched, {}
+        for k, pieces in sched.finish_started():
+            out.update(zip(self._bucket_ids[k], pieces))
+        for j in sched.plain_started():
+            pieces = sched.plain_result(j)
+            out.update(zip(self._plain_ids[j], pieces))
+            sched.take_plain(j, len(pieces))
+        for fut, buf, params in held:
+            off = 0
+            for p in params:
+                n = p.numel()
+                buf[off:off + n].copy_(out[id(p)])
+                off += n
+            fut.set_result(buf)
+
+    # -- plan -------------------------------------------------------------------------------------
+    def _make_plan(self, params):
+        """Plan ``params`` (in the order DDP handed them over in the first step) and check that every
+        rank made the same plan."""
+        names = {id(p): f"p{i}" for i, p in enumerate(params)}
+        ordered = params[::-1]          # make_plan fuses in reverse: here, in DDP's order
+        tensors = [_plan.Tensor(names[id(p)], tuple(p.shape), p.is_floating_point()) for p in ordered]
+        plan = _plan.make_plan(self.config, tensors, prefix=_PREFIX)
+        groups = _plan.plain_groups(plan, [True] * len(ordered), self.config.bucket_bytes)
+        handshake(self._coll, OPS, plan.record, "hvd_quant.torch.ddp_comm_hook", name=HANDSHAKE_NAME)
+        self._params = tuple(params)
+        self._bucket_ids = [[id(ordered[i]) for i in b.members] for b in plan.buckets]
+        self._plain_ids = [[id(ordered[i]) for i in g] for g in groups]
+        self._spots = {pid: (False, k, i) for k, ids in enumerate(self._bucket_ids) for i, pid in enumerate(ids)}
+        self._spots.update({pid: (True, j, i) for j, ids in enumerate(self._plain_ids) for i, pid in enumerate(ids)})
+        sched = StepScheduler(
+            plan, [(f"{_PREFIX}.plain.{j}", [ordered[i].numel() for i in g]) for j, g in enumerate(groups)],
+            ops=OPS, exchange_for=self._exchange_for, traffic=self.traffic,
+            numbering=lambda b: (self.step, None), split=lambda flat, sizes: flat.split(sizes),
+            average=True, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
+            wait_device=lambda: wait_for(params[0].device))
+        sched.bind(self._coll)
+        self._plan, self._sched = plan, sched
+        if self._loaded is not None:
+            loaded, self._loaded = self._loaded, None
+            self.load_state_dict(loaded)
+
+    def _exchange_for(self, route):
+        ex = self._exchanges.get(route)
+        if ex is None:
+            ex = self._exchanges[route] = Exchange(self.codec, self._coll, OPS, reduction=route,
+                                                   memory=self.memory, prefix=_PREFIX, reuse_result=True)
+            ex.traffic = self.traffic
+        return ex
+
+    # -- traffic and state ------------------------------------------------------------------------
+    def bytes_per_step(self):
+        """The last step's :class:`~hvd_quant.exchange.Traffic` (bytes sent, the fp32 equivalent)."""
+        return self.last_traffic
+
+    def step_metrics(self):
+        """What the last step did (:func:`hvd_quant.scheduler.step_metrics`); None before planning."""
+        if self._plan is None:
+            return None
+        return step_metrics(self._plan, self.last_traffic, self._sched.routes, self.codec.spec())
+
+    def reduction_in_use(self):
+        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"`` or ``"allreduce"``."""
+        return self._sched.route() if self._sched is not None else self.config.reduction
+
+    def state_dict(self):
+        if self._plan is None and self._loaded is not None:
+            return dict(self._loaded, step=self.step)
+        residuals, server = {}, {}
+        if self.memory is not None and self._plan is not None:
+            residuals, server = _plan.save_residuals(self.memory, self._plan.buckets,
+                                                     lambda t: t.detach().clone())
+        auto = self._sched.auto if self._sched is not None else None
+        return {"step": self.step, "codec": self.codec.spec(), "reduction": self.config.reduction,
+                "residuals": residuals, "server_residuals": server,
+                "auto": None if auto is None else auto.state_dict()}
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict`'s output; before the first step it is kept until the plan is
+        made. Residuals go to the devices of the parameters they belong to."""
+        state = dict(state)
+        if state.get("codec", self.codec.spec()) != self.codec.spec():
+            raise ValueError(f"hvd_quant: the saved hook state is of codec {state['codec']!r}, this hook's "
+                             f"{self.codec.spec()!r}")
+        self.step = int(state.get("step", 0))
+        if self._plan is None:
+            self._loaded = state
+            return
+        if self._sched.auto is not None and state.get("auto") is not None:
+            self._sched.auto.load_state_dict(state["auto"])
+        if self.memory is None:
+            return
+        self.memory.clear()
+        device = self._params[0].device
+        _plan.restore_residuals(
+            self.memory, self._plan.buckets, dict(state.get("residuals", {})),
+            {k: v for k, v in state.get("server_residuals", {}).items() if isinstance(k, tuple)},
+            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
+
+
+def _hook(state, bucket):
+    return state.reduce(bucket)
+
+
+def ddp_comm_hook(codec, reduction="auto", error_feedback=None, warmup_steps=0, process_group=None, *,
+                  bucket_bytes=_plan.BUCKET_BYTES, min_compress_numel=1024, compress_1d=False):
+    """``(state, hook)`` for ``model.register_comm_hook(state, hook)`` on a DDP model: its gradients
+    are averaged through hvd_quant's compressed exchange (module doc). No Horovod needed.
+
+    Arguments:
+        codec: an hvd_quant codec or its spec string (``"qsgd:bits=4,bucket_size=512"``).
+        reduction: ``"auto"`` (default: fp32 allreduce, ``"allgather"`` or ``"sra"``, whichever gave
+            the fastest steps in the first 18, the same on every rank, printed once by rank 0),
+            ``"sra"`` or ``"allgather"``, as for ``hvd_quant.torch.DistributedOptimizer``.
+        error_feedback: keep each rank's quantization residual (default: what the codec wants).
+        warmup_steps: DDP's own fp32 allreduce for this many first steps.
+        process_group: the ``torch.distributed`` group to average over (default: the world).
+        bucket_bytes, min_compress_numel, compress_1d: the plan's fusion and size rules, as for the
+            optimizer (gradients that are 1-D or smaller go uncompressed, fused into plain groups).
+
+    Steps run under ``model.no_sync()`` accumulate locally and do not count. Every rank must pass
+    the same arguments (else every rank raises ``ConfigMismatchError`` at the first step).
+
+    Example (``torchrun --nproc_per_node 2 train.py``)::
+
+        dist.init_process_group("gloo")
+        model = DistributedDataParallel(net)
+        state, hook = hvd_quant.torch.ddp_comm_hook("qsgd:bits=4,bucket_size=512")
+        model.register_comm_hook(state, hook)
+    """
+    config = _plan.configure(resolve_codec(codec), reduction=reduction, bucket_bytes=bucket_bytes,
+                             min_compress_numel=min_compress_numel, compress_1d=compress_1d,
+                             warmup_steps=warmup_steps, error_feedback=error_feedback, op=AVERAGE)
+    return DDPCommState(config, process_group), _hook
