@@ -9,6 +9,12 @@ Needs root (``ip netns``). Addresses come from the benchmarking range 198.18.0.0
 inside the namespaces, which are deleted on exit.
 
     sudo python scripts/slownet.py --np 2 --rate 1gbit -- python -m hvd_quant.bench exchange --numel 25600000
+
+``--torch`` starts torch.distributed processes instead (``env://``: MASTER_ADDR is rank 0's address,
+RANK, WORLD_SIZE, LOCAL_RANK; Gloo on each rank's link), e.g. a DDP job of the training benchmark:
+
+    sudo python scripts/slownet.py --torch -- python -m hvd_quant.bench._train_worker --method ddp-fp32 \
+        --model cpu_resnet --device cpu
 """
 import argparse
 import atexit
@@ -83,6 +89,7 @@ def main():
     ap.add_argument("--rate", default="1gbit", help="tc rate of every link, each direction (default 1gbit)")
     ap.add_argument("--delay", default="", help="optional netem delay per hop, e.g. 0.1ms")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--torch", action="store_true", help="torch.distributed processes (env://), not Horovod")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -94,19 +101,26 @@ def main():
     setup(args.np, args.rate, args.delay)
     print(f"[slownet] {args.np} namespaces at {SUBNET}.1-{args.np}, links limited to {args.rate}"
           f"{' + ' + args.delay + ' delay' if args.delay else ''}", flush=True)
-    server = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}0", sys.executable, "-c", RENDEZVOUS, str(args.np)],
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
-    port = server.stdout.readline().strip()
+    server = None
+    if not args.torch:
+        server = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}0", sys.executable, "-c", RENDEZVOUS,
+                                   str(args.np)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        port = server.stdout.readline().strip()
     procs = []
     try:
         for r in range(args.np):
-            env = dict(os.environ,
-                       HOROVOD_GLOO_RENDEZVOUS_ADDR=f"{SUBNET}.1", HOROVOD_GLOO_RENDEZVOUS_PORT=port,
-                       HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
-                       HOROVOD_GLOO_IFACE=f"{PREFIX}{r}a", HOROVOD_HOSTNAME=f"h{r}",
-                       HOROVOD_RANK=str(r), HOROVOD_SIZE=str(args.np), HOROVOD_LOCAL_RANK="0",
-                       HOROVOD_LOCAL_SIZE="1", HOROVOD_CROSS_RANK=str(r), HOROVOD_CROSS_SIZE=str(args.np),
-                       PYTHONUNBUFFERED="1")
+            if args.torch:
+                env = dict(os.environ, MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT="29500", RANK=str(r),
+                           WORLD_SIZE=str(args.np), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                           GLOO_SOCKET_IFNAME=f"{PREFIX}{r}a", PYTHONUNBUFFERED="1")
+            else:
+                env = dict(os.environ,
+                           HOROVOD_GLOO_RENDEZVOUS_ADDR=f"{SUBNET}.1", HOROVOD_GLOO_RENDEZVOUS_PORT=port,
+                           HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
+                           HOROVOD_GLOO_IFACE=f"{PREFIX}{r}a", HOROVOD_HOSTNAME=f"h{r}",
+                           HOROVOD_RANK=str(r), HOROVOD_SIZE=str(args.np), HOROVOD_LOCAL_RANK="0",
+                           HOROVOD_LOCAL_SIZE="1", HOROVOD_CROSS_RANK=str(r),
+                           HOROVOD_CROSS_SIZE=str(args.np), PYTHONUNBUFFERED="1")
             # The "hosts" share this machine's cores: give each rank its share of threads (Numba's
             # pool and OpenMP's would otherwise each take every core), unless the caller chose.
             share = str(max(1, len(os.sched_getaffinity(0)) // args.np))
@@ -129,7 +143,7 @@ def main():
             print(f"[slownet] a rank failed: exit codes {codes}", file=sys.stderr)
             rc = rc or 1
     finally:
-        for p in procs + [server]:
+        for p in procs + ([server] if server else []):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     sys.exit(rc)

@@ -53,6 +53,11 @@ def parse_method(method):
         return dict(method=m, launcher="ddp", kind="powersgd", rank=int(g.group(1)))
     if m in ("hvd-fp32", "hvd-fp16"):
         return dict(method=m, launcher="horovod", kind=m[4:])
+    if m.startswith("ddpq-"):
+        codec, _, reduction = m[5:].partition("-")
+        if codec in CODECS and _REDUCTION.match(reduction):
+            # DDP with hvd_quant.torch.ddp_comm_hook(<codec>, reduction=<reduction>)
+            return dict(method=m, launcher="ddp", kind="hook", codec=codec, reduction=reduction)
     if m.startswith("stock-"):
         codec, _, reduction = m[6:].partition("-")
         if codec in CODECS and (not reduction or _REDUCTION.match(reduction)):
@@ -64,7 +69,8 @@ def parse_method(method):
             # the reduction is passed through as written: hvd_quant decides what it accepts
             return dict(method=m, launcher="horovod", kind="hvdq", codec=codec, reduction=reduction)
     raise ValueError(f"unknown method {method!r}: expected single, ddp-fp32, ddp-fp16, ddp-powersgd<R>, "
-                     f"hvd-fp32, hvd-fp16, stock-<codec>[-<reduction>] or hvdq-<codec>-<reduction> with codec in "
+                     f"ddpq-<codec>-<reduction>, hvd-fp32, hvd-fp16, stock-<codec>[-<reduction>] or "
+                     f"hvdq-<codec>-<reduction> with codec in "
                      f"{', '.join(CODECS)}")
 
 
@@ -284,6 +290,11 @@ def main(argv=None):
             state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=spec["rank"],
                                            start_powerSGD_iter=args.powersgd_start_iter)
             model.register_comm_hook(state, powerSGD.powerSGD_hook)
+        elif spec["kind"] == "hook":
+            import hvd_quant.torch
+            state, hook = hvd_quant.torch.ddp_comm_hook(make_codec(spec["codec"]), reduction=spec["reduction"])
+            model.register_comm_hook(state, hook)
+            traffic_of = state
     elif launcher == "horovod":
         kind = spec["kind"]
         if kind in ("fp32", "fp16"):

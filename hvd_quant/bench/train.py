@@ -23,6 +23,7 @@ Config ids are ``<model>/<network>/<method>``. Methods:
   ddp-fp16               DDP with the fp16_compress_hook
   ddp-powersgd<R>        DDP with the PowerSGD hook, matrix_approximation_rank=R, start_powerSGD_iter=2
                          (the earliest PyTorch allows; the warm-up steps cover the fp32 start)
+  ddpq-<codec>-<red>     DDP with hvd_quant.torch.ddp_comm_hook(<codec>, reduction=<red>)
   hvd-fp32, hvd-fp16     hvd.DistributedOptimizer(compression=hvd.Compression.none / .fp16)
   stock-<codec>          hvd.DistributedOptimizer(compression=<hvd_quant codec>) (the stock path)
   stock-<codec>-<red>    the same with compression=hvd_quant.StockCompression(<codec>, reduction=<red>)
@@ -87,7 +88,8 @@ from pathlib import Path
 from hvd_quant.bench._train_worker import (CPU_MODELS, GPU_MODELS, RESULT_PREFIX, parse_method)
 
 WORKER = "hvd_quant.bench._train_worker"
-DEFAULT_METHODS = ("single", "ddp-fp32", "ddp-fp16", "ddp-powersgd4", "hvd-fp32", "hvd-fp16",
+DEFAULT_METHODS = ("single", "ddp-fp32", "ddp-fp16", "ddp-powersgd4", "ddpq-qsgd4-auto", "ddpq-qsgd4-sra",
+                   "hvd-fp32", "hvd-fp16",
                    "stock-qsgd4", "hvdq-qsgd4-sra", "hvdq-qsgd4-allgather", "hvdq-qsgd4-auto",
                    "hvdq-qsgd8-auto", "hvdq-onebit-allgather")
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -21,8 +21,8 @@ gradients through the plan, scheduler and exchange of ``hvd_quant.torch.Distribu
    results are written into the buffers of the step's DDP buckets, whose futures are then complete.
 
 ``warmup_steps``, and steps where ``reduction="auto"`` runs (or chose) fp32 allreduce, reduce each
-bucket as DDP itself does (buffer / N, then a Sum allreduce). Buckets whose dtype is not floating
-point take that allreduce too; a process group of one rank gets its buffer back as it is.
+bucket as DDP itself does, to the bit (buffer * (1/N), then a Sum allreduce). Buckets whose dtype is
+not floating point take that allreduce too; a process group of one rank gets its buffer back as it is.
 """
 import time
 
@@ -179,10 +179,10 @@ class DDPCommState:
         return self._coll
 
     def _allreduce(self, buf):
-        """DDP's own reduction of a bucket: buffer / N, then a Sum allreduce."""
+        """DDP's own reduction of a bucket, bit for bit: buffer * (1/N), then a Sum allreduce."""
         size = self._coll.size
         self.traffic.add_allreduce(buf.numel() * buf.element_size(), buf.numel(), size)
-        buf.div_(size)
+        buf.mul_(1.0 / size)
         work = dist.all_reduce(buf, group=self._coll.process_set, async_op=True)
         return work.get_future().then(lambda f: f.value()[0])
 

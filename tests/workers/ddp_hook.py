@@ -9,8 +9,9 @@ DDP's own allreduce (the reference), and checks:
   the compressed tensors, s = 2^(bits-1)-1 and unit_j = M_j / s: deterministic QSGD errs at most
   unit_j/2 per rank and quantization, stochastic at most unit_j; allgather quantizes once, SRA twice
   (the reduced chunk, whose max is at most sum_j M_j); the average divides by N. Uncompressed
-  tensors differ from DDP's only in rounding: DDP divides each rank's gradient by N before the sum,
-  the hook scales the sum, each an fp32 rounding per addend (N * eps * sum_j |g_j| / N). After each
+  tensors differ from DDP's only in rounding: DDP multiplies each rank's gradient by 1/N before the
+  sum, the hook scales the sum, and Gloo's ring sums a flat buffer of another layout in another
+  order: an fp32 rounding per addend and step (N * eps * sum_j |g_j| / N). After each
   step every parameter has the same bytes on every rank. Run for SRA and allgather, deterministic
   and seeded stochastic QSGD.
 * ``resume``: 3 steps, a checkpoint (model, optimizer, hook state with error-feedback residuals), a
