@@ -84,12 +84,15 @@ while True:
 
 
 def main():
+    global PREFIX
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--rate", default="1gbit", help="tc rate of every link, each direction (default 1gbit)")
     ap.add_argument("--delay", default="", help="optional netem delay per hop, e.g. 0.1ms")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--torch", action="store_true", help="torch.distributed processes (env://), not Horovod")
+    ap.add_argument("--prefix", default=PREFIX,
+                    help=f"namespace names PREFIX0.., PREFIXbr (default {PREFIX}); two jobs at once need two")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -97,6 +100,7 @@ def main():
         ap.error("give the command to run after --")
     if os.geteuid() != 0:
         sys.exit("slownet.py needs root for ip netns")
+    PREFIX = args.prefix
     atexit.register(teardown, args.np)
     setup(args.np, args.rate, args.delay)
     print(f"[slownet] {args.np} namespaces at {SUBNET}.1-{args.np}, links limited to {args.rate}"

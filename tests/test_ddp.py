@@ -1,10 +1,11 @@
-"""``hvd_quant.torch.ddp_comm_hook`` on real torch.distributed processes (Gloo, CPU) started by
-torchrun: tests/workers/ddp_hook.py (its docstring lists the checks and derives the bounds), and
+"""``hvd_quant.torch.ddp_comm_hook`` on real torch.distributed processes started by torchrun (Gloo
+on the CPU; NCCL with ``HVDQ_TEST_DEVICE=cuda``, one GPU per rank, where 2 GPUs are there): tests/workers/ddp_hook.py (its docstring lists the checks and derives the bounds), and
 tests/workers/ddp_no_horovod.py (the hook in a process that cannot import Horovod)."""
 import re
 import sys
 
 import pytest
+import torch
 
 from launch import run_command
 from test_exchange_multiproc import assert_all_ranks_passed
@@ -12,18 +13,23 @@ from test_exchange_multiproc import assert_all_ranks_passed
 pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 
 
-def run_torchrun(script, np_, args=(), timeout=600):
+def run_torchrun(script, np_, args=(), timeout=600, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(np_),
            f"tests/workers/{script}", *args]
-    return run_command(cmd, timeout=timeout)
+    return run_command(cmd, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("np_,groups", [
-    pytest.param(2, ["grads", "resume", "nosync", "unused", "auto", "bad"], id="np2"),
-    pytest.param(3, ["grads", "resume", "nosync"], id="np3"),
+ALL = ["grads", "resume", "nosync", "unused", "auto", "bad"]
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+@pytest.mark.parametrize("np_,groups,env", [
+    pytest.param(2, ALL, None, id="np2"),
+    pytest.param(3, ["grads", "resume", "nosync"], None, id="np3"),
+    pytest.param(2, ALL, {"HVDQ_TEST_DEVICE": "cuda"}, id="np2-nccl", marks=TWO_GPUS),
 ])
-def test_ddp_hook(np_, groups):
-    result = run_torchrun("ddp_hook.py", np_, groups, timeout=900)
+def test_ddp_hook(np_, groups, env):
+    result = run_torchrun("ddp_hook.py", np_, groups, timeout=900, env=env)
     assert_all_ranks_passed(result, np_)
     if "auto" in groups:        # decided once, printed once by rank 0
         assert len(re.findall(r"hvd_quant.ddp_comm_hook: reduction=auto chose", result.stdout)) == 1, \

@@ -1,5 +1,6 @@
-"""Worker: ``hvd_quant.torch.ddp_comm_hook`` on real torch.distributed processes (Gloo, CPU), under
-torchrun. argv: the groups of checks to run.
+"""Worker: ``hvd_quant.torch.ddp_comm_hook`` on real torch.distributed processes under torchrun: Gloo
+on the CPU, or NCCL with one GPU per rank where ``HVDQ_TEST_DEVICE=cuda``. argv: the groups of
+checks to run.
 
 Each step runs the same batches through two DDP models with the same parameters: ours (the hook) and
 DDP's own allreduce (the reference), and checks:
@@ -41,7 +42,11 @@ import checks as _checks  # noqa: E402
 from hvd_quant.torch import ddp_comm_hook  # noqa: E402
 
 torch.set_num_threads(1)
-dist.init_process_group("gloo")
+DEVICE = torch.device(os.environ.get("HVDQ_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda":
+    DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(DEVICE)
+dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo")
 R, N = dist.get_rank(), dist.get_world_size()
 
 Q4D = "qsgd:bits=4,bucket_size=512,mode=deterministic"
@@ -84,7 +89,7 @@ class Net(nn.Module):
 
 def batch(step, salt=0):
     g = torch.Generator().manual_seed(7919 * R + 104729 * step + salt)
-    return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+    return torch.randn(16, 32, generator=g).to(DEVICE), torch.randint(0, 10, (16,), generator=g).to(DEVICE)
 
 
 def loss_of(model, step, salt=0):
@@ -92,8 +97,13 @@ def loss_of(model, step, salt=0):
     return F.cross_entropy(model(x), y)
 
 
+def ddp(net, **kw):
+    return DDP(net.to(DEVICE), bucket_cap_mb=CAP_MB, device_ids=[DEVICE] if DEVICE.type == "cuda" else None,
+               **kw)
+
+
 def ours(spec, unused=False, **kw):
-    model = DDP(Net(unused), bucket_cap_mb=CAP_MB, find_unused_parameters=unused)
+    model = ddp(Net(unused), find_unused_parameters=unused)
     state, hook = ddp_comm_hook(spec, bucket_bytes=16384, **kw)
     model.register_comm_hook(state, hook)
     return model, state
@@ -124,7 +134,7 @@ def within_bound(params, refs, local, spec, reduction):
     """(ok, worst error / bound) of the gradients of ``params`` against those of ``refs`` (module
     doc); ``local``: this rank's own gradients of ``refs``."""
     mine = torch.tensor([max(float(g.abs().max()) for p, g in zip(refs, local) if compressed(p))],
-                        dtype=torch.float64)
+                        dtype=torch.float64, device=DEVICE)
     m = float(sum(gather(mine)))
     s = (1 << (int(spec.split("bits=")[1].split(",")[0]) - 1)) - 1
     bound = (0.5 if "deterministic" in spec else 1.0) * (1 if reduction == "allgather" else 2) * m / s / N
@@ -153,7 +163,7 @@ def sgd(model):
 def grads_case(spec, reduction, steps=5, warmup=1):
     name = f"{reduction}:{spec.split(',')[0]}:{'det' if 'deterministic' in spec else 'sto'}"
     model, state = ours(spec, reduction=reduction, warmup_steps=warmup)
-    ref = DDP(Net(), bucket_cap_mb=CAP_MB)
+    ref = ddp(Net())
     for step in range(steps):
         with torch.no_grad():
             for p, r in zip(model.parameters(), ref.parameters()):
@@ -203,7 +213,7 @@ def test_resume():
     run_steps(model, opt, 0, 3)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}, buf)
-    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False, map_location=DEVICE)
     res = saved["hook"]["residuals"]
     check(len(res) == 2 and all(float(t.abs().max()) > 0 for t in res.values())
           and saved["hook"]["server_residuals"], "resume: the checkpoint holds nonzero residuals",
@@ -224,7 +234,7 @@ def test_resume():
 def test_nosync():
     for spec, reduction in ((Q4D, "sra"), (Q4D, "allgather")):
         model, state = ours(spec, reduction=reduction)
-        ref = DDP(Net(), bucket_cap_mb=CAP_MB)
+        ref = ddp(Net())
         for step in range(3):
             with torch.no_grad():
                 for p, r in zip(model.parameters(), ref.parameters()):
@@ -246,7 +256,7 @@ def test_nosync():
 
 def test_unused():
     model, state = ours(Q4D, unused=True, reduction="sra")
-    ref = DDP(Net(unused=True), bucket_cap_mb=CAP_MB, find_unused_parameters=True)
+    ref = ddp(Net(unused=True), find_unused_parameters=True)
     for step in range(3):
         with torch.no_grad():
             for p, r in zip(model.parameters(), ref.parameters()):
