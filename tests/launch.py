@@ -7,6 +7,9 @@ instead of stalling CI), and returns the completed process with stdout and stder
 
 Every worker is expected to exit 0 on success; ``check=True`` asserts that and shows the output of all
 ranks when it does not.
+
+``run_driver(runs, tmp_path)`` runs several runs of the PyTorch example driver in one 2-rank job, so
+the world and the imports start once for all of them.
 """
 import json
 import os
