@@ -7,8 +7,13 @@ instead of stalling CI), and returns the completed process with stdout and stder
 
 Every worker is expected to exit 0 on success; ``check=True`` asserts that and shows the output of all
 ranks when it does not.
+
+``run_driver(runs, tmp_path)`` runs several runs of the PyTorch example driver in one 2-rank job, so
+the world and the imports start once for all of them.
 """
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -75,6 +80,25 @@ def run_horovod(script, np=2, controller="gloo", args=(), env=None, timeout=240,
                 keep_cr=False):
     cmd = horovod_command(script, np=np, controller=controller, args=args)
     return run_command(cmd, env=env, timeout=timeout, check=check, keep_cr=keep_cr)
+
+
+def run_driver(runs, tmp_path, np=2, timeout=600):
+    """Runs ``[(name, driver arguments)]`` of examples/pytorch/train.py one after the other in one
+    Horovod job (tests/workers/driver_runs.py). Returns the completed process and ``{name: the job's
+    output lines from that run's start to the next one's}`` (rank 0 marks the starts)."""
+    spec = Path(tmp_path) / "driver_runs.json"
+    spec.write_text(json.dumps([[name, [str(a) for a in argv]] for name, argv in runs]))
+    result = run_horovod("driver_runs.py", np=np, args=[spec], timeout=timeout)
+    sections, current = {}, None
+    for line in result.stdout.splitlines(keepends=True):
+        start = re.match(r"\[0\]<stdout>:== RUN (\S+)$", line.rstrip("\n"))
+        if start:
+            current = start.group(1)
+            sections[current] = ""
+        elif current is not None:
+            sections[current] += line
+    assert list(sections) == [name for name, _ in runs], result.stdout[-3000:]
+    return result, sections
 
 
 def run_command(cmd, env=None, timeout=240, check=True, keep_cr=False):

@@ -1,7 +1,6 @@
 """``python -m hvd_quant.bench train`` for real on CPU: Gloo jobs under horovodrun, the CSV, resume,
-``--only``, a failed method, a timed-out job; no mocks (the driver runs in this process, every
-configuration is a real subprocess). The DDP test is opt-in (HVDQ_TEST_BENCH_DDP=1) to keep this file
-near 60 s on 2 busy cores."""
+``--only``, a failed method, a timed-out job, the one-process and DDP peers; no mocks (the driver runs
+in this process, every configuration is a real subprocess)."""
 import csv
 import gzip
 import json
@@ -191,8 +190,6 @@ def test_chart_is_drawn_or_says_why(tmp_path, monkeypatch, capsys):
     assert "chart skipped: matplotlib is missing" in text and f"--plot {path}" in text
 
 
-@pytest.mark.skipif(not os.environ.get("HVDQ_TEST_BENCH_DDP"),
-                    reason="two more jobs (~10-40 s on 2 busy cores); set HVDQ_TEST_BENCH_DDP=1")
 def test_train_driver_ddp_and_single(tmp_path, job_env, capsys):
     out = tmp_path / "bench"
     rc = train.main(TINY + ["--methods", "single,ddp-fp16", "--out", str(out)])

@@ -1,8 +1,8 @@
-"""The examples (issue 6): helpers in examples/common, the PyTorch driver under real Horovod jobs, the
-matrices in horovodrun_configs/ and the sweep runner's dry run.
+"""The examples: helpers in examples/common, the PyTorch driver under real Horovod jobs, the matrices
+in horovodrun_configs/ and the sweep runner's dry run.
 
-Multi-process tests batch several models into one launch (the driver takes ``--model a,b,c``) so the
-file stays within a few minutes on 2 cores; every model of every task runs a few steps at tiny sizes.
+The driver's 2-rank Gloo runs share one launch (tests/workers/driver_runs.py) and several models share
+a run (the driver takes ``--model a,b,c``); every task runs a few steps at tiny sizes.
 """
 import csv
 import glob
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import yaml
 
-from launch import ROOT, run_horovod
+from launch import ROOT, run_driver, run_horovod
 
 sys.path.insert(0, str(ROOT))
 
@@ -414,9 +414,7 @@ def test_sweep_dry_run_covers_the_matrix(path, capsys):
 
 @pytest.mark.parametrize("path", MATRICES, ids=[Path(p).stem for p in MATRICES])
 def test_every_matrix_spec_is_a_valid_codec(path):
-    hvd_quant = pytest.importorskip("hvd_quant")
-    if not hasattr(hvd_quant, "from_spec"):
-        pytest.skip("hvd_quant.from_spec not available")
+    import hvd_quant
     from examples import sweep
     specs = {r.compression for r in sweep.expand(sweep.load_matrix(path))}
     for spec in specs:
@@ -481,13 +479,17 @@ def _launch(args, tmp_path, name, np_=2, controller="gloo", timeout=300):
     metrics = tmp_path / name
     result = run_horovod(str(TRAIN), np=np_, controller=controller,
                          args=[*args, "--metrics-out", str(metrics)], timeout=timeout)
-    return result, metrics
+    assert_rank0_prints(result.stdout)
+    return result.stdout, metrics
 
 
-def _check_run(result, metrics, models, epochs, min_steps, compressed):
-    out = result.stdout
-    # rank 0 only prints the mirrored lines
+def assert_rank0_prints(out):
+    """Only rank 0 prints the mirrored step and epoch lines."""
     assert not re.search(r"^\[[1-9]\d*\]<stdout>:.*(Step\d+:|Epoch \d+ in)", out, re.M)
+
+
+def _check_run(out, metrics, models, epochs, min_steps, compressed):
+    """``out``: rank 0's output of one driver run; ``metrics``: its metrics file."""
     for needle in ("world size: 2 (controller:", "compression:", "reduction:", "data:",
                    "bytes sent per step per rank:"):
         assert needle in out, needle
@@ -506,39 +508,84 @@ def _check_run(result, metrics, models, epochs, min_steps, compressed):
         assert [r["event"] for r in mine].count("epoch") == epochs
         if compressed:
             # the codec sends fewer bytes than fp32, and hvd_quant measured the same order of magnitude
+            # (every run with a codec has hvd_quant's count: its absence is a failure)
             assert summary[0]["bytes_sent_per_step"] < summary[0]["bytes_fp32_per_step"]
-            if summary[0].get("measured_bytes_sent"):
-                ratio = summary[0]["measured_bytes_sent"] / summary[0]["bytes_sent_per_step"]
-                assert 0.5 < ratio < 2.0, ratio
+            assert summary[0].get("measured_bytes_sent"), (model, "no bytes measured by hvd_quant", summary[0])
+            ratio = summary[0]["measured_bytes_sent"] / summary[0]["bytes_sent_per_step"]
+            assert 0.5 < ratio < 2.0, ratio
         else:
             assert summary[0]["bytes_sent_per_step"] == summary[0]["bytes_fp32_per_step"]
+            assert summary[0].get("measured_bytes_sent") is None      # stock Horovod: nothing to count
     return parsed, recs
 
 
-MNIST_MODELS = ["resnet18", "resnet50", "resnet101"]
-CIFAR_MODELS = ["resnet20", "resnet32", "resnet110"]
+# One 2-rank Gloo job runs the driver once per entry (tests/workers/driver_runs.py): the world starts
+# once for all of them. What each run proves:
+#   mnist    the default data (the MNIST sample), two ResNet block types (basic, bottleneck) in one
+#            launch, 4-bit stochastic QSGD with SRA, hvd_quant's step metrics and TensorBoard scalars
+#   cifar    CIFAR-10 python batches from --data-dir, He et al.'s CIFAR ResNet, bucketed 1-bit SGD with
+#            allgather, metrics as CSV
+#   sst5     SST-5 text files from --data-dir (PTB trees, TSV), the Transformer classifier, fp16
+#   imagenet synthetic ImageNet-size batches through every model of the benchmark, 8-bit deterministic
+#            QSGD, no test pass
+#   stock    --frontend horovod: stock hvd.DistributedOptimizer with the codec as compression=
+MNIST_MODELS = ["resnet18", "resnet50"]
+CIFAR_MODELS = ["resnet20"]
 IMAGENET_MODELS = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "vgg16",
                    "vgg19", "alexnet", "vit_b_16", "vit_s_16", "bn_inception"]
 
 
+def _driver_runs(tmp):
+    data_cifar = make_cifar_dir(tmp / "cifar", per_batch=16, n_test=32)
+    data_sst = make_sst_dir(tmp / "sst", n_train=256, n_test=64)
+    return {
+        "mnist": ["--task", "mnist", "--model", ",".join(MNIST_MODELS), "--epochs", "2", "--batch-size", "64",
+                  "--train-size", "256", "--test-size", "128", "--image-size", "16",
+                  "--compression", "qsgd:bits=4,bucket_size=512,mode=stochastic", "--reduction", "sra",
+                  "--min-compress-numel", "256", "--tensorboard", str(tmp / "tb"), *TINY_IMAGE],
+        "cifar": ["--task", "cifar10", "--model", ",".join(CIFAR_MODELS), "--epochs", "2", "--batch-size", "16",
+                  "--data-dir", data_cifar, "--compression", "onebit:bucket_size=64", "--reduction", "allgather",
+                  "--min-compress-numel", "256", "--width-mult", "0.5", "--log-every", "2", "--no-progress"],
+        "sst5": ["--task", "sst5", "--epochs", "2", "--batch-size", "32", "--data-dir", data_sst,
+                 "--layers", "2", "--embed-dim", "32", "--heads", "2", "--max-len", "32",
+                 "--compression", "fp16", "--log-every", "2", "--no-progress"],
+        "imagenet": ["--task", "imagenet", "--model", ",".join(IMAGENET_MODELS), "--image-size", "64",
+                     "--batch-size", "2", "--max-steps", "3", "--num-classes", "10",
+                     "--compression", "qsgd:bits=8,bucket_size=128,mode=deterministic",
+                     "--min-compress-numel", "256", *TINY_IMAGE],
+        "stock": ["--task", "mnist", "--model", "resnet18", "--epochs", "1", "--batch-size", "32",
+                  "--train-size", "128", "--test-size", "64", "--image-size", "16", "--frontend", "horovod",
+                  "--compression", "qsgd:bits=4,bucket_size=512,mode=stochastic", "--min-compress-numel", "256",
+                  *TINY_IMAGE],
+    }
+
+
+@pytest.fixture(scope="module")
+def driver_job(tmp_path_factory):
+    """``(directory, {run: rank 0's output of it})``; the metrics files are ``<directory>/<run>.jsonl``
+    (``cifar.csv`` for the CSV run)."""
+    tmp = tmp_path_factory.mktemp("driver")
+    metrics = {"cifar": "cifar.csv"}
+    runs = [(name, [*args, "--metrics-out", str(tmp / metrics.get(name, f"{name}.jsonl"))])
+            for name, args in _driver_runs(tmp).items()]
+    result, sections = run_driver(runs, tmp, timeout=900)
+    assert_rank0_prints(result.stdout)
+    return tmp, sections
+
+
 @pytest.mark.multiproc
 @pytest.mark.torch
-def test_mnist_resnets_qsgd_sra(tmp_path):
-    """MNIST (the bootstrap's 5,000-image sample), ResNet-18/50/101 at 1/16 width, 4-bit stochastic QSGD
-    with SRA."""
-    args = ["--task", "mnist", "--model", ",".join(MNIST_MODELS), "--epochs", "2", "--batch-size", "64",
-            "--train-size", "256", "--test-size", "128", "--image-size", "16",
-            "--compression", "qsgd:bits=4,bucket_size=512,mode=stochastic", "--reduction", "sra",
-            "--min-compress-numel", "256", "--tensorboard", str(tmp_path / "tb"), *TINY_IMAGE]
-    result, metrics = _launch(args, tmp_path, "mnist.jsonl")
-    assert "MNIST, 5,000-image sample" in result.stdout and "NOT MNIST" not in result.stdout
-    _, recs = _check_run(result, metrics, MNIST_MODELS, epochs=2, min_steps=2, compressed=True)
+def test_mnist_resnets_qsgd_sra(driver_job):
+    tmp, out = driver_job
+    assert "MNIST, 5,000-image sample" in out["mnist"] and "NOT MNIST" not in out["mnist"]
+    _, recs = _check_run(out["mnist"], tmp / "mnist.jsonl", MNIST_MODELS, epochs=2, min_steps=2,
+                         compressed=True)
     # hvd_quant's step metrics in the log records and as TensorBoard scalars, one run per model
     steps = [r for r in recs if r["event"] == "step"]
     assert steps and all(r["reduction"] == "sra" and r["exchange_s"] > 0 and r["compression_ratio"] > 3
                          for r in steps), steps[:2]
     for model in MNIST_MODELS:
-        tags = tensorboard_scalars(tmp_path / "tb" / model)
+        tags = tensorboard_scalars(tmp / "tb" / model)
         for tag in ("train/loss", "train/data_per_sec", "exchange/bytes_sent", "exchange/bytes_fp32",
                     "exchange/ratio", "exchange/seconds", "test/accuracy"):
             assert tags.get(tag), (model, tag, sorted(tags))
@@ -568,8 +615,7 @@ def test_lm_job_logs_validation_loss_and_measured_bytes(tmp_path):
     args = ["--task", "lm", "--max-steps", "8", "--batch-size", "8", "--max-len", "32", "--layers", "1",
             "--embed-dim", "32", "--heads", "2", "--lr", "0.01", "--log-every", "4", "--no-progress",
             "--compression", "qsgd:bits=8,bucket_size=512,mode=stochastic", "--min-compress-numel", "256"]
-    result, metrics = _launch(args, tmp_path, "lm.jsonl")
-    out = result.stdout
+    out, metrics = _launch(args, tmp_path, "lm.jsonl")
     assert "Python 3." in out and "standard library source" in out and "PSF License" in out
     m = re.search(r"Validation loss (\d+\.\d+) nats/byte \(perplexity (\d+\.\d+), (\d+\.\d+) bits/byte\)"
                   r" after 8 steps", out)
@@ -578,48 +624,41 @@ def test_lm_job_logs_validation_loss_and_measured_bytes(tmp_path):
     assert ppl == pytest.approx(math.exp(loss), rel=1e-3) and bits == pytest.approx(loss / math.log(2), rel=1e-3)
     assert loss < math.log(256) - 0.5
     assert re.search(r"bytes sent in the last step, measured by hvd_quant: .* fp32 \(\d+\.\d+x less\)", out), out[-3000:]
-    _check_run(result, metrics, ["byte_lm"], epochs=1, min_steps=2, compressed=True)
+    _check_run(out, metrics, ["byte_lm"], epochs=1, min_steps=2, compressed=True)
 
 
 @pytest.mark.multiproc
 @pytest.mark.torch
-def test_cifar_resnets_onebit_allgather_from_files(tmp_path):
-    """CIFAR-10 python batches from --data-dir (tiny fake files), He et al. ResNet-20/32/110,
-    bucketed 1-bit SGD with allgather, metrics as CSV."""
-    data_dir = make_cifar_dir(tmp_path / "cifar", per_batch=16, n_test=32)
-    args = ["--task", "cifar10", "--model", ",".join(CIFAR_MODELS), "--epochs", "2", "--batch-size", "16",
-            "--data-dir", data_dir, "--compression", "onebit:bucket_size=64", "--reduction", "allgather",
-            "--min-compress-numel", "256", "--width-mult", "0.5", "--log-every", "2", "--no-progress"]
-    result, metrics = _launch(args, tmp_path, "cifar.csv")
-    assert "CIFAR-10 python batches from" in result.stdout
-    _check_run(result, metrics, CIFAR_MODELS, epochs=2, min_steps=2, compressed=True)
+def test_cifar_resnets_onebit_allgather_from_files(driver_job):
+    tmp, out = driver_job
+    assert "CIFAR-10 python batches from" in out["cifar"]
+    _check_run(out["cifar"], tmp / "cifar.csv", CIFAR_MODELS, epochs=2, min_steps=2, compressed=True)
 
 
 @pytest.mark.multiproc
 @pytest.mark.torch
-def test_sst5_transformer_fp16_from_files(tmp_path):
-    """SST-5 from --data-dir (PTB-tree train.txt, TSV test.tsv), a 2-layer 32-wide Transformer, fp16."""
-    data_dir = make_sst_dir(tmp_path / "sst", n_train=256, n_test=64)
-    args = ["--task", "sst5", "--epochs", "2", "--batch-size", "32", "--data-dir", data_dir,
-            "--layers", "2", "--embed-dim", "32", "--heads", "2", "--max-len", "32",
-            "--compression", "fp16", "--log-every", "2", "--no-progress"]
-    result, metrics = _launch(args, tmp_path, "sst5.jsonl")
-    assert "SST-5 text files from" in result.stdout
-    _check_run(result, metrics, ["transformer"], epochs=2, min_steps=4, compressed=True)
+def test_sst5_transformer_fp16_from_files(driver_job):
+    tmp, out = driver_job
+    assert "SST-5 text files from" in out["sst5"]
+    _check_run(out["sst5"], tmp / "sst5.jsonl", ["transformer"], epochs=2, min_steps=4, compressed=True)
 
 
 @pytest.mark.multiproc
 @pytest.mark.torch
-def test_imagenet_benchmark_every_model(tmp_path):
-    """Synthetic ImageNet-size throughput for every model of the benchmark, tiny, 8-bit deterministic
-    QSGD; no test pass, so no Epoch lines."""
-    args = ["--task", "imagenet", "--model", ",".join(IMAGENET_MODELS), "--image-size", "64",
-            "--batch-size", "2", "--max-steps", "3", "--num-classes", "10",
-            "--compression", "qsgd:bits=8,bucket_size=128,mode=deterministic", "--min-compress-numel", "256",
-            *TINY_IMAGE]
-    result, metrics = _launch(args, tmp_path, "imagenet.jsonl")
-    assert "built-in models" in result.stdout or "torchvision importable" in result.stdout
-    _check_run(result, metrics, IMAGENET_MODELS, epochs=0, min_steps=1, compressed=True)
+def test_imagenet_benchmark_every_model(driver_job):
+    tmp, out = driver_job
+    assert "built-in models" in out["imagenet"] or "torchvision importable" in out["imagenet"]
+    _check_run(out["imagenet"], tmp / "imagenet.jsonl", IMAGENET_MODELS, epochs=0, min_steps=1,
+               compressed=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.torch
+def test_codec_through_stock_horovod_optimizer(driver_job):
+    tmp, out = driver_job
+    assert "stock hvd.DistributedOptimizer with the codec as compression=" in out["stock"]
+    assert "per step over 2 steps, measured by hvd_quant" in out["stock"]
+    _check_run(out["stock"], tmp / "stock.jsonl", ["resnet18"], epochs=1, min_steps=1, compressed=True)
 
 
 @pytest.mark.multiproc
@@ -645,25 +684,11 @@ def test_sweep_runs_a_run_and_summarizes(tmp_path, capsys):
 
 @pytest.mark.multiproc
 @pytest.mark.torch
-def test_codec_through_stock_horovod_optimizer(tmp_path):
-    """--frontend horovod: stock hvd.DistributedOptimizer with the codec as compression=."""
-    args = ["--task", "mnist", "--model", "resnet18", "--epochs", "1", "--batch-size", "32",
-            "--train-size", "128", "--test-size", "64", "--image-size", "16", "--frontend", "horovod",
-            "--compression", "qsgd:bits=4,bucket_size=512,mode=stochastic", "--min-compress-numel", "256",
-            *TINY_IMAGE]
-    result, metrics = _launch(args, tmp_path, "stock.jsonl")
-    assert "stock hvd.DistributedOptimizer with the codec as compression=" in result.stdout
-    assert "per step over 2 steps, measured by hvd_quant" in result.stdout
-    _check_run(result, metrics, ["resnet18"], epochs=1, min_steps=1, compressed=True)
-
-
-@pytest.mark.multiproc
-@pytest.mark.torch
 @pytest.mark.mpi
 def test_fp32_baseline_under_mpirun(tmp_path):
     """--compression none: stock Horovod allreduce (the fp32 baseline), launched with mpirun."""
     args = ["--task", "mnist", "--model", "resnet18", "--epochs", "1", "--batch-size", "64",
             "--train-size", "256", "--test-size", "64", "--image-size", "16", *TINY_IMAGE]
-    result, metrics = _launch(args, tmp_path, "fp32.jsonl", controller="mpi")
-    assert "controller: mpi" in result.stdout and "stock hvd.DistributedOptimizer" in result.stdout
-    _check_run(result, metrics, ["resnet18"], epochs=1, min_steps=1, compressed=False)
+    out, metrics = _launch(args, tmp_path, "fp32.jsonl", controller="mpi")
+    assert "controller: mpi" in out and "stock hvd.DistributedOptimizer" in out
+    _check_run(out, metrics, ["resnet18"], epochs=1, min_steps=1, compressed=False)

@@ -16,7 +16,8 @@ CHILD = """
 import numpy as np
 import hvd_quant
 x = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
-for spec in ("qsgd:bits=4,bucket_size=512,seed=1", "onebit:bucket_size=64", "fp16"):
+# one codec with kernels is enough: every codec's kernels come from one factory (_cpu_base._Kernel)
+for spec in ("qsgd:bits=4,bucket_size=512,seed=1", "fp16"):
     c = hvd_quant.from_spec(spec)
     y = c.decode(c.encode(x, name="w"), name="w")
     assert y.shape == x.shape

@@ -9,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-pytest.importorskip("horovod.tensorflow")
+import tensorflow as tf
 
-import hvd_quant  # noqa: E402
-from hvd_quant import dispatch  # noqa: E402
-from hvd_quant.tensorflow import _backend  # noqa: E402
+import hvd_quant
+from hvd_quant import dispatch
+from hvd_quant.tensorflow import _backend
 
 pytestmark = pytest.mark.tensorflow
 

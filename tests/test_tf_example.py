@@ -12,11 +12,13 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.tensorflow]
 SCRIPT = ROOT / "examples" / "tensorflow" / "train_keras.py"
 
 
+# One codec: what is proved here is the example's plumbing (arguments, rank-0 output, progress lines,
+# measured bytes against the formula, TensorBoard). Every codec and both reductions go through the
+# TensorFlow frontend's own jobs (tests/test_tf_frontend.py, tests/test_tf_elastic.py).
 @pytest.mark.parametrize("spec,reduction,min_ratio", [
     # 4-bit, bucket 512: 32 / (4 + 32/512) = 7.9x on the compressed tensors; the CNN's 906 fp32
     # elements (biases, the 3x3x1x16 first convolution, the 64x10 head) bring it to ~7x.
     pytest.param("qsgd:bits=4,bucket_size=512", "sra", 6.0, id="qsgd4-sra"),
-    pytest.param("onebit:bucket_size=64", "allgather", 8.0, id="onebit-allgather"),
 ])
 def test_keras_example_runs_under_horovodrun(spec, reduction, min_ratio, tmp_path):
     result = run_horovod(SCRIPT, np=2, controller="gloo", timeout=300, args=[

@@ -50,8 +50,8 @@ PROGRESS_EVERY = 30.0   # seconds between progress lines when stderr is not a te
 CSV_FIELDS = ("event", "model", "step", "epoch", "elapsed", "train_time", "data_per_sec",
               "window_data_per_sec", "step_time", "loss", "lr", "epoch_time", "test_time",
               "test_accuracy", "test_loss", "steps", "samples", "bench_data_per_sec",
-              "bytes_sent_per_step", "bytes_fp32_per_step", "compression_ratio", "exchange_s",
-              "reduction")
+              "bytes_sent_per_step", "bytes_fp32_per_step", "measured_bytes_sent", "measured_bytes_fp32",
+              "measured_gbps", "compression_ratio", "exchange_s", "reduction")
 
 # TensorBoard: record field -> scalar tag, per event
 SCALARS = {

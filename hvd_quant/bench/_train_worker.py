@@ -343,11 +343,8 @@ def main(argv=None):
     warmup_s = time.perf_counter() - t0
     traffic = None
     if traffic_of is not None:
-        try:
-            from hvd_quant.torch import bytes_sent_per_step
-            bytes_sent_per_step(traffic_of)     # stock optimizers: counts start here
-        except Exception:
-            traffic_of = None
+        from hvd_quant.torch import bytes_sent_per_step
+        bytes_sent_per_step(traffic_of)     # stock optimizers: counts start here
     log("Running benchmark...")
     img_secs = []
     for i in range(args.num_iters):
@@ -359,22 +356,17 @@ def main(argv=None):
         img_sec = args.batch_size * args.num_batches_per_iter / dt
         log(f"Iter #{i}: {img_sec:.1f} img/sec per {devname}")
         img_secs.append(img_sec)
-    if traffic_of is not None:
-        try:
-            from hvd_quant.torch import bytes_sent_per_step
-            traffic = bytes_sent_per_step(traffic_of)
-            if spec["kind"] == "stock":     # since the reset after warm-up: all timed steps
-                steps = args.num_iters * args.num_batches_per_iter
-                traffic = {"sent": traffic["sent"] / steps, "fp32": traffic["fp32"] / steps,
-                           "ratio": traffic["ratio"]}
-            if traffic["sent"] or traffic["fp32"]:
-                log(f"hvd_quant bytes_per_step: sent {traffic['sent'] / 1e6:.3f} MB per rank, fp32 ring "
-                    f"allreduce {traffic['fp32'] / 1e6:.3f} MB, ratio {traffic['ratio']:.2f}x fewer")
-            else:
-                log("hvd_quant bytes_per_step: nothing sent (one rank)")
-        except Exception as e:
-            log(f"hvd_quant bytes_per_step: not available ({type(e).__name__}: {e})")
-            traffic = None
+    if traffic_of is not None:      # hvd_quant counts every run with a codec: a failure is an error
+        traffic = bytes_sent_per_step(traffic_of)
+        if spec["kind"] == "stock":     # since the reset after warm-up: all timed steps
+            steps = args.num_iters * args.num_batches_per_iter
+            traffic = {"sent": traffic["sent"] / steps, "fp32": traffic["fp32"] / steps,
+                       "ratio": traffic["ratio"]}
+        if traffic["sent"] or traffic["fp32"]:
+            log(f"hvd_quant bytes_per_step: sent {traffic['sent'] / 1e6:.3f} MB per rank, fp32 ring "
+                f"allreduce {traffic['fp32'] / 1e6:.3f} MB, ratio {traffic['ratio']:.2f}x fewer")
+        else:
+            log("hvd_quant bytes_per_step: nothing sent (one rank)")
     if args.trace:
         trace_steps(step, sync, args.trace_steps, args.trace, rank, hvd, cuda, log)
     mean = float(np.mean(img_secs))

@@ -11,6 +11,7 @@ worker of the last slot), ``PHASE_STEPS`` steps at 2 ranks again. ``state.commit
 QSGD 4-bit SRA, 1-bit SRA (error feedback) and QSGD 4-bit ``reduction="auto"``.
 ``python torch_elastic.py stock``: two models with Horovod's optimizer: ``compression=QSGD(bits=4)``
 (the default, ``reduction="auto"``) and ``StockCompression(QSGD(bits=4), reduction="sra")``.
+``python torch_elastic.py hvdq,stock``: all five models in one job.
 
 Checks (``CHECK ok|FAIL``), on every rank: each step runs at the world size of its phase; after every
 step every model's parameters are bit-identical on all ranks; SRA's plans follow the world size (one
@@ -36,7 +37,7 @@ from hvd_quant import _stock  # noqa: E402
 from hvd_quant.memory import Memory  # noqa: E402
 from hvd_quant.scheduler import AutoChoice  # noqa: E402
 
-MODE = sys.argv[1]
+MODES = sys.argv[1].split(",")
 
 hvd.init()
 if os.environ.get("HVDQ_TEST_PAYLOAD_GROUP"):   # the payload groups on the CPU too, as on CUDA
@@ -56,14 +57,16 @@ def sgd(model):
 
 
 MODELS, OPTS, STOCK = {}, {}, {}
-if MODE == "hvdq":
+if not MODES or set(MODES) - {"hvdq", "stock"}:
+    raise SystemExit(f"modes must be hvdq, stock or both (comma-separated), got {sys.argv[1]!r}")
+if "hvdq" in MODES:
     for key, comp, red in (("qsgd_sra", hvd_quant.QSGD(bits=4), "sra"),
                            ("onebit_sra", hvd_quant.OneBit(), "sra"),
                            ("qsgd_auto", hvd_quant.QSGD(bits=4), "auto")):
         m = MODELS[key] = make_model()
         OPTS[key] = hvd_quant.torch.DistributedOptimizer(
             sgd(m), named_parameters=m.named_parameters(), compression=comp, reduction=red)
-elif MODE == "stock":
+if "stock" in MODES:
     codec = hvd_quant.QSGD(bits=4)
     sra = hvd_quant.StockCompression(hvd_quant.QSGD(bits=4), reduction="sra")
     for key, comp in (("stock_auto", codec), ("stock_sra", sra)):
@@ -71,8 +74,6 @@ elif MODE == "stock":
         OPTS[key] = hvd.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters(),
                                              compression=comp)
         STOCK[key] = comp       # a codec's state is the optimizer's: _stock.state_of(opt) once it stepped
-else:
-    raise SystemExit(f"mode must be hvdq or stock, got {MODE!r}")
 
 kwargs = {f"model_{k}": m for k, m in MODELS.items()}
 kwargs.update({f"opt_{k}": o for k, o in OPTS.items()})
