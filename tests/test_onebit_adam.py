@@ -44,3 +44,10 @@ def test_onebit_adam_elastic(tmp_path):
     assert len(re.findall(r"CHECK ok variance\.b%d:" % ELASTIC_STEPS, out)) == 3, out[-3000:]
     assert len(re.findall(r"DONE rank \d/2 batch %d" % (3 * ELASTIC_STEPS), out)) == 2, out[-3000:]
 
+
+@pytest.mark.tensorflow
+def test_tf_onebit_adam():
+    """tests/workers/tf_onebit_adam.py (its docstring lists every check and derives the bound)."""
+    result = run_horovod("tf_onebit_adam.py", np=2, controller="gloo", timeout=600)
+    assert_all_ranks_passed(result, 2)
+    assert re.search(r"FIT onebit-adam loss \S+", result.stdout), result.stdout[-3000:]
