@@ -3,11 +3,13 @@
     python examples/accuracy.py --seeds 1,2,3 --jobs 2 --out-dir runs/accuracy --data-dir docs/data
 
 The grid is ``horovodrun_configs/experiments/accuracy.yaml``: its ``precisions`` (fp32, fp16, QSGD
-8/4/2-bit stochastic and deterministic, 1-bit with error feedback) times its experiments (MNIST
+8/4/2-bit stochastic and deterministic, 1-bit with error feedback, 1-bit Adam) times its experiments (MNIST
 5,000-image sample with a quarter-width ResNet-18; the byte-level language model on the Python
 standard library's source) times the seeds. Every run is one real Horovod job of 2 ranks over Gloo on
 CPU, exchanging through ``hvd_quant.torch.DistributedOptimizer`` (fp32 too: its codec is ``none``),
-so only the codec differs between the runs of one seed; ``--jobs`` runs that many jobs at once
+so only the codec differs between the runs of one seed; every task trains with Adam, so ``32bit``
+is uncompressed Adam and ``onebit-ef`` plain 1-bit EF under Adam; ``onebit-adam`` runs
+``hvd_quant.torch.OneBitAdam`` instead (a precision's ``args`` are added to the driver's); ``--jobs`` runs that many jobs at once
 (``--threads`` CPU threads per rank). A seed fixes the initialisation and the data order; MNIST's
 train/test split is fixed whatever the seed.
 
@@ -84,8 +86,9 @@ def command(cfg, exp, key, seed, threads, metrics):
             "--seed", str(seed), "--threads", str(threads), "--no-progress", "--metrics-out", str(metrics),
             "--batch-size", str(exp["batch_size"]), "--epochs", str(exp["epochs"]),
             "--max-steps", str(exp["max_steps"])]
-    for k, v in exp.get("args", {}).items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+    for k, v in {**exp.get("args", {}), **prec.get("args", {})}.items():   # a precision's own win
+        flag = f"--{k.replace('_', '-')}"
+        argv += [flag] if v is True else [flag, str(v)]
     return argv
 
 
@@ -209,7 +212,8 @@ def main(argv=None):
     ap.add_argument("--matrix", default=str(MATRIX))
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--tasks", default="", help="comma-separated tasks of the matrix (default: all)")
-    ap.add_argument("--precisions", default="", help="comma-separated precision keys (default: all)")
+    keys = "; ".join(f"{k} ({p['label']})" for k, p in load(MATRIX)["precisions"].items())
+    ap.add_argument("--precisions", default="", help=f"comma-separated precision keys (default: all): {keys}")
     ap.add_argument("--jobs", type=int, default=1, help="Horovod jobs at once")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     ap.add_argument("--out-dir", default="runs/accuracy", help="logs and metrics of every run")
