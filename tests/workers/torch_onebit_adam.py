@@ -279,13 +279,7 @@ def broadcast_cases():
     check(params_identical(model), "after the broadcast the ranks stay identical")
 
 
-def raises(what, fn, exc=ValueError, text=""):
-    try:
-        fn()
-    except exc as e:
-        check(text in str(e), f"errors: {what} raises {exc.__name__}", str(e)[:160])
-    else:
-        check(False, f"errors: {what} raises {exc.__name__}", "no error")
+raises = check.raises
 
 
 def error_cases():
