@@ -3,11 +3,13 @@
     python examples/accuracy.py --seeds 1,2,3 --jobs 2 --out-dir runs/accuracy --data-dir docs/data
 
 The grid is ``horovodrun_configs/experiments/accuracy.yaml``: its ``precisions`` (fp32, fp16, QSGD
-8/4/2-bit stochastic and deterministic, 1-bit with error feedback) times its experiments (MNIST
+8/4/2-bit stochastic and deterministic, 1-bit with error feedback, 1-bit Adam) times its experiments (MNIST
 5,000-image sample with a quarter-width ResNet-18; the byte-level language model on the Python
 standard library's source) times the seeds. Every run is one real Horovod job of 2 ranks over Gloo on
 CPU, exchanging through ``hvd_quant.torch.DistributedOptimizer`` (fp32 too: its codec is ``none``),
-so only the codec differs between the runs of one seed; ``--jobs`` runs that many jobs at once
+so only the codec differs between the runs of one seed; every task trains with Adam, so ``32bit``
+is uncompressed Adam and ``onebit-ef`` plain 1-bit EF under Adam; ``onebit-adam`` runs
+``hvd_quant.torch.OneBitAdam`` instead (a precision's ``args`` are added to the driver's); ``--jobs`` runs that many jobs at once
 (``--threads`` CPU threads per rank). A seed fixes the initialisation and the data order; MNIST's
 train/test split is fixed whatever the seed.
 
@@ -20,7 +22,7 @@ Written after every finished run (so an interrupted grid keeps what it measured)
 - ``<data-dir>/accuracy_<task>_raw.csv``: one line per run.
 
 Targets (the experiment's ``targets``): MNIST, accuracy at most 0.5 points below fp32's (mean of the
-paired differences); language model, final validation loss at most 1% above fp32's.
+paired differences); language model, final validation loss at most 1% above fp32's (1-bit Adam: 2%).
 """
 import argparse
 import csv
@@ -84,8 +86,9 @@ def command(cfg, exp, key, seed, threads, metrics):
             "--seed", str(seed), "--threads", str(threads), "--no-progress", "--metrics-out", str(metrics),
             "--batch-size", str(exp["batch_size"]), "--epochs", str(exp["epochs"]),
             "--max-steps", str(exp["max_steps"])]
-    for k, v in exp.get("args", {}).items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+    for k, v in {**exp.get("args", {}), **prec.get("args", {})}.items():   # a precision's own win
+        flag = f"--{k.replace('_', '-')}"
+        argv += [flag] if v is True else [flag, str(v)]
     return argv
 
 
@@ -189,11 +192,41 @@ def write(cfg, raw, data_dir, meta):
                "machine": meta["machine"], "date": meta["date"], "versions": meta["versions"],
                "columns": columns, "rows": rows,
                "notes": exp["notes"].strip() + (" Runs that did not finish: " + "; ".join(failed) + "."
-                                               if failed else "") + meta.get("notes", ""),
+                                               if failed else "") + meta.get("notes", "")
+                        + meta.get("kept", {}).get(exp["task"], ""),
                "raw_file": f"{name}_raw.csv"}
         with open(data_dir / f"{name}.json", "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
+
+
+_NUMBERS = {"seed": int, "final_val_loss": float, "test_accuracy": float, "test_count": int, "steps": int,
+            "train_time_s": float, "bytes_sent_per_step": float, "bytes_fp32_per_step": float, "wall_s": float}
+
+
+def kept_rows(cfg, data_dir, todo):
+    """``--keep``: the rows of the data files already in ``data_dir`` for the runs this call does not
+    make (those it makes again become ``superseded``), and per task a note naming where they came from."""
+    again = {(exp["id"], key, seed) for exp, key, seed in todo}
+    rows, notes = [], {}
+    for exp in cfg["experiments"]:
+        name = f"accuracy_{exp['task']}"
+        raw, doc = Path(data_dir) / f"{name}_raw.csv", Path(data_dir) / f"{name}.json"
+        if not raw.is_file():
+            continue
+        mine = []
+        for r in csv.DictReader(open(raw)):
+            r = {k: (_NUMBERS[k](v) if k in _NUMBERS and v not in ("", None) else (v or None))
+                 for k, v in r.items()}
+            if (r["experiment"], r["precision"], r["seed"]) in again and r["status"] == "ok":
+                r["status"] = "superseded (run again)"
+            mine.append(r)
+        rows += mine
+        old = json.load(open(doc)) if doc.is_file() else {}
+        kept = sorted({r["precision"] for r in mine if r["status"] == "ok"})
+        notes[exp["task"]] = (f" Kept from the previous data file (commit {old.get('commit', '?')}, command "
+                              f"`{old.get('command', '?')}`): the runs of {', '.join(kept)} not run again.")
+    return rows, notes
 
 
 def git_commit():
@@ -209,7 +242,8 @@ def main(argv=None):
     ap.add_argument("--matrix", default=str(MATRIX))
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--tasks", default="", help="comma-separated tasks of the matrix (default: all)")
-    ap.add_argument("--precisions", default="", help="comma-separated precision keys (default: all)")
+    keys = "; ".join(f"{k} ({p['label']})" for k, p in load(MATRIX)["precisions"].items())
+    ap.add_argument("--precisions", default="", help=f"comma-separated precision keys (default: all): {keys}")
     ap.add_argument("--jobs", type=int, default=1, help="Horovod jobs at once")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     ap.add_argument("--out-dir", default="runs/accuracy", help="logs and metrics of every run")
@@ -219,6 +253,9 @@ def main(argv=None):
     ap.add_argument("--commit", default=None, help="the measured code's commit (default: git's HEAD)")
     ap.add_argument("--machine", default=None, help="a line describing the machine (default: from the OS)")
     ap.add_argument("--extra-args", default="", help="appended to every driver command (smoke runs)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the rows of --data-dir's files that this call does not run again (the "
+                         "notes name their commit and command); without it the files hold this call's runs")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = ap.parse_args(argv)
     cfg = load(args.matrix)
@@ -234,6 +271,9 @@ def main(argv=None):
             "date": datetime.date.today().isoformat(), "versions": versions()}
     t0 = time.monotonic()
     pending, running, raw = list(todo), [], []
+    if args.keep:
+        raw, meta["kept"] = kept_rows(cfg, args.data_dir, todo)
+    done0 = len(raw)
     print(f"{len(todo)} runs, {args.jobs} at a time; logs in {out_dir}", flush=True)
     while pending or running:
         while pending and len(running) < args.jobs and not (args.deadline and time.monotonic() - t0 > args.deadline):
@@ -277,7 +317,7 @@ def main(argv=None):
                 tail = (out_dir / f"{run_id}.log").read_text(errors="replace").splitlines()[-15:]
                 print(f"--- {run_id} failed; the end of its log:\n" + "\n".join(tail), flush=True)
             raw.append(rec)
-            done = len(raw)
+            done = len(raw) - done0
             print(f"[{done}/{len(todo)} {time.monotonic() - t0:6.0f}s] {run_id}: {rec['status']}"
                   + (f", val loss {rec['final_val_loss']:.4f}, accuracy {rec['test_accuracy']:.4f}"
                      if rec["status"] == "ok" else ""), flush=True)
@@ -290,7 +330,8 @@ def main(argv=None):
             print(f"\n{exp['title']}\n| " + " | ".join(columns) + " |")
             for r in rows:
                 print("| " + " | ".join(map(str, r)) + " |")
-    return 0 if all(r["status"] == "ok" for r in raw) and len(raw) == len(todo) else 1
+    mine = raw[done0:]
+    return 0 if all(r["status"] == "ok" for r in mine) and len(mine) == len(todo) else 1
 
 
 if __name__ == "__main__":

@@ -183,7 +183,8 @@ def expand(cfg, seeds=None):
                             prec.get("label", prec["name"]), prec.get("compression", "none"),
                             prec.get("bits"), prec.get("bucket"), prec.get("mode"), int(gpus), int(nodes),
                             fields.get("batch_size"), fields.get("epochs"), fields.get("max_steps"),
-                            ref, cfg["launch"], dict(exp.get("args") or {}), rskip, seed, prec["name"],
+                            ref, cfg["launch"], dict(exp.get("args") or {}, **prec.get("args", {})),
+                            rskip, seed, prec["name"],
                             cfg.get("baseline", "32bit"), (cfg.get("targets") or {}).get(prec["name"]),
                             bool(exp.get("needs_data"))))
     return runs

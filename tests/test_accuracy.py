@@ -39,33 +39,38 @@ def _fake_run(out_dir, run_id, losses, accs):
 
 
 def test_matrix_covers_the_issue():
-    """fp32, fp16, 8/4/2-bit QSGD in both modes and 1-bit EF; the two real tasks (MNIST sample, the
+    """fp32, fp16, 8/4/2-bit QSGD in both modes, 1-bit EF and 1-bit Adam; the two real tasks (MNIST sample, the
     byte-level language model); 2 ranks; at least 3 seeds; one schedule per task for every precision;
-    the issue's targets (MNIST: 0.5 points of accuracy, LM: 1% of validation loss, 8- and 4-bit)."""
+    the issues' targets (MNIST: 0.5 points of accuracy, LM: 1% of validation loss, 8- and 4-bit; 1-bit
+    Adam: 0.5 points, 2%)."""
     cfg = sweep.load_matrix(str(MATRIX))
     runs = sweep.expand(cfg)
     assert {r.experiment for r in runs} == {"mnist-resnet18", "lm-stdlib", "cifar10-resnet20"}
     # CIFAR-10 runs only from its files
     assert {r.skip for r in runs if r.experiment == "cifar10-resnet20"} == {sweep.NEEDS_DATA.format("cifar10")}
     runs = [r for r in runs if r.experiment != "cifar10-resnet20"]
-    keys = {"32bit", "fp16", "qsgd8", "qsgd8-det", "qsgd4", "qsgd4-det", "qsgd2", "qsgd2-det", "onebit-ef"}
+    keys = {"32bit", "fp16", "qsgd8", "qsgd8-det", "qsgd4", "qsgd4-det", "qsgd2", "qsgd2-det", "onebit-ef",
+            "onebit-adam"}
     for exp in ("mnist-resnet18", "lm-stdlib"):
         mine = [r for r in runs if r.experiment == exp]
         assert {r.key for r in mine} == keys and {r.gpus for r in mine} == {2}
         for key in keys:
             assert len({r.seed for r in mine if r.key == key}) >= 3
-        assert len({(r.batch_size, r.epochs, json.dumps(r.args, sort_keys=True)) for r in mine}) == 1
+        # the same schedule; 1-bit Adam's own flag (the driver's --onebit-adam) aside
+        assert len({(r.batch_size, r.epochs, json.dumps(dict(r.args, onebit_adam=None), sort_keys=True))
+                    for r in mine}) == 1
+        assert {r.key for r in mine if r.args.get("onebit_adam")} == {"onebit-adam"}
     exps = {e["id"]: e for e in cfg["experiments"]}
     eight_four = {"qsgd8", "qsgd8-det", "qsgd4", "qsgd4-det"}
-    assert exps["mnist-resnet18"]["targets"] == dict.fromkeys(eight_four, 0.5)
-    assert exps["lm-stdlib"]["targets"] == dict.fromkeys(eight_four, 1.0)
+    assert exps["mnist-resnet18"]["targets"] == dict(dict.fromkeys(eight_four, 0.5), **{"onebit-adam": 0.5})
+    assert exps["lm-stdlib"]["targets"] == dict(dict.fromkeys(eight_four, 1.0), **{"onebit-adam": 2.0})
     assert all(r.skip is None and r.baseline == "32bit" for r in runs)
     assert len({r.run_id for r in runs}) == len(runs)
     assert [r.seed for r in sweep.expand(cfg, seeds=[7, 8]) if r.key == "fp16"] == [7, 8] * 3
     # examples/accuracy.py: the same grid, the runs with targets first, no CIFAR-10 without its files
     grid = accuracy.grid(cfg, [1, 2, 3])
-    assert len(grid) == 2 * 9 * 3 and {e["id"] for e, _, _ in grid} == {"mnist-resnet18", "lm-stdlib"}
-    assert {k for _, k, _ in grid[:2 * 5 * 3]} == {"32bit"} | eight_four
+    assert len(grid) == 2 * 10 * 3 and {e["id"] for e, _, _ in grid} == {"mnist-resnet18", "lm-stdlib"}
+    assert {k for _, k, _ in grid[:2 * 6 * 3]} == {"32bit", "onebit-adam"} | eight_four
 
 
 def _raw(task, exp, key, seed, loss, acc):

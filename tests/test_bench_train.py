@@ -83,6 +83,19 @@ def test_trace_timeline_switch(tmp_path):
         assert "--trace" in argv and env.get("HOROVOD_TIMELINE") == timeline, (extra, env)
 
 
+def test_onebit_adam_method_on_the_slow_link(tmp_path):
+    """onebit-adam is a Horovod method; --slownet starts each Horovod job through scripts/slownet.py
+    (which starts the ranks), labelled by its rate; --optimizer reaches the worker."""
+    args = train.resolve(train.build_parser().parse_args(
+        TINY + ["--methods", "hvd-fp32,onebit-adam", "--optimizer", "adam", "--slownet", "1gbit",
+                "--out", str(tmp_path)]))
+    for cfg in train.plan(args):
+        argv, _ = train.command(cfg, args)
+        assert cfg.id.startswith("mlp/slownet-1gbit/") and cfg.spec["launcher"] == "horovod", cfg.id
+        assert argv[1].endswith("scripts/slownet.py") and argv[argv.index("--rate") + 1] == "1gbit", argv
+        assert "horovodrun" not in " ".join(argv) and argv[argv.index("--optimizer") + 1] == "adam", argv
+
+
 def test_train_driver_cpu(tmp_path, job_env, capsys):
     out = tmp_path / "bench"
     methods = ["--methods", "hvd-fp32,hvdq-qsgd4-allgather,hvdq-qsgd5-sra"]

@@ -61,6 +61,13 @@ def build_parser():
     g.add_argument("--heads", type=int, default=None, help="SST-5 / lm Transformer attention heads")
     g.add_argument("--layers", type=int, default=None, help="SST-5 / lm Transformer layers")
     g.add_argument("--num-classes", type=int, default=1000, help="ImageNet benchmark classes")
+    g.add_argument("--onebit-adam", action="store_true",
+                   help="train with hvd_quant.torch.OneBitAdam (Adam, lr, --weight-decay; --compression: "
+                        "its 1-bit codec, e.g. onebit:bucket_size=1024) instead of --optimizer and a "
+                        "DistributedOptimizer")
+    g.add_argument("--freeze-step", type=int, default=None,
+                   help="OneBitAdam's warm-up of exact Adam, in steps (default: an eighth of the run's "
+                        "steps; it must end before the run does)")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU threads per rank for torch and Numba (0: this host's cores / ranks on it, "
                         "unless OMP_NUM_THREADS / NUMBA_NUM_THREADS say otherwise)")
@@ -105,6 +112,26 @@ def make_optimizer(args, model, lr):
         return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
+
+
+def freeze_step(args, total_steps):
+    """OneBitAdam's ``freeze_step``: ``--freeze-step``, else an eighth of the run (DeepSpeed advises
+    15-25% of a long run; these runs are short). One that the run never passes is an error."""
+    step = args.freeze_step if args.freeze_step is not None else max(1, total_steps // 8)
+    if not 1 <= step < total_steps:
+        raise SystemExit(f"--freeze-step {step}: the run has {total_steps} steps; 1-bit Adam compresses "
+                         "only after its warm-up, so it must end inside the run")
+    return step
+
+
+def make_onebit_adam(args, model, lr, codec, total_steps):
+    """``(OneBitAdam, description, kind)``: 1-bit Adam is the optimizer and the exchange at once."""
+    import hvd_quant.torch as hq
+    kwargs = {} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}
+    step = freeze_step(args, total_steps)
+    opt = hq.OneBitAdam(model.parameters(), lr=lr, weight_decay=args.weight_decay, freeze_step=step,
+                        compression=codec, named_parameters=model.named_parameters(), **kwargs)
+    return opt, f"hvd_quant.torch.OneBitAdam (freeze_step {step} of {total_steps} steps)", "onebit-adam"
 
 
 def make_codec(spec):
@@ -154,6 +181,9 @@ def estimate_traffic(args, model, codec, kind, world_size):
         bucket = BUCKET_BYTES
     else:
         bucket = args.bucket_bytes if args.bucket_bytes is not None else BUCKET_BYTES
+    if kind == "onebit-adam":   # after the freeze: every momentum in 1 bit through SRA, 1-D ones too
+        return traffic.bytes_per_step([(math.prod(s), 1) for s in shapes], world_size, wire, "sra", 0,
+                                      bucket_bytes=bucket)
     return traffic.bytes_per_step(shapes, world_size, wire, args.reduction, args.min_compress_numel,
                                   bucket_bytes=bucket)
 
@@ -253,10 +283,22 @@ def run_model(name, args, hvd, ds, log, device):
     model, note = build_model(name, model_context(args, ds), args.model_source)
     model = model.to(device)
     lr = args.lr * (1 if args.no_scale_lr else size)
-    opt = make_optimizer(args, model, lr)
     codec = None if args.compression.lower() in ("none", "fp32") and args.frontend != "hvd_quant" \
         else make_codec(args.compression)
-    dist, what, kind = wrap_optimizer(args, hvd, opt, model, codec)
+    if args.task == "imagenet":
+        if not args.max_steps:
+            raise SystemExit("--task imagenet needs --max-steps > 0")
+        epochs, per_epoch = 1, args.max_steps
+    else:
+        epochs = args.epochs
+        per_epoch = D.steps_per_epoch(len(ds.y_train), size, args.batch_size)
+    total_steps = min(epochs * per_epoch, args.max_steps) if args.max_steps else epochs * per_epoch
+    if args.onebit_adam:
+        dist, what, kind = make_onebit_adam(args, model, lr, codec, total_steps)
+        opt = dist
+    else:
+        opt = make_optimizer(args, model, lr)
+        dist, what, kind = wrap_optimizer(args, hvd, opt, model, codec)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(dist, root_rank=0)
 
@@ -265,29 +307,22 @@ def run_model(name, args, hvd, ds, log, device):
     spec = codec.spec() if codec is not None else "none"
     log.emit(f"model: {note}; {nparams / 1e6:.3f}M parameters in "
              f"{sum(1 for _ in model.parameters())} tensors")
-    log.emit(f"optimizer: {args.optimizer} lr {lr:g} ({args.lr:g} x {1 if args.no_scale_lr else size}), "
+    optimizer = "onebit-adam" if args.onebit_adam else args.optimizer
+    log.emit(f"optimizer: {optimizer} lr {lr:g} ({args.lr:g} x {1 if args.no_scale_lr else size}), "
              f"batch {args.batch_size} per rank; exchange: {what}")
     log.emit(f"compression: {spec}; reduction: {args.reduction if codec is not None else 'allreduce'}")
     log.emit(f"bytes sent per step per rank: {est.describe()}")
     log.record("config", task=args.task, model_name=name, model_note=note, parameters=nparams,
                world_size=size, compression=spec, reduction=args.reduction, frontend=what,
-               batch_size=args.batch_size, lr=lr, optimizer=args.optimizer,
+               batch_size=args.batch_size, lr=lr, optimizer=optimizer,
                data=ds.source if ds is not None else "synthetic", **cli.spec_labels(spec), **est.as_dict())
 
     criterion = nn.CrossEntropyLoss()
     batches = Batches(args, ds, device) if ds is not None else None
     if args.task == "imagenet":
-        if not args.max_steps:
-            raise SystemExit("--task imagenet needs --max-steps > 0")
         g = torch.Generator().manual_seed(args.seed + rank)
         synth_x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device)
         synth_y = torch.randint(0, args.num_classes, (args.batch_size,), generator=g).to(device)
-        epochs = 1
-        per_epoch = args.max_steps
-    else:
-        epochs = args.epochs
-        per_epoch = D.steps_per_epoch(len(ds.y_train), size, args.batch_size)
-    total_steps = min(epochs * per_epoch, args.max_steps) if args.max_steps else epochs * per_epoch
 
     step, samples, train_time = 0, 0, 0.0
     bench_t0 = bench_s0 = None
@@ -356,7 +391,7 @@ def run_model(name, args, hvd, ds, log, device):
     log.emit(format_throughput(rate, size, counted, warm))
     measured = measured_traffic(dist, kind, codec, step)
     if measured is not None:
-        which = "in the last step" if kind == "hvd_quant" else f"per step over {step} steps"
+        which = "in the last step" if kind != "horovod" else f"per step over {step} steps"
         log.emit(f"bytes sent {which}, measured by hvd_quant: {traffic.fmt_bytes(measured['sent'])} "
                  f"vs {traffic.fmt_bytes(measured['fp32'])} fp32 ({measured['ratio']:.2f}x less)"
                  f"{traffic.fmt_gbps(measured.get('gbps'))}")

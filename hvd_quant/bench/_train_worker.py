@@ -34,7 +34,7 @@ RESULT_PREFIX = "HVDQ_TRAIN_RESULT "
 CODECS = {"qsgd8": ("QSGD", {"bits": 8}), "qsgd4": ("QSGD", {"bits": 4}),
           "qsgd2": ("QSGD", {"bits": 2}), "onebit": ("OneBit", {})}
 GPU_MODELS = ("resnet50", "vgg16", "vit_b_16")
-CPU_MODELS = ("cpu_resnet", "mlp")
+CPU_MODELS = ("cpu_resnet", "mlp", "mlp_wide")
 _REDUCTION = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -58,6 +58,8 @@ def parse_method(method):
         if codec in CODECS and _REDUCTION.match(reduction):
             # DDP with hvd_quant.torch.ddp_comm_hook(<codec>, reduction=<reduction>)
             return dict(method=m, launcher="ddp", kind="hook", codec=codec, reduction=reduction)
+    if m == "onebit-adam":
+        return dict(method=m, launcher="horovod", kind="onebit_adam")
     if m.startswith("stock-"):
         codec, _, reduction = m[6:].partition("-")
         if codec in CODECS and (not reduction or _REDUCTION.match(reduction)):
@@ -69,8 +71,8 @@ def parse_method(method):
             # the reduction is passed through as written: hvd_quant decides what it accepts
             return dict(method=m, launcher="horovod", kind="hvdq", codec=codec, reduction=reduction)
     raise ValueError(f"unknown method {method!r}: expected single, ddp-fp32, ddp-fp16, ddp-powersgd<R>, "
-                     f"ddpq-<codec>-<reduction>, hvd-fp32, hvd-fp16, stock-<codec>[-<reduction>] or "
-                     f"hvdq-<codec>-<reduction> with codec in "
+                     f"ddpq-<codec>-<reduction>, hvd-fp32, hvd-fp16, onebit-adam, stock-<codec>[-<reduction>] "
+                     f"or hvdq-<codec>-<reduction> with codec in "
                      f"{', '.join(CODECS)}")
 
 
@@ -140,8 +142,10 @@ def build_model(name, num_classes, image_size):
     """``(model, source)``: the module and where its definition came from."""
     if name == "cpu_resnet":
         return _cpu_models()[0](num_classes), "hvd_quant.bench._train_worker"
-    if name == "mlp":
-        return _cpu_models()[1](3 * image_size * image_size, num_classes), "hvd_quant.bench._train_worker"
+    if name in ("mlp", "mlp_wide"):     # mlp_wide: hidden 2048, 10.5M parameters at 32 px
+        hidden = 2048 if name == "mlp_wide" else 256
+        return (_cpu_models()[1](3 * image_size * image_size, num_classes, hidden),
+                "hvd_quant.bench._train_worker")
     if name in GPU_MODELS:
         try:
             import torchvision.models as tvm
@@ -169,6 +173,8 @@ def build_parser():
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="what every method wraps (onebit-adam is Adam itself)")
     p.add_argument("--num-warmup-batches", type=int, default=10)
     p.add_argument("--num-batches-per-iter", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=10)
@@ -277,8 +283,9 @@ def main(argv=None):
     model.to(device)
     nparams = sum(p.numel() for p in model.parameters())
     ntensors = sum(1 for _ in model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = (torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD)(model.parameters(), lr=args.lr)
     traffic_of = None
+    warm_traffic = None
     if launcher == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[local_rank] if cuda else None)
@@ -301,6 +308,13 @@ def main(argv=None):
             comp = hvd.Compression.fp16 if kind == "fp16" else hvd.Compression.none
             optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                  compression=comp)
+        elif kind == "onebit_adam":
+            # the variance freezes halfway through the warm-up: the timed steps send the momentum in 1 bit
+            import hvd_quant.torch
+            optimizer = hvd_quant.torch.OneBitAdam(model.parameters(), lr=args.lr,
+                                                   freeze_step=max(1, args.num_warmup_batches // 2),
+                                                   named_parameters=model.named_parameters())
+            traffic_of = warm_traffic = optimizer
         elif kind == "stock":
             import hvd_quant
             comp = make_codec(spec["codec"])
@@ -337,8 +351,13 @@ def main(argv=None):
         f"batch size {args.batch_size}, {args.image_size} px, {size} {devname}(s)")
     log("Running warmup...")
     t0 = time.perf_counter()
-    for _ in range(args.num_warmup_batches):
+    for i in range(args.num_warmup_batches):
         step()
+        if i == 0 and warm_traffic is not None:     # a step before the freeze: fp32
+            from hvd_quant.torch import bytes_sent_per_step
+            warm_traffic = bytes_sent_per_step(warm_traffic)
+            log(f"hvd_quant bytes_per_step before the freeze: sent {warm_traffic['sent'] / 1e6:.3f} MB "
+                f"per rank, fp32 ring allreduce {warm_traffic['fp32'] / 1e6:.3f} MB")
     sync()
     warmup_s = time.perf_counter() - t0
     traffic = None
@@ -385,6 +404,8 @@ def main(argv=None):
                       total_img_per_sec=size * mean, total_conf=size * conf, iters=img_secs,
                       warmup_s=warmup_s, bytes_sent=None if traffic is None else traffic["sent"],
                       bytes_fp32=None if traffic is None else traffic["fp32"], bytes_ratio=ratio,
+                      bytes_sent_before_freeze=None if warm_traffic is None else warm_traffic["sent"],
+                      optimizer="adam" if spec["kind"] == "onebit_adam" else args.optimizer,
                       replicas=replicas)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     if launcher == "horovod":

@@ -29,6 +29,8 @@ Config ids are ``<model>/<network>/<method>``. Methods:
   stock-<codec>-<red>    the same with compression=hvd_quant.StockCompression(<codec>, reduction=<red>)
   hvdq-<codec>-<red>     hvd_quant.torch.DistributedOptimizer(compression=<codec>, reduction=<red>)
                          (<red> is passed through as written: sra, allgather, auto, ...)
+  onebit-adam            hvd_quant.torch.OneBitAdam (its defaults), the variance frozen halfway
+                         through the warm-up, so the timed steps send the momentum in 1 bit
 
 with <codec> one of qsgd8, qsgd4, qsgd2 (hvd_quant.QSGD(bits=...)) and onebit (hvd_quant.OneBit()), all
 with their default settings. Horovod-based methods run under ``horovodrun -np N -H localhost:N``
@@ -36,7 +38,12 @@ with their default settings. Horovod-based methods run under ``horovodrun -np N 
 
 Models: on GPU resnet50, vgg16, vit_b_16 (torchvision; 224 px, batch 64 per GPU, 1000 classes); on
 CPU ``cpu_resnet`` (a ResNet-18-like net defined in the worker: 38 parameter tensors, ~2.8M
-parameters; 32 px, batch 16, 10 classes) and ``mlp`` (tiny, for tests).
+parameters; 32 px, batch 16, 10 classes), ``mlp`` (tiny, for tests) and ``mlp_wide`` (hidden width
+2048: 10.5M parameters at 32 px). ``--optimizer adam`` makes every method wrap torch.optim.Adam
+instead of SGD (the comparison for ``onebit-adam``).
+
+``--slownet RATE`` (CPU, root) runs each Horovod job through ``scripts/slownet.py --rate RATE``: one
+network namespace per rank, Gloo over rate-limited links.
 
 Networks (N >= 2): ``nvlink`` (NCCL as it comes) and ``sockets`` (NCCL_P2P_DISABLE=1
 NCCL_SHM_DISABLE=1) on GPU; ``loopback`` on CPU (Gloo). Every GPU job gets NCCL_NVLS_ENABLE=0
@@ -137,6 +144,10 @@ def build_parser():
     p.add_argument("--num-iters", type=int, default=None, help="GPU 10, CPU 5")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (default: this host's cores / N)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="what every method wraps (onebit-adam is Adam itself)")
+    p.add_argument("--slownet", metavar="RATE", default=None,
+                   help="CPU, root: Horovod jobs through scripts/slownet.py at this link rate (1gbit)")
     p.add_argument("--controller", choices=("auto", "gloo", "mpi"), default="auto",
                    help="horovodrun controller (auto: --gloo on CPU, horovodrun's choice on GPU)")
     p.add_argument("--trace", action="store_true",
@@ -180,9 +191,11 @@ def plan(args):
         networks = ["ws1-forced" if args.force_exchange else "ws1"]
     elif args.networks:
         networks = [n.strip() for n in args.networks.split(",") if n.strip()]
+    elif args.slownet:
+        networks = [f"slownet-{args.slownet}"]
     else:
         networks = ["nvlink", "sockets"] if args.device == "cuda" else ["loopback"]
-    allowed = ("nvlink", "sockets") if args.device == "cuda" else ("loopback",)
+    allowed = ("nvlink", "sockets") if args.device == "cuda" else ("loopback", f"slownet-{args.slownet}")
     for n in networks:
         if n not in allowed and args.np != 1:
             raise SystemExit(f"network {n!r} is not one of {', '.join(allowed)} on {args.device}")
@@ -216,7 +229,8 @@ def command(cfg, args):
     worker = ["-m", WORKER, "--method", cfg.method, "--model", cfg.model, "--device", args.device,
               "--batch-size", args.batch_size, "--image-size", args.image_size,
               "--num-classes", args.num_classes, "--num-warmup-batches", args.num_warmup_batches,
-              "--num-batches-per-iter", args.num_batches_per_iter, "--num-iters", args.num_iters]
+              "--num-batches-per-iter", args.num_batches_per_iter, "--num-iters", args.num_iters,
+              "--optimizer", args.optimizer]
     if args.device == "cpu":
         worker += ["--threads", args.threads]
     if args.trace:
@@ -241,6 +255,9 @@ def command(cfg, args):
                 *worker], env
     if cfg.network == "ws1-forced":
         return [py, *worker], env
+    if args.slownet:        # slownet starts the ranks itself, each in its namespace
+        return [py, str(ROOT / "scripts" / "slownet.py"), "--np", str(cfg.np), "--rate", args.slownet,
+                "--timeout", str(args.timeout), "--", py, *worker], env
     hr = _tool("horovodrun") or "horovodrun"
     ctl = args.controller
     if ctl == "auto":

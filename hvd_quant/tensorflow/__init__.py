@@ -19,7 +19,7 @@ _EXPORTS = {
     "GradientReducer": ".reducer",
     "DistributedGradientTape": ".wrappers", "DistributedOptimizer": ".wrappers",
     "bytes_sent_per_step": ".wrappers", "install_reducer": ".wrappers", "reducer_of": ".wrappers",
-    "step_metrics": ".wrappers",
+    "step_metrics": ".wrappers", "OneBitAdam": ".onebit_adam",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -23,6 +23,15 @@ class Checks:
         print(f"CHECK {'ok' if ok else 'FAIL'} {name}: {detail}", flush=True)
         return ok
 
+    def raises(self, what, fn, exc=ValueError, text=""):
+        """Check that ``fn()`` raises ``exc`` with ``text`` in its message."""
+        try:
+            fn()
+        except exc as e:
+            self(text in str(e), f"errors: {what} raises {exc.__name__}", str(e)[:160])
+        else:
+            self(False, f"errors: {what} raises {exc.__name__}", "no error")
+
     def run(self, name, fn, *args, **kwargs):
         """Run one group of checks; an exception fails it (and is printed) instead of ending the run."""
         t0 = time.perf_counter()
