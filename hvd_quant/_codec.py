@@ -15,7 +15,7 @@ from numba_kernels import wire
 from numba_kernels.wire import PayloadError
 
 from ._arrays import adapter_for, device_statuses, status_for, UnsupportedInputError
-from ._launches import _device_decoder, _direct_count, _direct_encoder, _fused, _prepared_launch
+from ._launches import _device_decoder, _direct_count, _direct_encoder, _prepared_launch, _thread_op
 from ._noise import fresh_seed, noise_key
 from ._stock import Compressor
 
@@ -432,7 +432,7 @@ class Codec(Compressor):
         """``f(payloads, n, out)``: ``out`` = the sum, in order, of the ``n`` payloads of ``numel``
         elements held back to back in ``payloads``, each checked against ``expect``: one launch (the
         allgather's decode). None where this codec has no fused kernel (the caller loops)."""
-        launch = _fused(self, arrays.device, "sum", numel, 0) if numel and arrays.views else None
+        launch = self._op("decode_sum", arrays.device, numel) if numel and arrays.views else None
         if launch is None:
             return None
         if arrays.device:
@@ -448,7 +448,8 @@ class Codec(Compressor):
         ``n`` received payloads of ``lay.numel`` elements (checked against ``expect``), add
         ``residual`` if given, encode the result into ``out_payload`` with header ``words`` and noise
         ``key``, and overwrite ``residual`` with what that encode lost. None where unfused."""
-        launch = _fused(self, arrays.device, "reduce", lay.numel, 0) if lay.numel and arrays.views else None
+        launch = (self._op("reduce_requantize", arrays.device, lay.numel) if lay.numel and arrays.views
+                  else None)
         if launch is None:
             return None
         if arrays.device:
@@ -471,7 +472,7 @@ class Codec(Compressor):
         [j*chunk, (j+1)*chunk)) decoded from the j-th payload of ``gathered``, each checked against
         ``expect`` and its own name hash. ``name_hashes``: the chunks' hashes, on ``like``'s device,
         built once by the caller. None where unfused."""
-        launch = (_fused(self, arrays.device, "chunks", numel, chunk)
+        launch = (self._op("decode_chunks", arrays.device, numel, chunk=chunk)
                   if numel and arrays.views and getattr(self, "bucket_size", None) else None)
         if launch is None:
             return None
@@ -483,16 +484,38 @@ class Codec(Compressor):
         pay, out_np = arrays.payload_np, arrays.out_np
         return lambda gathered, out: launch(pay(gathered), out_np(out)[0], None, None, name_hashes, expect)
 
-    def _fused_prepare(self, K, kind, numel, chunk):
-        """The kernel module ``K``'s prepared fused launch ``kind`` ("sum", "reduce", "chunks"), or
-        None (codecs without fused kernels)."""
-        return None
+    # -- kernels -------------------------------------------------------------------------------------
+    def _kernel_table(self):
+        """This codec's kernels: kind ("encode", "decode", "decode_sum", "reduce_requantize",
+        "decode_chunks") -> the parameters :func:`numba_kernels.prepare` takes for this configuration
+        (``accumulate`` and ``chunk`` come from the caller). A kind left out has no kernel: the generic
+        path serves it (the exchange then decodes and sums payload by payload)."""
+        return {}
+
+    def _op(self, kind, device, numel, accumulate=None, chunk=None):
+        """A new prepared op ``kind`` of this codec for ``numel`` elements on a CUDA device or the CPU,
+        owned by the caller (an exchange's plan, or a thread's table: :func:`_thread_op`); None where
+        the codec has no such kernel."""
+        params = self._kernel_table().get(kind)       # (at preparation only: no table kept)
+        if params is None:
+            return None
+        if accumulate is not None:
+            params = dict(params, accumulate=accumulate)
+        if chunk is not None:
+            params = dict(params, chunk=chunk)
+        return numba_kernels.prepare(self.name, kind, device, numel, **params)
+
+    # whether the CUDA ops take device pointers (prepared launches), or need Numba device arrays
+    # (SortQuant and KMeans, which launch through Numba's dispatcher)
+    _device_pointers = True
 
     def _bound_kernel(self, arrays, numel, accumulate):
-        """The prepared kernel launch behind :meth:`bind_encode` (``accumulate`` None) or
-        :meth:`bind_decode`, or None where the generic path serves (raw codecs, fake mode, TensorFlow
-        tensors, which are immutable)."""
-        return None
+        """The prepared op behind :meth:`bind_encode` (``accumulate`` None) or :meth:`bind_decode`, or
+        None where the generic path serves (no kernel, TensorFlow tensors, which are immutable, or a
+        device op that needs Numba arrays)."""
+        if not arrays.views or (arrays.device and not self._device_pointers):
+            return None
+        return self._op("encode" if accumulate is None else "decode", arrays.device, numel, accumulate)
 
     def decode(self, payload, name=None, shape=None, dtype=None):
         """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
@@ -627,24 +650,33 @@ class Codec(Compressor):
         if commit is not None:
             commit(accumulate)
 
-    # -- subclass steps ------------------------------------------------------------------------------
+    # -- the generic steps over the kernel table (raw codecs override them) -----------------------------
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
         """Write the payload of host input ``x`` into the NumPy uint8 array ``pay`` (and, given a
         float32 NumPy ``residual``, ``x - decode(pay)`` into it)."""
-        raise NotImplementedError
+        _thread_op(self, "encode", False, lay.numel)(arrays.input_f32(x), pay, words, key, None, residual)
 
     def _decode_host(self, pay, out, accumulate):
-        raise NotImplementedError
+        _thread_op(self, "decode", False, out.size, bool(accumulate))(pay, out)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         """Write the payload of device input ``x`` into ``pt`` (framework tensor) / ``pdev`` (its
         device-array view), and the residual into ``residual`` (a flat float32 tensor) if given."""
-        raise NotImplementedError
+        xt, xdev = arrays.input_f32(x)
+        res = _dev_view(arrays, residual)
+        if not self._device_pointers:
+            xdev, pdev = _nb(arrays, xt, xdev), _nb(arrays, pt, pdev)
+            res = None if residual is None else _nb(arrays, residual, res)
+        _thread_op(self, "encode", True, lay.numel)(xdev, pdev, words, key, stream, res)
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
         """Decode (and, when ``expect`` is given, check on the device) into ``out_dev``."""
-        raise NotImplementedError
+        if not self._device_pointers:
+            pdev, out_dev = _nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev)
+            status_dev = None if status_t is None else _nb(arrays, status_t, status_dev)
+        _thread_op(self, "decode", True, arrays.numel(out_t), bool(accumulate))(pdev, out_dev, stream, status_dev,
+                                                                                 expect)
 
 
 def _dtype_text(dtype):
@@ -665,15 +697,20 @@ def _dtype_text(dtype):
     return name
 
 
-def _f32_view(pay, offset, numel):
-    """float32 values stored at ``offset`` (copied if the payload is not 4-byte aligned)."""
-    raw = pay[offset:offset + 4 * numel]
-    if raw.ctypes.data % 4:
+def _raw_decode_host(pay, out, value_dtype, accumulate):
+    """out (+)= the float16 or float32 values after a payload's header (raw codecs, QSGD's fake mode)."""
+    w = 2 if value_dtype == "float16" else 4
+    raw = pay[64:64 + w * out.size]
+    if w == 2 and raw.ctypes.data % 2 == 0:
+        numba_kernels.cpu.half_decode_cpu(raw.view(np.uint16), out, accumulate)    # NumPy's values, faster
+        return
+    if raw.ctypes.data % w:
         raw = raw.copy()
-    return raw.view(np.float32)
-
-
-# ---- QSGD ---------------------------------------------------------------------------------------------
+    vals = raw.view(value_dtype)
+    if accumulate:
+        np.add(out, vals, out=out, casting="unsafe")
+    else:
+        out[...] = vals
 
 
 def _dev_view(arrays, t):
@@ -686,8 +723,7 @@ def _raw_decode_dev(arrays, payload, pdev, out, value_dtype, accumulate, stream,
     """Raw float values on a device, with framework ops; NaN where the header check failed."""
     bad = None
     if expect is not None:
-        K = numba_kernels.cuda
-        K.check_header_cuda(arrays.numba(payload), arrays.numba(status_t), expect, stream)
+        numba_kernels.cuda.check_header_cuda(arrays.numba(payload), arrays.numba(status_t), expect, stream)
         bad = arrays.status_bad(status_t)
     return arrays.raw_decode_into(payload, 64, arrays.numel(out), value_dtype, out, accumulate, bad)
 

@@ -1,12 +1,9 @@
 """What direct codec calls keep between calls, per thread: the call counts of seeded encodes
 and the prepared kernel launches (each writes its parameter buffer and scratch on every call, so a
-thread never shares one); and the fused launches an exchange plan prepares for itself.
+thread never shares one).
 """
 import threading
 import weakref
-
-import numba_kernels
-from numba_kernels._memo import memo
 
 from ._arrays import status_for
 
@@ -45,12 +42,19 @@ def _direct_count(codec, nh):
 
 
 def _thread_launch(key, make, *args):
-    """``make(*args)``, built once per ``key`` on this thread (:class:`_ThreadState`)."""
-    return memo(_THREAD.launches, key, make, *args)
+    """``make(*args)``, built once per ``key`` on this thread (:class:`_ThreadState`); the table is
+    emptied when it holds 4096."""
+    table = _THREAD.launches
+    p = table.get(key, table)           # (the table itself: not built yet; None is a result)
+    if p is table:
+        if len(table) >= 4096:
+            table.clear()
+        p = table[key] = make(*args)
+    return p
 
 
 def _prepared_launch(codec, arrays, numel, accumulate):
-    """This thread's prepared launch of ``codec`` for ``numel`` elements on ``arrays``' device or the
+    """This thread's prepared op of ``codec`` for ``numel`` elements on ``arrays``' device or the
     CPU (``Codec._bound_kernel``: the encode when ``accumulate`` is None); None where the generic
     path serves."""
     if not numel:
@@ -85,18 +89,7 @@ def _device_decoder(codec, arrays, payload, numel, accumulate, name, expect):
     return _thread_launch(key, make)
 
 
-def _fused(codec, device, kind, numel, chunk):
-    """A new prepared fused launch of the codec (``Codec._fused_prepare``) on the CPU or a CUDA
-    device, owned by the caller (an exchange's plan)."""
-    return codec._fused_prepare(numba_kernels.cuda if device else numba_kernels.cpu, kind, numel, chunk)
-
-
-def _cuda_encoder(codec, numel):
-    """This thread's prepared CUDA encode of ``codec`` for ``numel`` elements."""
-    return _thread_launch(("cuda encode", codec, numel), codec._cuda_prepare_encode, numba_kernels.cuda, numel)
-
-
-def _cuda_decoder(codec, numel, accumulate):
-    """This thread's prepared CUDA decode of ``codec`` for ``numel`` elements."""
-    return _thread_launch(("cuda decode", codec, numel, bool(accumulate)), codec._cuda_prepare_decode,
-                          numba_kernels.cuda, numel, bool(accumulate))
+def _thread_op(codec, kind, device, numel, accumulate=None):
+    """This thread's prepared op ``kind`` of ``codec`` for ``numel`` elements on a CUDA device or the
+    CPU (``Codec._op``)."""
+    return _thread_launch((kind, codec, device, numel, accumulate), codec._op, kind, device, numel, accumulate)

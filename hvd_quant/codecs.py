@@ -30,9 +30,9 @@ from numba_kernels import wire
 from numba_kernels.wire import PayloadError     # (re-exported, as UnsupportedInputError and noise_key)
 
 from ._arrays import UnsupportedInputError
-from ._codec import (_check_choice, _check_int, _dev_view, _f32_view, _nb, _p_bool, _p_int, _p_opt_int,
-                     _p_str, _raw_decode_dev, Codec, from_spec, register, REGISTRY)
-from ._launches import _cuda_decoder, _cuda_encoder
+from ._codec import (_check_choice, _check_int, _p_bool, _p_int, _p_opt_int, _p_str, _raw_decode_dev,
+                     _raw_decode_host, Codec, from_spec, register, REGISTRY)
+from ._launches import _thread_op
 from ._noise import noise_key
 
 __all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "KMeans", "FP16", "NoCompression", "Compression", "REGISTRY",
@@ -108,94 +108,58 @@ class QSGD(Codec):
             return f"norm={_NORM_NAMES.get(code, code)}"
         return super()._field_text(field, code)
 
-    def _qlayout(self, numel):
-        return wire.layout(self._method, numel, self.bits, self.bucket_size, wire.MODES["stochastic"])
+    def _kernel_table(self):
+        if self.mode == "fake":         # float32 on the wire: the kernels run on the stochastic twin
+            return {}
+        c = {"bits": self.bits, "bucket_size": self.bucket_size}
+        e = dict(c, stochastic=self.stochastic, norm_l2=self.norm == "l2")
+        return {"encode": e, "decode": c, "decode_sum": c, "reduce_requantize": e, "decode_chunks": c}
+
+    @property
+    def _twin(self):
+        """Fake mode's stochastic twin: the codec whose encode and decode give the values sent."""
+        return QSGD(self.bits, self.bucket_size, "stochastic", self.norm, self.seed)
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        K = numba_kernels.cpu
-        xf = arrays.input_f32(x)
-        if self.mode == "fake":
-            tmp = np.empty(self._qlayout(xf.size).total, np.uint8)
-            K.qsgd_encode_cpu(xf, tmp, words, self.bits, self.bucket_size, True, self.norm == "l2", key,
-                              residual=residual)
-            K.qsgd_decode_cpu(tmp, pay[64:64 + 4 * xf.size].view(np.float32), self.bits,
-                              self.bucket_size, False)
-            K.write_header_cpu(pay, words)
-        else:
-            K.qsgd_encode_cpu(xf, pay, words, self.bits, self.bucket_size, self.stochastic,
-                              self.norm == "l2", key, residual=residual)
+        if self.mode != "fake":
+            return super()._encode_host(arrays, x, pay, words, lay, key, residual)
+        twin, n = self._twin, lay.numel
+        tmp = np.empty(twin.wire_nbytes(n), np.uint8)
+        twin._encode_host(arrays, x, tmp, words, lay, key, residual)
+        twin._decode_host(tmp, pay[64:64 + 4 * n].view(np.float32), False)
+        numba_kernels.cpu.write_header_cpu(pay, words)
 
     def _decode_host(self, pay, out, accumulate):
-        if self.mode == "fake":
-            vals = _f32_view(pay, 64, out.size)
-            if accumulate:
-                out += vals
-            else:
-                out[...] = vals
-            return
-        K = numba_kernels.cpu
-        K.qsgd_decode_cpu(pay, out, self.bits, self.bucket_size, accumulate)
+        if self.mode != "fake":
+            return super()._decode_host(pay, out, accumulate)
+        _raw_decode_host(pay, out, "float32", accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        xt, xdev = arrays.input_f32(x)
-        if self.mode == "fake":     # through Numba's dispatcher: an accuracy-study mode, not a hot path
-            K = numba_kernels.cuda
-            n = lay.numel
-            tt, _ = arrays.new_bytes(self._qlayout(n).total, x)
-            tn, pn = arrays.numba(tt), arrays.numba(pt)
-            K.qsgd_encode_cuda(arrays.numba(xt), tn, words, self.bits, self.bucket_size, True,
-                               self.norm == "l2", key, stream,
-                               None if residual is None else arrays.numba(residual))
-            K.qsgd_decode_cuda(tn, pn[64:64 + 4 * n].view(np.float32), self.bits, self.bucket_size,
-                               False, stream)
-            K.write_header_cuda(pn, words, stream)
-        else:
-            _cuda_encoder(self, lay.numel)(xdev, pdev, words, key, stream, _dev_view(arrays, residual))
-
-    def _bound_kernel(self, arrays, numel, accumulate):
-        if self.mode == "fake" or not arrays.views:
-            return None
-        if arrays.device:
-            K = numba_kernels.cuda
-            return (self._cuda_prepare_encode(K, numel) if accumulate is None
-                    else self._cuda_prepare_decode(K, numel, accumulate))
-        K = numba_kernels.cpu
-        if accumulate is None:
-            return K.prepare_qsgd_encode(numel, self.bits, self.bucket_size, self.stochastic,
-                                         self.norm == "l2")
-        return K.prepare_qsgd_decode(numel, self.bits, self.bucket_size, accumulate)
-
-    def _fused_prepare(self, K, kind, numel, chunk):
-        if self.mode == "fake":
-            return None
-        if kind == "sum":
-            return K.prepare_qsgd_decode_sum(numel, self.bits, self.bucket_size)
-        if kind == "chunks":
-            return K.prepare_qsgd_decode_chunks(numel, self.bits, self.bucket_size, chunk)
-        return K.prepare_qsgd_reduce_requantize(numel, self.bits, self.bucket_size, self.stochastic,
-                                                self.norm == "l2")
-
-    def _cuda_prepare_encode(self, K, numel):
-        return K.prepare_qsgd_encode(numel, self.bits, self.bucket_size, self.stochastic, self.norm == "l2")
-
-    def _cuda_prepare_decode(self, K, numel, accumulate):
-        return K.prepare_qsgd_decode(numel, self.bits, self.bucket_size, accumulate)
+        if self.mode != "fake":
+            return super()._encode_dev(arrays, x, pt, pdev, words, lay, key, stream, residual)
+        twin, n = self._twin, lay.numel     # (an accuracy-study mode, not a hot path)
+        xt, _ = arrays.input_f32(x)
+        tt, _ = arrays.new_bytes(twin.wire_nbytes(n), x)
+        tn, pn = arrays.numba(tt), arrays.numba(pt)
+        _thread_op(twin, "encode", True, n)(arrays.numba(xt), tn, words, key, stream,
+                                            None if residual is None else arrays.numba(residual))
+        _thread_op(twin, "decode", True, n, False)(tn, pn[64:64 + 4 * n].view(np.float32), stream)
+        numba_kernels.cuda.write_header_cuda(pn, words, stream)
 
     def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
                          expect):
-        if self.mode == "fake":
-            _raw_decode_dev(arrays, payload, pdev, out, "float32", accumulate, stream, status_t,
-                            status_dev, expect)
-        else:
-            super()._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
-                                     expect)
+        if self.mode != "fake":
+            return super()._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t,
+                                            status_dev, expect)
+        _raw_decode_dev(arrays, payload, pdev, out, "float32", accumulate, stream, status_t, status_dev, expect)
 
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
-        if self.mode == "fake":
-            return _raw_decode_dev(arrays, payload, pdev, out_t, "float32", accumulate, stream, status_t,
-                                   status_dev, expect)
-        _cuda_decoder(self, arrays.numel(out_t), accumulate)(pdev, out_dev, stream, status_dev, expect)
+        if self.mode != "fake":
+            return super()._decode_dev(arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t,
+                                       status_dev, expect)
+        return _raw_decode_dev(arrays, payload, pdev, out_t, "float32", accumulate, stream, status_t,
+                               status_dev, expect)
 
 
 # ---- 1-bit --------------------------------------------------------------------------------------------
@@ -249,52 +213,9 @@ class OneBit(Codec):
             return f"bucket_size={code or None}"
         return super()._field_text(field, code)
 
-    @property
-    def _two_mean(self):
-        return self.scale == "two_mean"
-
-    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        K = numba_kernels.cpu
-        K.onebit_encode_cpu(arrays.input_f32(x), pay, words, self.bucket_size or 0, self._two_mean,
-                            residual=residual)
-
-    def _decode_host(self, pay, out, accumulate):
-        K = numba_kernels.cpu
-        K.onebit_decode_cpu(pay, out, self.bucket_size or 0, self._two_mean, accumulate)
-
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        _, xdev = arrays.input_f32(x)
-        _cuda_encoder(self, lay.numel)(xdev, pdev, words, 0, stream, _dev_view(arrays, residual))
-
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
-                    expect):
-        _cuda_decoder(self, arrays.numel(out_t), accumulate)(pdev, out_dev, stream, status_dev, expect)
-
-    def _bound_kernel(self, arrays, numel, accumulate):
-        if not arrays.views:
-            return None
-        if arrays.device:
-            K = numba_kernels.cuda
-            return (self._cuda_prepare_encode(K, numel) if accumulate is None
-                    else self._cuda_prepare_decode(K, numel, accumulate))
-        K = numba_kernels.cpu
-        if accumulate is None:
-            return K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
-        return K.prepare_onebit_decode(numel, self.bucket_size or 0, self._two_mean, accumulate)
-
-    def _fused_prepare(self, K, kind, numel, chunk):
-        bs = self.bucket_size or 0
-        if kind == "sum":
-            return K.prepare_onebit_decode_sum(numel, bs, self._two_mean)
-        if kind == "chunks":
-            return K.prepare_onebit_decode_chunks(numel, bs, self._two_mean, chunk)
-        return K.prepare_onebit_reduce_requantize(numel, bs, self._two_mean)
-
-    def _cuda_prepare_encode(self, K, numel):
-        return K.prepare_onebit_encode(numel, self.bucket_size or 0, self._two_mean)
-
-    def _cuda_prepare_decode(self, K, numel, accumulate):
-        return K.prepare_onebit_decode(numel, self.bucket_size or 0, self._two_mean, accumulate)
+    def _kernel_table(self):
+        c = {"bucket_size": self.bucket_size or 0, "two_mean": self.scale == "two_mean"}
+        return {"encode": c, "decode": c, "decode_sum": c, "reduce_requantize": c, "decode_chunks": c}
 
 
 # ---- sort quantization ---------------------------------------------------------------------------------
@@ -355,38 +276,11 @@ class SortQuant(Codec):
             return f"split_bits={code}"
         return super()._field_text(field, code)
 
-    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        K = numba_kernels.cpu
-        K.sortquant_encode_cpu(arrays.input_f32(x), pay, words, self.bits, self.split_bits, self.bucket_size,
-                               self.stochastic, key, residual=residual)
+    _device_pointers = False
 
-    def _decode_host(self, pay, out, accumulate):
-        K = numba_kernels.cpu
-        K.sortquant_decode_cpu(pay, out, self.bits, self.split_bits, self.bucket_size, accumulate)
-
-    def _bound_kernel(self, arrays, numel, accumulate):
-        if arrays.device or not arrays.views:
-            return None
-        K = numba_kernels.cpu
-        if accumulate is None:
-            return K.prepare_sortquant_encode(numel, self.bits, self.split_bits, self.bucket_size,
-                                              self.stochastic)
-        return K.prepare_sortquant_decode(numel, self.bits, self.split_bits, self.bucket_size, accumulate)
-
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        K = numba_kernels.cuda     # (through Numba's dispatcher: device arrays, not pointers)
-        xt, xdev = arrays.input_f32(x)
-        K.sortquant_encode_cuda(_nb(arrays, xt, xdev), _nb(arrays, pt, pdev), words, self.bits,
-                                self.split_bits, self.bucket_size, self.stochastic, key, stream,
-                                None if residual is None else
-                                _nb(arrays, residual, _dev_view(arrays, residual)))
-
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
-                    expect):
-        K = numba_kernels.cuda
-        K.sortquant_decode_cuda(_nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev), self.bits,
-                                self.split_bits, self.bucket_size, accumulate, stream,
-                                None if status_t is None else _nb(arrays, status_t, status_dev), expect)
+    def _kernel_table(self):
+        c = {"bits": self.bits, "split_bits": self.split_bits, "bucket_size": self.bucket_size}
+        return {"encode": dict(c, stochastic=self.stochastic), "decode": c}
 
 
 @register("kmeans")
@@ -440,36 +334,11 @@ class KMeans(Codec):
             return f"bucket_size={code or None}"
         return super()._field_text(field, code)
 
-    def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        K = numba_kernels.cpu
-        K.kmeans_encode_cpu(arrays.input_f32(x), pay, words, self.bits, self.bucket_size or 0, self.iters, key,
-                            residual=residual)
+    _device_pointers = False
 
-    def _decode_host(self, pay, out, accumulate):
-        K = numba_kernels.cpu
-        K.kmeans_decode_cpu(pay, out, self.bits, self.bucket_size or 0, accumulate)
-
-    def _bound_kernel(self, arrays, numel, accumulate):
-        if arrays.device or not arrays.views:
-            return None
-        K = numba_kernels.cpu
-        if accumulate is None:
-            return K.prepare_kmeans_encode(numel, self.bits, self.bucket_size or 0, self.iters)
-        return K.prepare_kmeans_decode(numel, self.bits, self.bucket_size or 0, accumulate)
-
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        K = numba_kernels.cuda     # (through Numba's dispatcher: device arrays, not pointers)
-        xt, xdev = arrays.input_f32(x)
-        K.kmeans_encode_cuda(_nb(arrays, xt, xdev), _nb(arrays, pt, pdev), words, self.bits, self.bucket_size or 0,
-                             self.iters, key, stream,
-                             None if residual is None else _nb(arrays, residual, _dev_view(arrays, residual)))
-
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
-                    expect):
-        K = numba_kernels.cuda
-        K.kmeans_decode_cuda(_nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev), self.bits,
-                             self.bucket_size or 0, accumulate, stream,
-                             None if status_t is None else _nb(arrays, status_t, status_dev), expect)
+    def _kernel_table(self):
+        c = {"bits": self.bits, "bucket_size": self.bucket_size or 0}
+        return {"encode": dict(c, iters=self.iters), "decode": c}
 
 
 # ---- raw: fp16 and none ---------------------------------------------------------------------------------
@@ -498,24 +367,11 @@ class _Raw(Codec):
             np.subtract(xs, vals, out=residual, dtype=np.float32)
 
     def _decode_host(self, pay, out, accumulate):
-        w = 2 if self._value_dtype == "float16" else 4
-        raw = pay[64:64 + w * out.size]
-        if w == 2 and raw.ctypes.data % 2 == 0:
-            K = numba_kernels.cpu
-            K.half_decode_cpu(raw.view(np.uint16), out, accumulate)    # NumPy's values, 9x faster
-            return
-        if raw.ctypes.data % w:
-            raw = raw.copy()
-        vals = raw.view(self._value_dtype)
-        if accumulate:
-            np.add(out, vals, out=out, casting="unsafe")
-        else:
-            out[...] = vals
+        _raw_decode_host(pay, out, self._value_dtype, accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        K = numba_kernels.cuda
         arrays.raw_encode_into(x, self._value_dtype, pt)
-        K.write_header_cuda(arrays.numba(pt), words, stream)
+        numba_kernels.cuda.write_header_cuda(arrays.numba(pt), words, stream)
         if residual is not None:
             arrays.raw_residual(x, pt, self._value_dtype, residual)
 

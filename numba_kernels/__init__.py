@@ -2,22 +2,37 @@
 
 * :mod:`numba_kernels.wire` -- the payload format (header, layout), pure Python.
 * :mod:`numba_kernels.reference` -- ``*_ref``: the NumPy specification.
-* :mod:`numba_kernels.cpu` -- ``*_cpu`` and ``prepare_*``: the CPU launch layer over
-  ``njit(parallel=True, cache=True)`` kernels, one module per codec (``_cpu_qsgd``, ``_cpu_onebit``,
-  ``_cpu_sortquant``, ``_cpu_kmeans``, ``_cpu_half``) on shared parts (``_cpu_base``).
-* :mod:`numba_kernels.cuda` -- ``*_cuda`` and ``prepare_*``: ``numba.cuda`` kernels (also run in the
-  CUDA simulator): the launch layer (``_cuda_launch``), the prepared launches (``_cuda_prepared``), the
+* :func:`prepare` -- one prepared op per codec and kind, on the CPU or a CUDA device, with the same
+  signature on both:
+
+  ================================  ====================================================================
+  kind                              the op's call
+  ================================  ====================================================================
+  ``encode``                        ``(x, payload, header, key, stream=None, residual=None)``
+  ``decode``                        ``(payload, out, stream=None, status=None, expect=None)``
+  ``decode_sum``                    ``(payloads, n, out, stream=None, status=None, expect=None)``
+  ``reduce_requantize``             ``(payloads, n, residual, out_payload, header, key, stream=None,
+                                    status=None, expect=None)``
+  ``decode_chunks``                 ``(gathered, out, stream=None, status=None, name_hashes=None,
+                                    expect=None)``
+  ================================  ====================================================================
+
+  QSGD and 1-bit have all five (the fused three: SRA's phases 2 and 3, the allgather's sum), SortQuant
+  and KMeans encode and decode. Each op has the semantics of its ``*_ref`` twin and gives the same bytes
+  and float32 values, bit for bit (tests/test_kernels.py, tests/test_fused_kernels.py). A prepared op
+  belongs to its caller: it writes its parameter buffer (and, on a device, its scratch) on every call,
+  so one op serves one thread.
+* :mod:`numba_kernels.cpu` -- the CPU ops over ``njit(parallel=True, cache=True)`` kernels, one module
+  per codec (``_cpu_qsgd``, ``_cpu_onebit``, ``_cpu_sortquant``, ``_cpu_kmeans``, ``_cpu_half``) on
+  shared parts (``_cpu_base``).
+* :mod:`numba_kernels.cuda` -- the CUDA ops over ``numba.cuda`` kernels (also run in the CUDA
+  simulator): the launch layer (``_cuda_launch``), the prepared launches (``_cuda_prepared``), the
   kernels per path and codec (``_cuda_warp``, ``_cuda_block``, ``_cuda_sortquant``, ``_cuda_kmeans``).
+  It is imported on first use, so that ``numba.cuda`` is not imported (and ``NUMBA_ENABLE_CUDASIM``
+  may still be set) until someone asks for a CUDA op.
 * ``_scalar`` -- the scalar math, written once and compiled for both.
 
-A ``prepare_*`` function returns a launch its caller owns: it writes its parameter buffer (and, on
-a device, its scratch) on every call, so one launch serves one thread; the plain ``*_cpu`` /
-``*_cuda`` launchers keep theirs per thread.
-
-Every ``*_cpu`` / ``*_cuda`` launcher has the signature of its ``*_ref`` twin and gives the same bytes
-and the same float32 values, bit for bit (tests/test_kernels.py). ``numba_kernels.cuda`` is imported
-lazily, on first use, so that ``numba.cuda`` is not imported (and ``NUMBA_ENABLE_CUDASIM`` may still be
-set) until someone asks for a CUDA kernel. No torch, TensorFlow or Horovod imports here.
+No torch, TensorFlow or Horovod imports here.
 
 CPU threads: Numba's pool takes every core by default, in every process, so several Horovod ranks
 on one host oversubscribe it (2 ranks on 2 cores: training steps about 6x slower, even steps that run
@@ -50,29 +65,33 @@ from .reference import (qsgd_encode_ref, qsgd_decode_ref, onebit_encode_ref, one
                         qsgd_decode_sum_ref, onebit_decode_sum_ref, qsgd_reduce_requantize_ref,
                         onebit_reduce_requantize_ref, qsgd_decode_chunks_ref, onebit_decode_chunks_ref)
 
-__all__ = ["wire", "PayloadError", "levels", "bucket_scales_ref", "lane_sum_ref", "header_errors_ref",
-           "qsgd_encode_ref", "qsgd_decode_ref", "onebit_encode_ref", "onebit_decode_ref",
-           "write_header_ref",
-           "qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
-           "write_header_cpu",
-           "qsgd_encode_cuda", "qsgd_decode_cuda", "onebit_encode_cuda", "onebit_decode_cuda",
-           "write_header_cuda", "check_header_cuda",
-           # fused: several payloads per launch (SRA's phases 2 and 3, allgather's sum)
-           "qsgd_decode_sum_ref", "onebit_decode_sum_ref", "qsgd_reduce_requantize_ref",
-           "onebit_reduce_requantize_ref", "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref",
-           "qsgd_decode_sum_cpu", "onebit_decode_sum_cpu", "qsgd_reduce_requantize_cpu",
-           "onebit_reduce_requantize_cpu", "qsgd_decode_chunks_cpu", "onebit_decode_chunks_cpu",
-           "qsgd_decode_sum_cuda", "onebit_decode_sum_cuda", "qsgd_reduce_requantize_cuda",
-           "onebit_reduce_requantize_cuda", "qsgd_decode_chunks_cuda", "onebit_decode_chunks_cuda"]
+__all__ = ["prepare", "wire", "PayloadError", "levels", "bucket_scales_ref", "lane_sum_ref",
+           "header_errors_ref", "write_header_ref", "qsgd_encode_ref", "qsgd_decode_ref", "onebit_encode_ref",
+           "onebit_decode_ref", "qsgd_decode_sum_ref", "onebit_decode_sum_ref", "qsgd_reduce_requantize_ref",
+           "onebit_reduce_requantize_ref", "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref"]
 
-_LAZY = {name: "cpu" for name in __all__ if name.endswith("_cpu")}
-_LAZY.update({name: "cuda" for name in __all__ if name.endswith("_cuda")})
-_LAZY.update({"cpu": "cpu", "cuda": "cuda", "reference": "reference"})
+
+def prepare(method, kind, device, numel, **params):
+    """The prepared op ``kind`` (see above) of codec ``method`` ("qsgd", "onebit", "sortquant",
+    "kmeans") for ``numel`` elements, on a CUDA device (``device`` true) or the CPU. ``params``: the
+    codec's configuration as the kernels take it (ints and bools; a ``bucket_size`` of 0 or None is
+    one bucket per tensor where the codec allows it)::
+
+        qsgd       bits, bucket_size, [stochastic, norm_l2 (encode, reduce_requantize)],
+                   [accumulate (decode)], [chunk (decode_chunks)]
+        onebit     bucket_size, two_mean, [accumulate (decode)], [chunk (decode_chunks)]
+        sortquant  bits, split_bits, bucket_size, [stochastic (encode)], [accumulate (decode)]
+        kmeans     bits, bucket_size, [iters (encode)], [accumulate (decode)]
+    """
+    table = importlib.import_module(f"{__name__}.{'cuda' if device else 'cpu'}").PREPARE
+    make = table.get((method, kind))
+    if make is None:
+        raise ValueError(f"no {kind!r} op for {method!r} on the {'CUDA device' if device else 'CPU'}; "
+                         f"there are: {sorted(table)}")
+    return make(int(numel), **{k: int(v or 0) for k, v in params.items()})
 
 
 def __getattr__(name):
-    mod = _LAZY.get(name)
-    if mod is None:
+    if name not in ("cpu", "cuda", "reference"):
         raise AttributeError(f"module 'numba_kernels' has no attribute {name!r}")
-    m = importlib.import_module(f"{__name__}.{mod}")
-    return m if name == mod else getattr(m, name)
+    return importlib.import_module(f"{__name__}.{name}")

@@ -277,6 +277,15 @@ def _write_header(payload, header):
         payload[k] = np.uint8((header[k >> 3] >> (U8 * np.uint64(k & 7))) & UFF)
 
 
+@_inline
+def _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs):
+    """What every encode does first: writes the header and zeroes the padding after the codes;
+    returns (the scales as float32, the number of buckets)."""
+    _write_header(payload, header)
+    for k in range(codes_end, scales_off):
+        payload[k] = 0
+    return payload[scales_off:scales_off + 4 * nscales].view(np.float32), (numel + bs - 1) // bs
+
 
 @_inline
 def _byte_of(lo, hi, j):

@@ -6,7 +6,7 @@ from numba import prange
 
 from ._cpu_base import (INF_BITS, _BITS, _Widths, _chunk_codes, _extremes, _inline, _km_draw, _km_fixed,
                         _km_index, _km_mean, _km_mids, _km_scale, _km_starts, _lookup, _pack, _wide,
-                        _write_header)
+                        _encode_preamble)
 from ._cpu_sortquant import _sort_key, _sort_values
 from ._scalar import F0, FNAN, KMEANS_SAMPLE
 
@@ -128,11 +128,7 @@ def _kmeans_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
     """KMeans (``kmeans_encode_ref``): per bucket the codebook (:func:`_kmeans_fit`), then each
     element's centroid index."""
     numel = x.size
-    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
-    _write_header(payload, header)
-    for k in range(codes_end, scales_off):
-        payload[k] = 0
-    nb = (numel + bs - 1) // bs
+    scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     nchunks = (nb + kchunk - 1) // kchunk
     K = 1 << _BITS
     for c in prange(nchunks):

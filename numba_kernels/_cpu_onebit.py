@@ -5,7 +5,7 @@ import numpy as np
 from numba import prange
 
 from ._cpu_base import (_Kernel, _inline, _lane_segment, _lane_sums, _lanes, _onebit_scales, _put,
-                        _segment_lanes, _tree, _wide, _write_header)
+                        _segment_lanes, _tree, _wide, _encode_preamble)
 from ._scalar import F0, SEGMENT, UFF
 
 
@@ -74,23 +74,13 @@ def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, 
             st = en
 
 
-@_inline
-def _onebit_header_pad(payload, header, codes_end, scales_off, nscales):
-    """Writes the header, zeroes the padding after the codes; returns the scales (float32)."""
-    _write_header(payload, header)
-    for k in range(codes_end, scales_off):
-        payload[k] = 0
-    return payload[scales_off:scales_off + 4 * nscales].view(np.float32)
-
-
 @_Kernel
 def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean, span,
                    residual, has_res):
     """Buckets of at most SEGMENT elements: each task (``span`` elements, whole buckets) takes its
     buckets' sums, then their bits, while they are in cache."""
     numel = x.size
-    scales = _onebit_header_pad(payload, header, codes_end, scales_off, nscales)
-    nb = (numel + bs - 1) // bs
+    scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     per = span // bs
     for c in prange((numel + span - 1) // span):
         _wide()
@@ -108,8 +98,7 @@ def _onebit_encode_long(x, payload, header, codes_off, codes_end, scales_off, ns
     sums in parallel, each bucket's scales from them in the canonical order (:func:`_lane_sums`),
     then the bits, ``span`` elements (whole segments) per task."""
     numel = x.size
-    scales = _onebit_header_pad(payload, header, codes_end, scales_off, nscales)
-    nb = (numel + bs - 1) // bs
+    scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     nseg = (bs + SEGMENT - 1) // SEGMENT
     sp = np.zeros(nb * nseg, np.float32)
     sq = np.zeros(nb * nseg, np.float32)

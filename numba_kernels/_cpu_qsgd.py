@@ -6,7 +6,7 @@ from numba import prange
 
 from ._cpu_base import (_BITS, _DEC_BLOCK, _Widths, _abs_max_bits, _chunk_codes, _inline, _lane_sums, _lanes,
                         _lookup, _mix64, _pack, _put, _qsgd_round, _sqrt32, _tree, _uniform24, _unpack, _wide,
-                        _write_header)
+                        _encode_preamble)
 from ._scalar import F0, FINF, GAMMA, U8, U24M, U40
 
 
@@ -49,13 +49,9 @@ def _qsgd_levels(x, st, en, codes, c0, unit, sf, s, stochastic, key):
 def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, stochastic,
                  norm_l2, key, kchunk, residual, has_res):
     numel = x.size
-    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     scale_bits = scales.view(np.int32)
     xi = x.view(np.int32)
-    _write_header(payload, header)
-    for k in range(codes_end, scales_off):
-        payload[k] = 0
-    nb = (numel + bs - 1) // bs
     nchunks = (nb + kchunk - 1) // kchunk
     s = (1 << (_BITS - 1)) - 1
     sf = np.float32(s)

@@ -5,7 +5,7 @@ import numpy as np
 from numba import prange
 
 from ._cpu_base import (INF_BITS, _BITS, _DEC_BLOCK, _Widths, _chunk_codes, _extremes, _inline, _lookup,
-                        _mix64, _pack, _put, _sq_level, _sq_value, _uniform24, _unpack, _wide, _write_header)
+                        _mix64, _pack, _put, _sq_level, _sq_value, _uniform24, _unpack, _wide, _encode_preamble)
 from ._scalar import F0, FINF, FNAN, GAMMA, U8, U24M, U32, U40
 
 
@@ -182,11 +182,7 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
     groups' (min, max), from the bounds' ranks (:func:`_sq_by_bins`) or the stable order of the
     values (:func:`_sort_values`), then each element's level within its group, in index order."""
     numel = x.size
-    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
-    _write_header(payload, header)
-    for k in range(codes_end, scales_off):
-        payload[k] = 0
-    nb = (numel + bs - 1) // bs
+    scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     nchunks = (nb + kchunk - 1) // kchunk
     G = 1 << split_bits
     lb = _BITS - split_bits

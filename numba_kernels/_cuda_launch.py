@@ -173,11 +173,7 @@ def _stream(stream):
     h = getattr(stream, "handle", None)
     if h is not None:
         return int(h) if not hasattr(h, "value") else int(h.value or 0)
-    return int(stream)
-
-
-def _sim_stream(stream):
-    return stream or 0
+    return id(stream)       # the simulator's streams have no handle: their identity keys scratch
 
 
 def _words(header):
@@ -244,7 +240,7 @@ def _encode_groups(bs, bits):
 
 def write_header_cuda(payload, header, stream=0):
     """Write the 64 header bytes (8 uint64 words, passed as a kernel argument: no host->device copy)."""
-    _header_kernel()[1, 64, _sim_stream(stream) if SIMULATOR else _nb_stream(stream)](
+    _header_kernel()[1, 64, _nb_stream(stream)](
         payload, _words(header))
 
 
@@ -254,13 +250,13 @@ def check_header_cuda(payload, status, expect, stream=0):
     array). For raw payloads (fp16, none, fake), read by framework ops; kernel-decoded payloads pass
     ``expect`` to their decode instead."""
     exp = tuple(int(v) for v in expect[:7])
-    _check_kernel()[1, 32, _sim_stream(stream) if SIMULATOR else _nb_stream(stream)](
+    _check_kernel()[1, 32, _nb_stream(stream)](
         payload, status, exp, bool(expect[7]))
 
 
 def _nb_stream(stream):
-    """A stream for a dispatcher launch (the rare one-block kernels): Numba streams as they are, raw
-    handles wrapped."""
+    """A stream for a dispatcher launch (the simulator's, and the rare one-block kernels on
+    hardware): Numba streams as they are, raw handles wrapped."""
     if not stream:
         return 0
     if type(stream) is int:

@@ -1,8 +1,12 @@
-"""The prepared CUDA launches, one class per kind of operation (encode, decode, reduce_requantize,
-decode_sum / decode_chunks) and the ``prepare_*`` functions that build them: the kernel path, grid,
+"""The prepared CUDA ops of QSGD and 1-bit, one class per kind (encode, decode, reduce_requantize,
+decode_sum, decode_chunks) and the table :data:`PREPARE` that builds them: the kernel path, grid,
 layout and parameter buffer are chosen once; a call writes the pointers and scalars that change
-and launches (see :mod:`numba_kernels.cuda`). A prepared launch belongs to its caller: it writes its
+and launches (see :mod:`numba_kernels.cuda`). A prepared op belongs to its caller: it writes its
 parameter buffer and scratch on every call.
+
+The simulator runs the same kernels with the same arguments, but it has no ``cuLaunchKernel`` and
+no device pointers: each ``__call__`` therefore has one branch that hands the arguments to Numba's
+dispatcher instead of writing them into the parameter buffer (``_sim*``).
 """
 import numpy as np
 from numba import cuda
@@ -10,11 +14,12 @@ from numba import cuda
 from . import _cuda_block as _B
 from . import _cuda_warp as _W
 from . import wire
+from .reference import chunk_ranges
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, MEAN_ABS, PACK_DET,
                            PACK_ONEBIT, PACK_STOCH, SIG_BLOCK_DECODE, SIG_BLOCK_ENCODE, SIG_DECODE_MULTI,
                            SIG_REDUCE, SIG_WARP_DECODE, SIG_WARP_ENCODE, SIMULATOR, TWO_MEAN)
 from ._cuda_launch import (_encode_groups, _grid, _kernel, _NO_EXPECT, _ONE_PAYLOAD, _persistent, _ptr, _Raw,
-                           _sim_no_src, _sim_stream, _sm_count, _stream, _words, _zero_status,
+                           _nb_stream, _sim_no_src, _sm_count, _stream, _words, _zero_status,
                            check_header_cuda, FUSE_MAX, MAXCH)
 
 
@@ -123,7 +128,7 @@ class _Encode:
 
     def __call__(self, x, payload, header, key, stream=None, residual=None):
         resid = residual is not None
-        if SIMULATOR:
+        if SIMULATOR:       # no cuLaunchKernel there: the same arguments through the dispatcher
             return self._sim(x, payload, header, key, stream, residual)
         raw = self._raw.get(resid)
         if raw is None:
@@ -148,7 +153,7 @@ class _Encode:
         raw.launch(self.grid, BLOCK, st)
 
     def _sim(self, x, payload, header, key, stream, residual):
-        stream = _sim_stream(stream)
+        stream = _nb_stream(stream)
         x = x.reshape(-1) if x.ndim != 1 else x
         words = payload[self.codes_off:self.scales_off].view(np.uint32)
         scales = payload[self.scales_off:self.scales_off + 4 * self.nscales].view(np.float32)
@@ -209,7 +214,7 @@ class _Decode:
             if expect is not None and status is not None:
                 check_header_cuda(payload, status, expect, stream)
             return
-        if SIMULATOR:
+        if SIMULATOR:       # no cuLaunchKernel there: the same arguments through the dispatcher
             return self._sim(payload, out, stream, status, expect)
         raw = self._raw
         if raw is None:
@@ -234,7 +239,7 @@ class _Decode:
         raw.launch(self.grid, BLOCK, _stream(stream))
 
     def _sim(self, payload, out, stream, status, expect):
-        stream = _sim_stream(stream)
+        stream = _nb_stream(stream)
         words = payload[self.codes_off:self.scales_off].view(np.uint32)
         scales = payload[self.scales_off:self.scales_off + 4 * self.nscales].view(np.float32)
         out = out.reshape(-1) if out.ndim != 1 else out
@@ -246,38 +251,6 @@ class _Decode:
         self._dispatcher()[self.grid, BLOCK, stream](
             payload, words, scales, out, _zero_status() if status is None else status, exp, check,
             check_name, *self.args, *extra)
-
-
-def prepare_qsgd_encode(numel, bits, bucket_size, stochastic, norm_l2):
-    """A prepared QSGD encode: ``(x, payload, header, key, stream, residual=None)``."""
-    numel, bits, bs = int(numel), int(bits), int(bucket_size)
-    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bs)
-    return _Encode(numel, bits, bs, L2 if norm_l2 else MAX, PACK_STOCH if stochastic else PACK_DET, lay)
-
-
-def prepare_qsgd_decode(numel, bits, bucket_size, accumulate):
-    """A prepared QSGD decode: ``(payload, out, stream, status, expect)``."""
-    numel, bits, bs = int(numel), int(bits), int(bucket_size)
-    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bs)
-    return _Decode(numel, bits, bs, DEC_QSGD, accumulate, lay)
-
-
-def prepare_onebit_encode(numel, bucket_size, two_mean):
-    """A prepared 1-bit encode: ``(x, payload, header, key, stream, residual=None)`` (key ignored)."""
-    numel = int(numel)
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    lay = wire.layout(wire.METHODS["onebit"], numel, 1, int(bucket_size or 0), mode)
-    bs = int(bucket_size or 0) or max(numel, 1)
-    return _Encode(numel, 1, bs, TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, lay)
-
-
-def prepare_onebit_decode(numel, bucket_size, two_mean, accumulate):
-    """A prepared 1-bit decode: ``(payload, out, stream, status, expect)``."""
-    numel = int(numel)
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    lay = wire.layout(wire.METHODS["onebit"], numel, 1, int(bucket_size or 0), mode)
-    bs = int(bucket_size or 0) or max(numel, 1)
-    return _Decode(numel, 1, bs, DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS, accumulate, lay)
 
 
 # ---- fused operations: several payloads in one launch (see numba_kernels.reference) -------------------
@@ -300,7 +273,7 @@ class _ReduceRequantize(_Encode):
     def __call__(self, payloads, n, residual, out_payload, header, key=0, stream=None, status=None,
                  expect=None):
         resid = residual is not None
-        if SIMULATOR:
+        if SIMULATOR:       # no cuLaunchKernel there: the same arguments through the dispatcher
             return self._sim_src(payloads, n, residual, out_payload, header, key, stream, status, expect)
         raw = self._raw.get(resid)
         if raw is None:
@@ -343,7 +316,7 @@ class _ReduceRequantize(_Encode):
         raw.launch(self.grid, BLOCK, st)
 
     def _sim_src(self, payloads, n, residual, out_payload, header, key, stream, status, expect):
-        stream = _sim_stream(stream)
+        stream = _nb_stream(stream)
         words = out_payload[self.codes_off:self.scales_off].view(np.uint32)
         scales = out_payload[self.scales_off:self.scales_off + 4 * self.nscales].view(np.float32)
         rin = residual if residual is not None else _sim_no_src()[2]
@@ -358,8 +331,8 @@ class _ReduceRequantize(_Encode):
 
 
 class _DecodeMulti:
-    """A prepared decode_sum ``(payloads, n, out, stream, status, expect)`` or decode_chunks
-    ``(gathered, out, stream, status, name_hashes, expect)``: one launch of the warp decode in a
+    """The base of a prepared decode_sum ``(payloads, n, out, stream, status, expect)`` and
+    decode_chunks ``(gathered, out, stream, status, name_hashes, expect)``: one launch of the warp decode in a
     multi-payload mode where the warp kernels apply, else of ``block_decode_multi``."""
     __slots__ = ("numel", "total", "chunks", "spec", "grid", "args", "method", "bits", "mode", "bs0",
                  "chunk", "offsets", "path", "_nh", "_np", "_raw", "_exp")
@@ -372,7 +345,6 @@ class _DecodeMulti:
         bs = bucket_size or max(numel, 1)
         self.chunks = chunk is not None
         if self.chunks:
-            from .reference import chunk_ranges
             ranges = chunk_ranges(numel, bucket_size, chunk)
             if len(ranges) > MAXCH:
                 raise ValueError(f"{len(ranges)} chunks: at most {MAXCH} in one decode_chunks")
@@ -434,12 +406,12 @@ class _DecodeMulti:
         exp, check, check_name = self._checks(expect, name_hashes)
         if self.numel == 0 and not (check and status is not None):
             return
-        if SIMULATOR:
+        if SIMULATOR:       # no cuLaunchKernel there: the same arguments through the dispatcher
             args = list(self.args)
             args[self._nh] = name_hashes if name_hashes is not None else _sim_no_src()[1]
             args[self._np] = int(n)
             out = out.reshape(-1) if out.ndim != 1 else out
-            return self._dispatcher()[self.grid, BLOCK, _sim_stream(stream)](
+            return self._dispatcher()[self.grid, BLOCK, _nb_stream(stream)](
                 payloads, payloads.view(np.uint32), payloads.view(np.float32), out,
                 _zero_status() if status is None else status, exp, check, check_name, *args)
         raw = self._raw
@@ -463,15 +435,19 @@ class _DecodeMulti:
         s[8 + self._np].value = int(n)
         raw.launch(self.grid, BLOCK, _stream(stream))
 
-    def __call__(self, payloads, *args, **kw):
-        if self.chunks:
-            return self.decode_chunks(payloads, *args, **kw)
-        return self.decode_sum(payloads, *args, **kw)
 
-    def decode_sum(self, payloads, n, out, stream=None, status=None, expect=None):
+
+class _DecodeSum(_DecodeMulti):
+    __slots__ = ()
+
+    def __call__(self, payloads, n, out, stream=None, status=None, expect=None):
         self._launch(payloads, n, out, stream, status, expect, None)
 
-    def decode_chunks(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
+
+class _DecodeChunks(_DecodeMulti):
+    __slots__ = ()
+
+    def __call__(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
         self._launch(gathered, 1, out, stream, status, expect, name_hashes)
 
 
@@ -481,41 +457,47 @@ def _kinds(two_mean):
     return DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS
 
 
-def prepare_qsgd_decode_sum(numel, bits, bucket_size):
-    """A prepared QSGD decode_sum: ``(payloads, n, out, stream, status, expect)``."""
-    return _DecodeMulti(int(numel), int(bits), int(bucket_size), DEC_QSGD, None)
+def _qsgd_encode(numel, bits, bucket_size, stochastic, norm_l2, cls=_Encode):
+    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
+    return cls(numel, bits, bucket_size, L2 if norm_l2 else MAX, PACK_STOCH if stochastic else PACK_DET, lay,
+               src=cls is _ReduceRequantize)
 
 
-def prepare_onebit_decode_sum(numel, bucket_size, two_mean):
-    """A prepared 1-bit decode_sum: ``(payloads, n, out, stream, status, expect)``."""
-    return _DecodeMulti(int(numel), 1, int(bucket_size or 0), _kinds(bool(two_mean)), bool(two_mean))
-
-
-def prepare_qsgd_decode_chunks(numel, bits, bucket_size, chunk):
-    """A prepared QSGD decode_chunks: ``(gathered, out, stream, status, name_hashes, expect)``."""
-    return _DecodeMulti(int(numel), int(bits), int(bucket_size), DEC_QSGD, None, int(chunk))
-
-
-def prepare_onebit_decode_chunks(numel, bucket_size, two_mean, chunk):
-    """A prepared 1-bit decode_chunks: ``(gathered, out, stream, status, name_hashes, expect)``."""
-    return _DecodeMulti(int(numel), 1, int(bucket_size or 0), _kinds(bool(two_mean)), bool(two_mean),
-                        int(chunk))
-
-
-def prepare_qsgd_reduce_requantize(numel, bits, bucket_size, stochastic, norm_l2):
-    """A prepared QSGD reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
-    status, expect)``."""
-    numel, bits, bs = int(numel), int(bits), int(bucket_size)
-    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bs)
-    return _ReduceRequantize(numel, bits, bs, L2 if norm_l2 else MAX,
-                             PACK_STOCH if stochastic else PACK_DET, lay, src=True)
-
-
-def prepare_onebit_reduce_requantize(numel, bucket_size, two_mean):
-    """A prepared 1-bit reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
-    status, expect)`` (key ignored)."""
-    numel = int(numel)
+def _onebit_encode(numel, bucket_size, two_mean, cls=_Encode):
     mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    lay = wire.layout(wire.METHODS["onebit"], numel, 1, int(bucket_size or 0), mode)
-    bs = int(bucket_size or 0) or max(numel, 1)
-    return _ReduceRequantize(numel, 1, bs, TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, lay, src=True)
+    lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode)
+    return cls(numel, 1, bucket_size or max(numel, 1), TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, lay,
+               src=cls is _ReduceRequantize)
+
+
+def _qsgd_decode(numel, bits, bucket_size, accumulate):
+    return _Decode(numel, bits, bucket_size, DEC_QSGD, accumulate,
+                   wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size))
+
+
+def _onebit_decode(numel, bucket_size, two_mean, accumulate):
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    return _Decode(numel, 1, bucket_size or max(numel, 1), _kinds(bool(two_mean)), accumulate,
+                   wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode))
+
+
+# (method, kind) -> the prepared op's factory, with the same keyword parameters as numba_kernels.cpu's
+# (numba_kernels.cuda adds SortQuant's and KMeans')
+PREPARE = {
+    ("qsgd", "encode"): _qsgd_encode,
+    ("qsgd", "decode"): _qsgd_decode,
+    ("qsgd", "decode_sum"): lambda numel, bits, bucket_size: _DecodeSum(numel, bits, bucket_size, DEC_QSGD,
+                                                                        None),
+    ("qsgd", "reduce_requantize"): lambda numel, bits, bucket_size, stochastic, norm_l2: _qsgd_encode(
+        numel, bits, bucket_size, stochastic, norm_l2, _ReduceRequantize),
+    ("qsgd", "decode_chunks"): lambda numel, bits, bucket_size, chunk: _DecodeChunks(
+        numel, bits, bucket_size, DEC_QSGD, None, chunk),
+    ("onebit", "encode"): _onebit_encode,
+    ("onebit", "decode"): _onebit_decode,
+    ("onebit", "decode_sum"): lambda numel, bucket_size, two_mean: _DecodeSum(
+        numel, 1, bucket_size, _kinds(bool(two_mean)), bool(two_mean)),
+    ("onebit", "reduce_requantize"): lambda numel, bucket_size, two_mean: _onebit_encode(
+        numel, bucket_size, two_mean, _ReduceRequantize),
+    ("onebit", "decode_chunks"): lambda numel, bucket_size, two_mean, chunk: _DecodeChunks(
+        numel, 1, bucket_size, _kinds(bool(two_mean)), bool(two_mean), chunk),
+}

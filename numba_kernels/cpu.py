@@ -1,10 +1,10 @@
-"""Numba CPU kernels (``*_cpu``): ``njit(parallel=True, cache=True)``, bit-identical to ``*_ref``.
+"""Numba CPU kernels: ``njit(parallel=True, cache=True)``, bit-identical to ``*_ref``, behind one
+prepared op per codec and kind (:data:`PREPARE`, reached through :func:`numba_kernels.prepare`).
 
 Each kernel also has a serial twin, used when the input is a single chunk or Numba has one thread (a
 parallel region is slow to start). QSGD kernels are compiled per bit width (on its
-first use), so every shift and mask is a constant. Launches are prepared once per configuration
-(``prepare_*``: layout, chunking and kernel choice computed once; the plain ``*_cpu`` launchers keep
-them in a small cache keyed by ints), so a call costs little more than Numba's dispatch.
+first use), so every shift and mask is a constant. An op is prepared once per configuration (layout,
+chunking and kernel choice computed once), so a call costs little more than Numba's dispatch.
 
 Work is split into chunks of whole buckets whose first element is a multiple of 8 (so every chunk
 writes whole code bytes and no two threads touch one byte); ``prange`` runs over the chunks. Within a
@@ -22,8 +22,6 @@ codes are packed and unpacked eight at a time through 64-bit words, and the 1-bi
 bits of 64 elements in one word. Each parallel task's body asks for 512-bit vectors (:func:`_wide`),
 which LLVM does not use by default on Intel CPUs with AVX-512.
 """
-import functools
-
 import numpy as np
 from numba import njit
 
@@ -35,20 +33,11 @@ from ._cpu_onebit import (_onebit_decode, _onebit_decode_chunks, _onebit_decode_
                           _onebit_encode_long)
 from ._cpu_qsgd import _qsgd_decode, _qsgd_decode_chunks, _qsgd_decode_sum, _qsgd_encode
 from ._cpu_sortquant import _sortquant_decode, _sortquant_encode
-from ._memo import memo
 from ._scalar import SEGMENT
+from .reference import chunk_expects, chunk_ranges
 
-__all__ = ["qsgd_encode_cpu", "qsgd_decode_cpu", "onebit_encode_cpu", "onebit_decode_cpu",
-           "half_encode_cpu", "half_decode_cpu",
-           "write_header_cpu", "chunk_buckets", "prepare_qsgd_encode", "prepare_qsgd_decode",
-           "prepare_onebit_encode", "prepare_onebit_decode", "header_errors_cpu",
-           "qsgd_decode_sum_cpu", "onebit_decode_sum_cpu", "qsgd_reduce_requantize_cpu",
-           "onebit_reduce_requantize_cpu", "qsgd_decode_chunks_cpu", "onebit_decode_chunks_cpu",
-           "prepare_qsgd_decode_sum", "prepare_onebit_decode_sum", "prepare_qsgd_reduce_requantize",
-           "prepare_onebit_reduce_requantize", "prepare_qsgd_decode_chunks",
-           "prepare_onebit_decode_chunks", "sortquant_encode_cpu", "sortquant_decode_cpu",
-           "prepare_sortquant_encode", "prepare_sortquant_decode", "kmeans_encode_cpu", "kmeans_decode_cpu",
-           "prepare_kmeans_encode", "prepare_kmeans_decode"]
+__all__ = ["PREPARE", "half_encode_cpu", "half_decode_cpu", "write_header_cpu", "header_errors_cpu",
+           "chunk_buckets"]
 
 
 def half_encode_cpu(x, vals, residual=None):
@@ -72,6 +61,11 @@ def half_decode_cpu(vals, out, accumulate):
     _half_decode.pick(-(-out.size // _F16_CHUNK))(vals, out, bool(accumulate), _F16_CHUNK)
 
 
+def write_header_cpu(payload, header, stream=None):
+    """Writes the 8 header words into payload[:64]."""
+    _write_header_only(payload, _words(header))
+
+
 def _write_header_only(payload, header):
     _write_header(payload, header)
 
@@ -83,8 +77,6 @@ def _header_errors(payload, method, bits, mode, param, bucket_size, numel, name_
 _header_errors = njit(cache=True)(_renamed(_header_errors, "_" + _STAMP))
 _write_header_only = njit(cache=True)(_renamed(_write_header_only, "_" + _STAMP))
 
-
-# ---- launchers (same signatures as numba_kernels.reference) ----------------------------------------
 
 _U64 = np.uint64
 
@@ -137,12 +129,17 @@ def _check_expect(payload, expect):
 _NO_RESIDUAL = np.empty(0, np.float32)     # the kernels write a residual only when told to
 
 
-class _PreparedBase:
-    __slots__ = ("numel", "total", "k", "nchunks", "_serial", "_kernel")
+# ---- prepared ops: built once per configuration, called every step ---------------------------------
+# A call is ``self._serial or self._kernel.pick(self.nchunks)`` written out at each call site: a method
+# call is a measurable part of a small launch.
 
-    def _setup(self, kernel, lay, bs, span=False):
+class _Prepared:
+    __slots__ = ("numel", "total", "k", "nchunks", "_serial", "_kernel", "args")
+
+    def __init__(self, kernel, lay, bs, args, span=False):
         """``k``: the kernel's task size, buckets (:func:`chunk_buckets`), or elements with ``span``
-        (:func:`task_span`, the 1-bit kernels)."""
+        (:func:`task_span`, the 1-bit and KMeans decode kernels); ``args``: the kernel's arguments
+        between the arrays and ``k``."""
         self.numel = lay.numel
         self.total = lay.total
         if span:
@@ -153,19 +150,50 @@ class _PreparedBase:
             self.nchunks = -(-lay.nbuckets // self.k)
         self._kernel = kernel
         self._serial = kernel.serial if self.nchunks <= 1 else None
-
-    # The kernel of a call is ``self._serial or self._kernel.pick(self.nchunks)``, written out at
-    # each call site: a method call is a measurable part of a small launch.
+        self.args = args
 
 
-class _DecodeCPU(_PreparedBase):
-    """A prepared decode: ``(payload, out, stream=None, status=None, expect=None)``."""
-    __slots__ = ("args",)
+def _wrong_size(what, size, numel):
+    return ValueError(f"{what} has {size} elements, this op was prepared for {numel}")
+
+
+class _Encode(_Prepared):
+    """``(x, payload, header, key, stream=None, residual=None)``: ``key`` keys the noise (1-bit:
+    unused); ``residual`` (may be ``x``), if given, gets x - decode(payload)."""
+    __slots__ = ("keyed",)
+
+    def __init__(self, kernel, lay, bs, args, span=False, keyed=True):
+        super().__init__(kernel, lay, bs, args, span)
+        self.keyed = keyed
+
+    def __call__(self, x, payload, header, key, stream=None, residual=None):
+        x = _flat(x)
+        if x.size != self.numel:
+            raise _wrong_size("x", x.size, self.numel)
+        if payload.size != self.total:
+            _check_size(payload, self.total)
+        if residual is None:
+            res, has = _NO_RESIDUAL, False
+        else:
+            res, has = _flat(residual), True
+            if res.size != self.numel:
+                raise _wrong_size("residual", res.size, self.numel)
+        kernel = self._serial or self._kernel.pick(self.nchunks)
+        if self.keyed:
+            kernel(x, payload, _words(header), *self.args, _U64(key), self.k, res, has)
+        else:
+            kernel(x, payload, _words(header), *self.args, self.k, res, has)
+
+
+class _Decode(_Prepared):
+    """``(payload, out, stream=None, status=None, expect=None)``: out (+)= the payload's values;
+    ``expect`` (a ``wire.Expect``) raises PayloadError before anything is written."""
+    __slots__ = ()
 
     def __call__(self, payload, out, stream=None, status=None, expect=None):
         out = _flat(out)
         if out.size != self.numel:
-            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
+            raise _wrong_size("out", out.size, self.numel)
         if payload.size != self.total:
             _check_size(payload, self.total)
         if expect is not None:
@@ -175,226 +203,65 @@ class _DecodeCPU(_PreparedBase):
             kernel(payload, out, *self.args, self.k)
 
 
-class QsgdEncodeCPU(_PreparedBase):
-    """``prepare_qsgd_encode(...)(x, payload, header, key, stream=None, residual=None)``."""
-    __slots__ = ("args",)
-
-    def __init__(self, numel, bits, bucket_size, stochastic, norm_l2):
-        lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
-        self._setup(_qsgd_encode[bits], lay, bucket_size)
-        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
-                     lay.nscales, int(bucket_size), bool(stochastic), bool(norm_l2))
-
-    def __call__(self, x, payload, header, key, stream=None, residual=None):
-        x = _flat(x)
-        if x.size != self.numel:
-            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
-        if payload.size != self.total:
-            _check_size(payload, self.total)
-        if residual is None:
-            res, has = _NO_RESIDUAL, False
-        else:
-            res, has = _flat(residual), True
-            if res.size != self.numel:
-                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
-        kernel = self._serial or self._kernel.pick(self.nchunks)
-        kernel(x, payload, _words(header), *self.args, _U64(key), self.k, res, has)
+def _encode_args(lay, *rest):
+    return (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset, lay.nscales) + rest
 
 
-class QsgdDecodeCPU(_DecodeCPU):
-    """``prepare_qsgd_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
-    __slots__ = ()
-
-    def __init__(self, numel, bits, bucket_size, accumulate):
-        lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
-        self._setup(_qsgd_decode[bits], lay, bucket_size)
-        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bucket_size), bool(accumulate))
+def _qsgd_encode_op(numel, bits, bucket_size, stochastic, norm_l2):
+    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
+    return _Encode(_qsgd_encode[bits], lay, bucket_size,
+                   _encode_args(lay, bucket_size, bool(stochastic), bool(norm_l2)))
 
 
-class OnebitEncodeCPU(_PreparedBase):
-    """``prepare_onebit_encode(...)(x, payload, header, key=0, stream=None, residual=None)``: the
-    signature of every prepared encode (``key`` unused: 1-bit draws no noise)."""
-    __slots__ = ("args",)
-
-    def __init__(self, numel, bucket_size, two_mean):
-        mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-        lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode)
-        bs = int(bucket_size) or max(numel, 1)
-        self._setup(_onebit_encode if bs <= SEGMENT else _onebit_encode_long, lay, bs, span=True)
-        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
-                     lay.nscales, bs, bool(two_mean))
-
-    def __call__(self, x, payload, header, key=0, stream=None, residual=None):
-        x = _flat(x)
-        if x.size != self.numel:
-            raise ValueError(f"x has {x.size} elements, this launch was prepared for {self.numel}")
-        if payload.size != self.total:
-            _check_size(payload, self.total)
-        if residual is None:
-            res, has = _NO_RESIDUAL, False
-        else:
-            res, has = _flat(residual), True
-            if res.size != self.numel:
-                raise ValueError(f"residual has {res.size} elements, x has {self.numel}")
-        kernel = self._serial or self._kernel.pick(self.nchunks)
-        kernel(x, payload, _words(header), *self.args, self.k, res, has)
+def _qsgd_decode_op(numel, bits, bucket_size, accumulate):
+    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
+    return _Decode(_qsgd_decode[bits], lay, bucket_size,
+                   (lay.codes_offset, lay.scales_offset, lay.nscales, bucket_size, bool(accumulate)))
 
 
-class OnebitDecodeCPU(_DecodeCPU):
-    """``prepare_onebit_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
-    __slots__ = ()
-
-    def __init__(self, numel, bucket_size, two_mean, accumulate):
-        mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-        lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode)
-        bs = int(bucket_size) or max(numel, 1)
-        self._setup(_onebit_decode, lay, bs, span=True)
-        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(two_mean),
-                     bool(accumulate))
+def _onebit_layout(numel, bucket_size, two_mean):
+    """(layout, bucket size the kernels use: 0 is one bucket per tensor) of 1-bit payloads."""
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    return wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode), bucket_size or max(numel, 1)
 
 
-class SortquantEncodeCPU(QsgdEncodeCPU):
-    """``prepare_sortquant_encode(...)(x, payload, header, key, stream=None, residual=None)``."""
-    __slots__ = ()
-
-    def __init__(self, numel, bits, split_bits, bucket_size, stochastic):
-        lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
-        self._setup(_sortquant_encode[bits], lay, bucket_size)
-        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
-                     lay.nscales, int(bucket_size), int(split_bits), bool(stochastic))
+def _onebit_encode_op(numel, bucket_size, two_mean):
+    lay, bs = _onebit_layout(numel, bucket_size, two_mean)
+    return _Encode(_onebit_encode if bs <= SEGMENT else _onebit_encode_long, lay, bs,
+                   _encode_args(lay, bs, bool(two_mean)), span=True, keyed=False)
 
 
-class SortquantDecodeCPU(QsgdDecodeCPU):
-    """``prepare_sortquant_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
-    __slots__ = ()
-
-    def __init__(self, numel, bits, split_bits, bucket_size, accumulate):
-        lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
-        self._setup(_sortquant_decode[bits], lay, bucket_size)
-        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, int(bucket_size), int(split_bits),
-                     bool(accumulate))
+def _onebit_decode_op(numel, bucket_size, two_mean, accumulate):
+    lay, bs = _onebit_layout(numel, bucket_size, two_mean)
+    return _Decode(_onebit_decode, lay, bs,
+                   (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(two_mean), bool(accumulate)),
+                   span=True)
 
 
-def prepare_sortquant_encode(numel, bits, split_bits, bucket_size, stochastic):
-    return SortquantEncodeCPU(int(numel), int(bits), int(split_bits), int(bucket_size), bool(stochastic))
+def _sortquant_encode_op(numel, bits, split_bits, bucket_size, stochastic):
+    lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
+    return _Encode(_sortquant_encode[bits], lay, bucket_size,
+                   _encode_args(lay, bucket_size, split_bits, bool(stochastic)))
 
 
-def prepare_sortquant_decode(numel, bits, split_bits, bucket_size, accumulate):
-    return SortquantDecodeCPU(int(numel), int(bits), int(split_bits), int(bucket_size), bool(accumulate))
+def _sortquant_decode_op(numel, bits, split_bits, bucket_size, accumulate):
+    lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
+    return _Decode(_sortquant_decode[bits], lay, bucket_size,
+                   (lay.codes_offset, lay.scales_offset, lay.nscales, bucket_size, split_bits, bool(accumulate)))
 
 
-class KmeansEncodeCPU(QsgdEncodeCPU):
-    """``prepare_kmeans_encode(...)(x, payload, header, key, stream=None, residual=None)``."""
-    __slots__ = ()
-
-    def __init__(self, numel, bits, bucket_size, iters):
-        lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
-        bs = bucket_size or max(numel, 1)
-        self._setup(_kmeans_encode[bits], lay, bs)
-        self.args = (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
-                     lay.nscales, bs, int(iters))
-
-
-class KmeansDecodeCPU(QsgdDecodeCPU):
-    """``prepare_kmeans_decode(...)(payload, out, stream=None, status=None, expect=None)``."""
-    __slots__ = ()
-
-    def __init__(self, numel, bits, bucket_size, accumulate):
-        lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
-        bs = bucket_size or max(numel, 1)
-        self._setup(_kmeans_decode[bits], lay, bs, span=True)
-        self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(accumulate))
-
-
-def prepare_kmeans_encode(numel, bits, bucket_size, iters):
+def _kmeans_encode_op(numel, bits, bucket_size, iters):
     """``bucket_size`` 0: one bucket per tensor."""
-    return KmeansEncodeCPU(int(numel), int(bits), int(bucket_size or 0), int(iters))
+    lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
+    bs = bucket_size or max(numel, 1)
+    return _Encode(_kmeans_encode[bits], lay, bs, _encode_args(lay, bs, iters))
 
 
-def prepare_kmeans_decode(numel, bits, bucket_size, accumulate):
-    return KmeansDecodeCPU(int(numel), int(bits), int(bucket_size or 0), bool(accumulate))
-
-
-def prepare_qsgd_encode(numel, bits, bucket_size, stochastic, norm_l2):
-    return QsgdEncodeCPU(int(numel), int(bits), int(bucket_size), bool(stochastic), bool(norm_l2))
-
-
-def prepare_qsgd_decode(numel, bits, bucket_size, accumulate):
-    return QsgdDecodeCPU(int(numel), int(bits), int(bucket_size), bool(accumulate))
-
-
-def prepare_onebit_encode(numel, bucket_size, two_mean):
-    return OnebitEncodeCPU(int(numel), int(bucket_size or 0), bool(two_mean))
-
-
-def prepare_onebit_decode(numel, bucket_size, two_mean, accumulate):
-    return OnebitDecodeCPU(int(numel), int(bucket_size or 0), bool(two_mean), bool(accumulate))
-
-
-_cached = functools.partial(memo, {})     # (key, make, *args) -> the prepared launch
-
-
-def write_header_cpu(payload, header, stream=None):
-    _write_header_only(payload, _words(header))
-
-
-def qsgd_encode_cpu(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=None,
-                    residual=None):
-    """Bucketed QSGD encode of float32 ``x`` into ``payload`` (see ``qsgd_encode_ref``)."""
-    n = x.size
-    _cached((0, n, bits, bucket_size, stochastic, norm_l2), prepare_qsgd_encode, n, bits, bucket_size,
-            stochastic, norm_l2)(x, payload, header, key, stream, residual)
-
-
-def qsgd_decode_cpu(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
-    """out (+)= dequantized QSGD payload (see ``qsgd_decode_ref``)."""
-    n = out.size
-    _cached((1, n, bits, bucket_size, accumulate), prepare_qsgd_decode, n, bits, bucket_size,
-            accumulate)(payload, out, stream, status, expect)
-
-
-def sortquant_encode_cpu(x, payload, header, bits, split_bits, bucket_size, stochastic, key, stream=None,
-                         residual=None):
-    """Sort quantization of float32 ``x`` into ``payload`` (see ``sortquant_encode_ref``)."""
-    n = x.size
-    _cached((10, n, bits, split_bits, bucket_size, stochastic), prepare_sortquant_encode, n, bits,
-            split_bits, bucket_size, stochastic)(x, payload, header, key, stream, residual)
-
-
-def sortquant_decode_cpu(payload, out, bits, split_bits, bucket_size, accumulate, stream=None, status=None,
-                         expect=None):
-    """out (+)= decoded sort-quantized payload (see ``sortquant_decode_ref``)."""
-    n = out.size
-    _cached((11, n, bits, split_bits, bucket_size, accumulate), prepare_sortquant_decode, n, bits,
-            split_bits, bucket_size, accumulate)(payload, out, stream, status, expect)
-
-
-def kmeans_encode_cpu(x, payload, header, bits, bucket_size, iters, key, stream=None, residual=None):
-    """KMeans encode of float32 ``x`` into ``payload`` (see ``kmeans_encode_ref``)."""
-    n = x.size
-    _cached((12, n, bits, bucket_size, iters), prepare_kmeans_encode, n, bits, bucket_size, iters)(
-        x, payload, header, key, stream, residual)
-
-
-def kmeans_decode_cpu(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
-    """out (+)= decoded KMeans payload (see ``kmeans_decode_ref``)."""
-    n = out.size
-    _cached((13, n, bits, bucket_size, accumulate), prepare_kmeans_decode, n, bits, bucket_size,
-            accumulate)(payload, out, stream, status, expect)
-
-
-def onebit_encode_cpu(x, payload, header, bucket_size, two_mean, stream=None, residual=None):
-    """1-bit encode (see ``onebit_encode_ref``); ``bucket_size`` 0 = one bucket per tensor."""
-    n = x.size
-    _cached((2, n, bucket_size, two_mean), prepare_onebit_encode, n, bucket_size, two_mean)(
-        x, payload, header, 0, stream, residual)
-
-
-def onebit_decode_cpu(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None,
-                      expect=None):
-    n = out.size
-    _cached((3, n, bucket_size, two_mean, accumulate), prepare_onebit_decode, n, bucket_size, two_mean,
-            accumulate)(payload, out, stream, status, expect)
+def _kmeans_decode_op(numel, bits, bucket_size, accumulate):
+    lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
+    bs = bucket_size or max(numel, 1)
+    return _Decode(_kmeans_decode[bits], lay, bs,
+                   (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(accumulate)), span=True)
 
 
 # ---- fused operations (see numba_kernels.reference): several payloads per call ------------------------
@@ -403,9 +270,7 @@ def _method_layout(numel, bits, bucket_size, two_mean):
     """(layout, bucket size used by the kernels) of QSGD (``two_mean`` None) or 1-bit payloads."""
     if two_mean is None:
         return wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size), bucket_size
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    return (wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode),
-            int(bucket_size) or max(numel, 1))
+    return _onebit_layout(numel, bucket_size, two_mean)
 
 
 def _check_all(payloads, n, total, expect):
@@ -419,18 +284,18 @@ def _check_all(payloads, n, total, expect):
             _check_expect(payloads[k * total:(k + 1) * total], expect)
 
 
-class _DecodeSumCPU(_PreparedBase):
-    """``prepare_*_decode_sum(...)(payloads, n, out, stream=None, status=None, expect=None)``."""
-    __slots__ = ("args", "qsgd")
+class _DecodeSum(_Prepared):
+    """``(payloads, n, out, stream=None, status=None, expect=None)``: out = the sum of the ``n``
+    payloads' decodes, in order."""
+    __slots__ = ()
 
     def __init__(self, numel, bits, bucket_size, two_mean):
         lay, bs = _method_layout(numel, bits, bucket_size, two_mean)
-        self.qsgd = two_mean is None
-        self._setup(_qsgd_decode_sum[bits] if self.qsgd else _onebit_decode_sum, lay, bs, not self.qsgd)
-        if self.qsgd:
-            self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs)
+        if two_mean is None:
+            super().__init__(_qsgd_decode_sum[bits], lay, bs, (lay.codes_offset, lay.scales_offset, lay.nscales, bs))
         else:
-            self.args = (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(two_mean))
+            super().__init__(_onebit_decode_sum, lay, bs,
+                             (lay.codes_offset, lay.scales_offset, lay.nscales, bs, bool(two_mean)), span=True)
 
     def _run(self, payloads, n, out, addend):
         if self.numel:
@@ -441,22 +306,22 @@ class _DecodeSumCPU(_PreparedBase):
     def __call__(self, payloads, n, out, stream=None, status=None, expect=None):
         out = _flat(out)
         if out.size != self.numel:
-            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
+            raise _wrong_size("out", out.size, self.numel)
         _check_all(payloads, n, self.total, expect)
         self._run(payloads, n, out, None)
 
 
-class _ReduceRequantizeCPU:
-    """``prepare_qsgd_reduce_requantize(...)(payloads, n, residual, out_payload, header, key,
-    stream=None, status=None, expect=None)`` (1-bit: ``key`` is ignored). The sum (plus the residual)
-    goes to a scratch array, then the encode kernel quantizes it and writes the new residual."""
+class _ReduceRequantize:
+    """``(payloads, n, residual, out_payload, header, key, stream=None, status=None, expect=None)``
+    (1-bit: ``key`` is ignored). The sum (plus the residual) goes to a scratch array, then the encode
+    kernel quantizes it and writes the new residual."""
     __slots__ = ("numel", "sum", "encode")
 
     def __init__(self, numel, bits, bucket_size, two_mean, stochastic=False, norm_l2=False):
         self.numel = numel
-        self.sum = _DecodeSumCPU(numel, bits, bucket_size, two_mean)
-        self.encode = (QsgdEncodeCPU(numel, bits, bucket_size, stochastic, norm_l2) if two_mean is None
-                       else OnebitEncodeCPU(numel, bucket_size, two_mean))
+        self.sum = _DecodeSum(numel, bits, bucket_size, two_mean)
+        self.encode = (_qsgd_encode_op(numel, bits, bucket_size, stochastic, norm_l2) if two_mean is None
+                       else _onebit_encode_op(numel, bucket_size, two_mean))
 
     def __call__(self, payloads, n, residual, out_payload, header, key=0, stream=None, status=None,
                  expect=None):
@@ -465,21 +330,19 @@ class _ReduceRequantizeCPU:
         if residual is not None:
             residual = _flat(residual)
             if residual.size != self.numel:
-                raise ValueError(f"residual has {residual.size} elements, this launch was prepared "
-                                 f"for {self.numel}")
+                raise _wrong_size("residual", residual.size, self.numel)
         c = np.empty(self.numel, np.float32)
         self.sum._run(payloads, n, c, residual)
         self.encode(c, out_payload, header, key, stream, residual)
 
 
-class _DecodeChunksCPU:
-    """``prepare_*_decode_chunks(...)(gathered, out, stream=None, status=None, name_hashes=None,
-    expect=None)``: chunk j's payload decoded into ``out[j*chunk:(j+1)*chunk]``."""
+class _DecodeChunks:
+    """``(gathered, out, stream=None, status=None, name_hashes=None, expect=None)``: chunk j's payload
+    decoded into ``out[j*chunk:(j+1)*chunk]``."""
     __slots__ = ("numel", "total", "offsets", "method", "bits", "mode", "bs0", "chunk", "args",
                  "_kernel", "_serial", "ntasks", "kchunk", "_exps")
 
     def __init__(self, numel, bits, bucket_size, chunk, two_mean):
-        from .reference import chunk_ranges
         ranges = chunk_ranges(numel, bucket_size, chunk)
         self.numel, self.bits, self.bs0, self.chunk = numel, bits, bucket_size, chunk
         self._exps = None
@@ -507,10 +370,9 @@ class _DecodeChunksCPU:
         self._serial = self._kernel.serial if self.ntasks <= 1 else None
 
     def __call__(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
-        from .reference import chunk_expects
         out = _flat(out)
         if out.size != self.numel:
-            raise ValueError(f"out has {out.size} elements, this launch was prepared for {self.numel}")
+            raise _wrong_size("out", out.size, self.numel)
         if gathered.size != self.total:
             raise wire.PayloadError(f"gathered has {gathered.size} bytes, the chunks need {self.total}")
         if expect is not None or name_hashes is not None:
@@ -527,71 +389,25 @@ class _DecodeChunksCPU:
             k(gathered, out, *self.args, self.kchunk)
 
 
-def prepare_qsgd_decode_sum(numel, bits, bucket_size):
-    return _DecodeSumCPU(int(numel), int(bits), int(bucket_size), None)
-
-
-def prepare_onebit_decode_sum(numel, bucket_size, two_mean):
-    return _DecodeSumCPU(int(numel), 1, int(bucket_size or 0), bool(two_mean))
-
-
-def prepare_qsgd_reduce_requantize(numel, bits, bucket_size, stochastic, norm_l2):
-    return _ReduceRequantizeCPU(int(numel), int(bits), int(bucket_size), None, bool(stochastic),
-                                bool(norm_l2))
-
-
-def prepare_onebit_reduce_requantize(numel, bucket_size, two_mean):
-    return _ReduceRequantizeCPU(int(numel), 1, int(bucket_size or 0), bool(two_mean))
-
-
-def prepare_qsgd_decode_chunks(numel, bits, bucket_size, chunk):
-    return _DecodeChunksCPU(int(numel), int(bits), int(bucket_size), int(chunk), None)
-
-
-def prepare_onebit_decode_chunks(numel, bucket_size, two_mean, chunk):
-    return _DecodeChunksCPU(int(numel), 1, int(bucket_size or 0), int(chunk), bool(two_mean))
-
-
-def qsgd_decode_sum_cpu(payloads, n, out, bits, bucket_size, stream=None, status=None, expect=None):
-    """out = the float32 sum of ``n`` QSGD payloads' decodes (see ``qsgd_decode_sum_ref``)."""
-    m = out.size
-    _cached((4, m, bits, bucket_size), prepare_qsgd_decode_sum, m, bits, bucket_size)(
-        payloads, n, out, stream, status, expect)
-
-
-def onebit_decode_sum_cpu(payloads, n, out, bucket_size, two_mean, stream=None, status=None,
-                          expect=None):
-    m = out.size
-    _cached((5, m, bucket_size, two_mean), prepare_onebit_decode_sum, m, bucket_size, two_mean)(
-        payloads, n, out, stream, status, expect)
-
-
-def qsgd_reduce_requantize_cpu(payloads, n, residual, out_payload, header, bits, bucket_size, stochastic,
-                               norm_l2, key, stream=None, status=None, expect=None):
-    """SRA's phase 2 (see ``qsgd_reduce_requantize_ref``); numel is the header's."""
-    m = int(header[2])
-    _cached((6, m, bits, bucket_size, stochastic, norm_l2), prepare_qsgd_reduce_requantize, m, bits,
-            bucket_size, stochastic, norm_l2)(payloads, n, residual, out_payload, header, key, stream,
-                                              status, expect)
-
-
-def onebit_reduce_requantize_cpu(payloads, n, residual, out_payload, header, bucket_size, two_mean,
-                                 stream=None, status=None, expect=None):
-    m = int(header[2])
-    _cached((7, m, bucket_size, two_mean), prepare_onebit_reduce_requantize, m, bucket_size, two_mean)(
-        payloads, n, residual, out_payload, header, 0, stream, status, expect)
-
-
-def qsgd_decode_chunks_cpu(gathered, out, bits, bucket_size, chunk, stream=None, status=None,
-                           name_hashes=None, expect=None):
-    """SRA's phase 3 (see ``qsgd_decode_chunks_ref``)."""
-    m = out.size
-    _cached((8, m, bits, bucket_size, chunk), prepare_qsgd_decode_chunks, m, bits, bucket_size, chunk)(
-        gathered, out, stream, status, name_hashes, expect)
-
-
-def onebit_decode_chunks_cpu(gathered, out, bucket_size, two_mean, chunk, stream=None, status=None,
-                             name_hashes=None, expect=None):
-    m = out.size
-    _cached((9, m, bucket_size, two_mean, chunk), prepare_onebit_decode_chunks, m, bucket_size, two_mean,
-            chunk)(gathered, out, stream, status, name_hashes, expect)
+# (method, kind) -> the prepared op's factory, with the same keyword parameters as numba_kernels.cuda's
+PREPARE = {
+    ("qsgd", "encode"): _qsgd_encode_op,
+    ("qsgd", "decode"): _qsgd_decode_op,
+    ("qsgd", "decode_sum"): lambda numel, bits, bucket_size: _DecodeSum(numel, bits, bucket_size, None),
+    ("qsgd", "reduce_requantize"): lambda numel, bits, bucket_size, stochastic, norm_l2: _ReduceRequantize(
+        numel, bits, bucket_size, None, stochastic, norm_l2),
+    ("qsgd", "decode_chunks"): lambda numel, bits, bucket_size, chunk: _DecodeChunks(
+        numel, bits, bucket_size, chunk, None),
+    ("onebit", "encode"): _onebit_encode_op,
+    ("onebit", "decode"): _onebit_decode_op,
+    ("onebit", "decode_sum"): lambda numel, bucket_size, two_mean: _DecodeSum(numel, 1, bucket_size,
+                                                                                bool(two_mean)),
+    ("onebit", "reduce_requantize"): lambda numel, bucket_size, two_mean: _ReduceRequantize(
+        numel, 1, bucket_size, bool(two_mean)),
+    ("onebit", "decode_chunks"): lambda numel, bucket_size, two_mean, chunk: _DecodeChunks(
+        numel, 1, bucket_size, chunk, bool(two_mean)),
+    ("sortquant", "encode"): _sortquant_encode_op,
+    ("sortquant", "decode"): _sortquant_decode_op,
+    ("kmeans", "encode"): _kmeans_encode_op,
+    ("kmeans", "decode"): _kmeans_decode_op,
+}

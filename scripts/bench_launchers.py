@@ -1,5 +1,4 @@
-"""Launcher micro-benchmark on a GPU: host time of a prepared (and a plain) encode + decode of 4096
-floats, and device time of encode + decode on 100M floats (CUDA events) for 4-bit (warp path),
+"""Launcher micro-benchmark on a GPU: host time of a prepared encode + decode of 4096 floats, and device time of encode + decode on 100M floats (CUDA events) for 4-bit (warp path),
 3-bit, 5-bit and a 16384-element bucket (general path).
 
     python3 scripts/bench_launchers.py [--numel N]
@@ -15,7 +14,15 @@ from numba_kernels import wire
 ap = argparse.ArgumentParser()
 ap.add_argument("--numel", type=int, default=100_000_000)
 args = ap.parse_args()
+import numba_kernels  # noqa: E402
 import numba_kernels.cuda as K  # noqa: E402
+
+
+def ops(n, bits, bs):
+    """The prepared QSGD encode and decode of ``n`` floats on the device."""
+    return (numba_kernels.prepare("qsgd", "encode", True, n, bits=bits, bucket_size=bs, stochastic=True,
+                                  norm_l2=False),
+            numba_kernels.prepare("qsgd", "decode", True, n, bits=bits, bucket_size=bs, accumulate=False))
 
 
 def host_us(n=4096, bits=4, bs=512, reps=2000):
@@ -26,8 +33,7 @@ def host_us(n=4096, bits=4, bs=512, reps=2000):
     h = wire.Header(2, bits, 0, 0, bs, 0, (n,)).words()
     st = cuda.to_device(np.zeros(2, np.int32))
     out = {}
-    e = K.prepare_qsgd_encode(n, bits, bs, True, False)
-    d = K.prepare_qsgd_decode(n, bits, bs, False)
+    e, d = ops(n, bits, bs)
     exp = wire.Expect(2, bits, 0, 0, bs, n)
     xp, pp, op, sp = (a.__cuda_array_interface__["data"][0] for a in (x, p, o, st))
     for _ in range(20):
@@ -46,16 +52,6 @@ def host_us(n=4096, bits=4, bs=512, reps=2000):
         d(p, o, 0, st, exp)
     out["prepared, device arrays"] = (time.perf_counter() - t) / reps * 1e6
     cuda.synchronize()
-    for _ in range(20):
-        K.qsgd_encode_cuda(x, p, h, bits, bs, True, False, 1)
-        K.qsgd_decode_cuda(p, o, bits, bs, False)
-    cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        K.qsgd_encode_cuda(x, p, h, bits, bs, True, False, 1)
-        K.qsgd_decode_cuda(p, o, bits, bs, False)
-    out["plain launchers"] = (time.perf_counter() - t) / reps * 1e6
-    cuda.synchronize()
     return out
 
 
@@ -65,16 +61,17 @@ def device_ms(n, bits, bs, reps=10):
     p = cuda.device_array(lay.total, np.uint8)
     o = cuda.device_array(n, np.float32)
     h = wire.Header(2, bits, 0, 0, bs, 0, (n,)).words()
-    K.qsgd_encode_cuda(x, p, h, bits, bs, True, False, 1)
-    K.qsgd_decode_cuda(p, o, bits, bs, False)
+    enc, dec = ops(n, bits, bs)
+    enc(x, p, h, 1)
+    dec(p, o)
     cuda.synchronize()
     e0, e1, e2 = cuda.event(), cuda.event(), cuda.event()
     best = [1e9, 1e9]
     for _ in range(reps):
         e0.record()
-        K.qsgd_encode_cuda(x, p, h, bits, bs, True, False, 1)
+        enc(x, p, h, 1)
         e1.record()
-        K.qsgd_decode_cuda(p, o, bits, bs, False)
+        dec(p, o)
         e2.record()
         e2.synchronize()
         best[0] = min(best[0], cuda.event_elapsed_time(e0, e1))

@@ -15,6 +15,7 @@ import argparse
 import numpy as np
 from numba import cuda
 
+import numba_kernels
 import numba_kernels.cuda as K
 from numba_kernels import _cuda_warp, wire
 
@@ -26,6 +27,13 @@ def _d2d(dst, src):
     else:
         from numba.cuda.cudadrv import driver
         driver.device_to_device(dst, src, src.nbytes, stream=cuda.default_stream())
+
+
+def qsgd(kind, numel, bits, bs, **extra):
+    """A prepared QSGD op on the device (stochastic, max norm)."""
+    if kind in ("encode", "reduce_requantize"):
+        extra.update(stochastic=True, norm_l2=False)
+    return numba_kernels.prepare("qsgd", kind, True, numel, bits=bits, bucket_size=bs, **extra)
 
 
 def timed(fn, reps):
@@ -58,16 +66,16 @@ def main():
     lay = wire.layout(wire.METHODS["qsgd"], n, bits, bs)
     h = wire.Header(wire.METHODS["qsgd"], bits, 0, 0, bs, 0, (n,)).words()
     pays = cuda.device_array(2 * lay.total, np.uint8)
-    K.qsgd_encode_cuda(x, pays[:lay.total], h, bits, bs, True, False, 1)
-    K.qsgd_encode_cuda(x, pays[lay.total:], h, bits, bs, True, False, 2)
+    qsgd("encode", n, bits, bs)(x, pays[:lay.total], h, 1)
+    qsgd("encode", n, bits, bs)(x, pays[lay.total:], h, 2)
     half = n // 2 // bs * bs
     ch = wire.layout(wire.METHODS["qsgd"], half, bits, bs)
     last = wire.layout(wire.METHODS["qsgd"], n - half, bits, bs)
     gathered = cuda.device_array(ch.total + last.total, np.uint8)
     h0 = wire.Header(wire.METHODS["qsgd"], bits, 0, 0, bs, 0, (half,)).words()
     h1 = wire.Header(wire.METHODS["qsgd"], bits, 0, 0, bs, 0, (n - half,)).words()
-    K.qsgd_encode_cuda(x[:half], gathered[:ch.total], h0, bits, bs, True, False, 3)
-    K.qsgd_encode_cuda(x[half:], gathered[ch.total:], h1, bits, bs, True, False, 4)
+    qsgd("encode", half, bits, bs)(x[:half], gathered[:ch.total], h0, 3)
+    qsgd("encode", n - half, bits, bs)(x[half:], gathered[ch.total:], h1, 4)
     outp = cuda.device_array(lay.total, np.uint8)
     first = pays[:lay.total]
     copy = timed(lambda: _d2d(out, x), args.reps)
@@ -78,17 +86,17 @@ def main():
     rows = {}
     for path in ("warp", "block"):
         _cuda_warp.supported = supported if path == "warp" else (lambda *a: False)
-        enc = K.prepare_qsgd_encode(n, bits, bs, True, False)
-        dec = K.prepare_qsgd_decode(n, bits, bs, False)
-        rr = K.prepare_qsgd_reduce_requantize(n, bits, bs, True, False)
-        dsum = K.prepare_qsgd_decode_sum(n, bits, bs)
-        dch = K.prepare_qsgd_decode_chunks(n, bits, bs, half)
+        enc = qsgd("encode", n, bits, bs)
+        dec = qsgd("decode", n, bits, bs, accumulate=False)
+        rr = qsgd("reduce_requantize", n, bits, bs)
+        dsum = qsgd("decode_sum", n, bits, bs)
+        dch = qsgd("decode_chunks", n, bits, bs, chunk=half)
         ops = [("encode (with residual)", lambda: enc(x, outp, h, 5, 0, res)),
                ("decode", lambda: dec(first, out, 0, None, None)),
                ("reduce_requantize n=1 (residual)", lambda: rr(first, 1, res, outp, h, 5, 0)),
                ("reduce_requantize n=2 (residual)", lambda: rr(pays, 2, res, outp, h, 5, 0)),
-               ("decode_chunks (2 chunks)", lambda: dch.decode_chunks(gathered, out, 0)),
-               ("decode_sum n=2", lambda: dsum.decode_sum(pays, 2, out, 0))]
+               ("decode_chunks (2 chunks)", lambda: dch(gathered, out, 0)),
+               ("decode_sum n=2", lambda: dsum(pays, 2, out, 0))]
         for name, fn in ops:
             rows.setdefault(name, {})[path] = timed(fn, args.reps)
     _cuda_warp.supported = supported

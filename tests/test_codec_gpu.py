@@ -31,6 +31,12 @@ def _cuda_ok():
         return False
 
 
+def op(method, kind, numel, device=True, **params):
+    """The prepared op of one call (``numba_kernels.prepare``), on the device."""
+    import numba_kernels
+    return numba_kernels.prepare(method, kind, device, numel, **params)
+
+
 def _nan_eq(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return bool(np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(
@@ -93,7 +99,9 @@ def kernels_match_reference_part(bucket_sizes, rest):
                         d = cuda.to_device(np.full(lay.total, 0xA5, np.uint8))
                         resid = (n + bits + bs) % 3 == 0        # a third of the cases: in place
                         xr = cuda.to_device(x) if resid else None
-                        K.qsgd_encode_cuda(xr if resid else xd, d, h, bits, bs, st, l2, key, 0, xr)
+                        op("qsgd", "encode", (xr if resid else xd).size, bits=bits, bucket_size=bs,
+                           stochastic=st, norm_l2=l2, device=True)(
+                            xr if resid else xd, d, h, key, 0, xr)
                         got = d.copy_to_host()
                         sc = slice(lay.scales_offset, lay.total)
                         ok = np.array_equal(want[:lay.scales_offset], got[:lay.scales_offset]) and _nan_eq(
@@ -104,7 +112,8 @@ def kernels_match_reference_part(bucket_sizes, rest):
                         with np.errstate(all="ignore"):
                             R.qsgd_decode_ref(want, a, bits, bs, True)
                         o = cuda.to_device(np.ones(n, np.float32))
-                        K.qsgd_decode_cuda(cuda.to_device(want), o, bits, bs, True)
+                        op("qsgd", "decode", o.size, bits=bits, bucket_size=bs, accumulate=True, device=True)(
+                            cuda.to_device(want), o)
                         if not (ok and _nan_eq(a, o.copy_to_host())):
                             fails.append(f"qsgd n={n}{' wide' if wide else ''} bs={bs} bits={bits} st={st} "
                                          f"l2={l2} enc={ok}")
@@ -119,7 +128,8 @@ def kernels_match_reference_part(bucket_sizes, rest):
                         R.onebit_encode_ref(x, want, h, bs1, tm, residual=rref)
                     d = cuda.to_device(np.full(lay.total, 0xA5, np.uint8))
                     rd = cuda.device_array(n, np.float32)
-                    K.onebit_encode_cuda(xd, d, h, bs1, tm, 0, rd)
+                    op("onebit", "encode", xd.size, bucket_size=bs1, two_mean=tm, device=True)(
+                        xd, d, h, 0, 0, rd)
                     if not _nan_eq(rref, rd.copy_to_host()):
                         fails.append(f"onebit residual n={n} bs={bs1} two_mean={tm}")
                     got = d.copy_to_host()
@@ -130,7 +140,8 @@ def kernels_match_reference_part(bucket_sizes, rest):
                     with np.errstate(all="ignore"):
                         R.onebit_decode_ref(want, a, bs1, tm, False)
                     o = cuda.to_device(np.ones(n, np.float32))
-                    K.onebit_decode_cuda(cuda.to_device(want), o, bs1, tm, False)
+                    op("onebit", "decode", o.size, bucket_size=bs1, two_mean=tm, accumulate=False, device=True)(
+                        cuda.to_device(want), o)
                     if not (ok and _nan_eq(a, o.copy_to_host())):
                         fails.append(f"onebit n={n}{' wide' if wide else ''} bs={bs1} two_mean={tm} enc={ok}")
     if not rest:
@@ -145,11 +156,12 @@ def kernels_match_reference_part(bucket_sizes, rest):
         want = np.zeros(lay.total, np.uint8)
         R.qsgd_encode_ref(x, want, h, bits, bs, st, l2, key)
         d = cuda.to_device(np.full(lay.total, 0xA5, np.uint8))
-        K.qsgd_encode_cuda(xd, d, h, bits, bs, st, l2, key)
+        op("qsgd", "encode", xd.size, bits=bits, bucket_size=bs, stochastic=st, norm_l2=l2, device=True)(
+            xd, d, h, key)
         a = np.zeros(n, np.float32)
         R.qsgd_decode_ref(want, a, bits, bs, False)
         o = cuda.to_device(np.ones(n, np.float32))
-        K.qsgd_decode_cuda(d, o, bits, bs, False)
+        op("qsgd", "decode", o.size, bits=bits, bucket_size=bs, accumulate=False, device=True)(d, o)
         if not (np.array_equal(want, d.copy_to_host()) and _nan_eq(a, o.copy_to_host())):
             fails.append(f"qsgd n={n} bs={bs} bits={bits} st={st} l2={l2}")
     # header check inside the decode (expect) and standalone, good and bad, status as the reference says
@@ -166,9 +178,11 @@ def kernels_match_reference_part(bucket_sizes, rest):
             o = cuda.to_device(np.zeros(100_003, np.float32))
             if how == "check":
                 K.check_header_cuda(dq, status, wire.Expect(*exp))
-                K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)
+                op("qsgd", "decode", o.size, bits=4, bucket_size=64, accumulate=False, device=True)(
+                    dq, o, 0, status)
             else:
-                K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status, wire.Expect(*exp))
+                op("qsgd", "decode", o.size, bits=4, bucket_size=64, accumulate=False, device=True)(
+                    dq, o, 0, status, wire.Expect(*exp))
             want = R.header_errors_ref(p, *exp)
             st = status.copy_to_host()
             y = o.copy_to_host()
@@ -184,7 +198,6 @@ def check_sort_kmeans_kernels_match_reference():
     in-place residuals and checked decodes equal to the reference, and another tensor's payload
     refused (NaN, status bit 256)."""
     from numba import cuda
-    import numba_kernels.cuda as K
     from numba_kernels import reference as R, wire
     fails = []
     key = 0x1234_5678_9ABC_DEF0
@@ -230,9 +243,13 @@ def check_sort_kmeans_kernels_match_reference():
                 case(f"sortquant n={n} bs={bs} bits={bits}/{sb} st={st} special={special}", x, 4,
                      wire.layout(4, n, bits, bs, 0, sb), h,
                      lambda x_, p, h_, r: R.sortquant_encode_ref(x_, p, h_, bits, sb, bs, st, key, residual=r),
-                     lambda x_, p, h_, r: K.sortquant_encode_cuda(x_, p, h_, bits, sb, bs, st, key, 0, r),
+                     lambda x_, p, h_, r: op("sortquant", "encode", x_.size, bits=bits, split_bits=sb,
+                                             bucket_size=bs, stochastic=st, device=True)(
+                         x_, p, h_, key, 0, r),
                      lambda p, a: R.sortquant_decode_ref(p, a, bits, sb, bs, True),
-                     lambda p, o, s_, e: K.sortquant_decode_cuda(p, o, bits, sb, bs, True, 0, s_, e),
+                     lambda p, o, s_, e: op("sortquant", "decode", o.size, bits=bits, split_bits=sb,
+                                            bucket_size=bs, accumulate=True, device=True)(
+                         p, o, 0, s_, e),
                      wire.Expect(4, bits, mode, sb, bs, n, 7, True))
             for bs, bits, iters in ((0, 4, 20), (0, 1, 5), (0, 8, 3), (7, 3, 4), (512, 2, 20), (5000, 5, 6)):
                 if n > 100_003 and bs not in (0, 512):
@@ -241,9 +258,13 @@ def check_sort_kmeans_kernels_match_reference():
                 case(f"kmeans n={n} bs={bs} bits={bits} iters={iters} special={special}", x, 5,
                      wire.layout(5, n, bits, bs), h,
                      lambda x_, p, h_, r: R.kmeans_encode_ref(x_, p, h_, bits, bs, iters, key, residual=r),
-                     lambda x_, p, h_, r: K.kmeans_encode_cuda(x_, p, h_, bits, bs, iters, key, 0, r),
+                     lambda x_, p, h_, r: op("kmeans", "encode", x_.size, bits=bits, bucket_size=bs,
+                                             iters=iters, device=True)(
+                         x_, p, h_, key, 0, r),
                      lambda p, a: R.kmeans_decode_ref(p, a, bits, bs, True),
-                     lambda p, o, s_, e: K.kmeans_decode_cuda(p, o, bits, bs, True, 0, s_, e),
+                     lambda p, o, s_, e: op("kmeans", "decode", o.size, bits=bits, bucket_size=bs,
+                                            accumulate=True, device=True)(
+                         p, o, 0, s_, e),
                      wire.Expect(5, bits, 0, 0, bs, n, 7, True))
     return fails
 
@@ -254,7 +275,6 @@ def check_fused_kernels_match_reference():
     single-payload kernels send down either path, buckets above FUSE_MAX; a bad payload -> NaN and
     status bits."""
     from numba import cuda
-    import numba_kernels.cuda as K
     from numba_kernels import reference as R
     fails = []
     dev = cuda.to_device
@@ -274,7 +294,8 @@ def check_fused_kernels_match_reference():
                 with np.errstate(all="ignore"):
                     R.qsgd_decode_sum_ref(buf, n, a, bits, bs)
                 o = dev(np.ones(m, np.float32))
-                K.qsgd_decode_sum_cuda(dev(buf), n, o, bits, bs, 0, None, exp)
+                op("qsgd", "decode_sum", o.size, bits=bits, bucket_size=bs, device=True)(
+                    dev(buf), n, o, 0, None, exp)
                 if not _nan_eq(a, o.copy_to_host()):
                     fails.append(f"decode_sum {what}")
                 for resid in (False, True):
@@ -285,8 +306,9 @@ def check_fused_kernels_match_reference():
                         R.qsgd_reduce_requantize_ref(buf, n, ra, pa, h, bits, bs, st, l2, KEY_FUSED)
                     rd = dev(r0) if resid else None
                     pd = dev(np.full(lay.total, 0xA5, np.uint8))
-                    K.qsgd_reduce_requantize_cuda(dev(buf), n, rd, pd, h, bits, bs, st, l2, KEY_FUSED, 0,
-                                                  None, exp)
+                    op("qsgd", "reduce_requantize", int(h[2]), bits=bits, bucket_size=bs, stochastic=st,
+                       norm_l2=l2, device=True)(
+                        dev(buf), n, rd, pd, h, KEY_FUSED, 0, None, exp)
                     if not penc(pa, pd.copy_to_host(), lay) or (resid and not _nan_eq(ra, rd.copy_to_host())):
                         fails.append(f"reduce_requantize resid={resid} {what}")
                 if m and bs < 10000:
@@ -296,7 +318,8 @@ def check_fused_kernels_match_reference():
                         R.qsgd_decode_chunks_ref(g, a, bits, bs, chunk)
                     o = dev(np.ones(m, np.float32))
                     status = dev(np.zeros(2, np.int32))
-                    K.qsgd_decode_chunks_cuda(dev(g), o, bits, bs, chunk, 0, status, dev(nh), cexp)
+                    op("qsgd", "decode_chunks", o.size, bits=bits, bucket_size=bs, chunk=chunk, device=True)(
+                        dev(g), o, 0, status, dev(nh), cexp)
                     if not _nan_eq(a, o.copy_to_host()) or status.copy_to_host().any():
                         fails.append(f"decode_chunks chunk={chunk} {what}")
                 if m > 100 and n == 3:
@@ -305,7 +328,8 @@ def check_fused_kernels_match_reference():
                     bad[2 * lay.total:] = other     # the second once read the second's header
                     status = dev(np.zeros(2, np.int32))
                     o = dev(np.ones(m, np.float32))
-                    K.qsgd_decode_sum_cuda(dev(bad), n, o, bits, bs, 0, status, exp)
+                    op("qsgd", "decode_sum", o.size, bits=bits, bucket_size=bs, device=True)(
+                        dev(bad), n, o, 0, status, exp)
                     if not (np.isnan(o.copy_to_host()).all() and status.copy_to_host()[0] == 256):
                         fails.append(f"decode_sum bad payload {what}")
             for bs, tm in ((0, True), (0, False), (64, True), (7, False)):
@@ -315,7 +339,8 @@ def check_fused_kernels_match_reference():
                 with np.errstate(all="ignore"):
                     R.onebit_decode_sum_ref(buf, n, a, bs, tm)
                 o = dev(np.ones(m, np.float32))
-                K.onebit_decode_sum_cuda(dev(buf), n, o, bs, tm, 0, None, exp)
+                op("onebit", "decode_sum", o.size, bucket_size=bs, two_mean=tm, device=True)(
+                    dev(buf), n, o, 0, None, exp)
                 if not _nan_eq(a, o.copy_to_host()):
                     fails.append(f"decode_sum {what}")
                 r0 = make_x(m, 3)
@@ -325,7 +350,8 @@ def check_fused_kernels_match_reference():
                     R.onebit_reduce_requantize_ref(buf, n, ra, pa, h, bs, tm)
                 rd = dev(r0)
                 pd = dev(np.full(lay.total, 0xA5, np.uint8))
-                K.onebit_reduce_requantize_cuda(dev(buf), n, rd, pd, h, bs, tm, 0, None, exp)
+                op("onebit", "reduce_requantize", int(h[2]), bucket_size=bs, two_mean=tm, device=True)(
+                    dev(buf), n, rd, pd, h, 0, 0, None, exp)
                 if not (penc(pa, pd.copy_to_host(), lay) and _nan_eq(ra, rd.copy_to_host())):
                     fails.append(f"reduce_requantize {what}")
                 if m:
@@ -334,7 +360,9 @@ def check_fused_kernels_match_reference():
                     with np.errstate(all="ignore"):
                         R.onebit_decode_chunks_ref(g, a, bs, tm, chunk)
                     o = dev(np.ones(m, np.float32))
-                    K.onebit_decode_chunks_cuda(dev(g), o, bs, tm, chunk, 0, None, dev(nh))
+                    op("onebit", "decode_chunks", o.size, bucket_size=bs, two_mean=tm, chunk=chunk,
+                       device=True)(
+                        dev(g), o, 0, None, dev(nh))
                     if not _nan_eq(a, o.copy_to_host()):
                         fails.append(f"decode_chunks chunk={chunk} {what}")
     return fails

@@ -3,12 +3,13 @@
 * the references are compositions of the single-payload references; the identities that define them
   are tested here too (decode_sum of one payload == decode; reduce_requantize == decode_sum, add,
   encode with residual; decode_chunks == one decode per chunk);
-* CPU (``*_cpu``) == reference for n = 1, 2, 3 payloads, sizes on either side of the bucket, every
-  bit width, both roundings and norms, NaN/Inf buckets, residual in and out, 1-bit with both scales
+* CPU (``numba_kernels.prepare(..., device=False)``) == reference, one case per code path: n = 1, 2,
+  3 payloads, sizes on either side of the bucket, each pack family's bit width, both roundings and
+  norms, NaN/Inf buckets, residual in and out, 1-bit with both scales
   and one bucket per tensor; a bad payload among the n raises ``PayloadError`` before anything is
   written;
-* CUDA (``*_cuda``) in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` on small cases covering both
-  sides of the warp/block boundaries; a bad payload gives NaN and status bits there.
+* CUDA (the same ops with ``device=True``) in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` on small
+  cases covering both sides of the warp/block boundaries; a bad payload gives NaN and status bits there.
 """
 import json
 import os
@@ -17,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from numba_kernels import reference as R, wire
+from numba_kernels import prepare, reference as R, wire
 from numba_kernels._scalar import SEGMENT
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -25,6 +26,9 @@ import children  # noqa: E402
 from data import KEY_FUSED as KEY, chunk_payloads, make_x, onebit_payloads, qsgd_payloads  # noqa: E402
 
 
+def op(method, kind, numel, device=False, **params):
+    """The prepared op of one call (``numba_kernels.prepare``)."""
+    return prepare(method, kind, device, numel, **params)
 
 def bits_equal(a, b):
     return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
@@ -95,9 +99,13 @@ def cpu():
     return cpu
 
 
-SUM_SIZES = [1, 31, 33, 64, 65, 200]
-QSGD_SUM = [(n, m, bs, bits, st, l2) for n in (1, 2, 3) for m in SUM_SIZES for bs in (7, 64)
-            for bits in (2, 3, 4, 8, 16) for st, l2 in ((True, False), (False, True))]
+# (1) sizes on either side of a lane and a bucket (2 payloads, one configuration); (2) one payload
+# (the sum is a decode) and three; (3) each pack family's width (2, 3, 4, 8, 16) at both bucket sizes
+# (7: off byte boundaries), NaN/Inf buckets (m > 60), the roundings and norms taking turns
+QSGD_SUM = ([(2, m, 64, 4, True, False) for m in (1, 31, 33, 64, 65, 200)]
+            + [(n, 65, 7, 3, False, True) for n in (1, 3)]
+            + [(3, 200, bs, bits) + ((True, False), (False, True))[k % 2] for k, (bits, bs) in enumerate(
+                (bits, bs) for bits in (2, 3, 4, 8, 16) for bs in (7, 64))])
 
 
 def _qid(n, m, bs, bits, st, l2):
@@ -111,7 +119,7 @@ def test_qsgd_fused_cpu_equals_reference(cpu, n, m, bs, bits, st, l2):
     a, b = np.empty(m, np.float32), np.full(m, 9.0, np.float32)
     with np.errstate(all="ignore"):
         R.qsgd_decode_sum_ref(buf, n, a, bits, bs, expect=exp)
-    cpu.qsgd_decode_sum_cpu(buf, n, b, bits, bs, None, None, exp)
+    op("qsgd", "decode_sum", b.size, bits=bits, bucket_size=bs)(buf, n, b, None, None, exp)
     assert nan_bits_equal(a, b)
     for resid in (False, True):
         r0 = make_x(m, 11) if resid else None
@@ -119,30 +127,36 @@ def test_qsgd_fused_cpu_equals_reference(cpu, n, m, bs, bits, st, l2):
         pa, pb = np.zeros(lay.total, np.uint8), np.full(lay.total, 0xA5, np.uint8)
         with np.errstate(all="ignore"):
             R.qsgd_reduce_requantize_ref(buf, n, ra, pa, h, bits, bs, st, l2, KEY, expect=exp)
-        cpu.qsgd_reduce_requantize_cpu(buf, n, rb, pb, h, bits, bs, st, l2, KEY, None, None, exp)
+        op("qsgd", "reduce_requantize", int(h[2]), bits=bits, bucket_size=bs, stochastic=st, norm_l2=l2)(
+            buf, n, rb, pb, h, KEY, None, None, exp)
         assert payload_equal(pa, pb, lay)
         if resid:
             assert nan_bits_equal(ra, rb)
 
 
-CHUNKS = [(m, bs, ch) for m, bs, ch in ((1, 7, 7), (50, 7, 14), (200, 7, 63), (200, 64, 64),
-                                        (129, 64, 128), (300, 64, 192), (64, 64, 128))]
+# each chunk layout (one element, partial last chunks, one chunk, a chunk longer than the input),
+# the widths 2, 5 and 8 taking turns
+CHUNKS = [(m, bs, ch, (2, 5, 8)[k % 3]) for k, (m, bs, ch) in enumerate(
+    ((1, 7, 7), (50, 7, 14), (200, 7, 63), (200, 64, 64), (129, 64, 128), (300, 64, 192), (64, 64, 128)))]
 
 
-@pytest.mark.parametrize("m,bs,chunk", CHUNKS, ids=[f"m{m}-bs{bs}-chunk{c}" for m, bs, c in CHUNKS])
-@pytest.mark.parametrize("bits", [2, 5, 8])
+@pytest.mark.parametrize("m,bs,chunk,bits", CHUNKS, ids=[f"m{m}-bs{bs}-chunk{c}-b{b}" for m, bs, c, b in CHUNKS])
 def test_qsgd_decode_chunks_cpu_equals_reference(cpu, m, bs, chunk, bits):
     g, nh, exp = chunk_payloads(m, chunk, bits, bs, True, False, special=True)
     a, b = np.empty(m, np.float32), np.full(m, 9.0, np.float32)
     with np.errstate(all="ignore"):
         R.qsgd_decode_chunks_ref(g, a, bits, bs, chunk, name_hashes=nh, expect=exp)
-    cpu.qsgd_decode_chunks_cpu(g, b, bits, bs, chunk, None, None, nh, exp)
+    op("qsgd", "decode_chunks", b.size, bits=bits, bucket_size=bs, chunk=chunk)(g, b, None, None, nh, exp)
     assert nan_bits_equal(a, b)
 
 
-ONEBIT_SUM = [(n, m, bs, tm) for n in (1, 2, 3) for m in (1, 33, 200) for bs in (0, 7, 64)
-              for tm in (True, False)] + [(2, 40000, 0, True), (2, 70001, 10000, False)]
-# (the last two: buckets of more than 8192 elements, several tasks each: cpu.task_span)
+# one, two and three payloads; each size (one element, a partial bucket, NaN/Inf buckets above 100)
+# at each bucket size (0: one per tensor), the scales taking turns; buckets of more than 8192
+# elements, several tasks each (cpu.task_span)
+ONEBIT_SUM = ([(n, 33, 7, n % 2 == 1) for n in (1, 2, 3)]
+              + [(2, m, bs, k % 2 == 0) for k, (m, bs) in enumerate(
+                  (m, bs) for m in (1, 33, 200) for bs in (0, 7, 64))]
+              + [(2, 40000, 0, True), (2, 70001, 10000, False)])
 
 
 @pytest.mark.parametrize("n,m,bs,tm", ONEBIT_SUM,
@@ -153,7 +167,7 @@ def test_onebit_fused_cpu_equals_reference(cpu, n, m, bs, tm):
     a, b = np.empty(m, np.float32), np.full(m, 9.0, np.float32)
     with np.errstate(all="ignore"):
         R.onebit_decode_sum_ref(buf, n, a, bs, tm, expect=exp)
-    cpu.onebit_decode_sum_cpu(buf, n, b, bs, tm, None, None, exp)
+    op("onebit", "decode_sum", b.size, bucket_size=bs, two_mean=tm)(buf, n, b, None, None, exp)
     assert nan_bits_equal(a, b)
     for resid in (False, True):
         r0 = make_x(m, 11) if resid else None
@@ -161,7 +175,8 @@ def test_onebit_fused_cpu_equals_reference(cpu, n, m, bs, tm):
         pa, pb = np.zeros(lay.total, np.uint8), np.full(lay.total, 0xA5, np.uint8)
         with np.errstate(all="ignore"):
             R.onebit_reduce_requantize_ref(buf, n, ra, pa, h, bs, tm, expect=exp)
-        cpu.onebit_reduce_requantize_cpu(buf, n, rb, pb, h, bs, tm, None, None, exp)
+        op("onebit", "reduce_requantize", int(h[2]), bucket_size=bs, two_mean=tm)(
+            buf, n, rb, pb, h, 0, None, None, exp)
         assert payload_equal(pa, pb, lay)
         if resid:
             assert nan_bits_equal(ra, rb)
@@ -170,7 +185,7 @@ def test_onebit_fused_cpu_equals_reference(cpu, n, m, bs, tm):
     a, b = np.empty(m, np.float32), np.full(m, 9.0, np.float32)
     with np.errstate(all="ignore"):
         R.onebit_decode_chunks_ref(g, a, bs, tm, chunk, name_hashes=nh)
-    cpu.onebit_decode_chunks_cpu(g, b, bs, tm, chunk, None, None, nh)
+    op("onebit", "decode_chunks", b.size, bucket_size=bs, two_mean=tm, chunk=chunk)(g, b, None, None, nh)
     assert nan_bits_equal(a, b)
 
 
@@ -180,17 +195,18 @@ def test_cpu_parallel_chunks_equal_reference(cpu):
     buf, h, lay, exp = qsgd_payloads(2, m, bits, bs, True, True)
     a, b = np.empty(m, np.float32), np.empty(m, np.float32)
     R.qsgd_decode_sum_ref(buf, 2, a, bits, bs)
-    cpu.qsgd_decode_sum_cpu(buf, 2, b, bits, bs)
+    op("qsgd", "decode_sum", b.size, bits=bits, bucket_size=bs)(buf, 2, b)
     assert bits_equal(a, b)
     ra, rb = make_x(m, 1), make_x(m, 1)
     pa, pb = np.zeros(lay.total, np.uint8), np.zeros(lay.total, np.uint8)
     R.qsgd_reduce_requantize_ref(buf, 2, ra, pa, h, bits, bs, True, True, KEY)
-    cpu.qsgd_reduce_requantize_cpu(buf, 2, rb, pb, h, bits, bs, True, True, KEY)
+    op("qsgd", "reduce_requantize", int(h[2]), bits=bits, bucket_size=bs, stochastic=True, norm_l2=True)(
+        buf, 2, rb, pb, h, KEY)
     assert np.array_equal(pa, pb) and bits_equal(ra, rb)
     chunk = 64 * 300
     g, nh, exp = chunk_payloads(m, chunk, bits, bs, False, False)
     R.qsgd_decode_chunks_ref(g, a, bits, bs, chunk)
-    cpu.qsgd_decode_chunks_cpu(g, b, bits, bs, chunk)
+    op("qsgd", "decode_chunks", b.size, bits=bits, bucket_size=bs, chunk=chunk)(g, b)
     assert bits_equal(a, b)
 
 
@@ -198,10 +214,18 @@ def test_cpu_parallel_chunks_equal_reference(cpu):
 def test_bad_payload_raises_before_writing(cpu, where):
     """A bad payload among the n (another tensor's name; a corrupt header) raises PayloadError and
     nothing is written; the same for a bad chunk."""
-    mod, sfx = (R, "_ref") if where == "ref" else (cpu, "_cpu")
-    dsum = getattr(mod, "qsgd_decode_sum" + sfx)
-    rr = getattr(mod, "qsgd_reduce_requantize" + sfx)
-    dch = getattr(mod, "qsgd_decode_chunks" + sfx)
+    if where == "ref":
+        dsum, rr, dch = R.qsgd_decode_sum_ref, R.qsgd_reduce_requantize_ref, R.qsgd_decode_chunks_ref
+    else:       # the ops, called as their references are
+        def dsum(p, n, out, bits, bs, *rest):
+            op("qsgd", "decode_sum", out.size, bits=bits, bucket_size=bs)(p, n, out, *rest)
+
+        def rr(p, n, res, q, h, bits, bs, st, l2, key, *rest):
+            op("qsgd", "reduce_requantize", int(h[2]), bits=bits, bucket_size=bs, stochastic=st,
+               norm_l2=l2)(p, n, res, q, h, key, *rest)
+
+        def dch(g, out, bits, bs, chunk, *rest):
+            op("qsgd", "decode_chunks", out.size, bits=bits, bucket_size=bs, chunk=chunk)(g, out, *rest)
     m, bs, bits = 100, 64, 4
     buf, h, lay, exp = qsgd_payloads(3, m, bits, bs, True, False)
     other, _, _, _ = qsgd_payloads(1, m, bits, bs, True, False, name="v")
@@ -325,11 +349,12 @@ def _child():
     for c in SIM_SUM:
         n, m, bs, bits, st_, l2 = c
         tag = _qid(*c)
-        dsum = lambda p, k, o, s, stt, e: K.qsgd_decode_sum_cuda(p, k, o, bits, bs, s, stt, e)  # noqa: E731
+        dsum = op("qsgd", "decode_sum", m, bits=bits, bucket_size=bs, device=True)
         for special in _sum_variants(m):
             buf, h, lay, exp = qsgd_payloads(n, m, bits, bs, st_, l2, special=bool(special))
-            rr = lambda p, k, r, q, s, stt, e: K.qsgd_reduce_requantize_cuda(  # noqa: E731
-                p, k, r, q, h, bits, bs, st_, l2, KEY, s, stt, e)
+            rr_op = op("qsgd", "reduce_requantize", m, bits=bits, bucket_size=bs, stochastic=st_, norm_l2=l2,
+                       device=True)
+            rr = lambda p, k, r, q, s, stt, e: rr_op(p, k, r, q, h, KEY, s, stt, e)  # noqa: E731
             run_sum(tag, buf, n, m, lay, exp, dsum, rr,
                     lambda p, k, o: R.qsgd_decode_sum_ref(p, k, o, bits, bs),
                     lambda p, k, r, q: R.qsgd_reduce_requantize_ref(p, k, r, q, h, bits, bs, st_, l2, KEY),
@@ -341,9 +366,9 @@ def _child():
     for n, m, bs, tm in SIM_ONEBIT:
         tag = f"n{n}-m{m}-bs{bs}-{'two_mean' if tm else 'mean_abs'}"
         buf, h, lay, exp = onebit_payloads(n, m, bs, tm, special=m > 60)
-        dsum = lambda p, k, o, s, stt, e: K.onebit_decode_sum_cuda(p, k, o, bs, tm, s, stt, e)  # noqa: E731
-        rr = lambda p, k, r, q, s, stt, e: K.onebit_reduce_requantize_cuda(  # noqa: E731
-            p, k, r, q, h, bs, tm, s, stt, e)
+        dsum = op("onebit", "decode_sum", m, bucket_size=bs, two_mean=tm, device=True)
+        rr_op = op("onebit", "reduce_requantize", m, bucket_size=bs, two_mean=tm, device=True)
+        rr = lambda p, k, r, q, s, stt, e: rr_op(p, k, r, q, h, 0, s, stt, e)  # noqa: E731
         run_sum(tag, buf, n, m, lay, exp, dsum, rr,
                 lambda p, k, o: R.onebit_decode_sum_ref(p, k, o, bs, tm),
                 lambda p, k, r, q: R.onebit_reduce_requantize_ref(p, k, r, q, h, bs, tm), None, "")
@@ -354,10 +379,10 @@ def _child():
         tag = f"m{m}-bs{bs}-chunk{ch}-b{bits}-{tm}"
         g, nh, exp = chunk_payloads(m, ch, bits, bs, True, True, two_mean=tm, special=True)
         if tm is None:
-            dch = lambda gg, o, s, stt, hh, e: K.qsgd_decode_chunks_cuda(gg, o, bits, bs, ch, s, stt, hh, e)  # noqa
+            dch = op("qsgd", "decode_chunks", m, bits=bits, bucket_size=bs, chunk=ch, device=True)
             ref = lambda gg, o, hh, e: R.qsgd_decode_chunks_ref(gg, o, bits, bs, ch, None, None, hh, e)  # noqa
         else:
-            dch = lambda gg, o, s, stt, hh, e: K.onebit_decode_chunks_cuda(gg, o, bs, tm, ch, s, stt, hh, e)  # noqa
+            dch = op("onebit", "decode_chunks", m, bucket_size=bs, two_mean=tm, chunk=ch, device=True)
             ref = lambda gg, o, hh, e: R.onebit_decode_chunks_ref(gg, o, bs, tm, ch, None, None, hh, e)  # noqa
         a = np.empty(m, np.float32)
         with np.errstate(all="ignore"):

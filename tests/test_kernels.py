@@ -1,12 +1,13 @@
 """Kernels against their NumPy references: bit-exact, CPU always, CUDA in the simulator.
 
-* CPU (``*_cpu``, Numba ``njit(parallel=True)``) == ``*_ref`` byte for byte (payload) and bit for bit
-  (decoded float32), at sizes on either side of the group (8), lane (32) and bucket sizes, for every
-  bit width, both roundings and both norms; stochastic cases use the same key, hence the same uniforms.
+* CPU (``numba_kernels.prepare(..., device=False)``, Numba ``njit(parallel=True)``) == ``*_ref`` byte
+  for byte (payload) and bit for bit (decoded float32), one case per code path: sizes on either side
+  of the group (8), lane (32) and bucket sizes, every bit width, both roundings and both norms;
+  stochastic cases use the same key, hence the same uniforms.
   The encoders' residuals (in place and into another array) equal the reference's bit for bit, and
   the decoders' ``expect`` raises before writing.
-* CUDA (``*_cuda``) runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (it must be set before
-  ``numba.cuda`` is imported) on small sizes; each case is reported back and checked here by name.
+* CUDA (the same ops with ``device=True``) runs in a subprocess with ``NUMBA_ENABLE_CUDASIM=1`` (it
+  must be set before ``numba.cuda`` is imported) on small sizes; each case is reported back and checked here by name.
   On a GPU machine ``HVDQ_REAL_CUDA=1`` runs the same child on the real device.
 """
 import json
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from numba_kernels import reference as R, wire
+from numba_kernels import prepare, reference as R, wire
 
 sys.path.insert(0, os.path.dirname(__file__))   # (the simulator's child imports this module too)
 import children  # noqa: E402
@@ -30,6 +31,11 @@ SIZES = [0, 1, 7, 8, 9, 31, 32, 33, 511, 512, 513, 1000, 4097]
 BUCKETS = [1, 7, 64, 512]
 BITS = [2, 3, 4, 5, 8, 12, 16]
 KEY = 0x1234_5678_9ABC_DEF0
+
+
+def op(method, kind, numel, device=False, **params):
+    """The prepared op of one call (``numba_kernels.prepare``)."""
+    return prepare(method, kind, device, numel, **params)
 
 
 def bits_equal(a, b):
@@ -54,8 +60,17 @@ def _ids(n, bs, bits, st, l2):
     return f"n{n}-bs{bs}-b{bits}-{'stoch' if st else 'det'}-{'l2' if l2 else 'max'}"
 
 
-QSGD_CASES = [(n, bs, b, st, l2) for n in SIZES for bs in BUCKETS for b in BITS
-              for st in (True, False) for l2 in (False, True)]
+_ROUNDINGS = [(True, False), (False, False), (True, True), (False, True)]     # (stochastic, l2)
+# What each part proves: (1) the sizes around a group (8), a lane (32) and a bucket (0, 1, fewer
+# elements than one bucket, a partial last bucket) at one configuration; (2) every bit width the
+# kernels pack differently (2, 4, 8, 16: their own pack; 3, 5, 12: the 64-bit word pack; decodes by
+# table up to 7 bits, byte at 8, unpacked above) at every bucket size (1, 7: buckets off byte
+# boundaries, 64, 512), with a partial last bucket, the four roundings and norms taking turns;
+# (3) the four roundings and norms at each of two sizes. Every width alone: test_cpu_every_width.
+QSGD_CASES = ([(n, 64, 4, True, False) for n in SIZES]
+              + [(1000, bs, b) + _ROUNDINGS[k % 4] for k, (b, bs) in enumerate(
+                  (b, bs) for b in BITS for bs in BUCKETS)]
+              + [(n, 7, 3) + r for n in (33, 4097) for r in _ROUNDINGS])
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +87,8 @@ def test_qsgd_cpu_equals_reference(cpu, n, bs, bits, stochastic, l2):
     rref = np.full(n, np.nan, np.float32)
     R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY, residual=rref)
     xin = x.copy()                                    # residual in place: x becomes x - decode(payload)
-    cpu.qsgd_encode_cpu(xin, got, h, bits, bs, stochastic, l2, KEY, residual=xin)
+    op("qsgd", "encode", xin.size, bits=bits, bucket_size=bs, stochastic=stochastic, norm_l2=l2)(
+        xin, got, h, KEY, residual=xin)
     assert np.array_equal(want, got), f"first differing byte {np.flatnonzero(want != got)[:5]} of {lay}"
     assert bits_equal(rref, xin)
     d = np.empty(n, np.float32)
@@ -82,12 +98,14 @@ def test_qsgd_cpu_equals_reference(cpu, n, bs, bits, stochastic, l2):
     for accumulate in (False, True):
         a, b = base.copy(), base.copy()
         R.qsgd_decode_ref(want, a, bits, bs, accumulate)
-        cpu.qsgd_decode_cpu(want, b, bits, bs, accumulate)
+        op("qsgd", "decode", b.size, bits=bits, bucket_size=bs, accumulate=accumulate)(want, b)
         assert bits_equal(a, b)
 
 
-SPECIAL_CASES = [(n, bs, b, st, l2) for n in (33, 513, 1000) for bs in (7, 64) for b in (2, 8, 16)
-                 for st in (True, False) for l2 in (False, True)]
+# NaN, Inf, denormals and huge values through each pack family (2, 8, 16 bits) and each rounding and
+# norm, in a short input and in one of partial last bucket
+SPECIAL_CASES = [((33, 7), (1000, 64))[k % 2] + (b,) + r for k, (b, r) in enumerate(
+    (b, r) for b in (2, 8, 16) for r in _ROUNDINGS)]
 
 
 @pytest.mark.parametrize("n,bs,bits,stochastic,l2", SPECIAL_CASES, ids=[_ids(*c) for c in SPECIAL_CASES])
@@ -98,12 +116,13 @@ def test_qsgd_cpu_equals_reference_special_values(cpu, n, bs, bits, stochastic, 
     rref, rcpu = np.empty(n, np.float32), np.empty(n, np.float32)
     with np.errstate(all="ignore"):
         R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY, residual=rref)
-    cpu.qsgd_encode_cpu(x, got, h, bits, bs, stochastic, l2, KEY, residual=rcpu)
+    op("qsgd", "encode", x.size, bits=bits, bucket_size=bs, stochastic=stochastic, norm_l2=l2)(
+        x, got, h, KEY, residual=rcpu)
     assert np.array_equal(want, got)
     assert nan_bits_equal(rref, rcpu)
     a, b = np.empty(n, np.float32), np.empty(n, np.float32)
     R.qsgd_decode_ref(want, a, bits, bs, False)
-    cpu.qsgd_decode_cpu(want, b, bits, bs, False)
+    op("qsgd", "decode", b.size, bits=bits, bucket_size=bs, accumulate=False)(want, b)
     assert bits_equal(a, b)
 
 
@@ -137,9 +156,13 @@ def _sortquant_cpu_equals_reference(cpu, x, bits, split_bits, bs, stochastic):
     return _cpu_equals_reference(
         x, wire.layout(4, x.size, bits, bs, 0, split_bits),
         lambda x_, p, r: R.sortquant_encode_ref(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
-        lambda x_, p, r: cpu.sortquant_encode_cpu(x_, p, h, bits, split_bits, bs, stochastic, KEY, residual=r),
+        lambda x_, p, r: op("sortquant", "encode", x_.size, bits=bits, split_bits=split_bits, bucket_size=bs,
+                            stochastic=stochastic)(
+            x_, p, h, KEY, residual=r),
         lambda p, o, acc: R.sortquant_decode_ref(p, o, bits, split_bits, bs, acc),
-        lambda p, o, acc: cpu.sortquant_decode_cpu(p, o, bits, split_bits, bs, acc))
+        lambda p, o, acc: op("sortquant", "decode", o.size, bits=bits, split_bits=split_bits, bucket_size=bs,
+                             accumulate=acc)(
+            p, o))
 
 
 def _kmeans_cpu_equals_reference(cpu, x, bits, bs, iters):
@@ -149,19 +172,25 @@ def _kmeans_cpu_equals_reference(cpu, x, bits, bs, iters):
     return _cpu_equals_reference(
         x, wire.layout(5, x.size, bits, bs),
         lambda x_, p, r: R.kmeans_encode_ref(x_, p, h, bits, bs, iters, KEY, residual=r),
-        lambda x_, p, r: cpu.kmeans_encode_cpu(x_, p, h, bits, bs, iters, KEY, residual=r),
+        lambda x_, p, r: op("kmeans", "encode", x_.size, bits=bits, bucket_size=bs, iters=iters)(
+            x_, p, h, KEY, residual=r),
         lambda p, o, acc: R.kmeans_decode_ref(p, o, bits, bs, acc),
-        lambda p, o, acc: cpu.kmeans_decode_cpu(p, o, bits, bs, acc))
+        lambda p, o, acc: op("kmeans", "decode", o.size, bits=bits, bucket_size=bs, accumulate=acc)(p, o))
 
 
-SORTQUANT_CASES = [(n, bs, b, sb, st) for n in (0, 1, 9, 33, 513, 4097) for bs in (1, 7, 64, 512)
-                   for b, sb in ((2, 1), (4, 2), (5, 3), (8, 2), (16, 4)) for st in (True, False)]
+# (1) the sizes (empty, one element, fewer than a bucket, a partial last bucket, several chunks) at
+# one configuration, plain and special-valued; (2) each width and split (the level and group fields
+# of other widths) at each bucket size, with a partial last bucket, both roundings and both inputs
+# taking turns
+_SQ_WIDTHS = ((2, 1), (4, 2), (5, 3), (8, 2), (16, 4))
+SORTQUANT_CASES = ([(n, 64, 4, 2, True, sp) for n in (0, 1, 9, 33, 513, 4097) for sp in (False, True)]
+                   + [(513, bs, b, sb, k % 2 == 0, k % 4 < 2) for k, (bs, (b, sb)) in enumerate(
+                       (bs, w) for bs in (1, 7, 64, 512) for w in _SQ_WIDTHS)])
 
 
-@pytest.mark.parametrize("n,bs,bits,split_bits,stochastic", SORTQUANT_CASES,
-                         ids=[f"n{n}-bs{bs}-b{b}s{sb}-{'stoch' if st else 'det'}"
-                              for n, bs, b, sb, st in SORTQUANT_CASES])
-@pytest.mark.parametrize("special", [False, True], ids=["plain", "special"])
+@pytest.mark.parametrize("n,bs,bits,split_bits,stochastic,special", SORTQUANT_CASES,
+                         ids=[f"n{n}-bs{bs}-b{b}s{sb}-{'stoch' if st else 'det'}-{'special' if sp else 'plain'}"
+                              for n, bs, b, sb, st, sp in SORTQUANT_CASES])
 def test_sortquant_cpu_equals_reference(cpu, n, bs, bits, split_bits, stochastic, special):
     """Bytes, residuals (NaN where the bucket is) and decodes, with ties, zeros, -0.0 and (special)
     NaN, Inf and huge values."""
@@ -196,13 +225,19 @@ def test_sortquant_cpu_group_paths(cpu, shape):
         _sortquant_cpu_equals_reference(cpu, x, bits, split_bits, bs, stochastic)
 
 
-KMEANS_CASES = [(n, bs, b, it) for n in (0, 1, 9, 33, 513, 1100, 4097) for bs in (0, 7, 512, 2000)
-                for b in (1, 3, 4, 8) for it in (7,)] + [(4097, 0, 4, 0), (4097, 0, 2, 60), (600, 64, 5, 60)]
+_KM_VARIANTS = ("plain", "special", "wide")
+# (1) the sizes (empty, one element, fewer values than the sample, a partial bucket, samples drawn
+# above 1024 values) at one configuration, each input kind; (2) each width at each bucket size (one
+# per tensor, 7, 512 with a partial last bucket, 2000: one bucket, sampled), the input kinds taking
+# turns; (3) 0 iterations (the sample's quantiles) and 60 (the CPU kernel's early stop)
+KMEANS_CASES = ([(n, 0, 3, 7, v) for n in (0, 1, 9, 33, 513, 4097) for v in _KM_VARIANTS]
+                + [(1100, bs, b, 7, _KM_VARIANTS[k % 3]) for k, (bs, b) in enumerate(
+                    (bs, b) for bs in (0, 7, 512, 2000) for b in (1, 3, 4, 8))]
+                + [(4097, 0, 4, 0, "plain"), (4097, 0, 2, 60, "plain"), (600, 64, 5, 60, "special")])
 
 
-@pytest.mark.parametrize("n,bs,bits,iters", KMEANS_CASES,
-                         ids=[f"n{n}-bs{bs or 'tensor'}-b{b}-it{it}" for n, bs, b, it in KMEANS_CASES])
-@pytest.mark.parametrize("variant", ["plain", "special", "wide"])
+@pytest.mark.parametrize("n,bs,bits,iters,variant", KMEANS_CASES,
+                         ids=[f"n{n}-bs{bs or 'tensor'}-b{b}-it{it}-{v}" for n, bs, b, it, v in KMEANS_CASES])
 def test_kmeans_cpu_equals_reference(cpu, n, bs, bits, iters, variant):
     """Bytes, residuals (NaN where the bucket is) and decodes, with ties, zeros, -0.0, (special) NaN,
     Inf, denormals and huge values, (wide) values over 165 binades; samples drawn above 1024 values;
@@ -235,15 +270,20 @@ def test_kmeans_cpu_decode_in_spans(cpu, bs):
     x = make_x(n, 11)
     h = wire.Header(5, 3, 0, 0, bs, 0, (n,)).words()
     p = np.zeros(wire.layout(5, n, 3, bs).total, np.uint8)
-    cpu.kmeans_encode_cpu(x, p, h, 3, bs, 2, KEY)
+    op("kmeans", "encode", x.size, bits=3, bucket_size=bs, iters=2)(x, p, h, KEY)
     for accumulate in (False, True):
         a, b = make_x(n, 12), make_x(n, 12)
         R.kmeans_decode_ref(p, a, 3, bs, accumulate)
-        cpu.kmeans_decode_cpu(p, b, 3, bs, accumulate)
+        op("kmeans", "decode", b.size, bits=3, bucket_size=bs, accumulate=accumulate)(p, b)
         assert nan_bits_equal(a, b)
 
 
-ONEBIT_CASES = [(n, bs, tm) for n in SIZES for bs in (0, 1, 7, 64, 512) for tm in (True, False)]
+# (1) the sizes at buckets of 64 (fewer elements than a bucket, partial last buckets, whole words of
+# 64 bits and their tail) and one bucket per tensor, both scales taking turns, plain and special
+# values taking turns; (2) each bucket size with each scale, plain and special
+ONEBIT_CASES = ([(n, bs, k % 2 == 0, k % 4 < 2) for k, (n, bs) in enumerate(
+                    (n, bs) for n in SIZES for bs in (0, 64))]
+                + [(1000, bs, tm, sp) for bs in (0, 1, 7, 64, 512) for tm in (True, False) for sp in (False, True)])
 
 
 def onebit_case(n, bs, two_mean, special=False):
@@ -253,9 +293,9 @@ def onebit_case(n, bs, two_mean, special=False):
     return x, h, wire.layout(3, n, 1, bs, mode)
 
 
-@pytest.mark.parametrize("n,bs,two_mean", ONEBIT_CASES,
-                         ids=[f"n{n}-bs{bs or 'tensor'}-{'two_mean' if t else 'mean_abs'}" for n, bs, t in ONEBIT_CASES])
-@pytest.mark.parametrize("special", [False, True], ids=["plain", "special"])
+@pytest.mark.parametrize("n,bs,two_mean,special", ONEBIT_CASES,
+                         ids=[f"n{n}-bs{bs or 'tensor'}-{'two_mean' if t else 'mean_abs'}-"
+                              f"{'special' if sp else 'plain'}" for n, bs, t, sp in ONEBIT_CASES])
 def test_onebit_cpu_equals_reference(cpu, n, bs, two_mean, special):
     x, h, lay = onebit_case(n, bs, two_mean, special)
     want = np.zeros(lay.total, np.uint8)
@@ -264,7 +304,7 @@ def test_onebit_cpu_equals_reference(cpu, n, bs, two_mean, special):
     with np.errstate(all="ignore"):
         R.onebit_encode_ref(x, want, h, bs, two_mean, residual=rref)
     xin = x.copy()
-    cpu.onebit_encode_cpu(xin, got, h, bs, two_mean, residual=xin)
+    op("onebit", "encode", xin.size, bucket_size=bs, two_mean=two_mean)(xin, got, h, 0, residual=xin)
     assert np.array_equal(want, got)
     assert nan_bits_equal(rref, xin)
     base = make_x(n, 5)
@@ -272,7 +312,7 @@ def test_onebit_cpu_equals_reference(cpu, n, bs, two_mean, special):
         a, b = base.copy(), base.copy()
         with np.errstate(all="ignore"):
             R.onebit_decode_ref(want, a, bs, two_mean, accumulate)
-        cpu.onebit_decode_cpu(want, b, bs, two_mean, accumulate)
+        op("onebit", "decode", b.size, bucket_size=bs, two_mean=two_mean, accumulate=accumulate)(want, b)
         assert bits_equal(a, b)
 
 
@@ -288,22 +328,22 @@ def test_cpu_parallel_chunks_equal_reference(cpu, n, bs, bits, stochastic, l2):
     want = np.zeros(lay.total, np.uint8)
     got = np.full(lay.total, 0xA5, np.uint8)
     R.qsgd_encode_ref(x, want, h, bits, bs, stochastic, l2, KEY)
-    cpu.qsgd_encode_cpu(x, got, h, bits, bs, stochastic, l2, KEY)
+    op("qsgd", "encode", x.size, bits=bits, bucket_size=bs, stochastic=stochastic, norm_l2=l2)(x, got, h, KEY)
     assert np.array_equal(want, got)
     a, b = np.ones(n, np.float32), np.ones(n, np.float32)
     R.qsgd_decode_ref(want, a, bits, bs, True)
-    cpu.qsgd_decode_cpu(want, b, bits, bs, True)
+    op("qsgd", "decode", b.size, bits=bits, bucket_size=bs, accumulate=True)(want, b)
     assert bits_equal(a, b)
     for tm in (True, False):
         x1, h1, lay1 = onebit_case(n, bs, tm)
         want = np.zeros(lay1.total, np.uint8)
         got = np.full(lay1.total, 0xA5, np.uint8)
         R.onebit_encode_ref(x1, want, h1, bs, tm)
-        cpu.onebit_encode_cpu(x1, got, h1, bs, tm)
+        op("onebit", "encode", x1.size, bucket_size=bs, two_mean=tm)(x1, got, h1, 0)
         assert np.array_equal(want, got)
         a, b = np.ones(n, np.float32), np.ones(n, np.float32)
         R.onebit_decode_ref(want, a, bs, tm, True)
-        cpu.onebit_decode_cpu(want, b, bs, tm, True)
+        op("onebit", "decode", b.size, bucket_size=bs, two_mean=tm, accumulate=True)(want, b)
         assert bits_equal(a, b)
 
 
@@ -324,20 +364,20 @@ def test_cpu_long_buckets_equal_reference(cpu, n, bs, special):
         rref, rcpu = np.empty(n, np.float32), np.empty(n, np.float32)
         with np.errstate(all="ignore"):
             R.onebit_encode_ref(x, want, h, bs, tm, residual=rref)
-        cpu.onebit_encode_cpu(x, got, h, bs, tm, residual=rcpu)
+        op("onebit", "encode", x.size, bucket_size=bs, two_mean=tm)(x, got, h, 0, residual=rcpu)
         assert np.array_equal(want, got), tm
         assert nan_bits_equal(rref, rcpu)
         for accumulate in (False, True):
             a, b = make_x(n, 5), make_x(n, 5)
             with np.errstate(all="ignore"):
                 R.onebit_decode_ref(want, a, bs, tm, accumulate)
-            cpu.onebit_decode_cpu(want, b, bs, tm, accumulate)
+            op("onebit", "decode", b.size, bucket_size=bs, two_mean=tm, accumulate=accumulate)(want, b)
             assert bits_equal(a, b)
         two = np.concatenate([want, got])
         a, b = np.empty(n, np.float32), np.empty(n, np.float32)
         with np.errstate(all="ignore"):
             R.onebit_decode_sum_ref(two, 2, a, bs, tm)
-        cpu.onebit_decode_sum_cpu(two, 2, b, bs, tm)
+        op("onebit", "decode_sum", b.size, bucket_size=bs, two_mean=tm)(two, 2, b)
         assert bits_equal(a, b)
     qbs = bs or n
     x, h, lay = qsgd_case(n, qbs, 4, True, True, make_x(n, n * 13 + qbs, special))
@@ -345,7 +385,7 @@ def test_cpu_long_buckets_equal_reference(cpu, n, bs, special):
     got = np.full(lay.total, 0xA5, np.uint8)
     with np.errstate(all="ignore"):
         R.qsgd_encode_ref(x, want, h, 4, qbs, True, True, KEY)
-    cpu.qsgd_encode_cpu(x, got, h, 4, qbs, True, True, KEY)
+    op("qsgd", "encode", x.size, bits=4, bucket_size=qbs, stochastic=True, norm_l2=True)(x, got, h, KEY)
     assert np.array_equal(want, got)
 
 
@@ -363,17 +403,21 @@ def test_cpu_every_width_equal_reference(cpu, n, bs, bits):
     got = np.full(lay.total, 0xA5, np.uint8)
     r_want, r_got = np.empty(n, np.float32), np.empty(n, np.float32)
     R.qsgd_encode_ref(x, want, h, bits, bs, True, False, KEY, residual=r_want)
-    cpu.qsgd_encode_cpu(x, got, h, bits, bs, True, False, KEY, residual=r_got)
+    op("qsgd", "encode", x.size, bits=bits, bucket_size=bs, stochastic=True, norm_l2=False)(
+        x, got, h, KEY, residual=r_got)
     assert np.array_equal(want, got)
     assert nan_bits_equal(r_want, r_got)
     for acc in (False, True):
         a, b = np.ones(n, np.float32), np.ones(n, np.float32)
         R.qsgd_decode_ref(want, a, bits, bs, acc)
-        cpu.qsgd_decode_cpu(want, b, bits, bs, acc)
+        op("qsgd", "decode", b.size, bits=bits, bucket_size=bs, accumulate=acc)(want, b)
         assert nan_bits_equal(a, b)
 
 
-ALIGN_CASES = [(n, bits, off) for n in (4097, 70001) for bits in (3, 5, 6, 12, 13, 15) for off in (0, 1, 4, 6)]
+# the 64-bit word pack's head depends on gcd(bits, 8): an odd width (3), 2 (6) and 4 (12), each at
+# every offset class of the payload; at 70001 elements (parallel chunks) three more widths
+ALIGN_CASES = ([(4097, bits, off) for bits in (3, 6, 12) for off in (0, 1, 4, 6)]
+               + [(70001, 5, 1), (70001, 13, 4), (70001, 15, 6)])
 
 
 @pytest.mark.parametrize("n,bits,off", ALIGN_CASES, ids=[f"n{n}-b{b}-at{o}" for n, b, o in ALIGN_CASES])
@@ -389,13 +433,13 @@ def test_cpu_pack_at_any_alignment(cpu, n, bits, off):
         R.qsgd_encode_ref(x, want, h, bits, bs, True, False, KEY)
         buf = np.full(lay.total + 16, 0xA5, np.uint8)
         got = buf[off:off + lay.total]
-        cpu.qsgd_encode_cpu(x, got, h, bits, bs, True, False, KEY)
+        op("qsgd", "encode", x.size, bits=bits, bucket_size=bs, stochastic=True, norm_l2=False)(x, got, h, KEY)
         assert np.array_equal(want, got), f"bs {bs}: first differing byte {np.flatnonzero(want != got)[:5]}"
         assert (buf[:off] == 0xA5).all() and (buf[off + lay.total:] == 0xA5).all()
         for accumulate in (False, True):
             a, b = np.ones(n, np.float32), np.ones(n, np.float32)
             R.qsgd_decode_ref(want, a, bits, bs, accumulate)
-            cpu.qsgd_decode_cpu(got, b, bits, bs, accumulate)
+            op("qsgd", "decode", b.size, bits=bits, bucket_size=bs, accumulate=accumulate)(got, b)
             assert bits_equal(a, b), f"bs {bs}: decode differs at {np.flatnonzero(a != b)[:5]}"
 
 
@@ -519,7 +563,11 @@ def test_fast_quotient_identity():
 def test_decode_expect_raises_before_writing(cpu, where):
     """A header that fails the check against ``expect`` raises PayloadError naming the fault, and
     ``out`` is untouched; a matching ``expect`` decodes as without one."""
-    dec = {"ref": (R.qsgd_decode_ref, R.onebit_decode_ref), "cpu": (cpu.qsgd_decode_cpu, cpu.onebit_decode_cpu)}[where]
+    dec = {"ref": (R.qsgd_decode_ref, R.onebit_decode_ref),
+           "cpu": (lambda p, o, bits, bs, acc, *rest: op("qsgd", "decode", o.size, bits=bits, bucket_size=bs,
+                                                          accumulate=acc)(p, o, *rest),
+                   lambda p, o, bs, tm, acc, *rest: op("onebit", "decode", o.size, bucket_size=bs, two_mean=tm,
+                                                        accumulate=acc)(p, o, *rest))}[where]
     x, h, lay = qsgd_case(100, 64, 4, True, False)
     p = np.zeros(lay.total, np.uint8)
     R.qsgd_encode_ref(x, p, h, 4, 64, True, False, KEY)
@@ -576,8 +624,9 @@ def test_cpu_import_writes_nothing_in_the_package(tmp_path):
     cache_before = {p.name for p in (pkg / "__pycache__").glob("*")} if (pkg / "__pycache__").exists() else set()
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONDONTWRITEBYTECODE="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = ("import numpy as np, numba_kernels.cpu as C; p = np.zeros(64 + 4 + 4, np.uint8); "
-            "C.qsgd_decode_cpu(p, np.zeros(1, np.float32), 4, 8, False)")
+    code = ("import numpy as np, numba_kernels as nk; p = np.zeros(64 + 4 + 4, np.uint8); "
+            "nk.prepare('qsgd', 'decode', False, 1, bits=4, bucket_size=8, accumulate=False)"
+            "(p, np.zeros(1, np.float32))")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -687,12 +736,14 @@ def _child():
                                                                 variant == "-wide") if variant else None)
             want, ok = encoded_alike(
                 x, lay, lambda x_, p, r: R.qsgd_encode_ref(x_, p, h, bits, bs, st, l2, KEY, residual=r),
-                lambda x_, p, r: K.qsgd_encode_cuda(x_, p, h, bits, bs, st, l2, KEY, residual=r))
+                lambda x_, p, r: op("qsgd", "encode", x_.size, bits=bits, bucket_size=bs, stochastic=st,
+                                    norm_l2=l2, device=True)(
+                    x_, p, h, KEY, residual=r))
             a = make_x(n, 5)
             o = dev(a.copy())
             with np.errstate(all="ignore"):
                 R.qsgd_decode_ref(want, a, bits, bs, True)
-            K.qsgd_decode_cuda(dev(want), o, bits, bs, True)
+            op("qsgd", "decode", o.size, bits=bits, bucket_size=bs, accumulate=True, device=True)(dev(want), o)
             out["qsgd-" + _ids(*case) + variant] = [bool(ok), nan_eq(a, o.copy_to_host())]
     for case in SIM_SORTQUANT:
         n, bs, bits, sb, st = case
@@ -704,19 +755,23 @@ def _child():
             lay = wire.layout(4, n, bits, bs, 0, sb)
             want, ok = encoded_alike(
                 x, lay, lambda x_, p, r: R.sortquant_encode_ref(x_, p, h, bits, sb, bs, st, KEY, residual=r),
-                lambda x_, p, r: K.sortquant_encode_cuda(x_, p, h, bits, sb, bs, st, KEY, residual=r))
+                lambda x_, p, r: op("sortquant", "encode", x_.size, bits=bits, split_bits=sb, bucket_size=bs,
+                                    stochastic=st, device=True)(
+                    x_, p, h, KEY, residual=r))
             a = make_x(n, 5)
             o = dev(a.copy())
             with np.errstate(all="ignore"):
                 R.sortquant_decode_ref(want, a, bits, sb, bs, True)
             status = dev(np.zeros(2, np.int32))
-            K.sortquant_decode_cuda(dev(want), o, bits, sb, bs, True, 0, status,
-                                    wire.Expect(4, bits, 0 if st else 1, sb, bs, n, 7, True))
+            op("sortquant", "decode", o.size, bits=bits, split_bits=sb, bucket_size=bs, accumulate=True,
+               device=True)(
+                dev(want), o, 0, status, wire.Expect(4, bits, 0 if st else 1, sb, bs, n, 7, True))
             dec = nan_eq(a, o.copy_to_host()) and int(status.copy_to_host()[0]) == 0
             if n:           # another tensor's payload: NaN everywhere, the reason in the status
                 o = dev(np.zeros(n, np.float32))
-                K.sortquant_decode_cuda(dev(want), o, bits, sb, bs, False, 0, status,
-                                        wire.Expect(4, bits, 0 if st else 1, sb, bs, n, 8, True))
+                op("sortquant", "decode", o.size, bits=bits, split_bits=sb, bucket_size=bs, accumulate=False,
+                   device=True)(
+                    dev(want), o, 0, status, wire.Expect(4, bits, 0 if st else 1, sb, bs, n, 8, True))
                 dec = dec and bool(np.isnan(o.copy_to_host()).all()) and int(status.copy_to_host()[0]) == 256
             out[_sq_id(*case) + variant] = [bool(ok), bool(dec)]
     for case in SIM_KMEANS:
@@ -727,30 +782,34 @@ def _child():
             lay = wire.layout(5, n, bits, bs)
             want, ok = encoded_alike(
                 x, lay, lambda x_, p, r: R.kmeans_encode_ref(x_, p, h, bits, bs, iters, KEY, residual=r),
-                lambda x_, p, r: K.kmeans_encode_cuda(x_, p, h, bits, bs, iters, KEY, residual=r))
+                lambda x_, p, r: op("kmeans", "encode", x_.size, bits=bits, bucket_size=bs, iters=iters,
+                                    device=True)(
+                    x_, p, h, KEY, residual=r))
             a = make_x(n, 5)
             o = dev(a.copy())
             with np.errstate(all="ignore"):
                 R.kmeans_decode_ref(want, a, bits, bs, True)
             status = dev(np.zeros(2, np.int32))
-            K.kmeans_decode_cuda(dev(want), o, bits, bs, True, 0, status,
-                                 wire.Expect(5, bits, 0, 0, bs, n, 7, True))
+            op("kmeans", "decode", o.size, bits=bits, bucket_size=bs, accumulate=True, device=True)(
+                dev(want), o, 0, status, wire.Expect(5, bits, 0, 0, bs, n, 7, True))
             dec = nan_eq(a, o.copy_to_host()) and int(status.copy_to_host()[0]) == 0
             if n:           # another tensor's payload: NaN everywhere, the reason in the status
                 o = dev(np.zeros(n, np.float32))
-                K.kmeans_decode_cuda(dev(want), o, bits, bs, False, 0, status,
-                                     wire.Expect(5, bits, 0, 0, bs, n, 8, True))
+                op("kmeans", "decode", o.size, bits=bits, bucket_size=bs, accumulate=False, device=True)(
+                    dev(want), o, 0, status, wire.Expect(5, bits, 0, 0, bs, n, 8, True))
                 dec = dec and bool(np.isnan(o.copy_to_host()).all()) and int(status.copy_to_host()[0]) == 256
             out[_km_id(*case) + variant] = [bool(ok), bool(dec)]
     for n, bs, tm in SIM_ONEBIT:
         x, h, lay = onebit_case(n, bs, tm, special=n > 50)
         want, ok = encoded_alike(x, lay, lambda x_, p, r: R.onebit_encode_ref(x_, p, h, bs, tm, residual=r),
-                                 lambda x_, p, r: K.onebit_encode_cuda(x_, p, h, bs, tm, residual=r))
+                                 lambda x_, p, r: op("onebit", "encode", x_.size, bucket_size=bs, two_mean=tm,
+                                                     device=True)(
+                                     x_, p, h, 0, residual=r))
         a = make_x(n, 5)
         o = dev(a.copy())
         with np.errstate(all="ignore"):
             R.onebit_decode_ref(want, a, bs, tm, False)
-        K.onebit_decode_cuda(dev(want), o, bs, tm, False)
+        op("onebit", "decode", o.size, bucket_size=bs, two_mean=tm, accumulate=False, device=True)(dev(want), o)
         out[f"onebit-n{n}-bs{bs}-{'two_mean' if tm else 'mean_abs'}"] = [bool(ok), nan_eq(a, o.copy_to_host())]
     # header check kernel == header_errors_ref, and a failed check makes the decode write NaN: by the
     # standalone check kernel before a decode that reads status[0] ("check"), or inside the decode
@@ -777,9 +836,11 @@ def _child():
                 o = dev(np.zeros(100, np.float32))
                 if how == "check":
                     K.check_header_cuda(dq, status, wire.Expect(*exp))
-                    K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status)
+                    op("qsgd", "decode", o.size, bits=4, bucket_size=64, accumulate=False, device=True)(
+                        dq, o, 0, status)
                 else:
-                    K.qsgd_decode_cuda(dq, o, 4, 64, False, 0, status, wire.Expect(*exp))
+                    op("qsgd", "decode", o.size, bits=4, bucket_size=64, accumulate=False, device=True)(
+                        dq, o, 0, status, wire.Expect(*exp))
                 st = status.copy_to_host()
                 y = o.copy_to_host()
                 nan_ok = bool(np.isnan(y).all()) if want else not np.isnan(y).any()
@@ -789,8 +850,9 @@ def _child():
     R.qsgd_encode_ref(np.zeros(0, np.float32), p0, wire.Header(2, 4, 0, 0, 64, 0, (0,)).words(), 4, 64,
                       True, False, KEY)
     status = dev(np.zeros(2, np.int32))
-    K.qsgd_decode_cuda(dev(p0), dev(np.zeros(0, np.float32)), 4, 64, False, 0, status,
-                       wire.Expect(2, 4, 0, 0, 64, 0, 5, True))
+    op("qsgd", "decode", (dev(np.zeros(0, np.float32))).size, bits=4, bucket_size=64, accumulate=False,
+       device=True)(
+        dev(p0), dev(np.zeros(0, np.float32)), 0, status, wire.Expect(2, 4, 0, 0, 64, 0, 5, True))
     out["expect-empty"] = [int(status.copy_to_host()[0]) == 256, True]
     out["compiled"] = [list(k) for k in K.kernels]
     json.dump(out, sys.stdout)
