@@ -45,7 +45,7 @@ from .. import plan as _plan
 from ..exchange import HANDSHAKE_NAME, Collectives, check_handshake, collectives_for
 from ..scheduler import AutoChoice
 from . import _backend
-from ._backend import OPS, op_name
+from ._backend import OPS, op_name, to_numpy
 
 __all__ = ["GraphExchange", "graph_collectives", "horovod_context", "stock_compress",
            "stock_backend", "stock_adapter"]
@@ -92,7 +92,7 @@ def graph_collectives(process_set=None):
 # The exchange as graph ops
 
 
-class _Slot:
+class _InFlight:
     """One exchange built into one trace; ``pending`` lives from its start step to its finish step."""
     __slots__ = ("pending",)
 
@@ -101,10 +101,7 @@ class _Slot:
 
 
 def _readonly(a, dtype):
-    a = np.asarray(a)
-    if a.dtype != dtype:
-        a = a.astype(dtype)
-    v = a.reshape(-1).view()
+    v = to_numpy(a, dtype).reshape(-1).view()
     v.flags.writeable = False          # the core must not write into TensorFlow's buffer
     return v
 
@@ -224,10 +221,10 @@ class GraphExchange:
         # are computed when the steps run, and the shapes left open
         sra = ex.reduction == "sra"
         shape = [None] if sra else [self.sizes(numel)[0]]
-        slot = _Slot()
+        flight = _InFlight()
         nm = op_name(key)
         with tf.control_dependencies(list(deps)):
-            send = _numpy_step(functools.partial(self._start, slot, key, header, numel), [flat],
+            send = _numpy_step(functools.partial(self._start, flight, key, header, numel), [flat],
                                tf.uint8, shape, "hvdq_start")
         if sra:
             with tf.control_dependencies([send]):      # after start has bound the current world
@@ -235,47 +232,47 @@ class GraphExchange:
                                      "hvdq_splits")
             recv, _ = hvd.alltoall(send, splits=splits, name=op_name(f"{ex.prefix}.a2a.{nm}"),
                                    ignore_name_scope=True, process_set=ps)
-            send = _numpy_step(functools.partial(self._advance, slot, numel), [recv], tf.uint8, shape,
+            send = _numpy_step(functools.partial(self._advance, flight, numel), [recv], tf.uint8, shape,
                                "hvdq_advance")
         gathered = hvd.allgather(send, name=op_name(f"{ex.prefix}.ag.{nm}"), ignore_name_scope=True,
                                  process_set=ps)
-        return _numpy_step(functools.partial(self._finish, slot, numel), [gathered], tf.float32,
+        return _numpy_step(functools.partial(self._finish, flight, numel), [gathered], tf.float32,
                            [numel], "hvdq_finish")
 
     # The numpy steps (run at execution time, under one lock per engine: the core and the codec
     # keep per-name state).
-    def _start(self, slot, key, header, numel, flat):
+    def _start(self, flight, key, header, numel, flat):
         with self.lock:
             self.rebind()
             if self.t_first is None:
                 self.t_first = time.perf_counter()
             step = self.steps.get(key, 0)
             self.steps[key] = step + 1
-            slot.pending = self.exchange.start(key, _readonly(flat, np.float32), step=step,
-                                               header=header)
-            return self._out(slot.pending.handle.tensor, self.sizes(numel)[0], key)
+            flight.pending = self.exchange.start(key, _readonly(flat, np.float32), step=step,
+                                                 header=header)
+            return self._out(flight.pending.handle.tensor, self.sizes(numel)[0], key)
 
-    def _advance(self, slot, numel, recv):
+    def _advance(self, flight, numel, recv):
         with self.lock:
-            p = self._pending(slot)
+            p = self._pending(flight)
             p.handle.result = np.asarray(recv).reshape(-1)
             self.exchange.advance(p)
             return self._out(p.handle.tensor, self.sizes(numel)[1], p.name)
 
-    def _finish(self, slot, numel, gathered):
+    def _finish(self, flight, numel, gathered):
         with self.lock:
-            p = self._pending(slot)
-            slot.pending = None
+            p = self._pending(flight)
+            flight.pending = None
             p.handle.result = np.asarray(gathered).reshape(-1)
             out = self.exchange.finish(p)
             self.t_last = time.perf_counter()
             return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
 
     @staticmethod
-    def _pending(slot):
-        if slot.pending is None:
+    def _pending(flight):
+        if flight.pending is None:
             raise RuntimeError("hvd_quant: internal error: an exchange step ran without its start")
-        return slot.pending
+        return flight.pending
 
     @staticmethod
     def _out(arr, expected, key):
