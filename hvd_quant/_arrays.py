@@ -92,23 +92,22 @@ def check_float(dtype_name, what="input"):
 
 
 class HostAdapter:
-    """Host memory: everything becomes a NumPy array. Subclasses convert to and from their framework."""
+    """Host memory: the codec works on NumPy arrays; a subclass converts to and from its framework.
+
+    A subclass provides:
+
+    * ``describe(x)`` -> ``(shape tuple, dtype name)`` of an input;
+    * ``input_f32(x)``: ``x`` as a flat C-contiguous float32 NumPy array (no copy when it is one);
+      ``input_np(x)``: flat, in its own dtype (the raw fp16/none codecs);
+    * ``payload_np(payload)``: a payload (1-D uint8 of this kind) as a NumPy uint8 array (no copy
+      where possible); ``wrap_payload(arr, like)``: a NumPy uint8 array we filled, as a payload;
+    * ``out_np(out)`` -> ``(writable flat float32 NumPy view of out, commit)`` for ``decode_into``;
+      ``commit()`` runs after writing, None when the view is ``out``'s own memory (``views``);
+    * ``wrap_result(arr_f32, dtype_name, shape, like)``: decoded float32 values as a tensor of this
+      kind, dtype and shape.
+    """
     device = False
-    kind = "numpy"
     views = True        # out_np gives out's own memory (TensorFlow: a temporary, then a commit)
-
-    # -- inputs ------------------------------------------------------------------------------------
-    def describe(self, x):
-        """(shape tuple, dtype name) of an input tensor."""
-        raise NotImplementedError
-
-    def input_f32(self, x):
-        """``x`` as a flat, C-contiguous float32 NumPy array (no copy when it already is one)."""
-        raise NotImplementedError
-
-    def input_np(self, x):
-        """``x`` as a flat NumPy array of its own dtype (used by the raw fp16/none codecs)."""
-        raise NotImplementedError
 
     def numel(self, t):
         """Element count of a flat array/tensor of this kind."""
@@ -123,129 +122,45 @@ class HostAdapter:
         a = np.asarray(values, np.uint32)
         return a, a
 
-    # -- payloads ----------------------------------------------------------------------------------
-    def payload_np(self, payload):
-        """A payload (1-D uint8 of this kind) as a NumPy uint8 array (no copy where possible)."""
-        raise NotImplementedError
-
-    def wrap_payload(self, arr, like):
-        """A NumPy uint8 array we filled, as a payload of this kind."""
-        raise NotImplementedError
-
-    # -- outputs -----------------------------------------------------------------------------------
-    def out_np(self, out):
-        """(writable flat float32 NumPy view of ``out``, commit()) for decode_into; commit() is called
-        after writing (a no-op when the view is ``out``'s own memory)."""
-        raise NotImplementedError
-
-    def wrap_result(self, arr_f32, dtype_name, shape, like):
-        """Decoded float32 values (NumPy, flat) as a tensor of this kind, dtype and shape."""
-        raise NotImplementedError
-
 
 class DeviceAdapter:
-    """Device memory: Numba device-array views of framework tensors, kernels on the framework's stream."""
+    """Device memory: kernels on the framework's own memory and stream; outputs allocated by the
+    framework. A device handle is what the prepared kernel launches take: a device pointer (int) or
+    a Numba device array. A subclass provides:
+
+    * ``describe(x)`` as the host's; ``device_key(x)``: a hashable id of ``x``'s device (per-device
+      state such as the status word); ``stream(x)``: the stream to launch on; ``context(x)``: a
+      context manager making ``x``'s device Numba's current one;
+    * ``input_f32(x)`` -> ``(float32 tensor holding x's values, its device handle)``; ``numba(t)``:
+      a Numba device-array view of a flat tensor (launches through Numba's dispatcher);
+    * ``new_bytes(nbytes, like)``, ``new_f32(numel, like)``, ``new_status(like)`` -> ``(framework
+      tensor, device handle)`` freshly allocated on ``like``'s device (the status word: int32[2]
+      zeros, the decode error bits); ``bytes_dev(payload)``: the handle of a uint8 payload;
+      ``payload_nbytes(payload)``, ``numel(t)``;
+    * ``out_dev(out)`` -> ``(handle of a flat float32 out, commit)``: commit None when the handle is
+      ``out``'s memory; otherwise the codec decodes without accumulating and calls
+      ``commit(accumulate)``;
+    * ``read_header(payload)``: the header (``wire.HEADER_NBYTES`` bytes) on the host (synchronises);
+      ``read_status(status)``: the error bits of ``status[1]`` (synchronises), reset to 0;
+      ``status_bad(status)``: a device boolean ``status[0] != 0`` (no host read);
+    * ``result(f32, dtype_name, shape)``: a flat float32 tensor as the decoded tensor;
+    * the raw (fp16 / fp32) payloads, written with framework ops: ``raw_encode_into(x, value_dtype,
+      payload)`` writes ``x`` after the header (left unwritten) and zeros the padding, returning the
+      payload's handle; ``raw_residual(x, payload, value_dtype, residual)``: ``x`` minus those
+      values, in float32; ``raw_decode_into(payload, offset, numel, value_dtype, out, accumulate,
+      bad)``: ``out`` (+)= the values, NaN where ``bad`` (``status_bad``) holds.
+    """
     device = True
-    kind = "device"
-    views = True        # out_dev gives out's own memory (TensorFlow: a temporary, then a commit)
-
-    def describe(self, x):
-        raise NotImplementedError
-
-    def device_key(self, x):
-        """A hashable id of x's device (for per-device state such as the error-status buffer)."""
-        raise NotImplementedError
-
-    def stream(self, x):
-        """The Numba stream to launch on for tensors like ``x``."""
-        raise NotImplementedError
-
-    def context(self, x):
-        """Context manager making x's device Numba's current device."""
-        raise NotImplementedError
-
-    def input_f32(self, x):
-        """(float32 tensor holding x's values, its device handle). A device handle is what the
-        prepared kernel launches take: a device pointer (int) or a Numba device array."""
-        raise NotImplementedError
-
-    def numba(self, t):
-        """A Numba device-array view of a flat tensor (for launches through Numba's dispatcher)."""
-        raise NotImplementedError
+    views = True        # out_dev gives out's own memory
 
     def constant_u32(self, values, like):
         """(keepalive, device handle) of a small uint32 array on ``like``'s device, made once."""
-        d = self.numba_module().to_device(np.asarray(values, np.uint32))
-        return d, d
-
-    @staticmethod
-    def numba_module():
         from numba import cuda
-        return cuda
-
-    def new_bytes(self, nbytes, like):
-        """(framework uint8 tensor, device array) freshly allocated on like's device."""
-        raise NotImplementedError
-
-    def new_f32(self, numel, like):
-        raise NotImplementedError
-
-    def new_status(self, like):
-        """(framework int32[2] zeros, device array) on like's device: the decode error flag."""
-        raise NotImplementedError
-
-    def bytes_dev(self, payload):
-        """Device array view of a framework uint8 payload."""
-        raise NotImplementedError
-
-    def payload_nbytes(self, payload):
-        raise NotImplementedError
-
-    def numel(self, t):
-        """Element count of a framework tensor."""
-        raise NotImplementedError
-
-    def out_dev(self, out):
-        """(device array view of a flat float32 ``out``, commit): commit is None when the view is
-        ``out``'s memory; otherwise the codec decodes without accumulating into the view and calls
-        commit(accumulate) (TensorFlow: tensors are immutable, ``out`` is a tf.Variable)."""
-        raise NotImplementedError
-
-    def read_header(self, payload):
-        """The first 64 bytes of a device payload, on the host (this synchronises)."""
-        raise NotImplementedError
-
-    def read_status(self, status):
-        """int error bits from status[1] (synchronises), and reset status[1] to 0."""
-        raise NotImplementedError
-
-    def result(self, f32, dtype_name, shape):
-        """A framework float32 flat tensor as the decoded tensor of ``dtype_name`` and ``shape``."""
-        raise NotImplementedError
-
-    # raw (fp16 / fp32) payloads, written with framework ops
-    def raw_encode_into(self, x, value_dtype, payload):
-        """Write x as value_dtype at byte 64 of the uint8 ``payload`` (a framework tensor or a slice of
-        one), zero the padding after it; the header is left unwritten. Returns the payload's device
-        view."""
-        raise NotImplementedError
-
-    def raw_residual(self, x, payload, value_dtype, residual):
-        """residual = x - (the value_dtype values at byte 64 of ``payload``), in float32."""
-        raise NotImplementedError
-
-    def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
-        """out (+)= the payload's raw values; ``bad``: device flag (see status_bad) -> NaN."""
-        raise NotImplementedError
-
-    def status_bad(self, status):
-        """A device boolean 'status[0] != 0' usable by raw_decode_into (no host read)."""
-        raise NotImplementedError
+        d = cuda.to_device(np.asarray(values, np.uint32))
+        return d, d
 
 
 # ---- NumPy arrays (host; bfloat16 arrays come from ml_dtypes, what TensorFlow's .numpy() gives) ----
-
-
 
 _DTYPE_NAMES = {}
 # NumPy's built-in dtypes are singletons: ``a.dtype is _F32`` is a pointer test, where ``a.dtype !=
@@ -255,7 +170,6 @@ _F32, _U8 = np.dtype(np.float32), np.dtype(np.uint8)
 
 
 class NumpyAdapter(HostAdapter):
-    kind = "numpy"
 
     def describe(self, x):
         if not isinstance(x, np.ndarray):

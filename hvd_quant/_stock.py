@@ -11,48 +11,37 @@ Summing quantized codes is wrong (their scales differ per rank), so here:
 3. ``decompress`` finishes the exchange and returns ``decoded_sum * (placeholder / N)``, computed on
    the device (no host synchronisation), cast back to the gradient's dtype and shape.
 
-Fusion. When ``compress`` is called by a Horovod optimizer (PyTorch: the frame of its
-``_allreduce_grad_async`` / ``_grouped_allreduce_grad_async`` holds ``self`` and the parameter), its
-gradients are planned once (:func:`hvd_quant.plan.make_plan`) and a
-:class:`hvd_quant.scheduler.StepScheduler` runs their steps, exactly as for
-``hvd_quant.torch.DistributedOptimizer``: ``compress`` hands the gradient to its bucket, and
-``decompress`` returns its piece of the bucket's result, scaled by the factor of the optimizer's
-``op`` (the placeholder Horovod still allreduces is not read). The optimizer's
-``_allreduce_grad_async`` (not the grouped one) is taken over at its first gradient
-(:meth:`StockCompression._take_over`): from its second step its gradients go straight into their
-buckets or plain groups, and Horovod's ``synchronize`` gets each result from a callable handle: no
-Horovod op and no frame lookup per tensor. Without such an optimizer (``hvd.allreduce(t,
-compression=...)``, TensorFlow) each tensor is its own exchange, as in 1-3 above.
+Fusion. When the caller is a Horovod PyTorch optimizer (the frame of its ``_allreduce_grad_async`` /
+``_grouped_allreduce_grad_async`` holds ``self`` and the parameter), its gradients are planned once
+(:func:`hvd_quant.plan.make_plan`) and a :class:`hvd_quant.scheduler.StepScheduler` runs their steps
+as for ``hvd_quant.torch.DistributedOptimizer``: ``compress`` hands the gradient to its bucket and
+``decompress`` returns its piece, scaled by the factor of the optimizer's ``op`` (the placeholder is
+not read). From its second step, such an optimizer's ``_allreduce_grad_async`` (not the grouped
+one) is replaced (:meth:`StockCompression._take_over`): gradients go straight to the scheduler and
+Horovod's ``synchronize`` gets each result from a callable handle. Without such an optimizer
+(``hvd.allreduce(t, compression=...)``, TensorFlow) each tensor is its own exchange, as in 1-3.
 
-This module is the adapter: Horovod's context (the tensor's name and optimizer, read from the calling
-frame), the placeholders, the step boundaries (a gradient seen again starts the next step) and who
-owns the state. A codec given as ``compression=`` is an immutable value: the state of its exchanges
-(a :class:`StockCompression`) belongs to the Horovod optimizer that called (kept on it), or, without
-one, to the process set; a :class:`StockCompression` passed by the user is its own state.
+This module is the adapter: Horovod's context (read from the calling frame), the placeholders, the
+step boundaries (a gradient seen again starts the next step) and who owns the state. A codec is an
+immutable value: the state of its exchanges (a :class:`StockCompression`) belongs to the Horovod
+optimizer that called (kept on it), or, without one, to the process set; a
+:class:`StockCompression` passed by the user is its own state.
 
-Tensors with fewer than ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and
-non-floating tensors are returned as they are, with a passthrough context, and Horovod allreduces them.
-``op=hvd.Adasum`` raises (Adasum needs dot products of full gradients, which codes do not give).
+Tensors below ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and non-floating
+tensors pass through to Horovod's allreduce. ``op=hvd.Adasum`` raises.
 
-Names. ``compress`` is not told the tensor's name. It takes it from the calling frame: Horovod 0.28.1's
-``_allreduce_grad_async`` (torch) and ``allreduce`` (TensorFlow, torch) hold a ``name`` local; in the
-grouped path the parameter's own name is found through ``self._parameter_names``. When no name is found
-it falls back to the call order within the step. The name and shape go into every payload header, so
-a rank that receives another tensor's payload raises instead of mixing data; exchanges are matched
-across ranks by name, so ranks may call hooks in different orders. The first exchange of each name
-carries a configuration handshake (codec spec, reduction, size thresholds, shape).
+Names. ``compress`` is not told the tensor's name: it reads the ``name`` local of Horovod 0.28.1's
+``_allreduce_grad_async`` (torch) or ``allreduce`` (TensorFlow, torch), or in the grouped path the
+parameter's name from ``self._parameter_names``; failing that, the call order within the step. The
+name and shape go into every payload header, so a rank that receives another tensor's payload
+raises; exchanges match across ranks by name, and the first of each name carries a configuration
+handshake.
 
 Frameworks. ``compress`` dispatches on the tensor's type to its frontend (``hvd_quant.dispatch``;
-:class:`hvd_quant.frontend.Frontend`), which provides ``stock_backend(process_set)`` ->
-``(Collectives, ArrayOps)`` and ``stock_adapter()`` -> an object with ``describe(t)``,
-``placeholder(t)``, ``split(flat, sizes)``, ``restore(flat, info)``, ``as_float(t)``, ``sendable(t)``
-and ``cast_back(t, info)``. A framework may also register a hook
-(``hvd_quant.dispatch.STOCK_HOOKS``), ``hook(stock_compression, tensor)``: it returns ``(tensor, ctx)``
-to take over ``compress`` or None to let the generic path run; a ctx with a
-``stock_decompress(summed)`` method then finishes in ``decompress``. TensorFlow's hook (``hvd_quant/tensorflow/_graph.py``) builds symbolic tensors'
-exchanges into the graph with the public methods here and hands eager ones to
-:meth:`StockCompression.compress_on`. The configuration is a :class:`hvd_quant.plan.Config`, as in
-the frontends' optimizers.
+the stock path's interface is listed in :mod:`hvd_quant.frontend`). A framework may register a hook
+(``hvd_quant.dispatch.STOCK_HOOKS``) that takes ``compress`` over, returning a ctx whose
+``stock_decompress(summed)`` finishes in ``decompress``: TensorFlow's builds symbolic tensors'
+exchanges into the graph (``hvd_quant/tensorflow/_graph.py``).
 """
 import functools
 import sys
@@ -97,6 +86,9 @@ class _Cast:
     def __init__(self, adapter, info):
         self.adapter, self.info = adapter, info
 
+    def stock_decompress(self, summed):
+        return self.adapter.cast_back(summed, self.info)
+
 
 def uncompressed(adapter, tensor, info):
     """``(tensor Horovod allreduces, ctx)`` for a tensor sent uncompressed: itself, or a float32 copy
@@ -119,6 +111,9 @@ class _Ctx:
 
     def __init__(self, owner, session, pending, info, size):
         self.owner, self.session, self.pending, self.info, self.size = owner, session, pending, info, size
+
+    def stock_decompress(self, summed):
+        return self.owner._finish_alone(summed, self)
 
 
 class _Session:
@@ -210,6 +205,9 @@ class _Slot:
     def __init__(self, group, k, i, info):
         self.group, self.k, self.i, self.info = group, k, i, info
 
+    def stock_decompress(self, summed):
+        return _finish_slot(self)
+
 
 class _Group:
     """One Horovod optimizer's gradients on this path: the plan made at its first ``compress``, where
@@ -291,7 +289,30 @@ def _key_str(key):
 _DECIDED = threading.local()
 
 
-class StockCompression:
+def _decided(tensor):
+    """What ``compress`` returns for ``tensor`` where the taken-over optimizer already decided."""
+    decided = getattr(_DECIDED, "value", None)
+    return decided[1] if decided is not None and decided[0] is tensor else None
+
+
+class Compressor:
+    """Horovod's ``Compressor`` protocol (``compress(tensor) -> (tensor, ctx)``,
+    ``decompress(tensor, ctx)``) for a codec passed as ``compression=`` (module doc): the codec
+    stays a value; the state of its exchanges belongs to the caller (:func:`state_of`). A
+    :class:`StockCompression` is its own state."""
+
+    def compress(self, tensor):
+        decided = _decided(tensor)
+        if decided is not None:
+            return decided
+        caller = _frame_context(tensor)
+        return _owned_state(self, caller, _backend_for(tensor)).compress_from(caller, tensor)
+
+    def decompress(self, tensor, ctx):
+        return _decompress(tensor, ctx)
+
+
+class StockCompression(Compressor):
     """A codec wrapped for stock Horovod's ``compression=`` argument (module doc).
 
     ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_quant.QSGD(bits=4))`` keeps
@@ -305,10 +326,10 @@ class StockCompression:
 
     def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
                  error_feedback=None, bucket_bytes=_plan.BUCKET_BYTES):
-        codec = getattr(codec, "codec", codec)     # a StockCompression: its codec
-        if not hasattr(codec, "encode"):
-            raise TypeError(f"hvd_quant: StockCompression takes an hvd_quant codec, got {codec!r} "
-                            f"(hvd_quant.from_spec makes one from a spec string)")
+        # a codec, a spec string, another StockCompression (its codec) or None (no compression).
+        # hvd_quant.codecs builds on this module (a Codec takes Horovod's protocol from here), so its
+        # resolve_codec is reached through the imported package, never by an import of ours.
+        codec = sys.modules["hvd_quant.codecs"].resolve_codec(codec)
         self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=bucket_bytes,
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
@@ -394,15 +415,9 @@ class StockCompression:
         group = self._group_of(optimizer)
         return None if group is None else group.sched.route()
 
-    # -- Horovod Compressor protocol --------------------------------------------------------------
-    def compress(self, tensor):
-        decided = getattr(_DECIDED, "value", None)
-        if decided is not None and decided[0] is tensor:
-            return decided[1]
-        return self.compress_from(None, tensor)
-
+    # -- Horovod Compressor protocol (compress and decompress: Compressor's) ----------------------
     def compress_from(self, caller, tensor):
-        """``compress`` with the calling frame's :class:`_Caller` (None: read it when needed)."""
+        """``compress`` with the calling frame's :class:`_Caller`."""
         backend = _backend_for(tensor)
         hook = stock_hook_for(tensor)       # a framework's own path (TensorFlow: graphs)
         if hook is not None:
@@ -547,9 +562,6 @@ class StockCompression:
         owner._allreduce_grad_async = allreduce_grad_async
         group.taken_over = True
 
-    def decompress(self, tensor, ctx):
-        return _decompress(tensor, ctx)
-
     def _finish_alone(self, tensor, ctx):
         """``decompress`` of a tensor exchanged alone: every such exchange still in its first phase
         is advanced first (the overlap rule), once per step, not once per tensor."""
@@ -654,14 +666,9 @@ def _finish_plain(group, j, i, info):
 
 
 def _decompress(tensor, ctx):
-    """Horovod's ``decompress`` for every ctx this module hands out."""
-    if isinstance(ctx, _Slot):
-        return _finish_slot(ctx)
-    if isinstance(ctx, _Cast):
-        return ctx.adapter.cast_back(tensor, ctx.info)
-    if isinstance(ctx, _Ctx):
-        return ctx.owner._finish_alone(tensor, ctx)
-    finish = getattr(ctx, "stock_decompress", None)   # made by a backend's stock_compress
+    """Horovod's ``decompress``: every ctx of this module or a framework's hook finishes itself
+    (``stock_decompress(summed)``); :data:`PASSTHROUGH` gives back what Horovod reduced."""
+    finish = getattr(ctx, "stock_decompress", None)
     return tensor if finish is None else finish(tensor)
 
 
@@ -671,7 +678,10 @@ _STATE_ATTR = "_hvd_quant_stock"
 
 def _owned_state(codec, caller, backend):
     """The :class:`StockCompression` of ``codec`` for this call: the calling Horovod optimizer's
-    (kept on it, made at its first gradient), else the process set's (one per codec value)."""
+    (kept on it, made at its first gradient), else the process set's (one per codec value); a
+    StockCompression is its own."""
+    if isinstance(codec, StockCompression):
+        return codec
     if caller.owner is not None:
         sc = vars(caller.owner).get(_STATE_ATTR)
         if sc is None or sc.codec is not codec:
@@ -686,22 +696,6 @@ def _owned_state(codec, caller, backend):
     if sc is None:
         sc = states[codec] = StockCompression(codec)
     return sc
-
-
-class Compressor:
-    """Horovod's ``Compressor`` protocol (``compress(tensor) -> (tensor, ctx)``,
-    ``decompress(tensor, ctx)``) for a codec passed as ``compression=`` (module doc): the codec
-    stays a value; the state of its exchanges belongs to the caller (:func:`state_of`)."""
-
-    def compress(self, tensor):
-        decided = getattr(_DECIDED, "value", None)
-        if decided is not None and decided[0] is tensor:
-            return decided[1]
-        caller = _frame_context(tensor)
-        return _owned_state(self, caller, _backend_for(tensor)).compress_from(caller, tensor)
-
-    def decompress(self, tensor, ctx):
-        return _decompress(tensor, ctx)
 
 
 def state_of(obj):

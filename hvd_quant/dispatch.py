@@ -49,24 +49,23 @@ def _load(entry):
     return getattr(found, attribute) if attribute else found
 
 
+def _resolve(table, cache, obj):
+    """``table``'s entry for ``obj``'s framework, loaded; None where it has none. Once per type."""
+    try:
+        return cache[type(obj)]
+    except KeyError:
+        top = type(obj).__module__.split(".", 1)[0]
+        entry = table.get(_SAME_AS.get(top, top))
+        found = cache[type(obj)] = None if entry is None else _load(entry)
+        return found
+
+
 def frontend_for(obj):
     """The frontend of ``obj``'s framework, or None where none is registered."""
-    frontend = _BY_TYPE.get(type(obj))
-    if frontend is None:
-        top = type(obj).__module__.split(".", 1)[0]
-        entry = FRONTENDS.get(_SAME_AS.get(top, top))
-        if entry is None:
-            return None
-        frontend = _BY_TYPE[type(obj)] = _load(entry)
-    return frontend
+    frontend = _BY_TYPE.get(type(obj))      # (the codecs ask at every call)
+    return frontend if frontend is not None else _resolve(FRONTENDS, _BY_TYPE, obj)
 
 
 def stock_hook_for(obj):
     """The stock path's hook of ``obj``'s framework (:data:`STOCK_HOOKS`), or None."""
-    try:
-        return _HOOK_BY_TYPE[type(obj)]
-    except KeyError:
-        top = type(obj).__module__.split(".", 1)[0]
-        entry = STOCK_HOOKS.get(_SAME_AS.get(top, top))
-        hook = _HOOK_BY_TYPE[type(obj)] = None if entry is None else _load(entry)
-        return hook
+    return _resolve(STOCK_HOOKS, _HOOK_BY_TYPE, obj)

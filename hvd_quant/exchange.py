@@ -35,8 +35,8 @@ own collectives, and SRA's second phase is submitted by the host: a rank blocked
 collective while its set-B exchange is still in its first phase holds back the set-B allgather that
 B's other members wait for, and they may be the ranks A waits for. So an exchange that must wait
 while SRA exchanges *of other Exchange objects* in this process are still in their first phase
-polls instead (``Collectives.poll``, sleeping 20 µs doubling to 1 ms between polls) and advances each
-of those whose alltoall has completed (:func:`_wait`). With one Exchange in flight it simply blocks.
+polls instead (``Collectives.poll``, with sleeps that double up to :data:`_POLL_MAX_S`) and advances
+each of those whose alltoall has completed (:func:`_wait`). With one Exchange in flight it blocks.
 """
 import hashlib
 import time
@@ -196,7 +196,7 @@ class Traffic:
         return self.fp32_bytes / self.sent_bytes if self.sent_bytes else float("inf")
 
     def add(self, other):
-        """Add ``other``'s bytes (a plan's traffic of a step, or another step's record)."""
+        """Add ``other``'s bytes (a setup's traffic of a step, or another step's record)."""
         self.sent_bytes += other.sent_bytes
         self.fp32_bytes += other.fp32_bytes
         self.payload_bytes += other.payload_bytes
@@ -324,32 +324,32 @@ def handshake(coll, ops, record, what, name=HANDSHAKE_NAME):
 
 
 class _Chunk:
-    """One payload of a plan: elements [a, b) of the flat buffer, ``size`` bytes at byte ``off`` of
+    """One payload of a setup: elements [a, b) of the flat buffer, ``size`` bytes at byte ``off`` of
     the buffer it travels in, its header words, layout, what a receiver expects of its header, the
     fixed part of its noise key, and its launches, bound once (``encode(x, payload, key, residual)``,
     ``decode(payload, out)`` writing, ``accumulate(payload, out)`` adding)."""
     __slots__ = ("a", "b", "off", "size", "words", "lay", "nh", "expect", "noise", "encode", "decode",
                  "accumulate")
 
-    def __init__(self, ex, plan, a, b, off, tag, like):
+    def __init__(self, ex, setup, a, b, off, tag, like):
         codec = ex.codec
         self.a, self.b, self.off = a, b, off
         self.nh, self.words, self.lay = codec.header_plan((b - a,), "float32", tag)
         self.size = self.lay.total if b > a else 0      # an empty chunk sends nothing
         self.expect = codec.expectation(b - a, tag)
-        seed = plan.fresh if codec.seed is None else codec.seed
+        seed = setup.fresh if codec.seed is None else codec.seed
         self.noise = noise_base(seed, ex.coll.rank, self.nh) if codec.stochastic else None
-        arrays = plan.arrays
+        arrays = setup.arrays
         self.encode = codec.bind_encode(arrays, self.lay, self.words, like)
-        self.decode = codec.bind_decode(arrays, b - a, False, self.expect, like, plan.status)
-        self.accumulate = codec.bind_decode(arrays, b - a, True, self.expect, like, plan.status)
+        self.decode = codec.bind_decode(arrays, b - a, False, self.expect, like, setup.status)
+        self.accumulate = codec.bind_decode(arrays, b - a, True, self.expect, like, setup.status)
 
     def key(self, step):
         """The noise key of this payload at ``step`` (``_noise.noise_key``); 0 without noise."""
         return 0 if self.noise is None else mix64_py(self.noise ^ (step & MASK64))
 
 
-class _Plan:
+class _Setup:
     """What one exchange name needs every step, built once (and again when the process set's rank
     or size changes): chunk bounds and layouts, header words and expectations, the adapter of its
     tensors, the noise base, the traffic of a step, reusable buffers where the frontend's arrays
@@ -365,7 +365,7 @@ class _Plan:
         self.coll, self.numel = coll, numel
         self.arrays = adapter_for(like)
         self.status = self.arrays.new_status(like) if self.arrays.device else None
-        self.fresh = fresh_seed()          # unseeded noise: this plan's base, mixed with the step
+        self.fresh = fresh_seed()          # unseeded noise: this setup's base, mixed with the step
         bounds = ex.bounds(numel)
         r, size = coll.rank, coll.size
         if ex.reduction == "allgather":
@@ -436,7 +436,8 @@ def _host_mark(like):
 
 
 def _tag(header, part):
-    """The name put in a payload header: which tensor/bucket and which chunk (stable across steps)."""
+    """The name a payload header carries: bucket ``header``'s chunk ``part`` ("all" for allgather,
+    "c<j>" for SRA's chunk j, "r<j>" for the reduced chunk j); the same every step."""
     return f"{header}#{part}"
 
 
@@ -444,6 +445,7 @@ def _tag(header, part):
 # held weakly (a step abandoned by its owner, an elastic reset say, leaves nothing behind). Added by
 # start, removed by advance (module doc: several exchanges at once).
 _FIRST_PHASE = weakref.WeakValueDictionary()
+_POLL_FIRST_S, _POLL_MAX_S = 2e-5, 1e-3     # _wait's sleep between polls: first, longest
 
 
 def _wait(exchange, handle):
@@ -451,7 +453,7 @@ def _wait(exchange, handle):
     meanwhile (module doc)."""
     coll = exchange.coll
     if coll.poll is not None and any(q.owner is not exchange for q in _FIRST_PHASE.values()):
-        delay = 2e-5
+        delay = _POLL_FIRST_S
         while not coll.poll(handle):
             others = [q for q in list(_FIRST_PHASE.values()) if q.owner is not exchange]
             if not others:
@@ -465,18 +467,18 @@ def _wait(exchange, handle):
                 if done:
                     q.owner.advance(q)
             time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            delay = min(2 * delay, _POLL_MAX_S)
     return coll.synchronize(handle)
 
 
 class Pending:
     """One exchange in flight. ``stage``: "first" (alltoall or allgather submitted), "second" (SRA
     allgather submitted), "done"."""
-    __slots__ = ("name", "plan", "step", "like", "handle", "stage", "hs", "record", "result", "key",
+    __slots__ = ("name", "setup", "step", "like", "handle", "stage", "hs", "record", "result", "key",
                  "owner", "t0", "channel", "__weakref__")
 
-    def __init__(self, name, plan, step, like, owner=None):
-        self.name, self.plan, self.step, self.like, self.owner = name, plan, step, like, owner
+    def __init__(self, name, setup, step, like, owner=None):
+        self.name, self.setup, self.step, self.like, self.owner = name, setup, step, like, owner
         self.handle = self.hs = self.record = self.result = self.t0 = self.channel = None
         self.stage = "first"
 
@@ -484,17 +486,15 @@ class Pending:
 class Exchange:
     """The reductions for one codec, one set of collectives and one array-ops table.
 
-    Each exchange name gets a plan on its first start (:class:`_Plan`: layouts, header words, noise
-    base, buffers), reused every step. ``memory`` (a :class:`hvd_quant.memory.Memory`, optional)
-    turns on error feedback: the residual of this rank's own quantization is kept under
-    ``(Memory.WORKER, name)`` and, for SRA, the residual of the requantization of the chunk this rank
-    owns under ``(Memory.SERVER, (name, r, N))`` (the "server" error feedback of 1-bit Adam: the
-    requantization's error is carried to the next step too, not lost). ``reuse_result``: :meth:`finish` returns the
-    plan's own result buffer, overwritten by the next step of the same name (for callers that copy
-    the result out, where the frontend's ``ArrayOps.reusable``); otherwise a new buffer each step.
+    Each exchange name gets a :class:`_Setup` on its first start, reused every step. ``memory`` (a
+    :class:`hvd_quant.memory.Memory`, optional) turns on error feedback: this rank's own residual is
+    kept under ``(Memory.WORKER, name)`` and, for SRA, the residual of requantizing the chunk this
+    rank owns under ``(Memory.SERVER, (name, r, N))`` (1-bit Adam's "server" error feedback).
+    ``reuse_result``: :meth:`finish` returns the setup's own result buffer, overwritten by the next
+    step of the same name (where ``ArrayOps.reusable``); otherwise a new buffer each step.
     ``timing`` (default on): each alltoall and allgather is timed from launch to its result
-    (``ArrayOps.mark``: host clock, or CUDA events that nothing waits for) into ``traffic.timed``;
-    ``traffic.bandwidth()`` gives the effective GB/s (docs/EXCHANGE.md, "Measured bandwidth").
+    (``ArrayOps.mark``) into ``traffic.timed``; ``traffic.bandwidth()`` gives the effective GB/s
+    (docs/EXCHANGE.md, "Measured bandwidth").
     """
 
     def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq",
@@ -511,7 +511,7 @@ class Exchange:
         self.align = codec_alignment(codec)
         self.traffic = Traffic()
         self._mark = (ops.mark or _host_mark) if timing else None
-        self._plans = {}            # (name, header, numel) -> _Plan
+        self._setups = {}           # (name, header, numel) -> _Setup
         self._verified = set()      # exchange names whose first payloads were checked on the device
 
     # -- sizes ------------------------------------------------------------------------------------
@@ -523,28 +523,24 @@ class Exchange:
             return [(0, numel)]
         return chunk_bounds(numel, self.coll.size, self.align)
 
-    @staticmethod
-    def tag(name, part):
-        """The name a payload header carries: bucket ``name``'s chunk ``part`` ("all" for allgather,
-        "c<j>" for SRA's chunk j, "r<j>" for the reduced chunk j); the same every step."""
-        return _tag(name, part)
+    tag = staticmethod(_tag)       # (tests build the expected headers with it)
 
-    def plan(self, name, numel, like, header=None):
-        """The plan of exchange ``name`` for ``numel`` elements like ``like`` (built on first use)."""
+    def setup(self, name, numel, like, header=None):
+        """The setup of exchange ``name`` for ``numel`` elements like ``like`` (built on first use)."""
         header = name if header is None else header
         key = (name, header, numel)
-        plan = self._plans.get(key)
-        if plan is None or plan.coll is not self.coll:
-            plan = self._plans[key] = _Plan(self, name, header, numel, like)
-        return plan
+        setup = self._setups.get(key)
+        if setup is None or setup.coll is not self.coll:
+            setup = self._setups[key] = _Setup(self, name, header, numel, like)
+        return setup
 
-    def _payloads(self, plan, chunks, nbytes, flat, step, name, residual=None):
+    def _payloads(self, setup, chunks, nbytes, flat, step, name, residual=None):
         """Encode ``flat``'s chunks into one uint8 buffer (each payload at its offset), no copies.
         With ``residual`` (error feedback: a (namespace, key) of the memory), the encode also writes
         ``flat - decode(payload)`` into that residual's buffer, which becomes the new residual."""
         ops, mem = self.ops, self.memory
         numel = ops.numel(flat)
-        buf = plan.buffer(name, lambda: ops.empty_bytes(nbytes, flat))
+        buf = setup.buffer(name, lambda: ops.empty_bytes(nbytes, flat))
         res = None if residual is None else mem.buffer(*residual, numel, flat)
         for c in chunks:
             if c.b == c.a:
@@ -562,33 +558,30 @@ class Exchange:
     def start(self, name, flat, step=None, record=None, header=None, channel=None):
         """Encode ``flat`` (a float32 1-D buffer this exchange may overwrite) and submit the first
         collective, named after ``name`` (what Horovod matches across ranks). ``header`` (default
-        ``name``) is what goes into the payload headers, with the chunk: a receiver expecting another
-        header raises. ``step`` keys seeded stochastic rounding (default: this plan's own count).
-        With ``record`` (see :func:`handshake_record`), a configuration handshake travels with the
-        exchange and is checked before anything is decoded. ``channel``: what carries the payloads
-        instead of Horovod's collectives (a torch payload group): ``channel.alltoall(t, splits)``,
-        ``channel.allgather(t)`` and, for SRA's reduced chunks, ``channel.allgather(t, each,
-        total)`` (chunk 0's length and the gathered length: the others are padded to it); its
-        handles go to the collectives' ``synchronize`` and ``poll``; its collectives match by order,
-        so the caller starts the exchanges in one order on every rank, and ``channel.waiting`` (a
-        deque) holds its SRA exchanges in their first phase, which :meth:`advance` takes in that
-        order."""
+        ``name``) goes into the payload headers, with the chunk: a receiver expecting another header
+        raises. ``step`` keys seeded stochastic rounding (default: this name's own count). With
+        ``record`` (:func:`handshake_record`), a configuration handshake travels with the exchange
+        and is checked before anything is decoded. ``channel`` (module doc): what carries the
+        payloads instead of Horovod's collectives, a torch ``PayloadGroup``: ``alltoall(t, splits)``,
+        ``allgather(t)``, ``allgather(t, each, total)`` for SRA's reduced chunks (padded to chunk 0's
+        length ``each``), handles for the collectives' ``synchronize`` and ``poll``, and
+        ``waiting``, the deque of its SRA exchanges in their first phase."""
         ops, coll = self.ops, self.coll
         numel = ops.numel(flat)
-        plan = self.plan(name, numel, flat, header)
+        setup = self.setup(name, numel, flat, header)
         if step is None:
-            step = plan.steps
-        plan.steps += 1
-        p = Pending(name, plan, step, flat, self)
+            step = setup.steps
+        setup.steps += 1
+        p = Pending(name, setup, step, flat, self)
         if record is not None:
             p.record = record
             p.hs = handshake_async(coll, ops, record, f"{self.prefix}.hs.{name}")
         mem = self.memory
         if mem is not None:
             flat = mem.compensate(mem.WORKER, name, flat)
-        send = self._payloads(plan, plan.send, plan.send_nbytes, flat, step, "send",
+        send = self._payloads(setup, setup.send, setup.send_nbytes, flat, step, "send",
                               None if mem is None else (mem.WORKER, name))
-        self.traffic.add(plan.traffic)
+        self.traffic.add(setup.traffic)
         if self._mark is not None:
             p.t0 = self._mark(flat)
         if channel is not None:
@@ -596,13 +589,13 @@ class Exchange:
             if self.reduction == "allgather":
                 p.handle = channel.allgather(send)
                 return p
-            p.handle = channel.alltoall(send, plan.splits)
+            p.handle = channel.alltoall(send, setup.splits)
             channel.waiting.append(p)
         elif self.reduction == "allgather":
             p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}")
             return p
         else:
-            p.handle = coll.alltoall_async(send, plan.splits, f"{self.prefix}.a2a.{name}")
+            p.handle = coll.alltoall_async(send, setup.splits, f"{self.prefix}.a2a.{name}")
         _FIRST_PHASE[id(p)] = p
         return p
 
@@ -659,36 +652,36 @@ class Exchange:
                     waiting.popleft()
             waiting.popleft()
         self._check_hs(p)
-        ops, coll, plan = self.ops, self.coll, p.plan
+        ops, coll, setup = self.ops, self.coll, p.setup
         data = _wait(self, p.handle)
         if p.t0 is not None:        # inline: this runs once per bucket and step
-            self.traffic.timed.append(("alltoall", plan.sent[0], p.t0, self._mark(p.like)))
-        own, red = plan.own, plan.reduced
+            self.traffic.timed.append(("alltoall", setup.sent[0], p.t0, self._mark(p.like)))
+        own, red = setup.own, setup.reduced
         n, each = own.b - own.a, own.size
         self._received(p, data, coll.size * each, "the alltoall")
         mem = self.memory
-        if n and plan.reduce is not None:
+        if n and setup.reduce is not None:
             # one launch: sum the received payloads, add the residual, requantize, new residual
-            res = None if mem is None else mem.current(mem.SERVER, plan.server_key, n, p.like)
-            payload = plan.buffer("reduced", lambda: ops.empty_bytes(red.size, p.like))
-            self._decode(p, None, plan.reduce, data, coll.size, res, payload, red.key(p.step))
+            res = None if mem is None else mem.current(mem.SERVER, setup.server_key, n, p.like)
+            payload = setup.buffer("reduced", lambda: ops.empty_bytes(red.size, p.like))
+            self._decode(p, None, setup.reduce, data, coll.size, res, payload, red.key(p.step))
             if mem is not None:
-                mem.set(mem.SERVER, plan.server_key, res)
+                mem.set(mem.SERVER, setup.server_key, res)
         elif n:
-            acc = plan.buffer("acc", lambda: ops.empty(n, p.like))
+            acc = setup.buffer("acc", lambda: ops.empty(n, p.like))
             for j in range(coll.size):
                 self._decode(p, j, own.accumulate if j else own.decode, ops.slice(data, j * each, (j + 1) * each),
                              acc)
             if mem is not None:
-                acc = mem.compensate(mem.SERVER, plan.server_key, acc)
-            payload = self._payloads(plan, (red,), red.size, acc, p.step, "reduced",
-                                     None if mem is None else (mem.SERVER, plan.server_key))
+                acc = mem.compensate(mem.SERVER, setup.server_key, acc)
+            payload = self._payloads(setup, (red,), red.size, acc, p.step, "reduced",
+                                     None if mem is None else (mem.SERVER, setup.server_key))
         else:
             payload = ops.empty_bytes(0, p.like)
         if self._mark is not None:
             p.t0 = self._mark(p.like)
         if channel is not None:
-            p.handle = channel.allgather(payload, plan.gather[0].size, plan.gather_nbytes)
+            p.handle = channel.allgather(payload, setup.gather[0].size, setup.gather_nbytes)
         else:
             p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}")
         p.stage = "second"
@@ -698,35 +691,35 @@ class Exchange:
         """Wait and decode; returns the float32 **sum** over ranks (flat, ``numel`` elements)."""
         if p.stage == "done":
             return p.result
-        ops, coll, plan = self.ops, self.coll, p.plan
+        ops, coll, setup = self.ops, self.coll, p.setup
         if self.reduction == "sra":
             self.advance(p)
         else:
             self._check_hs(p)
         data = _wait(self, p.handle)
         if p.t0 is not None:
-            self.traffic.timed.append(("allgather", plan.sent[1], p.t0, self._mark(p.like)))
-        self._received(p, data, plan.gather_nbytes, "the allgather")
-        out = (plan.buffer("out", lambda: ops.empty(plan.numel, p.like)) if self.reuse_result
-               else ops.empty(plan.numel, p.like))
-        if plan.decode_chunks is not None:
-            self._decode(p, None, plan.decode_chunks, data, out)
-        elif plan.decode_sum is not None:
-            self._decode(p, None, plan.decode_sum, data, coll.size, out)
+            self.traffic.timed.append(("allgather", setup.sent[1], p.t0, self._mark(p.like)))
+        self._received(p, data, setup.gather_nbytes, "the allgather")
+        out = (setup.buffer("out", lambda: ops.empty(setup.numel, p.like)) if self.reuse_result
+               else ops.empty(setup.numel, p.like))
+        if setup.decode_chunks is not None:
+            self._decode(p, None, setup.decode_chunks, data, out)
+        elif setup.decode_sum is not None:
+            self._decode(p, None, setup.decode_sum, data, coll.size, out)
         elif self.reduction == "sra":
-            for j, c in enumerate(plan.gather):
+            for j, c in enumerate(setup.gather):
                 if c.b > c.a:
                     self._decode(p, j, c.decode, ops.slice(data, c.off, c.off + c.size),
                                  ops.slice(out, c.a, c.b))
-        elif plan.numel:
-            for j, c in enumerate(plan.gather):
+        elif setup.numel:
+            for j, c in enumerate(setup.gather):
                 self._decode(p, j, c.accumulate if j else c.decode, ops.slice(data, c.off, c.off + c.size), out)
         if p.name not in self._verified:
-            # Device payloads are checked by a kernel that writes NaN on a bad header; read the plan's
+            # Device payloads are checked by a kernel that writes NaN on a bad header; read the setup's
             # status word once per exchange name (one synchronisation, on the first step only) so
             # that a misconfiguration raises instead of showing up as NaN.
             self._verified.add(p.name)
-            bits = plan.arrays.read_status(plan.status[0]) if plan.status is not None else 0
+            bits = setup.arrays.read_status(setup.status[0]) if setup.status is not None else 0
             if bits:
                 raise PayloadMismatchError(f"hvd_quant: a payload for {p.name!r} was refused on the device "
                                            f"(its decode wrote NaN): {describe_error_bits(bits)}")

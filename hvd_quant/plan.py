@@ -137,10 +137,6 @@ class Config:
             return 1.0 / self.predivide, self.predivide
         return 1.0, 1.0
 
-    def result_scale(self, size):
-        """Factor for the exchange's sum over ``size`` ranks (1/N for Average)."""
-        return 1.0 / size if self.op == AVERAGE else 1.0
-
 
 def configure(codec, *, reduction="sra", bucket_bytes=BUCKET_BYTES, min_compress_numel=1024,
               compress_1d=False, warmup_steps=0, error_feedback=None, op=AVERAGE, predivide=1.0,

@@ -1,8 +1,7 @@
 """The step of a compressed gradient reduction, written once (no framework here).
 
 A :class:`StepScheduler` runs the buckets and plain groups of one :class:`hvd_quant.plan.Plan` through
-each step. ``hvd_quant.torch.DistributedOptimizer`` and the stock ``compression=`` path
-(``hvd_quant/_stock.py``) drive it the same way:
+each step; ``hvd_quant.torch.DistributedOptimizer`` and the stock ``compression=`` path drive it:
 
 1. :meth:`~StepScheduler.bind` follows the process set's world (elastic): another world drops the
    step under way, forgets which routes ran and measures ``reduction="auto"`` again.
@@ -106,8 +105,7 @@ class StepScheduler:
 
     # -- world and route ------------------------------------------------------------------------
     def bind(self, coll):
-        """Run on ``coll`` (the process set's Collectives of the current world). True when that is
-        another world than before: the step under way is dropped and auto measures again."""
+        """Step 1: run on ``coll``, the process set's Collectives; True when it is another world."""
         if coll is self.coll:
             return False
         self.coll = coll
@@ -135,9 +133,8 @@ class StepScheduler:
 
     # -- the step -------------------------------------------------------------------------------
     def begin_step(self, compress=True):
-        """A step's first gradient. Takes up a channel made in the step before and, when the buckets
-        take a compressed exchange this step (``compress``: the driver allows it, e.g. after warm-up),
-        starts the presence count. Returns whether they do."""
+        """Step 2, and the payload channel made in the step before taken up. ``compress``: the driver
+        allows a compressed exchange (after warm-up). Returns whether the buckets take one."""
         self.next_start = 0
         self.routes = [ALLREDUCE] * len(self.buckets)
         if self.next_channel is not None:
@@ -150,9 +147,8 @@ class StepScheduler:
         return compressing
 
     def end_step(self, timed=True, completed=True):
-        """The step's end. ``completed``: its finished routes count as run in this world (the
-        payload channel takes them from the next step); ``timed``: the step counts for
-        ``reduction="auto"`` (not in warm-up, nor while a rank is inside ``hvd.join()``)."""
+        """Step 5. ``completed``: the finished routes count as run; ``timed``: the step counts for
+        ``reduction="auto"`` (not in warm-up; never while a rank is inside ``hvd.join()``)."""
         joined = self.absent()
         if completed:
             self.routes_run.update(self.ran)
@@ -166,7 +162,7 @@ class StepScheduler:
                 print(f"{self.label}: {self.auto.summary()}", flush=True)
 
     def arrive(self, k, i, grad):
-        """Member ``i`` of bucket ``k`` arrived; start the complete buckets that may start."""
+        """Step 3: member ``i`` of bucket ``k`` arrived; start the complete buckets that may start."""
         grads = self.grads[k]
         _keep(grads, i, grad, self.buckets[k].names[i])
         self.like = grad
@@ -189,9 +185,8 @@ class StepScheduler:
             self._start(k, route, channel)
 
     def _start(self, k, route, channel):
-        """Start bucket ``k``; members that never arrived contribute zeros (as Horovod allreduces
-        zeros for a parameter without a gradient). While a rank is inside ``hvd.join()`` the bucket
-        goes through one Sum allreduce instead (scaled as the exchange's result is)."""
+        """Start bucket ``k`` (zeros for members that never arrived, as Horovod allreduces zeros for
+        a parameter without a gradient; one Sum allreduce while a rank is inside ``hvd.join()``)."""
         b, grads = self.buckets[k], self.grads[k]
         flat = self._flat(grads, b.numels, self.like)
         if self.absent():
@@ -245,8 +240,7 @@ class StepScheduler:
         return self.split(flat, self.buckets[k].numels)
 
     def result(self, k):
-        """Bucket ``k``'s result as its members' pieces, started and finished where not yet; kept
-        until :meth:`take` has been called for each member that arrived."""
+        """Step 4 for bucket ``k``: its members' pieces, kept until :meth:`take` took each."""
         pieces = self.pieces[k]
         if pieces is None:
             if self.pending[k] is None:
@@ -264,8 +258,7 @@ class StepScheduler:
             self.pieces[k] = None
 
     def finish_started(self):
-        """``[(k, pieces)]`` of every bucket started this step, after starting the complete ones
-        (blocking for the presence count), every exchange advanced before any is finished."""
+        """Step 4 for every bucket: ``[(k, pieces)]`` of each started this step."""
         self.start_complete(wait=True)
         started = [k for k, p in enumerate(self.pending) if p is not None]
         self._advance_all()
@@ -273,7 +266,7 @@ class StepScheduler:
 
     # -- plain groups ---------------------------------------------------------------------------
     def arrive_plain(self, j, i, grad):
-        """Member ``i`` of plain group ``j`` arrived; the last one starts the group's allreduce."""
+        """Step 3 for plain group ``j``: the last member to arrive starts its allreduce."""
         grads = self.plain_grads[j]
         _keep(grads, i, grad, f"{self.plain_names[j]}[{i}]")
         self.plain_arrived[j] += 1
@@ -281,7 +274,6 @@ class StepScheduler:
             self._start_plain(j)
 
     def _start_plain(self, j):
-        """One allreduce of plain group ``j`` flattened (zeros for members that never arrived)."""
         grads, sizes = self.plain_grads[j], self.plain_sizes[j]
         flat = self._flat(grads, sizes, next(g for g in grads if g is not None))
         n = sum(sizes)
@@ -293,9 +285,8 @@ class StepScheduler:
         self.plain_arrived[j] = 0
 
     def plain_result(self, j):
-        """Plain group ``j``'s result as its members' pieces. Before waiting for it the complete
-        buckets start and every started one is finished (a payload channel then queues their second
-        phases without waiting, and the wait lasts until backward's end)."""
+        """Step 4 for plain group ``j``. The complete buckets start and the started ones finish
+        first (a payload channel then queues their second phases without waiting)."""
         pieces = self.plain_pieces[j]
         if pieces is None:
             if self.complete:

@@ -278,14 +278,26 @@ def test_error_feedback_default_is_the_codecs_wish(compression, error_feedback, 
     assert configure(compression, error_feedback=error_feedback).error_feedback is expected
 
 
-@pytest.mark.parametrize("op,predivide,factors,scale", [
-    pytest.param(AVERAGE, 1.0, (1.0, 1.0), 0.25, id="average"),
-    pytest.param(AVERAGE, 4.0, (0.25, 4.0), 0.25, id="average-predivide"),
-    pytest.param(SUM, 1.0, (1.0, 1.0), 1.0, id="sum"),
+@pytest.mark.parametrize("op,predivide,factors", [
+    pytest.param(AVERAGE, 1.0, (1.0, 1.0), id="average"),
+    pytest.param(AVERAGE, 4.0, (0.25, 4.0), id="average-predivide"),
+    pytest.param(SUM, 1.0, (1.0, 1.0), id="sum"),
 ])
-def test_scale_factors(op, predivide, factors, scale):
-    c = configure("qsgd", op=op, predivide=predivide)
-    assert c.allreduce_factors() == factors and c.result_scale(4) == scale
+def test_scale_factors(op, predivide, factors):
+    assert configure("qsgd", op=op, predivide=predivide).allreduce_factors() == factors
+
+
+@pytest.mark.parametrize("given,expected", [
+    pytest.param(hvd_quant.QSGD(bits=4), hvd_quant.QSGD(bits=4), id="codec"),
+    pytest.param("qsgd:bits=4,bucket_size=512", hvd_quant.QSGD(bits=4, bucket_size=512), id="spec"),
+    pytest.param("onebit", hvd_quant.OneBit(), id="name"),
+    pytest.param(None, hvd_quant.NoCompression(), id="none"),
+])
+def test_stock_compression_takes_what_compression_takes(given, expected):
+    sc = hvd_quant.StockCompression(given, reduction="allgather")
+    assert sc.codec == expected and hvd_quant.StockCompression(sc).codec == expected
+    assert sc.config == configure(expected, reduction="allgather", bucket_bytes=plan.BUCKET_BYTES,
+                                  warmup_steps=None, op=None, predivide=None)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from ..exchange import AVERAGE, ArrayOps, Collectives
 from ..frontend import Frontend, TensorInfo
 
 __all__ = ["FRONTEND", "TensorFlowFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec",
-           "sendable_dtype", "stock_adapter", "op_name", "to_numpy", "GPU_REFUSED"]
+           "sendable_dtype", "op_name", "to_numpy", "GPU_REFUSED"]
 
 GPU_REFUSED = (
     "hvd_quant does not take TensorFlow GPU tensors in its codecs, nor keep a TensorFlow exchange on "
@@ -178,7 +178,7 @@ class _Handle:
         return to_numpy(out)
 
 
-_FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)     # the dtypes the codecs take
 
 
 class TensorFlowFrontend(Frontend):
@@ -223,7 +223,7 @@ class TensorFlowFrontend(Frontend):
         shape = t.shape
         static = shape.rank is not None and shape.is_fully_defined()
         return TensorInfo(tuple(int(d) for d in shape) if static else None, t.dtype,
-                          t.dtype in _FLOATS, t.dtype.size, getattr(t, "device", "") or "")
+                          t.dtype in FLOATS, t.dtype.size, getattr(t, "device", "") or "")
 
     @staticmethod
     def ones(n, dtype, like):
@@ -279,7 +279,6 @@ def _value(t):
 
 
 class TFHostAdapter(HostAdapter):
-    kind = "tensorflow"
     views = False
 
     def describe(self, x):
@@ -324,4 +323,3 @@ class TFHostAdapter(HostAdapter):
 FRONTEND = TensorFlowFrontend(OPS, TFHostAdapter())
 collectives, hvd_op, core_op = FRONTEND.collectives, FRONTEND.hvd_op, FRONTEND.core_op
 resolve_codec, sendable_dtype = FRONTEND.resolve_codec, FRONTEND.sendable_dtype
-stock_adapter = FRONTEND.stock_adapter

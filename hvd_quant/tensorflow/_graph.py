@@ -3,8 +3,8 @@
 
 Horovod's TensorFlow frontend builds its allreduce while *tracing*: ``compress`` sees symbolic
 tensors and runs once per trace, not once per step. So the exchange is built into the graph as
-three ``tf.numpy_function`` steps that call the core (:class:`hvd_quant.exchange.Exchange`,
-unchanged) with Horovod's own graph collectives between them::
+``tf.numpy_function`` steps that call the core (:class:`hvd_quant.exchange.Exchange`, unchanged)
+with Horovod's own graph collectives between them::
 
     flat ─► [start: compensate, encode, split] ─► HorovodAlltoall  (sra)   ─► [advance: decode, sum,
             requantize] ─► HorovodAllgather ─► [finish: decode] ─► float32 sum over ranks
@@ -12,33 +12,24 @@ unchanged) with Horovod's own graph collectives between them::
 
 The core talks to a *recording* :class:`~hvd_quant.exchange.Collectives` table: ``alltoall_async``
 / ``allgather_async`` only record the array to send (the numpy step returns it to the graph), and
-``synchronize`` returns what the graph op delivered to the next numpy step. No Python step ever
-blocks a TensorFlow thread waiting for another rank: the waiting is done by Horovod's asynchronous
-kernels, so graph order may differ between ranks without deadlock. Horovod op names are fixed at
-trace time from the exchange's name (``hvdq.a2a.<name>``, ``hvdq.ag.<name>``) and matched across
-ranks by Horovod as usual.
+``synchronize`` returns what the graph op delivered to the next numpy step. No Python step blocks a
+TensorFlow thread waiting for another rank (Horovod's asynchronous kernels wait), so graph order may
+differ between ranks without deadlock. Horovod op names are fixed at trace time from the exchange's
+name and matched across ranks by Horovod. Payload sizes are known when tracing, so every step has a
+static shape. The first execution of each exchange runs a configuration handshake (an allgather of
+a fixed-size record, in a ``tf.cond`` that later steps skip) that the exchange's collectives wait
+for, so ranks configured differently raise :class:`~hvd_quant.exchange.ConfigMismatchError`.
 
-Payload sizes are known when tracing (``Exchange.bounds`` / ``wire_nbytes``), so every step has a
-static shape. The first execution of each exchange runs a configuration handshake (an allgather
-of a fixed-size record under ``hvdq.hs.<name>``, inside a ``tf.cond`` that later steps skip); the
-exchange's collectives wait for it, so ranks configured differently raise
-:class:`~hvd_quant.exchange.ConfigMismatchError` on every rank instead of stalling.
-
-Stock path. ``hvd_quant._stock`` hands TensorFlow tensors to :func:`stock_compress` here (the
-hook registered in ``hvd_quant.dispatch.STOCK_HOOKS``): it hands eager tensors to
-``StockCompression.compress_on`` with the frontend's eager tables (``_backend.py``) and
-builds the exchange of a symbolic one into the graph, through ``StockCompression``'s public surface
-(``session``, ``compressible``, ``record``, ``config``, ``reduction``, ``adopt_auto``,
-``_stock.header``, ``_stock.uncompressed``).
-Inside Horovod's ``allreduce_grads`` the gradients are fused: the first ``compress`` of the call
-plans the whole list and builds one exchange per bucket in the graph that holds the gradients
-(:func:`_fused`); ``reduction="auto"`` measures and chooses there (:class:`GraphAuto`). This module
-itself is the backend of those graph sessions (:func:`stock_backend`: the recording collectives).
-
-Names (stock path). Horovod passes ``name=None`` for gradients, so ``compress`` looks for, in order:
-the ``name`` given to ``hvd.allreduce``; the variable of the gradient (Horovod's
-``allreduce_grads(grads, vars)`` frame, ``vars[i].name``); the symbolic tensor's name. All three are
-fixed by the program, hence equal on every rank; duplicates within one traced function get ``#k``.
+Stock path. :func:`stock_compress` is the hook ``hvd_quant._stock`` calls for TensorFlow tensors
+(``hvd_quant.dispatch.STOCK_HOOKS``): eager tensors go to ``StockCompression.compress_on`` with the
+frontend's eager tables; a symbolic tensor's exchange is built into the graph through
+``StockCompression``'s public surface, this module being the backend of those graph sessions
+(:func:`stock_backend`: the recording collectives). Inside Horovod's ``allreduce_grads`` the first
+``compress`` of the call plans the whole list and builds one exchange per bucket (:func:`_fused`);
+``reduction="auto"`` measures and chooses there (:class:`GraphAuto`). Names: the ``name`` given to
+``hvd.allreduce``, else the gradient's variable (Horovod's ``allreduce_grads(grads, vars)`` frame),
+else the symbolic tensor's name; all fixed by the program, hence equal on every rank; duplicates
+within one traced function get ``#k``.
 """
 import functools
 import os
@@ -54,7 +45,7 @@ from .. import plan as _plan
 from ..exchange import HANDSHAKE_NAME, Collectives, check_handshake, collectives_for
 from ..scheduler import AutoChoice
 from . import _backend
-from ._backend import OPS, op_name
+from ._backend import OPS, op_name, to_numpy
 
 __all__ = ["GraphExchange", "graph_collectives", "horovod_context", "stock_compress",
            "stock_backend", "stock_adapter"]
@@ -101,7 +92,7 @@ def graph_collectives(process_set=None):
 # The exchange as graph ops
 
 
-class _Slot:
+class _InFlight:
     """One exchange built into one trace; ``pending`` lives from its start step to its finish step."""
     __slots__ = ("pending",)
 
@@ -110,10 +101,7 @@ class _Slot:
 
 
 def _readonly(a, dtype):
-    a = np.asarray(a)
-    if a.dtype != dtype:
-        a = a.astype(dtype)
-    v = a.reshape(-1).view()
+    v = to_numpy(a, dtype).reshape(-1).view()
     v.flags.writeable = False          # the core must not write into TensorFlow's buffer
     return v
 
@@ -233,10 +221,10 @@ class GraphExchange:
         # are computed when the steps run, and the shapes left open
         sra = ex.reduction == "sra"
         shape = [None] if sra else [self.sizes(numel)[0]]
-        slot = _Slot()
+        flight = _InFlight()
         nm = op_name(key)
         with tf.control_dependencies(list(deps)):
-            send = _numpy_step(functools.partial(self._start, slot, key, header, numel), [flat],
+            send = _numpy_step(functools.partial(self._start, flight, key, header, numel), [flat],
                                tf.uint8, shape, "hvdq_start")
         if sra:
             with tf.control_dependencies([send]):      # after start has bound the current world
@@ -244,47 +232,47 @@ class GraphExchange:
                                      "hvdq_splits")
             recv, _ = hvd.alltoall(send, splits=splits, name=op_name(f"{ex.prefix}.a2a.{nm}"),
                                    ignore_name_scope=True, process_set=ps)
-            send = _numpy_step(functools.partial(self._advance, slot, numel), [recv], tf.uint8, shape,
+            send = _numpy_step(functools.partial(self._advance, flight, numel), [recv], tf.uint8, shape,
                                "hvdq_advance")
         gathered = hvd.allgather(send, name=op_name(f"{ex.prefix}.ag.{nm}"), ignore_name_scope=True,
                                  process_set=ps)
-        return _numpy_step(functools.partial(self._finish, slot, numel), [gathered], tf.float32,
+        return _numpy_step(functools.partial(self._finish, flight, numel), [gathered], tf.float32,
                            [numel], "hvdq_finish")
 
     # The numpy steps (run at execution time, under one lock per engine: the core and the codec
     # keep per-name state).
-    def _start(self, slot, key, header, numel, flat):
+    def _start(self, flight, key, header, numel, flat):
         with self.lock:
             self.rebind()
             if self.t_first is None:
                 self.t_first = time.perf_counter()
             step = self.steps.get(key, 0)
             self.steps[key] = step + 1
-            slot.pending = self.exchange.start(key, _readonly(flat, np.float32), step=step,
-                                               header=header)
-            return self._out(slot.pending.handle.tensor, self.sizes(numel)[0], key)
+            flight.pending = self.exchange.start(key, _readonly(flat, np.float32), step=step,
+                                                 header=header)
+            return self._out(flight.pending.handle.tensor, self.sizes(numel)[0], key)
 
-    def _advance(self, slot, numel, recv):
+    def _advance(self, flight, numel, recv):
         with self.lock:
-            p = self._pending(slot)
+            p = self._pending(flight)
             p.handle.result = np.asarray(recv).reshape(-1)
             self.exchange.advance(p)
             return self._out(p.handle.tensor, self.sizes(numel)[1], p.name)
 
-    def _finish(self, slot, numel, gathered):
+    def _finish(self, flight, numel, gathered):
         with self.lock:
-            p = self._pending(slot)
-            slot.pending = None
+            p = self._pending(flight)
+            flight.pending = None
             p.handle.result = np.asarray(gathered).reshape(-1)
             out = self.exchange.finish(p)
             self.t_last = time.perf_counter()
             return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
 
     @staticmethod
-    def _pending(slot):
-        if slot.pending is None:
+    def _pending(flight):
+        if flight.pending is None:
             raise RuntimeError("hvd_quant: internal error: an exchange step ran without its start")
-        return slot.pending
+        return flight.pending
 
     @staticmethod
     def _out(arr, expected, key):
@@ -305,7 +293,7 @@ def stock_backend(process_set=None):
 
 
 def stock_adapter():
-    return _backend.stock_adapter()
+    return _backend.FRONTEND
 
 
 class HorovodContext:
@@ -379,9 +367,6 @@ def gradient_names(grads, variables):
     return tuple(out)
 
 
-_FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-
-
 def describe_gradient(name, g):
     """A gradient as :func:`hvd_quant.plan.make_plan` sees it (None stays None: no gradient)."""
     if g is None:
@@ -389,7 +374,7 @@ def describe_gradient(name, g):
     shape = g.shape
     static = shape.rank is not None and shape.is_fully_defined()
     return _plan.Tensor(name, tuple(shape.as_list()) if shape.rank is not None else None,
-                        isinstance(g, tf.Tensor) and g.dtype in _FLOATS and static)
+                        isinstance(g, tf.Tensor) and g.dtype in _backend.FLOATS and static)
 
 
 _ENGINES = weakref.WeakKeyDictionary()
@@ -594,7 +579,7 @@ def stock_compress(sc, tensor):
             "tf.function does not support elastic Horovod (HOROVOD_ELASTIC=1): use "
             "hvd_quant.tensorflow.DistributedGradientTape / DistributedOptimizer, which do "
             "(docs/TENSORFLOW.md, \"Elastic\")")
-    adapter = _backend.stock_adapter()
+    adapter = _backend.FRONTEND
     info = adapter.describe(tensor)
     hctx = horovod_context(tensor)
     ps = hctx.process_set if hasattr(hctx.process_set, "process_set_id") else hvd.global_process_set

@@ -4,30 +4,25 @@ Horovod's TensorFlow wrappers (``DistributedGradientTape``, ``DistributedOptimiz
 ``DistributedOptimizer``) all reduce gradients through one function, ``_allreduce_grads(grads, vars)``.
 hvd_quant's wrappers are Horovod's own, with that function replaced by a :class:`GradientReducer`:
 
-1. **Plan** (when tracing, ``hvd_quant.plan``, shared with PyTorch): gradients that are dense,
-   floating point, of static shape, not 1-D
-   (unless ``compress_1d``) and with at least ``min_compress_numel`` elements are fused, in reverse
-   variable order (the order backward produces them), into buckets of at most ``bucket_bytes`` of
-   float32 (a larger tensor is a bucket alone), or as ``groups`` says. The others (biases, norms,
-   ``tf.IndexedSlices`` unless ``sparse_as_dense``) go through ``hvd.allreduce``, which Horovod fuses.
+1. **Plan** (when tracing, :func:`hvd_quant.plan.make_plan`): compressible gradients are fused, in
+   reverse variable order, into buckets of at most ``bucket_bytes`` of float32, or as ``groups``
+   says; the others (1-D, small, ``tf.IndexedSlices`` unless ``sparse_as_dense``) go through
+   ``hvd.allreduce``, which Horovod fuses.
 2. **Handshake** (first execution): one allgather of the configuration and the plan; ranks that
    differ raise :class:`~hvd_quant.exchange.ConfigMismatchError` on every rank before any gradient
    collective is submitted.
-3. **Exchange**: each bucket's exchange (``reduction="sra"`` or ``"allgather"``, the core's
-   :class:`~hvd_quant.exchange.Exchange`) is built into the graph (``hvd_quant/tensorflow/_graph.py``)
-   and returns the float32 sum over ranks; ``op=hvd.Average`` divides it by N; it is split back into
-   the gradients, reshaped and cast to their dtypes. TensorFlow runs buckets as their gradients
-   become ready, so exchanges overlap with the rest of backward.
+3. **Exchange**: each bucket's exchange (``reduction="sra"`` or ``"allgather"``) is built into the
+   graph (``hvd_quant/tensorflow/_graph.py``) and returns the float32 sum over ranks;
+   ``op=hvd.Average`` divides it by N; it is split back into the gradients, reshaped and cast.
+   TensorFlow runs buckets as their gradients become ready, overlapping with the rest of backward.
 4. **Warm-up**: while ``step < warmup_steps`` (a variable saved with the state) every gradient goes
    through full-precision ``hvd.allreduce`` instead (a ``tf.cond``, so one trace serves both phases).
 
-Error feedback (on by default for ``OneBit``; ``error_feedback=True`` for QSGD) keeps each rank's
-quantization residual per bucket in the core's :class:`~hvd_quant.memory.Memory`. The reducer is a
+Error-feedback residuals live in the core's :class:`~hvd_quant.memory.Memory`. The reducer is a
 TensorFlow ``Trackable``: ``tf.train.Checkpoint(..., hvd_quant=reducer)`` saves, per rank, the step
-and the residuals keyed by **variable name** (``"dense/kernel:0"``; SRA's per-chunk "server"
-residuals by ``(bucket header, rank, size)``) as one serialized string, and restores them bit-exactly,
-before or after the first step. The Keras and legacy optimizers track their reducer as the dependency ``hvd_quant``, so
-checkpoints of the optimizer carry it.
+and the residuals keyed by **variable name** (SRA's "server" residuals by ``(bucket header, rank,
+size)``) as one serialized string, and restores them bit-exactly, before or after the first step.
+The Keras and legacy optimizers track their reducer as the dependency ``hvd_quant``.
 """
 import io
 import json
@@ -295,8 +290,8 @@ class GradientReducer(_Trackable):
                 "exchange_steps": steps}
 
     def load_state_dict(self, state):
-        """Restore what :meth:`state_dict` returned. Server residuals keyed otherwise than by
-        ``(bucket header, rank, size)`` (checkpoints made before residual namespaces) are ignored."""
+        """Restore what :meth:`state_dict` returned (server residuals keyed otherwise than by
+        ``(bucket header, rank, size)`` are ignored)."""
         with self._lock:
             self._step.assign(int(state.get("step", 0)))
             steps = {self._abs(k): int(v) for k, v in state.get("exchange_steps", {}).items()}

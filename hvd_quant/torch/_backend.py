@@ -12,9 +12,9 @@
 * the stock path's interface (the frontend itself).
 
 Everything runs on the caller's device and on ``torch.cuda.current_stream()``; nothing reads a device
-value on the host except the one-off configuration handshake (``to_bytes``) and
-``Codec.check_device_errors``. The module's functions below :data:`FRONTEND` are its bound methods,
-for the optimizer and the tests.
+value on the host except the one-off configuration handshake (``to_bytes``), the status word an
+exchange reads once per bucket name (``read_status``) and ``Codec.check_device_errors``. The
+module's functions below :data:`FRONTEND` are its bound methods, for the optimizer and the tests.
 """
 import contextlib
 import functools
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from numba_kernels.wire import HEADER_NBYTES
+from numba_kernels.wire import HEADER_NBYTES, PayloadError
 
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
 from ..exchange import AVERAGE, ArrayOps, Collectives, handshake
@@ -206,11 +206,21 @@ def _flat(x):
     return x.detach().reshape(-1)
 
 
-class TorchHostAdapter(HostAdapter):
-    kind = "torch"
+def _raw_values(payload, offset, numel, value_dtype):
+    """The ``numel`` raw values (``value_dtype``) at byte ``offset`` of a uint8 ``payload``, a view."""
+    dtype = _FROM_NAME[value_dtype]
+    return payload[offset:offset + dtype.itemsize * numel].view(dtype)
 
-    def describe(self, x):
-        return _describe(x)
+
+def _payload(payload):
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise UnsupportedInputError(f"a payload is a 1-D uint8 tensor; got {type(payload).__name__} "
+                                    f"{getattr(payload, 'dtype', '')}")
+    return payload
+
+
+class TorchHostAdapter(HostAdapter):
+    describe = staticmethod(_describe)
 
     def input_np(self, x):
         x = _flat(x).contiguous()
@@ -222,10 +232,7 @@ class TorchHostAdapter(HostAdapter):
         return _flat(x).to(torch.float32).contiguous().numpy()
 
     def payload_np(self, payload):
-        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise UnsupportedInputError(f"a payload is a 1-D uint8 tensor; got {type(payload).__name__} "
-                                        f"{getattr(payload, 'dtype', '')}")
-        return payload.detach().contiguous().numpy()
+        return _payload(payload).detach().contiguous().numpy()
 
     def wrap_payload(self, arr, like):
         return torch.from_numpy(arr)
@@ -253,7 +260,6 @@ class TorchCudaAdapter(DeviceAdapter):
     stream: what the prepared launches of ``numba_kernels.cuda`` take, with nothing built per call.
     :meth:`numba` gives a Numba device-array view for the few launches that go through Numba's
     dispatcher (header write and check of the raw codecs, fake mode)."""
-    kind = "torch"
 
     def __init__(self):
         from numba import cuda
@@ -262,8 +268,7 @@ class TorchCudaAdapter(DeviceAdapter):
         self._single = None
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-    def describe(self, x):
-        return _describe(x)
+    describe = staticmethod(_describe)
 
     def device_key(self, x):
         return ("torch", x.get_device())
@@ -325,14 +330,10 @@ class TorchCudaAdapter(DeviceAdapter):
         return t, self._dev(t)
 
     def bytes_dev(self, payload):
-        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise UnsupportedInputError(f"a payload is a 1-D uint8 tensor; got {type(payload).__name__} "
-                                        f"{getattr(payload, 'dtype', '')}")
-        if not payload.is_contiguous():
+        if not _payload(payload).is_contiguous():
             payload = payload.contiguous()
         ptr = payload.data_ptr()
         if ptr % 4:
-            from numba_kernels.wire import PayloadError
             raise PayloadError("a device payload must start on a 4-byte boundary (payload sizes are "
                                "multiples of 4, so slices of concatenated payloads are)")
         return ptr
@@ -368,20 +369,18 @@ class TorchCudaAdapter(DeviceAdapter):
     def raw_encode_into(self, x, value_dtype, payload):
         """x as ``value_dtype`` ('float16' | 'float32') after the header of ``payload``, zero padding
         after; the codec writes the header (a kernel, no host->device copy)."""
-        end = HEADER_NBYTES + (2 if value_dtype == "float16" else 4) * x.numel()
-        payload[HEADER_NBYTES:end].view(_FROM_NAME[value_dtype]).copy_(_flat(x))
-        payload[end:].zero_()
+        vals = _raw_values(payload, HEADER_NBYTES, x.numel(), value_dtype)
+        vals.copy_(_flat(x))
+        payload[HEADER_NBYTES + vals.nbytes:].zero_()
         return self._dev(payload)
 
     def raw_residual(self, x, payload, value_dtype, residual):
-        end = HEADER_NBYTES + (2 if value_dtype == "float16" else 4) * x.numel()
-        vals = payload[HEADER_NBYTES:end].view(_FROM_NAME[value_dtype])
+        vals = _raw_values(payload, HEADER_NBYTES, x.numel(), value_dtype)
         torch.sub(_flat(x).float(), vals.float(), out=residual.view(-1))
 
     def raw_decode_into(self, payload, offset, numel, value_dtype, out, accumulate, bad):
         """out (+)= values; ``bad`` a 0-d bool device tensor (header check failed) -> NaN."""
-        w = 2 if value_dtype == "float16" else 4
-        vals = payload[offset:offset + w * numel].view(_FROM_NAME[value_dtype])
+        vals = _raw_values(payload, offset, numel, value_dtype)
         out = out.view(-1)
         if accumulate:
             out.add_(vals)

@@ -4,38 +4,30 @@ The wrapper follows ``horovod.torch.DistributedOptimizer`` (same arguments, same
 the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / ``step()`` /
 ``zero_grad()`` rules) and changes what happens to a gradient once it is ready:
 
-1. At construction the gradients are planned (``hvd_quant.plan``, shared with TensorFlow): tensors
-   that are 1-D or have fewer than ``min_compress_numel`` elements go through plain ``hvd.allreduce``
-   (float32 ones fused into plain groups of at most ``bucket_bytes``: one allreduce of a flat buffer
-   per group, its views their ``.grad``); the others are fused into buckets of at most
-   ``bucket_bytes`` of float32, in reverse parameter order (the order backward produces them), or as
-   ``groups`` says.
-   Every rank checks, through one
-   blocking allgather under a fixed name, that every rank made the same plan with the same codec:
-   ranks configured differently raise :class:`hvd_quant.exchange.ConfigMismatchError` at once.
-2. A gradient hook hands each ready gradient to the step's scheduler
-   (:class:`hvd_quant.scheduler.StepScheduler`, shared with the stock ``compression=`` path); when a
-   bucket's last gradient arrives it is flattened into a float32 buffer and its exchange
-   (``hvd_quant.exchange``: ``sra`` or ``allgather``) starts, overlapping with the rest of backward.
-3. ``synchronize()`` launches what is missing, advances every bucket to its last phase, then finishes
+1. At construction the gradients are planned (:func:`hvd_quant.plan.make_plan`): 1-D tensors and
+   those below ``min_compress_numel`` go through plain ``hvd.allreduce`` (float32 ones fused into
+   plain groups, one allreduce of a flat buffer each); the others are fused into buckets of at most
+   ``bucket_bytes`` of float32 in reverse parameter order (the order backward produces them), or as
+   ``groups`` says. One blocking allgather checks that every rank made the same plan with the same
+   codec: ranks configured differently raise :class:`hvd_quant.exchange.ConfigMismatchError`.
+2. A gradient hook hands each ready gradient to the step's
+   :class:`hvd_quant.scheduler.StepScheduler`; a bucket's last gradient starts its exchange
+   (``sra`` or ``allgather``), overlapping with the rest of backward.
+3. ``synchronize()`` starts what is missing, advances every bucket to its last phase, then finishes
    each and divides by N for ``op=hvd.Average``; each float32 ``p.grad`` becomes a view of its
-   bucket's result (as DDP's ``gradient_as_bucket_view``: no per-parameter copy; the buffer is
-   rewritten by the next step's exchange, after that step's gradients were read), other dtypes get
-   a copy.
+   bucket's result (as DDP's ``gradient_as_bucket_view``; the buffer is rewritten by the next
+   step's exchange, after that step's gradients were read), other dtypes get a copy.
 
 For the first ``warmup_steps`` steps every gradient goes through plain full-precision allreduce.
-Error-feedback residuals (always for codecs that want it, e.g. ``OneBit(error_feedback=True)``;
-``error_feedback=True`` adds it to QSGD) are saved by ``state_dict()`` under ``"hvd_quant"``, keyed by
-parameter name (SRA's "server" residuals per ``(bucket, rank, size)``), and restored by
-``load_state_dict()`` -- so ``hvd.elastic.TorchState``, which saves and restores the optimizer's state
-dict, carries them. Ranks agree on the step counter (the largest) at their first gradient, so a rank
-resumed from a checkpoint and fresh ranks warm up alike.
+Error-feedback residuals are saved by ``state_dict()`` under ``"hvd_quant"``, keyed by parameter
+name (SRA's "server" residuals per ``(bucket, rank, size)``), and restored by ``load_state_dict()``,
+so ``hvd.elastic.TorchState`` carries them. Ranks agree on the step counter (the largest) at their
+first gradient, so a rank resumed from a checkpoint and fresh ranks warm up alike.
 
 As in Horovod: a sparse gradient goes through ``hvd.sparse_allreduce_async`` uncompressed unless
 ``sparse_as_dense`` (in a compressed bucket its slot carries zeros); ``step()`` called by
-``hvd.broadcast_optimizer_state`` to create a fresh optimizer's state steps the wrapped optimizer
-only, with no exchange (only the ranks with an empty state call it). docs/EXCHANGE.md, "Horovod's
-usage patterns".
+``hvd.broadcast_optimizer_state`` steps the wrapped optimizer only (docs/EXCHANGE.md, "Horovod's
+usage patterns").
 """
 import os
 import sys
@@ -196,10 +188,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return None
         return _backend.payload_group(self.process_set, self._bucket_params[0][0].device,
                                       self._prefix)
-
-    @property
-    def _auto(self):
-        return self._sched.auto
 
     # -- hooks --------------------------------------------------------------------------------------
     def _register_hooks(self):
@@ -425,7 +413,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state[_STATE_KEY] = {"step": self._step, "codec": self.codec.spec(),
                              "reduction": self.reduction, "residuals": residuals,
                              "server_residuals": server,
-                             "auto": None if self._auto is None else self._auto.state_dict()}
+                             "auto": None if self._sched.auto is None else self._sched.auto.state_dict()}
         return state
 
     def load_state_dict(self, state_dict, *args, **kwargs):
@@ -442,8 +430,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is None:
             return
         self._step = int(ours.get("step", 0))
-        if self._auto is not None and ours.get("auto") is not None:
-            self._auto.load_state_dict(ours["auto"])
+        if self._sched.auto is not None and ours.get("auto") is not None:
+            self._sched.auto.load_state_dict(ours["auto"])
         if self._memory is None:
             return
         self._memory.clear()

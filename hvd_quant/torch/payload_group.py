@@ -73,29 +73,24 @@ class PayloadGroup:
     @classmethod
     def open(cls, process_set, device, label, handshake=None):
         """The channel of an :class:`~hvd_quant.exchange.Exchange` for one optimizer's payloads on
-        ``device`` (``label``: the optimizer's collective prefix): a group of its own, made now, its
-        NCCL communicators included; None where :data:`PAYLOAD_GROUP` has no backend for the device
-        type or rank 0 turned the group off. A collective (Horovod broadcast, the store, the groups'
-        first allgathers): call it where every rank comes to the same point with nothing of its step
-        left waiting on this rank (the optimizer's connection, beside its handshake; the stock path's
+        ``device`` (``label``: the optimizer's collective prefix), made now, its NCCL communicators
+        included; None where :data:`PAYLOAD_GROUP` has no backend for the device type, or on every
+        rank where rank 0's ``HVD_QUANT_PAYLOAD_GROUP`` is ``0`` (rank 0 decides, so the ranks
+        cannot disagree). A collective (Horovod broadcast, the store, the groups' first
+        allgathers): call it where every rank comes to the same point with nothing of its step left
+        waiting on this rank (the optimizer's connection, beside its handshake; the stock path's
         first result of a taken-over step, after launching its complete buckets); made inside a
         gradient hook, it could wait for a rank that waits for this rank's next Horovod op. At world
-        size 1 the exchange runs only where forced (``HOROVOD_ELASTIC=1``, the benchmarks' way to time
-        it), and there it runs on the group as it does at size N. ``handshake``: called first, where
-        the group is wanted and no handshake has compared the ranks yet, so that ranks configured
-        differently raise instead of waiting for each other under different labels."""
+        size 1 the exchange runs only where forced (``HOROVOD_ELASTIC=1``, the benchmarks' way to
+        time it), and there it runs on the group as it does at size N. ``handshake``: called first,
+        where no handshake has compared the ranks yet, so that ranks configured differently raise
+        instead of waiting for each other under different labels. A store that cannot be made or
+        reached raises on every rank, naming both variables."""
         backend = PAYLOAD_GROUP.get(device.type)
         if backend is None:
             return None
         if handshake is not None:
             handshake()
-        return cls.make(process_set, backend, label, device)
-
-    @classmethod
-    def make(cls, process_set, backend, label, device):
-        """The group, made collectively; None on every rank where rank 0's ``HVD_QUANT_PAYLOAD_GROUP``
-        is ``0`` (rank 0 decides, so the ranks cannot disagree). A store that cannot be made or
-        reached raises on every rank, naming both variables."""
         import horovod.torch as hvd
         timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
         name, size = f"{label}.payload_group", process_set.size()

@@ -141,7 +141,7 @@ def before_step(b, size):
         check(bool(mine) == seen, f"residuals.server_rule.b{b}", f"rank {hvd.rank()} at size {size}: {rule}")
     for opt in auto:
         # still the old world's choice until the first gradient rebinds the optimizer
-        check(opt._auto.choice is not None, f"auto.had_choice.b{b}", repr(opt._auto.choice))
+        check(opt._sched.auto.choice is not None, f"auto.had_choice.b{b}", repr(opt._sched.auto.choice))
 
 
 def after_step(b, size, first):
@@ -156,12 +156,12 @@ def after_step(b, size, first):
             sessions = list(sc._sessions.values())
             ok = sessions and all(s.coll.size == size for s in sessions)
             plans = [p for s in sessions for ex in s.exchanges.values() if ex.reduction == "sra"
-                     for p in ex._plans.values() if p.coll is s.coll]
+                     for p in ex._setups.values() if p.coll is s.coll]
             route = sc.reduction_in_use(opt)
         else:
             ok = opt._coll is not None and opt._coll.size == size and opt._coll.rank == rank
             ex = opt._exchanges.get("sra")
-            plans = [] if ex is None else [p for p in ex._plans.values() if p.coll is ex.coll]
+            plans = [] if ex is None else [p for p in ex._setups.values() if p.coll is ex.coll]
             route = opt.reduction_in_use()
         ok = ok and all(len(p.send) == size for p in plans)
         if first or not ok:
@@ -182,7 +182,7 @@ def after_step(b, size, first):
     for k, opt in OPTS.items():
         if first and k in ("qsgd_auto", "stock_auto"):
             sc = None if k == "qsgd_auto" else _stock.state_of(opt)
-            auto = opt._auto if k == "qsgd_auto" else sc._groups[id(opt)][1].sched.auto
+            auto = opt._sched.auto if k == "qsgd_auto" else sc._groups[id(opt)][1].sched.auto
             route = opt.reduction_in_use() if k == "qsgd_auto" else sc.reduction_in_use(opt)
             check(auto.choice is None and route in AutoChoice.CANDIDATES and auto.step <= 1,
                   f"auto.measuring.{k}.b{b}", f"choice {auto.choice!r}, schedule step {auto.step}, "
