@@ -26,6 +26,7 @@ DDP's own allreduce (the reference), and checks:
 * ``bad``: an unknown codec spec and a bad reduction raise ValueError naming them.
 """
 import copy
+import gc
 import io
 import os
 import sys
@@ -67,6 +68,10 @@ class _World:
 
     @staticmethod
     def shutdown():
+        # Free the models' and hooks' last collectives while the group lives, and let no rank tear
+        # its connections down while another still uses them.
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
