@@ -300,7 +300,12 @@ def run_model(name, args, hvd, ds, log, device):
         opt = make_optimizer(args, model, lr)
         dist, what, kind = wrap_optimizer(args, hvd, opt, model, codec)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(dist, root_rank=0)
+    # Horovod's broadcast_optimizer_state gives a fresh optimizer its state by one step on zero
+    # gradients, which starts Adam's step count at 1 and so changes its bias correction for the whole
+    # run (OneBitAdam, whose state exists from construction, takes no such step). A fresh optimizer
+    # is the same on every rank: only a state there is (a resumed one) is broadcast.
+    if dist.state_dict()["state"]:
+        hvd.broadcast_optimizer_state(dist, root_rank=0)
 
     nparams = sum(p.numel() for p in model.parameters())
     est = estimate_traffic(args, model, codec, kind, size)
