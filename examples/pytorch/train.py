@@ -303,7 +303,7 @@ def run_model(name, args, hvd, ds, log, device):
     # Horovod's broadcast_optimizer_state gives a fresh optimizer its state by one step on zero
     # gradients, which starts Adam's step count at 1 and so changes its bias correction for the whole
     # run (OneBitAdam, whose state exists from construction, takes no such step). A fresh optimizer
-    # is the same on every rank: only a state there is (a resumed one) is broadcast.
+    # is the same on every rank: only a state there is (OneBitAdam's) is broadcast.
     if dist.state_dict()["state"]:
         hvd.broadcast_optimizer_state(dist, root_rank=0)
 
