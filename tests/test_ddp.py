@@ -62,6 +62,23 @@ def test_doc_snippet_runs(index, tmp_path):
             result.stdout[-3000:]
 
 
+@pytest.mark.parametrize("compression,exchange", [
+    ("none", "exchange: DDP (fp32 allreduce)"),
+    ("qsgd:bits=4,bucket_size=512", "exchange: DDP with hvd_quant.torch.ddp_comm_hook (reduction sra)"),
+    ("powersgd:rank=4", "exchange: DDP with the PowerSGD hook (rank 4)"),
+], ids=["fp32", "qsgd4", "powersgd4"])
+def test_example_driver_on_ddp(compression, exchange, tmp_path):
+    """examples/pytorch/train.py --frontend ddp under torchrun (examples/accuracy.py's DDP precisions):
+    a few steps of the byte-level language model and its validation pass."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "examples/pytorch/train.py", "--frontend", "ddp", "--task", "lm", "--layers", "1", "--embed-dim", "32",
+           "--heads", "2", "--max-steps", "4", "--epochs", "1", "--log-every", "2", "--threads", "1",
+           "--no-progress", "--compression", compression, "--metrics-out", str(tmp_path / "m.jsonl")]
+    out = run_command(cmd, timeout=600).stdout
+    assert exchange in out and "torch.distributed gloo" in out and "Validation loss" in out, out[-3000:]
+    assert ("measured by hvd_quant" in out) == compression.startswith("qsgd"), out[-3000:]
+
+
 def test_ddp_hook_without_horovod():
     result = run_command([sys.executable, "tests/workers/ddp_no_horovod.py"], timeout=300)
     assert result.stdout.strip().splitlines()[-1] == "OK", result.stdout[-3000:] + result.stderr[-3000:]
