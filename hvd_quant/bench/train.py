@@ -150,6 +150,8 @@ def build_parser():
                    help="what every method wraps (onebit-adam is Adam itself)")
     p.add_argument("--slownet", metavar="RATE", default=None,
                    help="CPU, root: Horovod and DDP jobs through scripts/slownet.py at this link rate (1gbit)")
+    p.add_argument("--slownet-prefix", default="hq",
+                   help="slownet.py's --prefix (its namespace names): jobs of two runs at once need two")
     p.add_argument("--controller", choices=("auto", "gloo", "mpi"), default="auto",
                    help="horovodrun controller (auto: --gloo on CPU, horovodrun's choice on GPU)")
     p.add_argument("--trace", action="store_true",
@@ -256,8 +258,8 @@ def command(cfg, args):
     slow = args.slownet and cfg.network != "ws1-forced"
     if slow:        # slownet starts the ranks itself, each in its namespace (torch.distributed: env://)
         return [py, str(ROOT / "scripts" / "slownet.py"), "--np", str(cfg.np), "--rate", args.slownet,
-                "--timeout", str(args.timeout), *(["--torch"] if launcher == "ddp" else []), "--", py,
-                *worker], env
+                "--prefix", args.slownet_prefix, "--timeout", str(args.timeout),
+                *(["--torch"] if launcher == "ddp" else []), "--", py, *worker], env
     if launcher == "ddp":
         return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.np),
                 *worker], env
