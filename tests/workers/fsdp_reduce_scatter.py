@@ -21,7 +21,6 @@ reference). Checks:
 * ``bad``: a reduce op other than AVG or SUM raises ValueError naming it; ranks that configure a
   module differently raise ConfigMismatchError on every rank.
 """
-import gc
 import os
 import sys
 
@@ -45,25 +44,8 @@ Q4D = "qsgd:bits=4,bucket_size=512,mode=deterministic"
 Q4S = "qsgd:bits=4,bucket_size=512,mode=stochastic,seed=11"
 
 
-class _World:
-    """What the check recorder asks of Horovod, over torch.distributed."""
-    rank = staticmethod(dist.get_rank)
-    size = staticmethod(dist.get_world_size)
-
-    @staticmethod
-    def allgather_object(obj, name=None):
-        out = [None] * N
-        dist.all_gather_object(out, obj)
-        return out
-
-    @staticmethod
-    def shutdown():
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-check = _checks.Checks(_World)
+WORLD = _checks.TorchWorld()
+check = _checks.Checks(WORLD)
 
 
 class Net(nn.Module):
