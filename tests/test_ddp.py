@@ -1,7 +1,9 @@
 """``hvd_quant.torch.ddp_comm_hook`` on real torch.distributed processes started by torchrun (Gloo
-on the CPU; NCCL with ``HVDQ_TEST_DEVICE=cuda``, one GPU per rank, where 2 GPUs are there): tests/workers/ddp_hook.py (its docstring lists the checks and derives the bounds),
-tests/workers/fsdp_reduce_scatter.py (``fsdp_reduce_scatter`` on FSDP2, Gloo) and
-tests/workers/ddp_no_horovod.py (the hook in a process that cannot import Horovod)."""
+on the CPU; NCCL with ``HVDQ_TEST_DEVICE=cuda``, one GPU per rank, where 2 GPUs are there):
+tests/workers/ddp_hook.py (its docstring lists the checks and derives the bounds),
+tests/workers/fsdp_reduce_scatter.py (``fsdp_reduce_scatter`` on FSDP2, Gloo),
+tests/workers/ddp_no_horovod.py (the hook in a process that cannot import Horovod), docs/EXCHANGE.md's
+torchrun snippets and examples/pytorch/train.py --frontend ddp."""
 import re
 import sys
 from pathlib import Path

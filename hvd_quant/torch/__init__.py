@@ -3,8 +3,8 @@ and the torch side of the exchange.
 
 Attributes are imported on first use: ``DistributedOptimizer`` and ``OneBitAdam`` import
 ``horovod.torch`` (without Horovod they raise an ImportError that says so), while ``ddp_comm_hook``
-and ``fsdp_reduce_scatter`` (torch.distributed) and the codecs (``hvd_quant.torch._backend.FRONTEND``: array adapters, ArrayOps)
-need no Horovod. Codecs passed to stock ``hvd.DistributedOptimizer(compression=...)``
+and ``fsdp_reduce_scatter`` (torch.distributed) and the codecs (``hvd_quant.torch._backend.FRONTEND``:
+array adapters, ArrayOps) need no Horovod. Codecs passed to stock ``hvd.DistributedOptimizer(compression=...)``
 reach it through ``hvd_quant._stock``.
 """
 from .._lazy import lazy_exports
