@@ -3,10 +3,13 @@
     python examples/accuracy.py --seeds 1,2,3 --jobs 2 --out-dir runs/accuracy --data-dir docs/data
 
 The grid is ``horovodrun_configs/experiments/accuracy.yaml``: its ``precisions`` (fp32, fp16, QSGD
-8/4/2-bit stochastic and deterministic, 1-bit with error feedback, 1-bit Adam) times its experiments (MNIST
+8/4/2-bit stochastic and deterministic, 1-bit with error feedback, 1-bit Adam; and on torch DDP under
+torchrun, ``frontend: ddp``: DDP fp32, the 4-bit ``hvd_quant.torch.ddp_comm_hook``, DDP's PowerSGD
+hook at rank 4) times its experiments (MNIST
 5,000-image sample with a quarter-width ResNet-18; the byte-level language model on the Python
 standard library's source) times the seeds. Every run is one real Horovod job of 2 ranks over Gloo on
-CPU, exchanging through ``hvd_quant.torch.DistributedOptimizer`` (fp32 too: its codec is ``none``),
+CPU (a ``ddp`` precision: one torchrun job, ``examples/pytorch/train.py --frontend ddp``), exchanging
+through ``hvd_quant.torch.DistributedOptimizer`` (fp32 too: its codec is ``none``),
 so only the codec differs between the runs of one seed; every task trains with Adam, so ``32bit``
 is uncompressed Adam and ``onebit-ef`` plain 1-bit EF under Adam; ``onebit-adam`` runs
 ``hvd_quant.torch.OneBitAdam`` instead (a precision's ``args`` are added to the driver's); ``--jobs`` runs that many jobs at once
@@ -76,16 +79,22 @@ def grid(cfg, seeds, tasks=None, precisions=None):
 
 
 def command(cfg, exp, key, seed, threads, metrics):
-    """The horovodrun command of one run."""
+    """The command of one run: horovodrun, or torchrun for a precision whose ``frontend`` is ``ddp``."""
     prec = cfg["precisions"][key]
     launch = cfg["launch"]
-    argv = [sys.executable, "-m", "horovod.runner.launch", "-np", str(launch["ranks"]), "-H",
-            f"localhost:{launch['ranks']}", f"--{launch['controller']}", "--config-file",
-            launch["horovod_config"], sys.executable, TRAIN, "--task", exp["task"], "--model", exp["model"],
-            "--compression", prec["compression"], "--frontend", "hvd_quant", "--reduction", launch["reduction"],
-            "--seed", str(seed), "--threads", str(threads), "--no-progress", "--metrics-out", str(metrics),
-            "--batch-size", str(exp["batch_size"]), "--epochs", str(exp["epochs"]),
-            "--max-steps", str(exp["max_steps"])]
+    frontend = prec.get("frontend", "hvd_quant")
+    if frontend == "ddp":       # a free port of its own (--standalone): runs at once do not collide
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                str(launch["ranks"])]
+    else:
+        argv = [sys.executable, "-m", "horovod.runner.launch", "-np", str(launch["ranks"]), "-H",
+                f"localhost:{launch['ranks']}", f"--{launch['controller']}", "--config-file",
+                launch["horovod_config"], sys.executable]
+    argv += [TRAIN, "--task", exp["task"], "--model", exp["model"],
+             "--compression", prec["compression"], "--frontend", frontend, "--reduction", launch["reduction"],
+             "--seed", str(seed), "--threads", str(threads), "--no-progress", "--metrics-out", str(metrics),
+             "--batch-size", str(exp["batch_size"]), "--epochs", str(exp["epochs"]),
+             "--max-steps", str(exp["max_steps"])]
     for k, v in {**exp.get("args", {}), **prec.get("args", {})}.items():   # a precision's own win
         flag = f"--{k.replace('_', '-')}"
         argv += [flag] if v is True else [flag, str(v)]

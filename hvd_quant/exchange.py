@@ -23,8 +23,10 @@ codes. The frameworks are reached only through two small tables, :class:`Collect
 
 An exchange is a small state machine (:class:`Pending`): ``start`` encodes and submits the first
 collective without waiting, ``advance`` (SRA only) waits for the alltoall, reduces, requantizes and
-submits the allgather, ``finish`` waits and decodes. Callers with several exchanges in flight advance
-all of them before finishing any, so every rank's second-phase collectives are in flight together.
+submits the allgather, ``finish`` waits and decodes; ``reduce_scatter`` (SRA) instead stops after
+the first phase with the sum of the chunk this rank owns (FSDP's reduce-scatter). Callers with
+several exchanges in flight advance all of them before finishing any, so every rank's second-phase
+collectives are in flight together.
 Exchanges are matched across ranks by name, as Horovod matches its collectives, so the order in which
 a rank starts them does not matter; except on a ``channel`` (``start``), a frontend's own process
 groups, whose collectives match by order: there the caller starts the exchanges in one order on
@@ -651,14 +653,10 @@ class Exchange:
                 else:
                     waiting.popleft()
             waiting.popleft()
-        self._check_hs(p)
         ops, coll, setup = self.ops, self.coll, p.setup
-        data = _wait(self, p.handle)
-        if p.t0 is not None:        # inline: this runs once per bucket and step
-            self.traffic.timed.append(("alltoall", setup.sent[0], p.t0, self._mark(p.like)))
+        data = self._scattered(p)
         own, red = setup.own, setup.reduced
-        n, each = own.b - own.a, own.size
-        self._received(p, data, coll.size * each, "the alltoall")
+        n = own.b - own.a
         mem = self.memory
         if n and setup.reduce is not None:
             # one launch: sum the received payloads, add the residual, requantize, new residual
@@ -668,10 +666,7 @@ class Exchange:
             if mem is not None:
                 mem.set(mem.SERVER, setup.server_key, res)
         elif n:
-            acc = setup.buffer("acc", lambda: ops.empty(n, p.like))
-            for j in range(coll.size):
-                self._decode(p, j, own.accumulate if j else own.decode, ops.slice(data, j * each, (j + 1) * each),
-                             acc)
+            acc = self._sum_own(p, data, setup.buffer("acc", lambda: ops.empty(n, p.like)))
             if mem is not None:
                 acc = mem.compensate(mem.SERVER, setup.server_key, acc)
             payload = self._payloads(setup, (red,), red.size, acc, p.step, "reduced",
@@ -685,6 +680,41 @@ class Exchange:
         else:
             p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}")
         p.stage = "second"
+
+    def _scattered(self, p):
+        """SRA: wait for ``p``'s alltoall; the payloads of the chunk this rank owns, in rank order."""
+        if p.hs is not None:        # the first step's handshake only
+            self._check_hs(p)
+        setup = p.setup
+        data = _wait(self, p.handle)
+        if p.t0 is not None:        # inline: this runs once per bucket and step
+            self.traffic.timed.append(("alltoall", setup.sent[0], p.t0, self._mark(p.like)))
+        self._received(p, data, self.coll.size * setup.own.size, "the alltoall")
+        return data
+
+    def _sum_own(self, p, data, acc):
+        """Decode and sum, in rank order and in float32, the payloads of this rank's chunk into ``acc``."""
+        own, ops = p.setup.own, self.ops
+        each = own.size
+        for j in range(self.coll.size):
+            self._decode(p, j, own.accumulate if j else own.decode, ops.slice(data, j * each, (j + 1) * each), acc)
+        return acc
+
+    def reduce_scatter(self, p):
+        """SRA's first phase alone, a reduce-scatter: waits for ``p``'s alltoall (``p`` started without
+        a channel) and returns the float32 **sum** over ranks of the chunk this rank owns, elements
+        ``bounds(numel)[rank]``. Nothing is requantized or gathered; ``p`` is done."""
+        if p.stage != "first" or self.reduction != "sra" or p.channel is not None:
+            raise ValueError("hvd_quant: reduce_scatter takes an SRA exchange in its first phase, "
+                             "started without a channel")
+        _FIRST_PHASE.pop(id(p), None)
+        data = self._scattered(p)
+        own = p.setup.own
+        out = self.ops.empty(own.b - own.a, p.like)
+        if own.b > own.a:
+            self._sum_own(p, data, out)
+        p.result, p.stage, p.like, p.handle = out, "done", None, None
+        return out
 
     # -- last phase -------------------------------------------------------------------------------
     def finish(self, p):

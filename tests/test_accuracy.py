@@ -39,10 +39,11 @@ def _fake_run(out_dir, run_id, losses, accs):
 
 
 def test_matrix_covers_the_issue():
-    """fp32, fp16, 8/4/2-bit QSGD in both modes, 1-bit EF and 1-bit Adam; the two real tasks (MNIST sample, the
-    byte-level language model); 2 ranks; at least 3 seeds; one schedule per task for every precision;
-    the issues' targets (MNIST: 0.5 points of accuracy, LM: 1% of validation loss, 8- and 4-bit; 1-bit
-    Adam: 0.5 points, 2%)."""
+    """fp32, fp16, 8/4/2-bit QSGD in both modes, 1-bit EF and 1-bit Adam, and on torch DDP fp32, the 4-bit
+    hook and PowerSGD rank 4; the two real tasks (MNIST sample, the byte-level language model); 2 ranks;
+    at least 3 seeds; one schedule per task for every precision; the issues' targets (MNIST: 0.5 points
+    of accuracy, LM: 1% of validation loss, 8- and 4-bit and the 4-bit DDP hook; 1-bit Adam: 0.5
+    points, 2%)."""
     cfg = sweep.load_matrix(str(MATRIX))
     runs = sweep.expand(cfg)
     assert {r.experiment for r in runs} == {"mnist-resnet18", "lm-stdlib", "cifar10-resnet20"}
@@ -62,15 +63,24 @@ def test_matrix_covers_the_issue():
         assert {r.key for r in mine if r.args.get("onebit_adam")} == {"onebit-adam"}
     exps = {e["id"]: e for e in cfg["experiments"]}
     eight_four = {"qsgd8", "qsgd8-det", "qsgd4", "qsgd4-det"}
-    assert exps["mnist-resnet18"]["targets"] == dict(dict.fromkeys(eight_four, 0.5), **{"onebit-adam": 0.5})
-    assert exps["lm-stdlib"]["targets"] == dict(dict.fromkeys(eight_four, 1.0), **{"onebit-adam": 2.0})
+    assert exps["mnist-resnet18"]["targets"] == dict(dict.fromkeys(eight_four, 0.5), **{"onebit-adam": 0.5,
+                                                                                        "ddp-qsgd4": 0.5})
+    assert exps["lm-stdlib"]["targets"] == dict(dict.fromkeys(eight_four, 1.0), **{"onebit-adam": 2.0,
+                                                                                   "ddp-qsgd4": 1.0})
     assert all(r.skip is None and r.baseline == "32bit" for r in runs)
     assert len({r.run_id for r in runs}) == len(runs)
     assert [r.seed for r in sweep.expand(cfg, seeds=[7, 8]) if r.key == "fp16"] == [7, 8] * 3
-    # examples/accuracy.py: the same grid, the runs with targets first, no CIFAR-10 without its files
+    # examples/accuracy.py: the same grid and torch DDP's (fp32, the 4-bit hook, PowerSGD rank 4, under
+    # torchrun), the runs with targets first, no CIFAR-10 without its files
+    ddp = {"ddp-32bit", "ddp-qsgd4", "ddp-powersgd4"}
+    assert {k for k, p in cfg["precisions"].items() if p.get("frontend") == "ddp"} == ddp
     grid = accuracy.grid(cfg, [1, 2, 3])
-    assert len(grid) == 2 * 10 * 3 and {e["id"] for e, _, _ in grid} == {"mnist-resnet18", "lm-stdlib"}
-    assert {k for _, k, _ in grid[:2 * 6 * 3]} == {"32bit", "onebit-adam"} | eight_four
+    assert len(grid) == 2 * 13 * 3 and {e["id"] for e, _, _ in grid} == {"mnist-resnet18", "lm-stdlib"}
+    assert {k for _, k, _ in grid[:2 * 7 * 3]} == {"32bit", "onebit-adam", "ddp-qsgd4"} | eight_four
+    for key in ddp:
+        argv = accuracy.command(cfg, exps["lm-stdlib"], key, 1, 1, "m.jsonl")
+        assert argv[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+        assert argv[argv.index("--frontend") + 1] == "ddp"
 
 
 def _raw(task, exp, key, seed, loss, acc):

@@ -96,6 +96,21 @@ def test_onebit_adam_method_on_the_slow_link(tmp_path):
         assert "horovodrun" not in " ".join(argv) and argv[argv.index("--optimizer") + 1] == "adam", argv
 
 
+def test_ddp_methods_on_the_slow_link(tmp_path):
+    """--slownet starts DDP jobs through scripts/slownet.py --torch (torch.distributed ranks, env://),
+    not torchrun, which would put both ranks on one namespace's loopback; --slownet-prefix names its
+    namespaces (two runs at once would tear down each other's)."""
+    args = train.resolve(train.build_parser().parse_args(
+        TINY + ["--methods", "ddp-fp32,ddp-powersgd4,ddpq-qsgd4-sra", "--slownet", "1gbit", "--slownet-prefix", "dd",
+                "--out", str(tmp_path)]))
+    for cfg in train.plan(args):
+        argv, _ = train.command(cfg, args)
+        assert cfg.id.startswith("mlp/slownet-1gbit/") and cfg.spec["launcher"] == "ddp", cfg.id
+        assert argv[1].endswith("scripts/slownet.py") and "--torch" in argv[:argv.index("--")], argv
+        assert "torch.distributed.run" not in argv and argv[argv.index("--method") + 1] == cfg.method, argv
+        assert argv[argv.index("--prefix") + 1] == "dd", argv
+
+
 def test_train_driver_cpu(tmp_path, job_env, capsys):
     out = tmp_path / "bench"
     methods = ["--methods", "hvd-fp32,hvdq-qsgd4-allgather,hvdq-qsgd5-sra"]

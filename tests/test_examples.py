@@ -60,6 +60,17 @@ def test_traffic_formulas_by_hand(n):
         assert ag.sent == sra.sent == fp32 == 0
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_powersgd_traffic_by_hand(n):
+    # rank 4: (1000, 1000) sends P and Q, (1000 + 1000) x 4; (10,) is 10 x 1 and (16, 8) has
+    # (16 + 8) x 4 x 2 >= 128, so both go in fp32 (torch's _should_compress)
+    t = traffic.powersgd_bytes_per_step([(1000, 1000), (10,), (16, 8)], n, 4)
+    ring = 2 * (n - 1) / n * 4
+    assert t.sent == pytest.approx(ring * (8000 + 10 + 128))
+    assert t.fp32 == pytest.approx(ring * (1_000_000 + 10 + 128))
+    assert (t.tensors_compressed, t.tensors_fp32) == (1, 2)
+
+
 def test_traffic_fusion_and_ratio():
     # 4-bit with 512-element buckets and an 8-byte header per payload: ratio -> 32 / (4 + 32/512)
     wire = lambda numel: 8 + math.ceil(numel / 2) + 4 * math.ceil(numel / 512)  # noqa: E731

@@ -104,10 +104,15 @@ def build_parser(framework: str, description: str = None) -> argparse.ArgumentPa
                         "onebit:bucket_size=64 | ...")
     g.add_argument("--reduction", choices=REDUCTIONS, default="sra",
                    help="how compressed gradients are reduced: sra (scatter-reduce-allgather) or allgather")
-    g.add_argument("--frontend", choices=("auto", "hvd_quant", "horovod"), default="auto",
+    ddp = framework == "PyTorch"
+    g.add_argument("--frontend", choices=("auto", "hvd_quant", "horovod") + (("ddp",) if ddp else ()),
+                   default="auto",
                    help="auto: stock Horovod allreduce for 'none', hvd_quant's DistributedOptimizer "
                         "otherwise; hvd_quant: always hvd_quant; horovod: stock hvd.DistributedOptimizer "
-                        "with the codec as its compression= argument")
+                        "with the codec as its compression= argument"
+                        + ("; ddp: torch DDP under torchrun, no Horovod ('none': DDP's allreduce, "
+                           "powersgd:rank=R: DDP's PowerSGD hook, a codec: hvd_quant.torch.ddp_comm_hook)"
+                           if ddp else ""))
     g.add_argument("--min-compress-numel", type=int, default=1024,
                    help="tensors with fewer elements (and all 1-D tensors) are sent in fp32")
     g.add_argument("--bucket-bytes", type=int, default=None,

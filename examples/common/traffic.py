@@ -134,6 +134,32 @@ def bytes_per_step(shapes: Iterable[Sequence[int]], world_size: int,
                    tensors_compressed=len(compressed), tensors_fp32=len(plain), groups=groups)
 
 
+def powersgd_bytes_per_step(shapes: Iterable[Sequence[int]], world_size: int, rank: int,
+                            min_compression_rate: float = 2.0) -> Traffic:
+    """Bytes one rank sends per step with torch DDP's PowerSGD hook at ``matrix_approximation_rank``
+    ``rank``, after its fp32 start: a gradient seen as an n x m matrix (n its first dimension) sends
+    its factors P (n x r) and Q (m x r), r = min(n, m, rank), through fp32 ring allreduces where
+    (n + m) * r * ``min_compression_rate`` < n * m (the hook's own rule); the others go in one fp32
+    ring allreduce."""
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    numels = [int(math.prod(s)) if len(s) else 1 for s in shapes]
+    fp32 = sum(ring_allreduce_bytes(n, world_size) for n in numels)
+    factors, compressed, plain = 0, [], []
+    for s, n in zip(shapes, numels):
+        rows = s[0] if s else 1
+        cols = n // rows if rows else 0
+        r = min(rows, cols, rank)
+        if n and (rows + cols) * r * min_compression_rate < n:
+            factors += (rows + cols) * r
+            compressed.append(n)
+        else:
+            plain.append(n)
+    sent = ring_allreduce_bytes(factors, world_size) + ring_allreduce_bytes(sum(plain), world_size)
+    return Traffic(sent=sent, fp32=fp32, world_size=world_size, reduction=f"powersgd rank {rank}",
+                   numel_compressed=sum(compressed), numel_fp32=sum(plain),
+                   tensors_compressed=len(compressed), tensors_fp32=len(plain))
+
+
 def fmt_gbps(gbps) -> str:
     """", their collectives at X GB/s" for the examples' bytes line; "" when hvd_quant timed none."""
     return "" if gbps is None else f", collectives at {gbps:.3g} GB/s effective"

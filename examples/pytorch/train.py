@@ -6,6 +6,12 @@ Run it under Horovod (see docs/EXAMPLES.md for every task)::
     horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch/train.py \\
         --task mnist --model resnet18 --compression qsgd:bits=4,bucket_size=512,mode=stochastic
 
+or, with ``--frontend ddp``, under torchrun with torch DDP and no Horovod (``--compression none``:
+DDP's own allreduce; ``powersgd:rank=4``: DDP's PowerSGD hook; a codec: ``hvd_quant.torch.ddp_comm_hook``)::
+
+    torchrun --nproc_per_node 2 examples/pytorch/train.py --frontend ddp \\
+        --task mnist --model resnet18 --compression qsgd:bits=4,bucket_size=512,mode=stochastic
+
 What it does, per model named by ``--model`` (a comma-separated list runs one after another in the
 same job, which is how the tests and benchmarks batch several models into one launch):
 
@@ -13,8 +19,9 @@ same job, which is how the tests and benchmarks batch several models into one la
    times the world size unless ``--no-scale-lr``);
 2. wraps it: ``--compression none`` with ``--frontend auto`` uses stock ``hvd.DistributedOptimizer``
    (the fp32 ring-allreduce baseline); any other codec uses
-   ``hvd_quant.torch.DistributedOptimizer(compression=codec, reduction=..., ...)``;
-3. broadcasts parameters and optimizer state from rank 0;
+   ``hvd_quant.torch.DistributedOptimizer(compression=codec, reduction=..., ...)``; ``--frontend ddp``
+   wraps the model in DDP instead (:func:`wrap_ddp`);
+3. broadcasts parameters and optimizer state from rank 0 (DDP: its own broadcast of the parameters);
 4. prints the world size, controller, codec spec, reduction, data source and the bytes one rank sends
    per step beside fp32 (:mod:`examples.common.traffic`);
 5. trains on this rank's shard, printing ``StepN: X data/sec`` every ``--log-every`` steps and
@@ -170,9 +177,55 @@ def wrap_optimizer(args, hvd, opt, model, codec):
     return dist, "hvd_quant.torch.DistributedOptimizer", "hvd_quant"
 
 
+def powersgd_rank(spec):
+    """R of ``powersgd:rank=R`` (``--frontend ddp``), else None."""
+    name, _, params = spec.lower().partition(":")
+    if name != "powersgd":
+        return None
+    key, _, value = params.partition("=")
+    if key != "rank" or not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"--compression {spec!r}: expected powersgd:rank=R with R >= 1")
+    return int(value)
+
+
+def wrap_ddp(args, model, device, codec):
+    """``--frontend ddp``: ``(DDP model, hook state or None, description)``: DDP's fp32 allreduce for
+    ``none``, DDP's PowerSGD hook for ``powersgd:rank=R`` (error feedback and warm start, its defaults;
+    fp32 allreduce for the first max(2, --warmup-steps) steps; on Gloo in one DDP bucket), else
+    ``hvd_quant.torch.ddp_comm_hook``."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank = powersgd_rank(args.compression)
+    kwargs = {}
+    if rank is not None and dist.get_backend() == "gloo":
+        # PowerSGD starts a bucket's second allreduce when its first completes, a moment that differs
+        # between ranks: with several buckets, Gloo would see the ranks' collectives in different
+        # orders (and abort). One bucket keeps one order.
+        kwargs["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, **kwargs)
+    if codec is not None:
+        import hvd_quant.torch as hq
+        kwargs = {} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}
+        state, hook = hq.ddp_comm_hook(codec, reduction=args.reduction, warmup_steps=args.warmup_steps,
+                                       min_compress_numel=args.min_compress_numel, **kwargs)
+        what = f"DDP with hvd_quant.torch.ddp_comm_hook (reduction {args.reduction})"
+    elif rank is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                       start_powerSGD_iter=max(2, args.warmup_steps))
+        hook, what = powersgd.powerSGD_hook, f"DDP with the PowerSGD hook (rank {rank})"
+    else:
+        return ddp, None, "DDP (fp32 allreduce)"
+    ddp.register_comm_hook(state, hook)
+    return ddp, state, what
+
+
 def estimate_traffic(args, model, codec, kind, world_size):
     """Bytes per step from :mod:`examples.common.traffic`, laid out as the frontend fuses them."""
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    rank = powersgd_rank(args.compression) if kind == "ddp" else None
+    if rank:
+        return traffic.powersgd_bytes_per_step(shapes, world_size, rank)
     if codec is None or codec.spec().split(":", 1)[0] in ("none", "nocompression"):
         return traffic.bytes_per_step(shapes, world_size)  # plain fp32 allreduce
     wire = codec.wire_nbytes
@@ -188,14 +241,17 @@ def estimate_traffic(args, model, codec, kind, world_size):
                                   bucket_bytes=bucket)
 
 
-def measured_traffic(dist, kind, codec, steps):
-    """Bytes per step hvd_quant counted: the last step for its own optimizer; for a stock Horovod
-    optimizer with a codec, hvd_quant counts since the start, so divide by the steps. None for stock
-    Horovod without a codec, and before the first step. A failure to read the count is an error, not
-    a missing line."""
+def measured_traffic(dist, kind, codec, steps, hook_state=None):
+    """Bytes per step hvd_quant counted: the last step for its own optimizer and DDP hook; for a stock
+    Horovod optimizer with a codec, hvd_quant counts since the start, so divide by the steps. None for
+    stock Horovod and DDP without a codec, and before the first step. A failure to read the count is
+    an error, not a missing line."""
     if (codec is None and kind != "hvd_quant") or not steps:
         return None
     import hvd_quant.torch as hq
+    if kind == "ddp":
+        t = hook_state.bytes_per_step()
+        return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio}
     m = dict(hq.bytes_sent_per_step(dist))
     if kind == "horovod":
         m["sent"] /= steps
@@ -283,7 +339,8 @@ def run_model(name, args, hvd, ds, log, device):
     model, note = build_model(name, model_context(args, ds), args.model_source)
     model = model.to(device)
     lr = args.lr * (1 if args.no_scale_lr else size)
-    codec = None if args.compression.lower() in ("none", "fp32") and args.frontend != "hvd_quant" \
+    codec = None if (args.compression.lower() in ("none", "fp32") and args.frontend != "hvd_quant"
+                     or args.frontend == "ddp" and powersgd_rank(args.compression)) \
         else make_codec(args.compression)
     if args.task == "imagenet":
         if not args.max_steps:
@@ -293,29 +350,38 @@ def run_model(name, args, hvd, ds, log, device):
         epochs = args.epochs
         per_epoch = D.steps_per_epoch(len(ds.y_train), size, args.batch_size)
     total_steps = min(epochs * per_epoch, args.max_steps) if args.max_steps else epochs * per_epoch
-    if args.onebit_adam:
+    net, hook_state = model, None       # net: the module itself, for the test pass
+    if args.frontend == "ddp":
+        if args.onebit_adam:
+            raise SystemExit("--onebit-adam runs on Horovod, not with --frontend ddp")
+        model, hook_state, what = wrap_ddp(args, net, device, codec)
+        dist = opt = make_optimizer(args, net, lr)
+        kind = "ddp"
+    elif args.onebit_adam:
         dist, what, kind = make_onebit_adam(args, model, lr, codec, total_steps)
         opt = dist
     else:
         opt = make_optimizer(args, model, lr)
         dist, what, kind = wrap_optimizer(args, hvd, opt, model, codec)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    # Horovod's broadcast_optimizer_state gives a fresh optimizer its state by one step on zero
-    # gradients, which starts Adam's step count at 1 and so changes its bias correction for the whole
-    # run (OneBitAdam, whose state exists from construction, takes no such step). A fresh optimizer
-    # is the same on every rank: only a state there is (OneBitAdam's) is broadcast.
-    if dist.state_dict()["state"]:
-        hvd.broadcast_optimizer_state(dist, root_rank=0)
+    if kind != "ddp":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # Horovod's broadcast_optimizer_state gives a fresh optimizer its state by one step on zero
+        # gradients, which starts Adam's step count at 1 and so changes its bias correction for the
+        # whole run (OneBitAdam, whose state exists from construction, and DDP take no such step). A
+        # fresh optimizer is the same on every rank: only a state there is (OneBitAdam's) is broadcast.
+        if dist.state_dict()["state"]:
+            hvd.broadcast_optimizer_state(dist, root_rank=0)
 
     nparams = sum(p.numel() for p in model.parameters())
-    est = estimate_traffic(args, model, codec, kind, size)
-    spec = codec.spec() if codec is not None else "none"
+    est = estimate_traffic(args, net, codec, kind, size)
+    psgd = powersgd_rank(args.compression) if kind == "ddp" else None
+    spec = codec.spec() if codec is not None else f"powersgd:rank={psgd}" if psgd else "none"
     log.emit(f"model: {note}; {nparams / 1e6:.3f}M parameters in "
              f"{sum(1 for _ in model.parameters())} tensors")
     optimizer = "onebit-adam" if args.onebit_adam else args.optimizer
     log.emit(f"optimizer: {optimizer} lr {lr:g} ({args.lr:g} x {1 if args.no_scale_lr else size}), "
              f"batch {args.batch_size} per rank; exchange: {what}")
-    log.emit(f"compression: {spec}; reduction: {args.reduction if codec is not None else 'allreduce'}")
+    log.emit(f"compression: {spec}; reduction: {args.reduction if codec is not None else est.reduction}")
     log.emit(f"bytes sent per step per rank: {est.describe()}")
     log.record("config", task=args.task, model_name=name, model_note=note, parameters=nparams,
                world_size=size, compression=spec, reduction=args.reduction, frontend=what,
@@ -380,7 +446,7 @@ def run_model(name, args, hvd, ds, log, device):
                          exchange=step_metrics(dist) if at_log and kind == "hvd_quant" else None)
         if ds is not None and not args.no_eval:
             t0 = time.perf_counter()
-            acc, test_loss, test_count = evaluate(hvd, model, ds, batches, args, rank, size, f"{name}.{epoch}")
+            acc, test_loss, test_count = evaluate(hvd, net, ds, batches, args, rank, size, f"{name}.{epoch}")
             test_time = time.perf_counter() - t0
             log.epoch(epoch, epoch_train + test_time, test_time, acc, test_loss=test_loss, steps=step,
                       test_count=test_count)
@@ -394,7 +460,7 @@ def run_model(name, args, hvd, ds, log, device):
     else:
         rate, counted, warm = (samples / train_time if train_time else 0.0), step, 0
     log.emit(format_throughput(rate, size, counted, warm))
-    measured = measured_traffic(dist, kind, codec, step)
+    measured = measured_traffic(dist, kind, codec, step, hook_state)
     if measured is not None:
         which = "in the last step" if kind != "horovod" else f"per step over {step} steps"
         log.emit(f"bytes sent {which}, measured by hvd_quant: {traffic.fmt_bytes(measured['sent'])} "
@@ -405,7 +471,37 @@ def run_model(name, args, hvd, ds, log, device):
                measured_bytes_sent=None if measured is None else measured["sent"],
                measured_bytes_fp32=None if measured is None else measured["fp32"],
                measured_gbps=None if measured is None else measured.get("gbps"), **est.as_dict())
-    del dist, opt, model
+    del dist, opt, model, net, hook_state
+
+
+class TorchDistributed:
+    """``--frontend ddp`` (under torchrun): the ranks and the sum the driver asks of
+    ``horovod.torch`` otherwise, over a ``torch.distributed`` process group."""
+    Sum = "sum"
+
+    def __init__(self, backend):
+        import torch.distributed as dist
+        dist.init_process_group(backend)
+        self.dist, self.backend = dist, backend
+
+    def rank(self):
+        return self.dist.get_rank()
+
+    def size(self):
+        return self.dist.get_world_size()
+
+    def local_rank(self):
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def local_size(self):
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+    def allreduce(self, t, op, name=None):
+        """The sum over ranks of host tensor ``t`` (``op`` is :attr:`Sum`)."""
+        assert op == self.Sum, op
+        out = t.cuda() if self.backend == "nccl" else t.clone()
+        self.dist.all_reduce(out)
+        return out.cpu()
 
 
 def share_cores(requested, ranks_here):
@@ -435,9 +531,11 @@ def main(argv=None):
     if args.list_models:
         print(describe_registry())
         return 0
-    import horovod.torch as hvd
-
-    hvd.init()
+    if args.frontend == "ddp":
+        hvd = TorchDistributed("nccl" if args.device != "cpu" and torch.cuda.is_available() else "gloo")
+    else:
+        import horovod.torch as hvd
+        hvd.init()
     rank, size = hvd.rank(), hvd.size()
     threads = share_cores(args.threads, hvd.local_size())
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
@@ -447,7 +545,10 @@ def main(argv=None):
         device = torch.device("cpu")
     log = RunLog(rank, size, args.log_every, args.metrics_out, progress=not args.no_progress,
                  tensorboard=tensorboard_writers(args.tensorboard))
-    controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "unknown"
+    if args.frontend == "ddp":
+        controller = f"torch.distributed {hvd.backend}"
+    else:
+        controller = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "unknown"
     ds = load_data(args, rank)
     data_line = ds.source if ds is not None else (
         f"synthetic ImageNet-size batch ({args.batch_size}x3x{args.image_size}x{args.image_size}, "
@@ -464,6 +565,8 @@ def main(argv=None):
     try:
         for name in args.models:
             run_model(name, args, hvd, ds, log, device)
+        if args.frontend == "ddp":
+            hvd.dist.destroy_process_group()
     finally:
         log.close()
     return 0

@@ -288,7 +288,13 @@ def main(argv=None):
     warm_traffic = None
     if launcher == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[local_rank] if cuda else None)
+        kwargs = {}
+        if spec["kind"] == "powersgd" and not cuda:
+            # PowerSGD starts a bucket's second allreduce when its first completes, a moment that
+            # differs between ranks: with several buckets Gloo would see the ranks' collectives in
+            # different orders (and abort). One bucket keeps one order.
+            kwargs["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+        model = DDP(model, device_ids=[local_rank] if cuda else None, **kwargs)
         if spec["kind"] == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             model.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)

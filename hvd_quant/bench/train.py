@@ -22,7 +22,9 @@ Config ids are ``<model>/<network>/<method>``. Methods:
   ddp-fp32               torch DDP (NCCL on GPU, Gloo on CPU), launched by torch.distributed.run
   ddp-fp16               DDP with the fp16_compress_hook
   ddp-powersgd<R>        DDP with the PowerSGD hook, matrix_approximation_rank=R, start_powerSGD_iter=2
-                         (the earliest PyTorch allows; the warm-up steps cover the fp32 start)
+                         (the earliest PyTorch allows; the warm-up steps cover the fp32 start); on
+                         Gloo in one DDP bucket (with several, the ranks' collectives come in
+                         different orders)
   ddpq-<codec>-<red>     DDP with hvd_quant.torch.ddp_comm_hook(<codec>, reduction=<red>)
   hvd-fp32, hvd-fp16     hvd.DistributedOptimizer(compression=hvd.Compression.none / .fp16)
   stock-<codec>          hvd.DistributedOptimizer(compression=<hvd_quant codec>) (the stock path)
@@ -42,8 +44,8 @@ parameters; 32 px, batch 16, 10 classes), ``mlp`` (tiny, for tests) and ``mlp_wi
 2048: 10.5M parameters at 32 px). ``--optimizer adam`` makes every method wrap torch.optim.Adam
 instead of SGD (the comparison for ``onebit-adam``).
 
-``--slownet RATE`` (CPU, root) runs each Horovod job through ``scripts/slownet.py --rate RATE``: one
-network namespace per rank, Gloo over rate-limited links.
+``--slownet RATE`` (CPU, root) runs each Horovod and DDP job through ``scripts/slownet.py --rate RATE``
+(``--torch`` for DDP): one network namespace per rank, Gloo over rate-limited links.
 
 Networks (N >= 2): ``nvlink`` (NCCL as it comes) and ``sockets`` (NCCL_P2P_DISABLE=1
 NCCL_SHM_DISABLE=1) on GPU; ``loopback`` on CPU (Gloo). Every GPU job gets NCCL_NVLS_ENABLE=0
@@ -147,7 +149,9 @@ def build_parser():
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="what every method wraps (onebit-adam is Adam itself)")
     p.add_argument("--slownet", metavar="RATE", default=None,
-                   help="CPU, root: Horovod jobs through scripts/slownet.py at this link rate (1gbit)")
+                   help="CPU, root: Horovod and DDP jobs through scripts/slownet.py at this link rate (1gbit)")
+    p.add_argument("--slownet-prefix", default="hq",
+                   help="slownet.py's --prefix (its namespace names): jobs of two runs at once need two")
     p.add_argument("--controller", choices=("auto", "gloo", "mpi"), default="auto",
                    help="horovodrun controller (auto: --gloo on CPU, horovodrun's choice on GPU)")
     p.add_argument("--trace", action="store_true",
@@ -251,13 +255,16 @@ def command(cfg, args):
         return [py, *worker], env
     if launcher == "ddp":
         env.pop("HOROVOD_ELASTIC", None)
+    slow = args.slownet and cfg.network != "ws1-forced"
+    if slow:        # slownet starts the ranks itself, each in its namespace (torch.distributed: env://)
+        return [py, str(ROOT / "scripts" / "slownet.py"), "--np", str(cfg.np), "--rate", args.slownet,
+                "--prefix", args.slownet_prefix, "--timeout", str(args.timeout),
+                *(["--torch"] if launcher == "ddp" else []), "--", py, *worker], env
+    if launcher == "ddp":
         return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.np),
                 *worker], env
     if cfg.network == "ws1-forced":
         return [py, *worker], env
-    if args.slownet:        # slownet starts the ranks itself, each in its namespace
-        return [py, str(ROOT / "scripts" / "slownet.py"), "--np", str(cfg.np), "--rate", args.slownet,
-                "--timeout", str(args.timeout), "--", py, *worker], env
     hr = _tool("horovodrun") or "horovodrun"
     ctl = args.controller
     if ctl == "auto":

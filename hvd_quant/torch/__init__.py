@@ -1,10 +1,10 @@
-"""PyTorch frontend: ``hvd_quant.torch.DistributedOptimizer``, ``ddp_comm_hook`` and the torch side of
-the exchange.
+"""PyTorch frontend: ``hvd_quant.torch.DistributedOptimizer``, ``ddp_comm_hook``, ``fsdp_reduce_scatter``
+and the torch side of the exchange.
 
 Attributes are imported on first use: ``DistributedOptimizer`` and ``OneBitAdam`` import
 ``horovod.torch`` (without Horovod they raise an ImportError that says so), while ``ddp_comm_hook``
-(torch.distributed) and the codecs (``hvd_quant.torch._backend.FRONTEND``: array adapters, ArrayOps)
-need no Horovod. Codecs passed to stock ``hvd.DistributedOptimizer(compression=...)``
+and ``fsdp_reduce_scatter`` (torch.distributed) and the codecs (``hvd_quant.torch._backend.FRONTEND``:
+array adapters, ArrayOps) need no Horovod. Codecs passed to stock ``hvd.DistributedOptimizer(compression=...)``
 reach it through ``hvd_quant._stock``.
 """
 from .._lazy import lazy_exports
@@ -13,9 +13,11 @@ from ..frontend import bytes_sent_per_step
 
 _EXPORTS = {"OPS": "._backend", "collectives": "._backend", "resolve_codec": "._backend",
             "DistributedOptimizer": ".optimizer", "OneBitAdam": ".onebit_adam",
-            "ddp_comm_hook": ".ddp", "DDPCommState": ".ddp"}
+            "ddp_comm_hook": ".ddp", "DDPCommState": ".ddp",
+            "fsdp_reduce_scatter": ".fsdp", "FSDPCommState": ".fsdp"}
 
-__all__ = ["DistributedOptimizer", "OneBitAdam", "ddp_comm_hook", "DDPCommState", "bytes_sent_per_step",
+__all__ = ["DistributedOptimizer", "OneBitAdam", "ddp_comm_hook", "DDPCommState", "fsdp_reduce_scatter",
+           "FSDPCommState", "bytes_sent_per_step",
            "step_metrics", "collectives", "OPS", "resolve_codec"]
 
 
@@ -29,7 +31,7 @@ def __getattr__(name):
         if (e.name or "").partition(".")[0] != "horovod":
             raise
         raise ImportError(f"hvd_quant.torch.{name} runs on Horovod (horovod.torch), which is not installed; "
-                          f"hvd_quant.torch.ddp_comm_hook needs only torch.distributed") from e
+                          f"hvd_quant.torch.ddp_comm_hook and fsdp_reduce_scatter need only torch.distributed") from e
 
 
 def step_metrics(optimizer):

@@ -4,6 +4,7 @@ Every check prints one ``CHECK ok|FAIL name: detail`` line; ``run`` turns an exc
 checks into a failed check instead of ending the run; ``finish`` prints this rank's ``RESULT`` line,
 rank 0 a ``SUMMARY`` of every rank, shuts Horovod down and exits 1 if anything failed.
 """
+import gc
 import sys
 import time
 import traceback
@@ -53,3 +54,29 @@ class Checks:
         sys.stdout.flush()
         hvd.shutdown()
         sys.exit(1 if self.failed else 0)
+
+
+class TorchWorld:
+    """What :class:`Checks` asks of Horovod, over the torch.distributed world (the torchrun workers)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist = dist
+
+    def rank(self):
+        return self.dist.get_rank()
+
+    def size(self):
+        return self.dist.get_world_size()
+
+    def allgather_object(self, obj, name=None):
+        out = [None] * self.size()
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def shutdown(self):
+        # Free the models' and hooks' last collectives while the group lives, and let no rank tear
+        # its connections down while another still uses them.
+        gc.collect()
+        self.dist.barrier()
+        self.dist.destroy_process_group()

@@ -26,7 +26,6 @@ DDP's own allreduce (the reference), and checks:
 * ``bad``: an unknown codec spec and a bad reduction raise ValueError naming them.
 """
 import copy
-import gc
 import io
 import os
 import sys
@@ -55,27 +54,8 @@ Q4S = "qsgd:bits=4,bucket_size=512,mode=stochastic,seed=11"
 CAP_MB = 0.01           # DDP buckets of ~2600 floats: several per model, rebuilt after the first step
 
 
-class _World:
-    """What the check recorder asks of Horovod, over torch.distributed."""
-    rank = staticmethod(dist.get_rank)
-    size = staticmethod(dist.get_world_size)
-
-    @staticmethod
-    def allgather_object(obj, name=None):
-        out = [None] * N
-        dist.all_gather_object(out, obj)
-        return out
-
-    @staticmethod
-    def shutdown():
-        # Free the models' and hooks' last collectives while the group lives, and let no rank tear
-        # its connections down while another still uses them.
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-check = _checks.Checks(_World)
+WORLD = _checks.TorchWorld()
+check = _checks.Checks(WORLD)
 
 
 class Net(nn.Module):
@@ -284,7 +264,7 @@ def test_auto():
     model, state = ours(Q4D, reduction="auto")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     run_steps(model, opt, 0, 20)
-    choice = _World.allgather_object(state.reduction_in_use())
+    choice = WORLD.allgather_object(state.reduction_in_use())
     check(len(set(choice)) == 1 and state._sched.auto.choice is not None, "auto: one choice on every rank",
           str(choice))
     check(same_on_all_ranks(flat_params(model)), "auto: replicas identical")

@@ -1,7 +1,7 @@
 """Worker: ``hvd_quant.torch.ddp_comm_hook`` in a process where Horovod cannot be imported (a
 ``sys.meta_path`` finder refuses it), on a one-process Gloo group: the hook returns each bucket as it
 is, so the gradients equal the local ones exactly; the Horovod frontends raise an ImportError naming
-Horovod. Prints ``OK`` at the end."""
+Horovod; ``fsdp_reduce_scatter`` imports too. Prints ``OK`` at the end."""
 import importlib.abc
 import sys
 
@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import hvd_quant.torch  # noqa: E402
-from hvd_quant.torch import ddp_comm_hook  # noqa: E402
+from hvd_quant.torch import ddp_comm_hook, fsdp_reduce_scatter  # noqa: E402
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 torch.manual_seed(0)
@@ -35,6 +35,7 @@ for step in range(2):
     model(x).square().mean().backward()
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), local)), step
 assert state.step == 2, state.step
+assert fsdp_reduce_scatter(net, "qsgd:bits=4").steps == {}     # no FSDP module here: nothing set
 for name in ("DistributedOptimizer", "OneBitAdam"):
     try:
         getattr(hvd_quant.torch, name)
