@@ -43,7 +43,9 @@ parameters; 32 px, batch 16, 10 classes), ``mlp`` (tiny, for tests) and ``mlp_wi
 instead of SGD (the comparison for ``onebit-adam``).
 
 ``--slownet RATE`` (CPU, root) runs each Horovod job through ``scripts/slownet.py --rate RATE``: one
-network namespace per rank, Gloo over rate-limited links.
+network namespace per rank, Gloo over rate-limited links; with ``--nodes K``, K namespaces (emulated
+nodes) of N/K ranks each, the rate limit between nodes only. Each rank's log then gives the bytes its
+node's link carried per timed step (``Link bytes per step``; rank 0's in the result line).
 
 Networks (N >= 2): ``nvlink`` (NCCL as it comes) and ``sockets`` (NCCL_P2P_DISABLE=1
 NCCL_SHM_DISABLE=1) on GPU; ``loopback`` on CPU (Gloo). Every GPU job gets NCCL_NVLS_ENABLE=0
@@ -148,6 +150,8 @@ def build_parser():
                    help="what every method wraps (onebit-adam is Adam itself)")
     p.add_argument("--slownet", metavar="RATE", default=None,
                    help="CPU, root: Horovod jobs through scripts/slownet.py at this link rate (1gbit)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="with --slownet: emulated nodes of np/nodes ranks each, the slow link between them")
     p.add_argument("--controller", choices=("auto", "gloo", "mpi"), default="auto",
                    help="horovodrun controller (auto: --gloo on CPU, horovodrun's choice on GPU)")
     p.add_argument("--trace", action="store_true",
@@ -256,8 +260,9 @@ def command(cfg, args):
     if cfg.network == "ws1-forced":
         return [py, *worker], env
     if args.slownet:        # slownet starts the ranks itself, each in its namespace
+        nodes = ["--nodes", str(args.nodes)] if args.nodes else []
         return [py, str(ROOT / "scripts" / "slownet.py"), "--np", str(cfg.np), "--rate", args.slownet,
-                "--timeout", str(args.timeout), "--", py, *worker], env
+                *nodes, "--timeout", str(args.timeout), "--", py, *worker], env
     hr = _tool("horovodrun") or "horovodrun"
     ctl = args.controller
     if ctl == "auto":
