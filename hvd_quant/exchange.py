@@ -17,15 +17,18 @@ the two reductions that can, out of Horovod's public ``alltoall``, ``allgather``
     float32. Traffic per rank is (N-1) * payload(n): pays off for small N or 1-bit codes.
 
 ``reduction="two_level"`` (several ranks on each of several nodes; :class:`_TwoLevel`)
-    1. inside each node, an fp32 Sum ``reducescatter`` over the node's L ranks: local rank l holds
-       the node's sum of shard l;
-    2. across nodes, shard l goes through the codec's SRA among the ranks of local rank l (one per
-       node; error feedback as above), so only compressed bytes cross between nodes;
-    3. inside each node, an ``allgather`` of the reduced shards (fp32).
+    1. inside each node, an fp32 Sum ``allreduce`` over the node's L ranks; local rank l keeps shard
+       l of the node's sum (L bucket-aligned shards, as SRA's chunks);
+    2. across nodes, shard l goes through the codec's exchange among the ranks of local rank l (one
+       per node; error feedback as above), so only compressed bytes cross between nodes;
+    3. inside each node, an fp32 Sum ``allreduce`` of each rank's reduced shard in place, zeros
+       elsewhere: every rank gets every shard.
     Every rank of a cross group decodes the same bytes and every rank of a node gathers the same
     shards, so replicas stay bit-identical. Bytes crossing between nodes per node are about
     2(C-1)/C * payload(n) for C nodes, 1/L of flat SRA's (``docs/EXCHANGE.md``). The levels are
-    Horovod process sets made by the frontend (``Collectives.levels``).
+    Horovod process sets made by the frontend (``Collectives.levels``). Steps 1 and 3 are a
+    reduce-scatter and an allgather in effect; they are allreduces because Horovod's allreduce is its
+    fast, fused collective on every controller (docs/EXCHANGE.md, "Two levels").
 
 Both return the **sum** over ranks in float32; the caller divides by N (``Op``) afterwards, never on
 codes. The frameworks are reached only through two small tables, :class:`Collectives` and
@@ -98,9 +101,7 @@ class Collectives:
     allows, ``op`` one of :data:`AVERAGE` / :data:`SUM`.
     ``synchronize(handle)``: waits and returns the result tensor (alltoall: the data, not the splits).
     ``poll(handle)`` (optional): True once the collective has completed, without waiting.
-    ``reducescatter_async(t, name)`` (optional): float32 Sum over the set, rank r gets part r (the
-    parts as Horovod splits a 1-D tensor). ``levels()`` (optional, the global set): ``(local,
-    cross)``, the Collectives of this rank's node and of the ranks with its local rank on every node,
+    ``levels()`` (optional, the global set): ``(local, cross)``, the Collectives of this rank's node and of the ranks with its local rank on every node,
     None where a level has one rank (``reduction="two_level"``).
     """
     rank: int
@@ -111,7 +112,6 @@ class Collectives:
     synchronize: Callable[[Any], Any]
     process_set: Any = None
     poll: Callable[[Any], bool] = None
-    reducescatter_async: Callable[[Any, str], Any] = None
     levels: Callable[[], tuple] = None
 
 
@@ -762,8 +762,8 @@ class Exchange:
 
 
 class _TwoLevel:
-    """``reduction="two_level"`` of an :class:`Exchange` (module doc): an fp32 reduce-scatter inside
-    the node, the codec across nodes, an fp32 allgather inside the node.
+    """``reduction="two_level"`` of an :class:`Exchange` (module doc): the node's fp32 sum, the codec
+    across nodes on this rank's shard of it, the shards gathered inside the node.
 
     The levels come from ``Collectives.levels()`` of the exchange's ``coll``, taken again when that
     changes (elastic). Across two nodes the shards go by allgather (the same bytes as SRA, one
@@ -805,7 +805,7 @@ class _TwoLevel:
         p = self.Pending(name, None, step, flat, self.ex)
         p.record, p.header, p.cross = record, header, None
         if local is not None:
-            p.handle = local.reducescatter_async(flat, f"{self.ex.prefix}.rs.{name}")
+            p.handle = local.allreduce_async(flat, f"{self.ex.prefix}.node.{name}", SUM)
         else:
             p.result = flat
         return p
@@ -820,19 +820,18 @@ class _TwoLevel:
             cross.advance_ready([p.cross for p in pendings if p is not None and p.cross is not None])
 
     def advance(self, p):
-        """Wait for the node's reduce-scatter and start this shard's exchange across nodes."""
+        """Wait for the node's sum and start this rank's shard's exchange across nodes."""
         if p.stage != "first":
             return
         ex, local, cross = self.ex, self.local, self.cross
-        shard = p.result if local is None else local.synchronize(p.handle)
         numel = ex.ops.numel(p.like)
+        a, b = (0, numel) if local is None else chunk_bounds(numel, local.size, ex.align)[local.rank]
+        shard = p.result if local is None else ex.ops.slice(local.synchronize(p.handle), a, b)
         t = self.traffic.get(p.name)
         if t is None:
-            n = ex.ops.numel(shard)
-            t = self.traffic[p.name] = _node_traffic(numel, n, local, cross, ex.coll.size)
+            t = self.traffic[p.name] = _node_traffic(numel, b - a, local, cross, ex.coll.size)
             if cross is not None and cross.memory is not None:
-                a = _shard_start(numel, local.size, local.rank) if local is not None else 0
-                cross.memory.bounds[p.name] = (a, a + n, numel)
+                cross.memory.bounds[p.name] = (a, b, numel)
         ex.traffic.add(t)
         if cross is not None:
             p.cross = cross.start(p.name, shard, step=p.step, record=p.record, header=p.header)
@@ -841,27 +840,26 @@ class _TwoLevel:
     def finish(self, p):
         """Finish the shard's exchange, then gather the node's shards: the float32 sum over ranks."""
         self.advance(p)
-        local, cross = self.local, self.cross
+        ex, local, cross = self.ex, self.local, self.cross
         shard = p.result if cross is None else cross.finish(p.cross)
-        out = shard if local is None else local.synchronize(
-            local.allgather_async(shard, f"{self.ex.prefix}.lag.{p.name}"))
+        out = shard
+        if local is not None:
+            numel = ex.ops.numel(p.like)
+            a, b = chunk_bounds(numel, local.size, ex.align)[local.rank]
+            out = ex.ops.zeros(numel, p.like)
+            ex.ops.add_(ex.ops.slice(out, a, b), shard)
+            out = local.synchronize(local.allreduce_async(out, f"{ex.prefix}.gather.{p.name}", SUM))
         p.result, p.stage, p.like, p.cross = out, "done", None, None
         return out
 
 
-def _shard_start(numel, size, rank):
-    """Where part ``rank`` of ``size`` starts in a reduce-scatter of ``numel`` elements (Horovod gives
-    the first ``numel % size`` parts one element more)."""
-    return rank * (numel // size) + min(rank, numel % size)
-
-
 def _node_traffic(numel, shard, local, cross, size):
-    """What the node level adds to a step's Traffic beside the cross-node exchange's own count: the
-    reduce-scatter and allgather sends (fp32), and the rest of the flat ring allreduce's bytes."""
+    """What the node level adds to a step's Traffic beside the cross-node exchange's own count: its
+    two fp32 ring allreduces, and the rest of the flat ring allreduce's bytes."""
     t = Traffic()
     n_local = 1 if local is None else local.size
     n_cross = 1 if cross is None else cross.coll.size
-    t.sent_bytes = (n_local - 1) / n_local * 4 * numel + (n_local - 1) * 4 * shard
+    t.sent_bytes = 2 * 2.0 * (n_local - 1) / n_local * 4 * numel
     t.fp32_bytes = 2.0 * (size - 1) / size * 4 * numel - 2.0 * (n_cross - 1) / n_cross * 4 * shard
     t.numel = numel - (shard if cross is not None else 0)
     return t

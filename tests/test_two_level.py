@@ -23,6 +23,13 @@ def test_two_level_on_two_nodes(controller, groups):
     assert_all_ranks_passed(result, 4)
 
 
+@pytest.mark.multiproc
+@pytest.mark.tensorflow
+def test_two_level_tensorflow():
+    result = run_horovod("tf_two_level.py", np=4, nodes=2, env=DYNAMIC, timeout=600)
+    assert_all_ranks_passed(result, 4)
+
+
 def test_node_ranks():
     # (cross rank, local rank, local size) of each global rank
     assert node_ranks([(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]) == [[0, 1], [2, 3]]

@@ -119,9 +119,6 @@ class TorchFrontend(Frontend):
             return hvd.allreduce_async_(t, name=name, op=hvd_op(op), prescale_factor=prescale_factor,
                                         postscale_factor=postscale_factor, process_set=ps)
 
-        def reducescatter_async(t, name):
-            return hvd.reducescatter_async(t, name=name, op=hvd.Sum, process_set=ps)
-
         def synchronize(handle):
             if type(handle) is GroupWork:
                 return handle.wait()
@@ -134,7 +131,6 @@ class TorchFrontend(Frontend):
         return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
                            synchronize=synchronize, process_set=ps, poll=poll,
-                           reducescatter_async=reducescatter_async,
                            levels=(lambda: self.node_levels(ps)) if ps.process_set_id == 0 else None)
 
     def payload_group(self, process_set, device, label, record=None, what=None):
