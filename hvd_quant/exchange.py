@@ -825,7 +825,8 @@ class _TwoLevel:
             return
         ex, local, cross = self.ex, self.local, self.cross
         numel = ex.ops.numel(p.like)
-        a, b = (0, numel) if local is None else chunk_bounds(numel, local.size, ex.align)[local.rank]
+        whole = local is None or cross is None          # one level: no part to keep
+        a, b = (0, numel) if whole else chunk_bounds(numel, local.size, ex.align)[local.rank]
         shard = p.result if local is None else ex.ops.slice(local.synchronize(p.handle), a, b)
         t = self.traffic.get(p.name)
         if t is None:
@@ -843,7 +844,7 @@ class _TwoLevel:
         ex, local, cross = self.ex, self.local, self.cross
         shard = p.result if cross is None else cross.finish(p.cross)
         out = shard
-        if local is not None:
+        if local is not None and cross is not None:
             numel = ex.ops.numel(p.like)
             a, b = chunk_bounds(numel, local.size, ex.align)[local.rank]
             out = ex.ops.zeros(numel, p.like)
@@ -859,7 +860,7 @@ def _node_traffic(numel, shard, local, cross, size):
     t = Traffic()
     n_local = 1 if local is None else local.size
     n_cross = 1 if cross is None else cross.coll.size
-    t.sent_bytes = 2 * 2.0 * (n_local - 1) / n_local * 4 * numel
+    t.sent_bytes = (2 if cross is not None else 1) * 2.0 * (n_local - 1) / n_local * 4 * numel
     t.fp32_bytes = 2.0 * (size - 1) / size * 4 * numel - 2.0 * (n_cross - 1) / n_cross * 4 * shard
     t.numel = numel - (shard if cross is not None else 0)
     return t

@@ -120,7 +120,7 @@ class Frontend:
         levels = (level(node), level([n[node.index(coll.rank)] for n in nodes]))
         if coll.rank == 0 and (len(nodes) == 1 or len(node) == 1):
             print(f"hvd_quant: reduction='two_level' on {len(nodes)} node(s) of {len(node)} rank(s): "
-                  + ("an fp32 reduce-scatter and allgather, nothing compressed" if len(nodes) == 1
+                  + ("an fp32 allreduce, nothing compressed" if len(nodes) == 1
                      else "the codec's exchange across nodes only"), flush=True)
         self._levels = (key, levels)
         return levels

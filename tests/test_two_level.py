@@ -24,6 +24,14 @@ def test_two_level_on_two_nodes(controller, groups):
 
 
 @pytest.mark.multiproc
+@pytest.mark.torch
+def test_two_level_on_one_node():
+    result = run_horovod("torch_two_level.py", np=2, args=["one-node"], env=DYNAMIC, timeout=300)
+    assert_all_ranks_passed(result, 2)
+    assert "reduction='two_level' on 1 node(s) of 2 rank(s): an fp32 allreduce" in result.stdout
+
+
+@pytest.mark.multiproc
 @pytest.mark.tensorflow
 def test_two_level_tensorflow():
     result = run_horovod("tf_two_level.py", np=4, nodes=2, env=DYNAMIC, timeout=600)

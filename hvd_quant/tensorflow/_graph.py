@@ -266,6 +266,8 @@ class GraphExchange:
             with tf.control_dependencies(list(deps)):
                 total = hvd.allreduce(flat, op=hvd.Sum, name=op_name(f"{ex.prefix}.node.{key}"),
                                       ignore_name_scope=True, process_set=local)
+            if cross is None:           # one node: its sum is the result
+                return total
             shard, deps = total[a:b], ()
         if cross is not None:
             shard = cross.build(key, shard, header, deps)

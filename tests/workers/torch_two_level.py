@@ -5,7 +5,7 @@ an uncompressed ``hvd.allreduce`` within the codec's bound (two nodes: each node
 quantized once, as allgather's per-rank payloads are; the bound in torch_optim's docstring with the
 allgather factor), the same parameter bytes on every rank after ``step()``, and a save / restore
 that continues bit-identically with error feedback. Groups (argv): ``topology``, ``grads``,
-``resume``, ``join``, ``bytes``.
+``resume``, ``join``, ``bytes``; and ``one-node`` (a plain 2-rank job).
 """
 import sys
 
@@ -77,10 +77,17 @@ def bytes_cases():
           f"{sm['reduction']}, sent {got['sent']:.0f}, fp32 {got['fp32']:.0f}")
 
 
+def one_node_cases():
+    """One node (a plain 2-rank job): the node's fp32 sum is the result, as Horovod's allreduce."""
+    m = T.fresh()
+    T.step_checks("ours/two_level/one-node", m, T.make_opt("ours", m, Q4D, reduction="two_level"), Q4D,
+                  "two_level", warmup=3)
+
+
 def main():
     groups = sys.argv[1:] or ["topology", "grads", "resume", "join", "bytes"]
     table = {"topology": topology_cases, "grads": grad_cases, "resume": resume_cases, "join": join_cases,
-             "bytes": bytes_cases}
+             "bytes": bytes_cases, "one-node": one_node_cases}
     for g in groups:
         check.run(g, table[g])
     check.finish()
