@@ -15,9 +15,16 @@ RANK, WORLD_SIZE, LOCAL_RANK; Gloo on each rank's link), e.g. a DDP job of the t
 
     sudo python scripts/slownet.py --torch -- python -m hvd_quant.bench._train_worker --method ddp-fp32 \
         --model cpu_resnet --device cpu
+
+``--nodes K`` groups the ranks into K emulated nodes of ``np / K`` ranks: one namespace per node, its
+ranks talking over the namespace's own addresses (unlimited, as inside a machine) and to other nodes
+over the node's rate-limited link; Horovod sees K hosts (local and cross ranks as on a cluster). At
+the end each node's link reports the bytes it carried (``ip -s link`` counters of its veth in the
+bridge namespace, each direction), and with ``--bytes-json FILE`` they are written there.
 """
 import argparse
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -39,6 +46,15 @@ def teardown(np_):
         sh(f"ip netns del {PREFIX}{r}", check=False)
         shutil.rmtree(f"/etc/netns/{PREFIX}{r}", ignore_errors=True)
     sh(f"ip netns del {PREFIX}br", check=False)
+
+
+def link_bytes(nodes):
+    """{node: (bytes the node sent, bytes it received)} over its link, from the bridge side's counters."""
+    out = {}
+    for r in range(nodes):
+        stats = json.loads(sh(f"ip -s -j -n {PREFIX}br link show dev {PREFIX}{r}b").stdout)[0]["stats64"]
+        out[r] = (stats["rx"]["bytes"], stats["tx"]["bytes"])      # the bridge receives what the node sends
+    return out
 
 
 def setup(np_, rate, delay):
@@ -76,7 +92,8 @@ from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 np_ = int(sys.argv[1])
 server = RendezvousServer(verbose=0)
 port = server.start()
-server.init(get_host_assignments(parse_hosts(",".join(f"h{r}:1" for r in range(np_))), np_))
+nodes = int(sys.argv[2])
+server.init(get_host_assignments(parse_hosts(",".join(f"h{r}:{np_ // nodes}" for r in range(nodes))), np_))
 print(port, flush=True)
 while True:
     time.sleep(3600)
@@ -90,6 +107,9 @@ def main():
     ap.add_argument("--rate", default="1gbit", help="tc rate of every link, each direction (default 1gbit)")
     ap.add_argument("--delay", default="", help="optional netem delay per hop, e.g. 0.1ms")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="emulated nodes (default: one per rank), each with np/nodes ranks (module doc)")
+    ap.add_argument("--bytes-json", default=None, help="write each node link's bytes here at the end")
     ap.add_argument("--torch", action="store_true", help="torch.distributed processes (env://), not Horovod")
     ap.add_argument("--prefix", default=PREFIX,
                     help=f"namespace names PREFIX0.., PREFIXbr (default {PREFIX}); two jobs at once need two")
@@ -101,36 +121,42 @@ def main():
     if os.geteuid() != 0:
         sys.exit("slownet.py needs root for ip netns")
     PREFIX = args.prefix
-    atexit.register(teardown, args.np)
-    setup(args.np, args.rate, args.delay)
-    print(f"[slownet] {args.np} namespaces at {SUBNET}.1-{args.np}, links limited to {args.rate}"
-          f"{' + ' + args.delay + ' delay' if args.delay else ''}", flush=True)
+    nodes = args.nodes or args.np
+    if nodes < 1 or args.np % nodes:
+        ap.error(f"--nodes must divide --np ({args.np})")
+    per = args.np // nodes          # ranks per node
+    atexit.register(teardown, nodes)
+    setup(nodes, args.rate, args.delay)
+    print(f"[slownet] {nodes} namespaces at {SUBNET}.1-{nodes} ({per} rank(s) each), links limited to "
+          f"{args.rate}{' + ' + args.delay + ' delay' if args.delay else ''}", flush=True)
     server = None
     if not args.torch:
         server = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}0", sys.executable, "-c", RENDEZVOUS,
-                                   str(args.np)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+                                   str(args.np), str(nodes)], stdout=subprocess.PIPE, text=True,
+                                  start_new_session=True)
         port = server.stdout.readline().strip()
-    procs = []
+    procs, start = [], link_bytes(nodes)
     try:
         for r in range(args.np):
+            node, local = divmod(r, per)
             if args.torch:
                 env = dict(os.environ, MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT="29500", RANK=str(r),
-                           WORLD_SIZE=str(args.np), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                           GLOO_SOCKET_IFNAME=f"{PREFIX}{r}a", PYTHONUNBUFFERED="1")
+                           WORLD_SIZE=str(args.np), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(per),
+                           GLOO_SOCKET_IFNAME=f"{PREFIX}{node}a", PYTHONUNBUFFERED="1")
             else:
                 env = dict(os.environ,
                            HOROVOD_GLOO_RENDEZVOUS_ADDR=f"{SUBNET}.1", HOROVOD_GLOO_RENDEZVOUS_PORT=port,
                            HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
-                           HOROVOD_GLOO_IFACE=f"{PREFIX}{r}a", HOROVOD_HOSTNAME=f"h{r}",
-                           HOROVOD_RANK=str(r), HOROVOD_SIZE=str(args.np), HOROVOD_LOCAL_RANK="0",
-                           HOROVOD_LOCAL_SIZE="1", HOROVOD_CROSS_RANK=str(r),
-                           HOROVOD_CROSS_SIZE=str(args.np), PYTHONUNBUFFERED="1")
+                           HOROVOD_GLOO_IFACE=f"{PREFIX}{node}a", HOROVOD_HOSTNAME=f"h{node}",
+                           HOROVOD_RANK=str(r), HOROVOD_SIZE=str(args.np), HOROVOD_LOCAL_RANK=str(local),
+                           HOROVOD_LOCAL_SIZE=str(per), HOROVOD_CROSS_RANK=str(node),
+                           HOROVOD_CROSS_SIZE=str(nodes), PYTHONUNBUFFERED="1")
             # The "hosts" share this machine's cores: give each rank its share of threads (Numba's
             # pool and OpenMP's would otherwise each take every core), unless the caller chose.
             share = str(max(1, len(os.sched_getaffinity(0)) // args.np))
             for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
                 env.setdefault(var, share)
-            procs.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}{r}", *cmd], env=env,
+            procs.append(subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}{node}", *cmd], env=env,
                                           start_new_session=True))
         deadline = time.time() + args.timeout
         codes = [None] * args.np
@@ -142,6 +168,14 @@ def main():
             if any(c not in (None, 0) for c in codes):
                 break
             time.sleep(0.2)
+        end = link_bytes(nodes)
+        carried = {r: [b - a for a, b in zip(start[r], end[r])] for r in range(nodes)}
+        for r, (sent, received) in carried.items():
+            print(f"[slownet] node {r} link: sent {sent} bytes, received {received} bytes", flush=True)
+        if args.bytes_json:
+            with open(args.bytes_json, "w") as f:
+                json.dump({"nodes": nodes, "np": args.np, "rate": args.rate,
+                           "links": {str(r): {"sent": s_, "received": r_} for r, (s_, r_) in carried.items()}}, f)
         rc = max((c or 0) for c in codes)
         if any(c is None for c in codes) or rc:
             print(f"[slownet] a rank failed: exit codes {codes}", file=sys.stderr)

@@ -62,23 +62,37 @@ def horovod_env(extra=None):
     return env
 
 
-def horovod_command(script, np=2, controller="gloo", args=()):
+# Emulated nodes on this machine: host names Horovod and OpenMPI take for different hosts.
+NODE_HOSTS = {"gloo": ("localhost", "127.0.0.1"), "mpi": ("127.0.0.2", "127.0.0.3")}
+MPI_AGENT = ROOT / "horovodrun_configs" / "multinode" / "local_agent.sh"
+
+
+def horovod_command(script, np=2, controller="gloo", args=(), nodes=1):
+    """``nodes`` > 1: the ranks on that many emulated hosts of ``np // nodes`` ranks (Gloo: two names
+    of this machine; OpenMPI: a hostfile of two loopback addresses and a launch agent that runs each
+    host's daemon here), so local and cross ranks are as on a cluster."""
     script = str(script)
     if not os.path.isabs(script) and not os.path.exists(script):
         script = str(WORKERS / script)
     py = [sys.executable, script, *map(str, args)]
+    if nodes > 1 and (nodes > 2 or np % nodes):
+        raise ValueError(f"emulated nodes: 2 nodes of equal size, got np={np}, nodes={nodes}")
+    hosts = [f"{h}:{np // nodes}" for h in NODE_HOSTS[controller][:nodes]] if nodes > 1 else None
     if controller == "gloo":
-        return [_tool("horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *py]
+        return [_tool("horovodrun"), "-np", str(np), "-H", ",".join(hosts or [f"localhost:{np}"]),
+                "--gloo", *py]
     if controller == "mpi":
-        return [_tool("mpirun"), "-np", str(np), "--oversubscribe", "--bind-to", "none",
+        where = ["-H", ",".join(hosts), "--mca", "plm_rsh_agent", str(MPI_AGENT), "-x", "PATH",
+                 "-x", "PYTHONPATH"] if hosts else []
+        return [_tool("mpirun"), "-np", str(np), *where, "--oversubscribe", "--bind-to", "none",
                 "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo",
                 "--mca", "oob_tcp_if_include", "lo", *py]
     raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
 
 
 def run_horovod(script, np=2, controller="gloo", args=(), env=None, timeout=240, check=True,
-                keep_cr=False):
-    cmd = horovod_command(script, np=np, controller=controller, args=args)
+                keep_cr=False, nodes=1):
+    cmd = horovod_command(script, np=np, controller=controller, args=args, nodes=nodes)
     return run_command(cmd, env=env, timeout=timeout, check=check, keep_cr=keep_cr)
 
 

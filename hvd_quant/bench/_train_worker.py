@@ -53,6 +53,8 @@ def parse_method(method):
         return dict(method=m, launcher="ddp", kind="powersgd", rank=int(g.group(1)))
     if m in ("hvd-fp32", "hvd-fp16"):
         return dict(method=m, launcher="horovod", kind=m[4:])
+    if m == "hvd-fp32-hier":        # HOROVOD_HIERARCHICAL_ALLREDUCE=1 (Horovod applies it where it has one)
+        return dict(method=m, launcher="horovod", kind="fp32", hierarchical=True)
     if m.startswith("ddpq-"):
         codec, _, reduction = m[5:].partition("-")
         if codec in CODECS and _REDUCTION.match(reduction):
@@ -74,6 +76,16 @@ def parse_method(method):
                      f"ddpq-<codec>-<reduction>, hvd-fp32, hvd-fp16, onebit-adam, stock-<codec>[-<reduction>] "
                      f"or hvdq-<codec>-<reduction> with codec in "
                      f"{', '.join(CODECS)}")
+
+
+def _link_counters():
+    """(tx, rx) bytes of the network interface Gloo uses (``HOROVOD_GLOO_IFACE``, e.g. a slownet node's
+    link, read from inside its namespace), or None without one."""
+    iface = os.environ.get("HOROVOD_GLOO_IFACE")
+    try:
+        return tuple(int(open(f"/sys/class/net/{iface}/statistics/{k}_bytes").read()) for k in ("tx", "rx"))
+    except (OSError, TypeError, ValueError):
+        return None
 
 
 def make_codec(name):
@@ -256,8 +268,11 @@ def main(argv=None):
     hvd = None
     rank, size, local_rank = 0, 1, 0
     if launcher == "horovod":
+        if spec.get("hierarchical"):
+            os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
         import horovod.torch as hvd
-        hvd.init()
+        # two_level: hvd_quant adds the nodes' process sets
+        hvd.init(process_sets="dynamic" if spec.get("reduction") == "two_level" else None)
         rank, size, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
     elif launcher == "ddp":
         import torch.distributed as dist
@@ -371,6 +386,7 @@ def main(argv=None):
         from hvd_quant.torch import bytes_sent_per_step
         bytes_sent_per_step(traffic_of)     # stock optimizers: counts start here
     log("Running benchmark...")
+    link = _link_counters()
     img_secs = []
     for i in range(args.num_iters):
         t0 = time.perf_counter()
@@ -381,6 +397,12 @@ def main(argv=None):
         img_sec = args.batch_size * args.num_batches_per_iter / dt
         log(f"Iter #{i}: {img_sec:.1f} img/sec per {devname}")
         img_secs.append(img_sec)
+    link_bytes = None
+    if link is not None:        # bytes this rank's node sent over its link per timed step (slownet)
+        steps = args.num_iters * args.num_batches_per_iter
+        link_bytes = [(b - a) / steps for a, b in zip(link, _link_counters())]
+        log(f"Link bytes per step ({os.environ['HOROVOD_GLOO_IFACE']}): sent {link_bytes[0]:.0f}, "
+            f"received {link_bytes[1]:.0f}")
     if traffic_of is not None:      # hvd_quant counts every run with a codec: a failure is an error
         traffic = bytes_sent_per_step(traffic_of)
         if spec["kind"] == "stock":     # since the reset after warm-up: all timed steps
@@ -412,7 +434,7 @@ def main(argv=None):
                       bytes_fp32=None if traffic is None else traffic["fp32"], bytes_ratio=ratio,
                       bytes_sent_before_freeze=None if warm_traffic is None else warm_traffic["sent"],
                       optimizer="adam" if spec["kind"] == "onebit_adam" else args.optimizer,
-                      replicas=replicas)
+                      replicas=replicas, link_bytes_per_step=link_bytes)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     if launcher == "horovod":
         hvd.shutdown()

@@ -45,7 +45,10 @@ parameters; 32 px, batch 16, 10 classes), ``mlp`` (tiny, for tests) and ``mlp_wi
 instead of SGD (the comparison for ``onebit-adam``).
 
 ``--slownet RATE`` (CPU, root) runs each Horovod and DDP job through ``scripts/slownet.py --rate RATE``
-(``--torch`` for DDP): one network namespace per rank, Gloo over rate-limited links.
+(``--torch`` for DDP): one network namespace per rank, Gloo over rate-limited links; with ``--nodes K``,
+K namespaces (emulated nodes) of N/K ranks each, the rate limit between nodes only. Each rank's log
+then gives the bytes its node's link carried per timed step (``Link bytes per step``; rank 0's in the
+result line).
 
 Networks (N >= 2): ``nvlink`` (NCCL as it comes) and ``sockets`` (NCCL_P2P_DISABLE=1
 NCCL_SHM_DISABLE=1) on GPU; ``loopback`` on CPU (Gloo). Every GPU job gets NCCL_NVLS_ENABLE=0
@@ -152,6 +155,8 @@ def build_parser():
                    help="CPU, root: Horovod and DDP jobs through scripts/slownet.py at this link rate (1gbit)")
     p.add_argument("--slownet-prefix", default="hq",
                    help="slownet.py's --prefix (its namespace names): jobs of two runs at once need two")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="with --slownet: emulated nodes of np/nodes ranks each, the slow link between them")
     p.add_argument("--controller", choices=("auto", "gloo", "mpi"), default="auto",
                    help="horovodrun controller (auto: --gloo on CPU, horovodrun's choice on GPU)")
     p.add_argument("--trace", action="store_true",
@@ -259,6 +264,7 @@ def command(cfg, args):
     if slow:        # slownet starts the ranks itself, each in its namespace (torch.distributed: env://)
         return [py, str(ROOT / "scripts" / "slownet.py"), "--np", str(cfg.np), "--rate", args.slownet,
                 "--prefix", args.slownet_prefix, "--timeout", str(args.timeout),
+                *(["--nodes", str(args.nodes)] if args.nodes else []),
                 *(["--torch"] if launcher == "ddp" else []), "--", py, *worker], env
     if launcher == "ddp":
         return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.np),

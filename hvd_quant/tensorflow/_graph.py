@@ -42,7 +42,8 @@ import numpy as np
 import tensorflow as tf
 
 from .. import plan as _plan
-from ..exchange import HANDSHAKE_NAME, Collectives, check_handshake, collectives_for
+from ..exchange import (HANDSHAKE_NAME, TWO_LEVEL, Collectives, Exchange, check_handshake, chunk_bounds,
+                        collectives_for)
 from ..scheduler import AutoChoice
 from . import _backend
 from ._backend import OPS, op_name, to_numpy
@@ -126,6 +127,7 @@ class GraphExchange:
         self.t_first = None        # host clock at the step's first exchange start, then last finish
         self.t_last = None
         self._keys = weakref.WeakKeyDictionary()   # outermost graph -> names used in it
+        self._levels = None        # two_level: (the node's process set or None, the GraphExchange across)
 
     def rebind(self):
         """Bind the exchange to the process set's rank and size now (call under ``lock``, at run
@@ -217,6 +219,8 @@ class GraphExchange:
         ex, ps = self.exchange, self.process_set
         numel = int(flat.shape[0])
         header = key if header is None else header
+        if ex.reduction == TWO_LEVEL:
+            return self._two_level(key, flat, header, deps)
         # SRA's payload sizes follow the world, which elastic Horovod changes under a trace: they
         # are computed when the steps run, and the shapes left open
         sra = ex.reduction == "sra"
@@ -238,6 +242,39 @@ class GraphExchange:
                                  process_set=ps)
         return _numpy_step(functools.partial(self._finish, flight, numel), [gathered], tf.float32,
                            [numel], "hvdq_finish")
+
+    def _two_level(self, key, flat, header, deps):
+        """``reduction="two_level"`` as graph ops (``hvd_quant.exchange``'s module doc): the node's fp32
+        sum (Horovod's allreduce over the node's process set), this rank's shard of it through another
+        GraphExchange on the cross-node set, the shards gathered by a Sum allreduce of each in place."""
+        import horovod.tensorflow as hvd
+        ex = self.exchange
+        if self._levels is None:
+            if ex.memory is not None:
+                raise ValueError("hvd_quant: reduction='two_level' with error feedback runs in "
+                                 "PyTorch only; TensorFlow takes it without")
+            with tf.init_scope():       # eager collectives, also while tracing
+                local, cross = _backend.FRONTEND.collectives(self.process_set).levels()
+            self._levels = (None if local is None else local.process_set, None if cross is None else GraphExchange(
+                Exchange(ex.codec, graph_collectives(cross.process_set), OPS,
+                         reduction="allgather" if cross.size == 2 else "sra", prefix=ex.prefix),
+                cross.process_set))
+        local, cross = self._levels
+        numel, shard = int(flat.shape[0]), flat
+        if local is not None:
+            a, b = chunk_bounds(numel, local.size(), ex.align)[local.rank()]
+            with tf.control_dependencies(list(deps)):
+                total = hvd.allreduce(flat, op=hvd.Sum, name=op_name(f"{ex.prefix}.node.{key}"),
+                                      ignore_name_scope=True, process_set=local)
+            if cross is None:           # one node: its sum is the result
+                return total
+            shard, deps = total[a:b], ()
+        if cross is not None:
+            shard = cross.build(key, shard, header, deps)
+        if local is not None:
+            shard = hvd.allreduce(tf.pad(shard, [[a, numel - b]]), op=hvd.Sum, ignore_name_scope=True,
+                                  name=op_name(f"{ex.prefix}.gather.{key}"), process_set=local)
+        return shard
 
     # The numpy steps (run at execution time, under one lock per engine: the core and the codec
     # keep per-name state).

@@ -67,7 +67,7 @@ class GradientReducer(_Trackable):
 
     Arguments are Horovod's (``op``, ``gradient_predivide_factor``, ``groups``, ``sparse_as_dense``,
     ``process_set``, ``device_dense``, ``device_sparse``) plus ``compression`` (a codec, a spec
-    string or ``hvd.Compression.none/fp16``), ``reduction`` (``"sra"`` | ``"allgather"``),
+    string or ``hvd.Compression.none/fp16``), ``reduction`` (``"sra"`` | ``"allgather"`` | ``"two_level"``),
     ``bucket_bytes`` (default 25 MiB), ``min_compress_numel`` (default 1024), ``compress_1d``,
     ``warmup_steps`` and ``error_feedback`` (default: what the codec wants). ``device_exchange=True``
     raises (:data:`~hvd_quant.tensorflow._backend.GPU_REFUSED`): GPU gradients take the host steps.

@@ -119,7 +119,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
     Arguments:
         compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``), a spec
             string (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``.
-        reduction: ``"sra"`` (scatter-reduce-allgather, default) or ``"allgather"``.
+        reduction: ``"sra"`` (scatter-reduce-allgather, default), ``"allgather"`` or ``"two_level"``
+            (fp32 inside each node, the codec between nodes; without error feedback).
         bucket_bytes: fusion bucket size in float32 bytes (default 25 MiB).
         min_compress_numel: smaller gradients, and 1-D ones unless ``compress_1d``, go uncompressed.
         warmup_steps: full-precision steps first.

@@ -473,8 +473,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"`` or ``"sra"``, whichever
             measured the fastest step in the first steps, the same on every rank, logged once on
             rank 0; :class:`hvd_quant.scheduler.AutoChoice`), ``"sra"`` (scatter-reduce-allgather with
-            requantization; traffic flat in the number of ranks) or ``"allgather"`` (each rank
-            decodes every rank's payload; one quantization).
+            requantization; traffic flat in the number of ranks), ``"allgather"`` (each rank
+            decodes every rank's payload; one quantization) or ``"two_level"`` (several ranks per
+            node: fp32 inside each node, the codec only between nodes; needs
+            ``hvd.init(process_sets="dynamic")`` or the nodes' process sets; docs/EXCHANGE.md).
         bucket_bytes: compressed gradients are fused into buckets of at most this many float32 bytes,
             in reverse parameter order (a larger tensor is a bucket alone; the last bucket's last
             tensors, up to an eighth of this, travel in a bucket of their own); 0: one bucket. Default
