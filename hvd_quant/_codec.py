@@ -17,10 +17,15 @@ from numba_kernels.wire import PayloadError
 from ._arrays import adapter_for, device_statuses, status_for, UnsupportedInputError
 from ._launches import _device_decoder, _direct_count, _direct_encoder, _prepared_launch, _thread_op
 from ._noise import fresh_seed, noise_key
-from ._stock import Compressor
 
 
 REGISTRY = {}
+
+# Horovod's Compressor protocol. A codec given as Horovod's ``compression=`` is served by the stock
+# path (``hvd_quant._stock``), which builds on the codecs; rather than the codecs importing it, it
+# installs its ``compress(codec, tensor) -> (tensor, ctx)`` here when imported (``hvd_quant``
+# imports it with the codecs). ``decompress`` needs no hook: every ctx finishes itself.
+STOCK_COMPRESS = None
 
 
 def register(name, *aliases):
@@ -186,7 +191,7 @@ def _expectation(codec, numel, name):
     return wire.Expect(method, bits, mode, param, bs, int(numel), wire.name_hash(name), name is not None)
 
 
-class Codec(Compressor):
+class Codec:
     """Base class: the payload plumbing shared by every codec (see the module docstring).
 
     A codec is an immutable value: its configuration is set once by ``__init__``, it compares and
@@ -239,6 +244,17 @@ class Codec(Compressor):
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
         return f"{type(self).__name__}({args})"
+
+    # -- Horovod's Compressor protocol ---------------------------------------------------------------
+    def compress(self, tensor):
+        """Horovod's ``compress(tensor) -> (tensor, ctx)``: the stock path starts the exchange of
+        ``tensor``; its state belongs to the caller (``hvd_quant._stock``), the codec stays a value."""
+        return STOCK_COMPRESS(self, tensor)
+
+    def decompress(self, tensor, ctx):
+        """Horovod's ``decompress``: the ctx finishes itself (``ctx.stock_decompress(summed)``); a
+        ctx without one (a tensor Horovod reduced itself) gives back what Horovod reduced."""
+        return stock_decompress(tensor, ctx)
 
     @property
     def wants_error_feedback(self):
@@ -677,6 +693,12 @@ class Codec(Compressor):
             status_dev = None if status_t is None else _nb(arrays, status_t, status_dev)
         _thread_op(self, "decode", True, arrays.numel(out_t), bool(accumulate))(pdev, out_dev, stream, status_dev,
                                                                                  expect)
+
+
+def stock_decompress(tensor, ctx):
+    """Horovod's ``decompress`` of every compressor here (see :meth:`Codec.decompress`)."""
+    finish = getattr(ctx, "stock_decompress", None)
+    return tensor if finish is None else finish(tensor)
 
 
 def _dtype_text(dtype):
