@@ -26,7 +26,7 @@
   per codec (``_cpu_qsgd``, ``_cpu_onebit``, ``_cpu_sortquant``, ``_cpu_kmeans``, ``_cpu_half``) on
   shared parts (``_cpu_base``).
 * :mod:`numba_kernels.cuda` -- the CUDA ops over ``numba.cuda`` kernels (also run in the CUDA
-  simulator): the launch layer (``_cuda_launch``), the prepared launches (``_cuda_prepared``), the
+  simulator): the launch layer and the prepared launches of QSGD and 1-bit (``_cuda_prepared``), the
   kernels per path and codec (``_cuda_warp``, ``_cuda_block``, ``_cuda_sortquant``, ``_cuda_kmeans``).
   It is imported on first use, so that ``numba.cuda`` is not imported (and ``NUMBA_ENABLE_CUDASIM``
   may still be set) until someone asks for a CUDA op.
