@@ -12,7 +12,7 @@ import numpy as np
 
 import numba_kernels
 from numba_kernels import wire
-from numba_kernels.wire import PayloadError
+from numba_kernels.wire import HEADER_NBYTES as _HDR, PayloadError
 
 from ._arrays import adapter_for, device_statuses, status_for, UnsupportedInputError
 from ._launches import _device_decoder, _direct_count, _direct_encoder, _prepared_launch, _thread_op
@@ -209,6 +209,9 @@ class Codec:
     _method = None
     stochastic = False          # whether encode draws noise (then ``noise_key`` keys it)
     seed = None
+    # the dtype ("float16", "float32") of the values a raw payload carries after its header (fp16,
+    # none, QSGD's fake mode), decoded with framework ops; None: codes and scales, decoded by kernels
+    _raw_values = None
 
     def _freeze(self, **config):
         self.__dict__.update(config)
@@ -659,7 +662,10 @@ class Codec:
     def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
                          expect):
         """Kernel codecs: decode into a device view of ``out`` (or into the adapter's temporary, then
-        commit, for frameworks whose tensors are immutable)."""
+        commit, for frameworks whose tensors are immutable); raw values: with framework ops."""
+        if self._raw_values:
+            _raw_decode_dev(arrays, payload, out, self._raw_values, accumulate, stream, status_t, expect)
+            return
         out_dev, commit = arrays.out_dev(out)
         self._decode_dev(arrays, payload, pdev, out, out_dev, accumulate and commit is None, stream,
                          status_t, status_dev, expect)
@@ -673,6 +679,8 @@ class Codec:
         _thread_op(self, "encode", False, lay.numel)(arrays.input_f32(x), pay, words, key, None, residual)
 
     def _decode_host(self, pay, out, accumulate):
+        if self._raw_values:
+            return _raw_decode_host(pay, out, self._raw_values, accumulate)
         _thread_op(self, "decode", False, out.size, bool(accumulate))(pay, out)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
@@ -688,6 +696,9 @@ class Codec:
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
         """Decode (and, when ``expect`` is given, check on the device) into ``out_dev``."""
+        if self._raw_values:
+            return _raw_decode_dev(arrays, payload, out_t, self._raw_values, accumulate, stream, status_t,
+                                   expect)
         if not self._device_pointers:
             pdev, out_dev = _nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev)
             status_dev = None if status_t is None else _nb(arrays, status_t, status_dev)
@@ -722,7 +733,7 @@ def _dtype_text(dtype):
 def _raw_decode_host(pay, out, value_dtype, accumulate):
     """out (+)= the float16 or float32 values after a payload's header (raw codecs, QSGD's fake mode)."""
     w = 2 if value_dtype == "float16" else 4
-    raw = pay[64:64 + w * out.size]
+    raw = pay[_HDR:_HDR + w * out.size]
     if w == 2 and raw.ctypes.data % 2 == 0:
         numba_kernels.cpu.half_decode_cpu(raw.view(np.uint16), out, accumulate)    # NumPy's values, faster
         return
@@ -740,14 +751,13 @@ def _dev_view(arrays, t):
     return None if t is None else arrays.out_dev(t)[0]
 
 
-def _raw_decode_dev(arrays, payload, pdev, out, value_dtype, accumulate, stream, status_t, status_dev,
-                    expect):
+def _raw_decode_dev(arrays, payload, out, value_dtype, accumulate, stream, status_t, expect):
     """Raw float values on a device, with framework ops; NaN where the header check failed."""
     bad = None
     if expect is not None:
         numba_kernels.cuda.check_header_cuda(arrays.numba(payload), arrays.numba(status_t), expect, stream)
         bad = arrays.status_bad(status_t)
-    return arrays.raw_decode_into(payload, 64, arrays.numel(out), value_dtype, out, accumulate, bad)
+    return arrays.raw_decode_into(payload, _HDR, arrays.numel(out), value_dtype, out, accumulate, bad)
 
 
 def _nb(arrays, t, dev):

@@ -27,11 +27,12 @@ import numpy as np
 
 import numba_kernels
 from numba_kernels import wire
+from numba_kernels.wire import HEADER_NBYTES as _HDR
 from numba_kernels.wire import PayloadError     # (re-exported, as UnsupportedInputError and noise_key)
 
 from ._arrays import UnsupportedInputError
-from ._codec import (_check_choice, _check_int, _p_bool, _p_int, _p_opt_int, _p_str, _raw_decode_dev,
-                     _raw_decode_host, Codec, from_spec, register, REGISTRY)
+from ._codec import (_check_choice, _check_int, _p_bool, _p_int, _p_opt_int, _p_str, Codec, from_spec,
+                     register, REGISTRY)
 from ._launches import _thread_op
 from ._noise import noise_key
 
@@ -81,7 +82,7 @@ class QSGD(Codec):
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
                      mode=mode, norm=_check_choice("norm", norm, tuple(wire.NORMS)),
                      seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1),
-                     stochastic=mode != "deterministic")
+                     stochastic=mode != "deterministic", _raw_values="float32" if mode == "fake" else None)
 
     @property
     def levels(self):
@@ -126,13 +127,8 @@ class QSGD(Codec):
         twin, n = self._twin, lay.numel
         tmp = np.empty(twin.wire_nbytes(n), np.uint8)
         twin._encode_host(arrays, x, tmp, words, lay, key, residual)
-        twin._decode_host(tmp, pay[64:64 + 4 * n].view(np.float32), False)
+        twin._decode_host(tmp, pay[_HDR:_HDR + 4 * n].view(np.float32), False)
         numba_kernels.cpu.write_header_cpu(pay, words)
-
-    def _decode_host(self, pay, out, accumulate):
-        if self.mode != "fake":
-            return super()._decode_host(pay, out, accumulate)
-        _raw_decode_host(pay, out, "float32", accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         if self.mode != "fake":
@@ -143,23 +139,8 @@ class QSGD(Codec):
         tn, pn = arrays.numba(tt), arrays.numba(pt)
         _thread_op(twin, "encode", True, n)(arrays.numba(xt), tn, words, key, stream,
                                             None if residual is None else arrays.numba(residual))
-        _thread_op(twin, "decode", True, n, False)(tn, pn[64:64 + 4 * n].view(np.float32), stream)
+        _thread_op(twin, "decode", True, n, False)(tn, pn[_HDR:_HDR + 4 * n].view(np.float32), stream)
         numba_kernels.cuda.write_header_cuda(pn, words, stream)
-
-    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
-                         expect):
-        if self.mode != "fake":
-            return super()._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t,
-                                            status_dev, expect)
-        _raw_decode_dev(arrays, payload, pdev, out, "float32", accumulate, stream, status_t, status_dev, expect)
-
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
-                    expect):
-        if self.mode != "fake":
-            return super()._decode_dev(arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t,
-                                       status_dev, expect)
-        return _raw_decode_dev(arrays, payload, pdev, out_t, "float32", accumulate, stream, status_t,
-                               status_dev, expect)
 
 
 # ---- 1-bit --------------------------------------------------------------------------------------------
@@ -344,46 +325,32 @@ class KMeans(Codec):
 # ---- raw: fp16 and none ---------------------------------------------------------------------------------
 
 class _Raw(Codec):
-    _value_dtype = None
 
     def __init__(self):
         self._freeze()
 
     def _fields(self):
-        return (self._method, 16 if self._value_dtype == "float16" else 32, 0, 0, 0)
+        return (self._method, 16 if self._raw_values == "float16" else 32, 0, 0, 0)
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
         K = numba_kernels.cpu
         xs = arrays.input_np(x)
         K.write_header_cpu(pay, words)
-        w = 2 if self._value_dtype == "float16" else 4
-        vals = pay[64:64 + w * xs.size].view(self._value_dtype)
-        pay[64 + w * xs.size:] = 0
+        w = 2 if self._raw_values == "float16" else 4
+        vals = pay[_HDR:_HDR + w * xs.size].view(self._raw_values)
+        pay[_HDR + w * xs.size:] = 0
         if w == 2 and xs.dtype == np.float32 and vals.ctypes.data % 2 == 0:
-            K.half_encode_cpu(xs, vals.view(np.uint16), residual)      # NumPy's rounding, 4x faster
+            K.half_encode_cpu(xs, vals.view(np.uint16), residual)      # NumPy's rounding, bit for bit
             return
         vals[...] = xs
         if residual is not None:
             np.subtract(xs, vals, out=residual, dtype=np.float32)
 
-    def _decode_host(self, pay, out, accumulate):
-        _raw_decode_host(pay, out, self._value_dtype, accumulate)
-
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        arrays.raw_encode_into(x, self._value_dtype, pt)
+        arrays.raw_encode_into(x, self._raw_values, pt)
         numba_kernels.cuda.write_header_cuda(arrays.numba(pt), words, stream)
         if residual is not None:
-            arrays.raw_residual(x, pt, self._value_dtype, residual)
-
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
-                    expect):
-        return _raw_decode_dev(arrays, payload, pdev, out_t, self._value_dtype, accumulate, stream,
-                               status_t, status_dev, expect)
-
-    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
-                         expect):
-        _raw_decode_dev(arrays, payload, pdev, out, self._value_dtype, accumulate, stream, status_t,
-                        status_dev, expect)
+            arrays.raw_residual(x, pt, self._raw_values, residual)
 
 
 @register("fp16", "float16")
@@ -393,7 +360,7 @@ class FP16(_Raw):
     Round to nearest (biased only by rounding; values beyond ±65504 become ±inf). Wire: 64-byte
     header, numel float16 values, zero padding to a multiple of 4."""
     _method = wire.METHODS["fp16"]
-    _value_dtype = "float16"
+    _raw_values = "float16"
 
 
 @register("none", "nocompression", "fp32")
@@ -402,7 +369,7 @@ class NoCompression(_Raw):
 
     Wire: 64-byte header, numel float32 values."""
     _method = wire.METHODS["none"]
-    _value_dtype = "float32"
+    _raw_values = "float32"
 
 
 class Compression:
