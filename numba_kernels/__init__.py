@@ -35,8 +35,7 @@
 No torch, TensorFlow or Horovod imports here.
 
 CPU threads: Numba's pool takes every core by default, in every process, so several Horovod ranks
-on one host oversubscribe it (2 ranks on 2 cores: training steps about 6x slower, even steps that run
-no kernel). Unless ``NUMBA_NUM_THREADS`` is set, importing this package before Numba sets it to this
+on one host oversubscribe it (every step slows down, even one that runs no kernel). Unless ``NUMBA_NUM_THREADS`` is set, importing this package before Numba sets it to this
 process's cores divided by the ranks on the host (``HOROVOD_LOCAL_SIZE`` from horovodrun,
 ``OMPI_COMM_WORLD_LOCAL_SIZE`` from Open MPI's mpirun; nothing when neither is there).
 """
