@@ -31,13 +31,96 @@ from numba_kernels.wire import HEADER_NBYTES as _HDR
 from numba_kernels.wire import PayloadError     # (re-exported, as UnsupportedInputError and noise_key)
 
 from ._arrays import UnsupportedInputError
-from ._codec import (_check_choice, _check_int, _p_bool, _p_int, _p_opt_int, _p_str, Codec, from_spec,
-                     register, REGISTRY)
-from ._launches import _thread_op
+from ._codec import _check_choice, _check_int, _thread_op, Codec
 from ._noise import noise_key
 
 __all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "KMeans", "FP16", "NoCompression", "Compression", "REGISTRY",
            "register", "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
+
+
+REGISTRY = {}
+
+
+def register(name, *aliases):
+    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``).
+    Names are matched without regard to case, as :func:`from_spec` reads them; a name holding
+    ``:``, ``,``, ``=`` or white space could not be read back from a spec and is refused."""
+    for key in (name,) + aliases:
+        if not isinstance(key, str) or not key or any(c in key for c in ":,=") or key != "".join(key.split()):
+            raise ValueError(f"a codec name is a non-empty str without ':', ',', '=' or white space; got {key!r}")
+
+    def deco(cls):
+        cls.name = name
+        for key in (k.lower() for k in (name,) + aliases):
+            if key in REGISTRY:
+                raise ValueError(f"codec name {key!r} is already registered to {REGISTRY[key].__name__}")
+            REGISTRY[key] = cls
+        return cls
+    return deco
+
+
+# ---- spec value parsers: each raises ValueError naming the parameter and the value -----------------
+
+def _p_int(key, text):
+    try:
+        return int(text, 10) if text.lstrip("+-").isdigit() else int(text, 0)     # "08", "0x200"
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not an integer") from None
+
+
+def _p_opt_int(key, text):
+    return None if text.lower() == "none" else _p_int(key, text)
+
+
+def _p_bool(key, text):
+    t = text.lower()
+    if t in ("true", "1", "yes", "on"):
+        return True
+    if t in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{key}={text!r} is not a boolean (true/false)")
+
+
+def _p_str(key, text):
+    return text.lower()         # the modes and norms: as the codec names, without regard to case
+
+
+def from_spec(spec):
+    """Build a codec from a string spec: ``"name"`` or ``"name:key=value,key=value"``.
+
+    Examples: ``"none"``, ``"fp16"``, ``"qsgd:bits=4,bucket_size=512,mode=deterministic"``,
+    ``"onebit:bucket_size=64,scale=mean_abs"``. A codec instance is returned as it is. Unknown names,
+    unknown keys, malformed items and bad values raise ``ValueError`` naming the bad part."""
+    if isinstance(spec, Codec):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"a codec spec is a string such as 'qsgd:bits=4'; got {type(spec).__name__}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown codec {name!r} in spec {spec!r}; known codecs: {', '.join(sorted(REGISTRY))}")
+    kwargs = {}
+    for item in (rest.split(",") if rest.strip() else []):
+        key, eq, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not eq or not key:
+            raise ValueError(f"bad item {item!r} in codec spec {spec!r}: expected key=value")
+        parser = cls.PARAMS.get(key)
+        if parser is None:
+            known = ", ".join(cls.PARAMS) or "none"
+            raise ValueError(f"unknown parameter {key!r} for codec {name!r} in spec {spec!r}; "
+                             f"known parameters: {known}")
+        if key in kwargs:
+            raise ValueError(f"parameter {key!r} given twice in codec spec {spec!r}")
+        try:
+            kwargs[key] = parser(key, text)
+        except ValueError as e:
+            raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
 
 
 _MODE_NAMES = {v: k for k, v in wire.MODES.items()}
