@@ -1,114 +1,37 @@
-"""The codec base class and what every codec shares: the registry and string specs, argument
-checks, the payload header plumbing (memoised per configuration), and the host and device paths of
-``encode`` / ``decode`` / ``decode_into`` over a codec's kernels (see :mod:`hvd_quant.codecs`).
+"""The codec base class and what every codec shares: argument checks, the payload header plumbing
+(memoised per configuration), what direct calls keep per thread, and the host and device paths of
+``encode`` / ``decode`` / ``decode_into`` over a codec's kernels (the codecs, their registry and
+string specs: :mod:`hvd_quant.codecs`).
 """
 import functools
 import inspect
 import math
 import operator
 import os
+import threading
+import weakref
 
 import numpy as np
 
 import numba_kernels
 from numba_kernels import wire
-from numba_kernels.wire import PayloadError
+from numba_kernels.wire import HEADER_NBYTES as _HDR, PayloadError
 
 from ._arrays import adapter_for, device_statuses, status_for, UnsupportedInputError
-from ._launches import _device_decoder, _direct_count, _direct_encoder, _prepared_launch, _thread_op
 from ._noise import fresh_seed, noise_key
-from ._stock import Compressor
 
 
-REGISTRY = {}
-
-
-def register(name, *aliases):
-    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``).
-    Names are matched without regard to case, as :func:`from_spec` reads them; a name holding
-    ``:``, ``,``, ``=`` or white space could not be read back from a spec and is refused."""
-    for key in (name,) + aliases:
-        if not isinstance(key, str) or not key or any(c in key for c in ":,=") or key != "".join(key.split()):
-            raise ValueError(f"a codec name is a non-empty str without ':', ',', '=' or white space; got {key!r}")
-
-    def deco(cls):
-        cls.name = name
-        for key in (k.lower() for k in (name,) + aliases):
-            if key in REGISTRY:
-                raise ValueError(f"codec name {key!r} is already registered to {REGISTRY[key].__name__}")
-            REGISTRY[key] = cls
-        return cls
-    return deco
-
-
-# ---- spec value parsers: each raises ValueError naming the parameter and the value -----------------
-
-def _p_int(key, text):
-    try:
-        return int(text, 10) if text.lstrip("+-").isdigit() else int(text, 0)     # "08", "0x200"
-    except ValueError:
-        raise ValueError(f"{key}={text!r} is not an integer") from None
-
-
-def _p_opt_int(key, text):
-    return None if text.lower() == "none" else _p_int(key, text)
-
-
-def _p_bool(key, text):
-    t = text.lower()
-    if t in ("true", "1", "yes", "on"):
-        return True
-    if t in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"{key}={text!r} is not a boolean (true/false)")
-
-
-def _p_str(key, text):
-    return text.lower()         # the modes and norms: as the codec names, without regard to case
+# Horovod's Compressor protocol. A codec given as Horovod's ``compression=`` is served by the stock
+# path (``hvd_quant._stock``), which builds on the codecs; rather than the codecs importing it, it
+# installs its ``compress(codec, tensor) -> (tensor, ctx)`` here when imported (``hvd_quant``
+# imports it with the codecs). ``decompress`` needs no hook: every ctx finishes itself.
+STOCK_COMPRESS = None
 
 
 def _fmt(v):
     if isinstance(v, bool):
         return "true" if v else "false"
     return "none" if v is None else str(v)
-
-
-def from_spec(spec):
-    """Build a codec from a string spec: ``"name"`` or ``"name:key=value,key=value"``.
-
-    Examples: ``"none"``, ``"fp16"``, ``"qsgd:bits=4,bucket_size=512,mode=deterministic"``,
-    ``"onebit:bucket_size=64,scale=mean_abs"``. A codec instance is returned as it is. Unknown names,
-    unknown keys, malformed items and bad values raise ``ValueError`` naming the bad part."""
-    if isinstance(spec, Codec):
-        return spec
-    if not isinstance(spec, str):
-        raise ValueError(f"a codec spec is a string such as 'qsgd:bits=4'; got {type(spec).__name__}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip().lower()
-    cls = REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown codec {name!r} in spec {spec!r}; known codecs: {', '.join(sorted(REGISTRY))}")
-    kwargs = {}
-    for item in (rest.split(",") if rest.strip() else []):
-        key, eq, text = item.partition("=")
-        key, text = key.strip(), text.strip()
-        if not eq or not key:
-            raise ValueError(f"bad item {item!r} in codec spec {spec!r}: expected key=value")
-        parser = cls.PARAMS.get(key)
-        if parser is None:
-            known = ", ".join(cls.PARAMS) or "none"
-            raise ValueError(f"unknown parameter {key!r} for codec {name!r} in spec {spec!r}; "
-                             f"known parameters: {known}")
-        if key in kwargs:
-            raise ValueError(f"parameter {key!r} given twice in codec spec {spec!r}")
-        try:
-            kwargs[key] = parser(key, text)
-        except ValueError as e:
-            raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
-    try:
-        return cls(**kwargs)
-    except ValueError as e:
-        raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
 
 
 def _name_arg(name):
@@ -186,7 +109,96 @@ def _expectation(codec, numel, name):
     return wire.Expect(method, bits, mode, param, bs, int(numel), wire.name_hash(name), name is not None)
 
 
-class Codec(Compressor):
+# ---- what direct calls keep between calls, per thread ---------------------------------------------
+
+class _ThreadState(threading.local):
+    """What direct :meth:`Codec.encode` / :meth:`Codec.decode_into` calls keep between calls, one per
+    thread, so that the codec stays an immutable value and threads never share it:
+
+    * ``calls``: id(codec) -> (weak reference to the codec, {name hash: seeded encodes so far}): the
+      ``k`` of :func:`noise_key` counts one codec object's encodes of a name on this thread;
+    * ``launches``: prepared kernel launches; each writes its parameter buffer (and, on a device,
+      its scratch) on every call, so each thread prepares its own."""
+
+    def __init__(self):
+        self.calls = {}
+        self.launches = {}
+
+
+_THREAD = _ThreadState()
+
+
+def _direct_count(codec, nh):
+    """How many direct encodes ``codec`` (this object) made for name hash ``nh`` on this thread
+    before this one."""
+    table = _THREAD.calls
+    entry = table.get(id(codec))
+    if entry is None or entry[0]() is not codec:        # new, or another object under a reused id
+        if len(table) >= 1024:
+            for key in [key for key, (ref, _) in table.items() if ref() is None]:
+                del table[key]
+        entry = table[id(codec)] = (weakref.ref(codec), {})
+    calls = entry[1]
+    k = calls.get(nh, 0)
+    calls[nh] = k + 1
+    return k
+
+
+def _thread_launch(key, make, *args):
+    """``make(*args)``, built once per ``key`` on this thread (:class:`_ThreadState`); the table is
+    emptied when it holds 4096."""
+    table = _THREAD.launches
+    p = table.get(key, table)           # (the table itself: not built yet; None is a result)
+    if p is table:
+        if len(table) >= 4096:
+            table.clear()
+        p = table[key] = make(*args)
+    return p
+
+
+def _prepared_launch(codec, arrays, numel, accumulate):
+    """This thread's prepared op of ``codec`` for ``numel`` elements on ``arrays``' device or the
+    CPU (``Codec._bound_kernel``: the encode when ``accumulate`` is None); None where the generic
+    path serves."""
+    if not numel:
+        return None
+    return _thread_launch(("bound", codec, arrays, numel, accumulate), codec._bound_kernel, arrays, numel,
+                          accumulate)
+
+
+def _direct_encoder(codec, arrays, shape, dtype_name, name):
+    """A direct ``encode``'s (name hash, payload bytes, header words, prepared launch
+    ``f(x, payload, words, key, stream, residual)`` taking the adapter's device handles or NumPy
+    arrays), or None (generic path); this thread's."""
+    def make():
+        nh, words, lay = codec.header_plan(shape, dtype_name, name)
+        launch = _prepared_launch(codec, arrays, lay.numel, None)
+        return None if launch is None else (nh, lay.total, words, launch)
+    return _thread_launch(("encode", codec, arrays, shape, dtype_name, name), make)
+
+
+def _device_decoder(codec, arrays, payload, numel, accumulate, name, expect):
+    """A direct device ``decode_into``'s (payload bytes, bound launch ``f(payload, out)`` or None for
+    the generic path), this thread's, per device (the launch reports to that device's status word of
+    ``codec``)."""
+    def make():
+        exp = codec.expectation(numel, name) if expect is None else expect
+        bound = None
+        if numel and _prepared_launch(codec, arrays, numel, accumulate) is not None:
+            bound = codec.bind_decode(arrays, numel, accumulate, exp, None,
+                                      status=status_for(codec, arrays, payload))
+        return codec.wire_nbytes(numel), bound
+    key = ("decode", codec, arrays, arrays.device_key(payload), numel, accumulate, name, expect)
+    return _thread_launch(key, make)
+
+
+def _thread_op(codec, kind, device, numel, accumulate=None):
+    """This thread's prepared op ``kind`` of ``codec`` for ``numel`` elements on a CUDA device or the
+    CPU (``Codec._op``)."""
+    return _thread_launch((kind, codec, device, numel, accumulate), codec._op, kind, device, numel, accumulate)
+
+
+class Codec:
     """Base class: the payload plumbing shared by every codec (see the module docstring).
 
     A codec is an immutable value: its configuration is set once by ``__init__``, it compares and
@@ -204,6 +216,9 @@ class Codec(Compressor):
     _method = None
     stochastic = False          # whether encode draws noise (then ``noise_key`` keys it)
     seed = None
+    # the dtype ("float16", "float32") of the values a raw payload carries after its header (fp16,
+    # none, QSGD's fake mode), decoded with framework ops; None: codes and scales, decoded by kernels
+    _raw_values = None
 
     def _freeze(self, **config):
         self.__dict__.update(config)
@@ -239,6 +254,17 @@ class Codec(Compressor):
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
         return f"{type(self).__name__}({args})"
+
+    # -- Horovod's Compressor protocol ---------------------------------------------------------------
+    def compress(self, tensor):
+        """Horovod's ``compress(tensor) -> (tensor, ctx)``: the stock path starts the exchange of
+        ``tensor``; its state belongs to the caller (``hvd_quant._stock``), the codec stays a value."""
+        return STOCK_COMPRESS(self, tensor)
+
+    def decompress(self, tensor, ctx):
+        """Horovod's ``decompress``: the ctx finishes itself (``ctx.stock_decompress(summed)``); a
+        ctx without one (a tensor Horovod reduced itself) gives back what Horovod reduced."""
+        return stock_decompress(tensor, ctx)
 
     @property
     def wants_error_feedback(self):
@@ -643,7 +669,10 @@ class Codec(Compressor):
     def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
                          expect):
         """Kernel codecs: decode into a device view of ``out`` (or into the adapter's temporary, then
-        commit, for frameworks whose tensors are immutable)."""
+        commit, for frameworks whose tensors are immutable); raw values: with framework ops."""
+        if self._raw_values:
+            _raw_decode_dev(arrays, payload, out, self._raw_values, accumulate, stream, status_t, expect)
+            return
         out_dev, commit = arrays.out_dev(out)
         self._decode_dev(arrays, payload, pdev, out, out_dev, accumulate and commit is None, stream,
                          status_t, status_dev, expect)
@@ -657,6 +686,8 @@ class Codec(Compressor):
         _thread_op(self, "encode", False, lay.numel)(arrays.input_f32(x), pay, words, key, None, residual)
 
     def _decode_host(self, pay, out, accumulate):
+        if self._raw_values:
+            return _raw_decode_host(pay, out, self._raw_values, accumulate)
         _thread_op(self, "decode", False, out.size, bool(accumulate))(pay, out)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
@@ -672,11 +703,20 @@ class Codec(Compressor):
     def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
                     expect):
         """Decode (and, when ``expect`` is given, check on the device) into ``out_dev``."""
+        if self._raw_values:
+            return _raw_decode_dev(arrays, payload, out_t, self._raw_values, accumulate, stream, status_t,
+                                   expect)
         if not self._device_pointers:
             pdev, out_dev = _nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev)
             status_dev = None if status_t is None else _nb(arrays, status_t, status_dev)
         _thread_op(self, "decode", True, arrays.numel(out_t), bool(accumulate))(pdev, out_dev, stream, status_dev,
                                                                                  expect)
+
+
+def stock_decompress(tensor, ctx):
+    """Horovod's ``decompress`` of every compressor here (see :meth:`Codec.decompress`)."""
+    finish = getattr(ctx, "stock_decompress", None)
+    return tensor if finish is None else finish(tensor)
 
 
 def _dtype_text(dtype):
@@ -700,7 +740,7 @@ def _dtype_text(dtype):
 def _raw_decode_host(pay, out, value_dtype, accumulate):
     """out (+)= the float16 or float32 values after a payload's header (raw codecs, QSGD's fake mode)."""
     w = 2 if value_dtype == "float16" else 4
-    raw = pay[64:64 + w * out.size]
+    raw = pay[_HDR:_HDR + w * out.size]
     if w == 2 and raw.ctypes.data % 2 == 0:
         numba_kernels.cpu.half_decode_cpu(raw.view(np.uint16), out, accumulate)    # NumPy's values, faster
         return
@@ -718,14 +758,13 @@ def _dev_view(arrays, t):
     return None if t is None else arrays.out_dev(t)[0]
 
 
-def _raw_decode_dev(arrays, payload, pdev, out, value_dtype, accumulate, stream, status_t, status_dev,
-                    expect):
+def _raw_decode_dev(arrays, payload, out, value_dtype, accumulate, stream, status_t, expect):
     """Raw float values on a device, with framework ops; NaN where the header check failed."""
     bad = None
     if expect is not None:
         numba_kernels.cuda.check_header_cuda(arrays.numba(payload), arrays.numba(status_t), expect, stream)
         bad = arrays.status_bad(status_t)
-    return arrays.raw_decode_into(payload, 64, arrays.numel(out), value_dtype, out, accumulate, bad)
+    return arrays.raw_decode_into(payload, _HDR, arrays.numel(out), value_dtype, out, accumulate, bad)
 
 
 def _nb(arrays, t, dev):

@@ -48,13 +48,16 @@ import sys
 import threading
 import weakref
 
+from . import _codec
 from . import plan as _plan
+from ._codec import stock_decompress
+from .codecs import resolve_codec
 from .dispatch import frontend_for, stock_hook_for
 from .exchange import AVERAGE, SUM, Exchange, Traffic, handshake_record
 from .memory import Memory
 from .scheduler import Presence, StepScheduler, step_metrics
 
-__all__ = ["StockCompression", "Compressor", "state_of", "header", "uncompressed", "take_traffic",
+__all__ = ["StockCompression", "state_of", "header", "uncompressed", "take_traffic",
            "PASSTHROUGH"]
 
 
@@ -295,24 +298,20 @@ def _decided(tensor):
     return decided[1] if decided is not None and decided[0] is tensor else None
 
 
-class Compressor:
-    """Horovod's ``Compressor`` protocol (``compress(tensor) -> (tensor, ctx)``,
-    ``decompress(tensor, ctx)``) for a codec passed as ``compression=`` (module doc): the codec
-    stays a value; the state of its exchanges belongs to the caller (:func:`state_of`). A
-    :class:`StockCompression` is its own state."""
-
-    def compress(self, tensor):
-        decided = _decided(tensor)
-        if decided is not None:
-            return decided
-        caller = _frame_context(tensor)
-        return _owned_state(self, caller, _backend_for(tensor)).compress_from(caller, tensor)
-
-    def decompress(self, tensor, ctx):
-        return _decompress(tensor, ctx)
+def _compress(codec, tensor):
+    """Horovod's ``compress`` of ``codec`` (a codec or a :class:`StockCompression`): the state of
+    its exchanges belongs to the caller (:func:`state_of`)."""
+    decided = _decided(tensor)
+    if decided is not None:
+        return decided
+    caller = _frame_context(tensor)
+    return _owned_state(codec, caller, _backend_for(tensor)).compress_from(caller, tensor)
 
 
-class StockCompression(Compressor):
+_codec.STOCK_COMPRESS = _compress       # a codec's compress (hvd_quant._codec)
+
+
+class StockCompression:
     """A codec wrapped for stock Horovod's ``compression=`` argument (module doc).
 
     ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_quant.QSGD(bits=4))`` keeps
@@ -326,10 +325,8 @@ class StockCompression(Compressor):
 
     def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
                  error_feedback=None, bucket_bytes=_plan.BUCKET_BYTES):
-        # a codec, a spec string, another StockCompression (its codec) or None (no compression).
-        # hvd_quant.codecs builds on this module (a Codec takes Horovod's protocol from here), so its
-        # resolve_codec is reached through the imported package, never by an import of ours.
-        codec = sys.modules["hvd_quant.codecs"].resolve_codec(codec)
+        # a codec, a spec string, another StockCompression (its codec) or None (no compression)
+        codec = resolve_codec(codec)
         self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=bucket_bytes,
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
@@ -415,7 +412,13 @@ class StockCompression(Compressor):
         group = self._group_of(optimizer)
         return None if group is None else group.sched.route()
 
-    # -- Horovod Compressor protocol (compress and decompress: Compressor's) ----------------------
+    # -- Horovod's Compressor protocol ------------------------------------------------------------
+    def compress(self, tensor):
+        return _compress(self, tensor)
+
+    def decompress(self, tensor, ctx):
+        return stock_decompress(tensor, ctx)
+
     def compress_from(self, caller, tensor):
         """``compress`` with the calling frame's :class:`_Caller`."""
         backend = _backend_for(tensor)
@@ -663,13 +666,6 @@ def _finish_plain(group, j, i, info):
     pieces = group.sched.plain_result(j)
     group.sched.take_plain(j)
     return group.session.adapter.restore(pieces[i], info)
-
-
-def _decompress(tensor, ctx):
-    """Horovod's ``decompress``: every ctx of this module or a framework's hook finishes itself
-    (``stock_decompress(summed)``); :data:`PASSTHROUGH` gives back what Horovod reduced."""
-    finish = getattr(ctx, "stock_decompress", None)
-    return tensor if finish is None else finish(tensor)
 
 
 # -- who owns a codec's stock state -----------------------------------------------------------------

@@ -27,16 +27,100 @@ import numpy as np
 
 import numba_kernels
 from numba_kernels import wire
+from numba_kernels.wire import HEADER_NBYTES as _HDR
 from numba_kernels.wire import PayloadError     # (re-exported, as UnsupportedInputError and noise_key)
 
 from ._arrays import UnsupportedInputError
-from ._codec import (_check_choice, _check_int, _p_bool, _p_int, _p_opt_int, _p_str, _raw_decode_dev,
-                     _raw_decode_host, Codec, from_spec, register, REGISTRY)
-from ._launches import _thread_op
+from ._codec import _check_choice, _check_int, _thread_op, Codec
 from ._noise import noise_key
 
 __all__ = ["Codec", "QSGD", "OneBit", "SortQuant", "KMeans", "FP16", "NoCompression", "Compression", "REGISTRY",
            "register", "from_spec", "resolve_codec", "PayloadError", "UnsupportedInputError"]
+
+
+REGISTRY = {}
+
+
+def register(name, *aliases):
+    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``).
+    Names are matched without regard to case, as :func:`from_spec` reads them; a name holding
+    ``:``, ``,``, ``=`` or white space could not be read back from a spec and is refused."""
+    for key in (name,) + aliases:
+        if not isinstance(key, str) or not key or any(c in key for c in ":,=") or key != "".join(key.split()):
+            raise ValueError(f"a codec name is a non-empty str without ':', ',', '=' or white space; got {key!r}")
+
+    def deco(cls):
+        cls.name = name
+        for key in (k.lower() for k in (name,) + aliases):
+            if key in REGISTRY:
+                raise ValueError(f"codec name {key!r} is already registered to {REGISTRY[key].__name__}")
+            REGISTRY[key] = cls
+        return cls
+    return deco
+
+
+# ---- spec value parsers: each raises ValueError naming the parameter and the value -----------------
+
+def _p_int(key, text):
+    try:
+        return int(text, 10) if text.lstrip("+-").isdigit() else int(text, 0)     # "08", "0x200"
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not an integer") from None
+
+
+def _p_opt_int(key, text):
+    return None if text.lower() == "none" else _p_int(key, text)
+
+
+def _p_bool(key, text):
+    t = text.lower()
+    if t in ("true", "1", "yes", "on"):
+        return True
+    if t in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{key}={text!r} is not a boolean (true/false)")
+
+
+def _p_str(key, text):
+    return text.lower()         # the modes and norms: as the codec names, without regard to case
+
+
+def from_spec(spec):
+    """Build a codec from a string spec: ``"name"`` or ``"name:key=value,key=value"``.
+
+    Examples: ``"none"``, ``"fp16"``, ``"qsgd:bits=4,bucket_size=512,mode=deterministic"``,
+    ``"onebit:bucket_size=64,scale=mean_abs"``. A codec instance is returned as it is. Unknown names,
+    unknown keys, malformed items and bad values raise ``ValueError`` naming the bad part."""
+    if isinstance(spec, Codec):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"a codec spec is a string such as 'qsgd:bits=4'; got {type(spec).__name__}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown codec {name!r} in spec {spec!r}; known codecs: {', '.join(sorted(REGISTRY))}")
+    kwargs = {}
+    for item in (rest.split(",") if rest.strip() else []):
+        key, eq, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not eq or not key:
+            raise ValueError(f"bad item {item!r} in codec spec {spec!r}: expected key=value")
+        parser = cls.PARAMS.get(key)
+        if parser is None:
+            known = ", ".join(cls.PARAMS) or "none"
+            raise ValueError(f"unknown parameter {key!r} for codec {name!r} in spec {spec!r}; "
+                             f"known parameters: {known}")
+        if key in kwargs:
+            raise ValueError(f"parameter {key!r} given twice in codec spec {spec!r}")
+        try:
+            kwargs[key] = parser(key, text)
+        except ValueError as e:
+            raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
 
 
 _MODE_NAMES = {v: k for k, v in wire.MODES.items()}
@@ -81,7 +165,7 @@ class QSGD(Codec):
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
                      mode=mode, norm=_check_choice("norm", norm, tuple(wire.NORMS)),
                      seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1),
-                     stochastic=mode != "deterministic")
+                     stochastic=mode != "deterministic", _raw_values="float32" if mode == "fake" else None)
 
     @property
     def levels(self):
@@ -126,13 +210,8 @@ class QSGD(Codec):
         twin, n = self._twin, lay.numel
         tmp = np.empty(twin.wire_nbytes(n), np.uint8)
         twin._encode_host(arrays, x, tmp, words, lay, key, residual)
-        twin._decode_host(tmp, pay[64:64 + 4 * n].view(np.float32), False)
+        twin._decode_host(tmp, pay[_HDR:_HDR + 4 * n].view(np.float32), False)
         numba_kernels.cpu.write_header_cpu(pay, words)
-
-    def _decode_host(self, pay, out, accumulate):
-        if self.mode != "fake":
-            return super()._decode_host(pay, out, accumulate)
-        _raw_decode_host(pay, out, "float32", accumulate)
 
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
         if self.mode != "fake":
@@ -143,23 +222,8 @@ class QSGD(Codec):
         tn, pn = arrays.numba(tt), arrays.numba(pt)
         _thread_op(twin, "encode", True, n)(arrays.numba(xt), tn, words, key, stream,
                                             None if residual is None else arrays.numba(residual))
-        _thread_op(twin, "decode", True, n, False)(tn, pn[64:64 + 4 * n].view(np.float32), stream)
+        _thread_op(twin, "decode", True, n, False)(tn, pn[_HDR:_HDR + 4 * n].view(np.float32), stream)
         numba_kernels.cuda.write_header_cuda(pn, words, stream)
-
-    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
-                         expect):
-        if self.mode != "fake":
-            return super()._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t,
-                                            status_dev, expect)
-        _raw_decode_dev(arrays, payload, pdev, out, "float32", accumulate, stream, status_t, status_dev, expect)
-
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
-                    expect):
-        if self.mode != "fake":
-            return super()._decode_dev(arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t,
-                                       status_dev, expect)
-        return _raw_decode_dev(arrays, payload, pdev, out_t, "float32", accumulate, stream, status_t,
-                               status_dev, expect)
 
 
 # ---- 1-bit --------------------------------------------------------------------------------------------
@@ -344,46 +408,32 @@ class KMeans(Codec):
 # ---- raw: fp16 and none ---------------------------------------------------------------------------------
 
 class _Raw(Codec):
-    _value_dtype = None
 
     def __init__(self):
         self._freeze()
 
     def _fields(self):
-        return (self._method, 16 if self._value_dtype == "float16" else 32, 0, 0, 0)
+        return (self._method, 16 if self._raw_values == "float16" else 32, 0, 0, 0)
 
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
         K = numba_kernels.cpu
         xs = arrays.input_np(x)
         K.write_header_cpu(pay, words)
-        w = 2 if self._value_dtype == "float16" else 4
-        vals = pay[64:64 + w * xs.size].view(self._value_dtype)
-        pay[64 + w * xs.size:] = 0
+        w = 2 if self._raw_values == "float16" else 4
+        vals = pay[_HDR:_HDR + w * xs.size].view(self._raw_values)
+        pay[_HDR + w * xs.size:] = 0
         if w == 2 and xs.dtype == np.float32 and vals.ctypes.data % 2 == 0:
-            K.half_encode_cpu(xs, vals.view(np.uint16), residual)      # NumPy's rounding, 4x faster
+            K.half_encode_cpu(xs, vals.view(np.uint16), residual)      # NumPy's rounding, bit for bit
             return
         vals[...] = xs
         if residual is not None:
             np.subtract(xs, vals, out=residual, dtype=np.float32)
 
-    def _decode_host(self, pay, out, accumulate):
-        _raw_decode_host(pay, out, self._value_dtype, accumulate)
-
     def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        arrays.raw_encode_into(x, self._value_dtype, pt)
+        arrays.raw_encode_into(x, self._raw_values, pt)
         numba_kernels.cuda.write_header_cuda(arrays.numba(pt), words, stream)
         if residual is not None:
-            arrays.raw_residual(x, pt, self._value_dtype, residual)
-
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
-                    expect):
-        return _raw_decode_dev(arrays, payload, pdev, out_t, self._value_dtype, accumulate, stream,
-                               status_t, status_dev, expect)
-
-    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
-                         expect):
-        _raw_decode_dev(arrays, payload, pdev, out, self._value_dtype, accumulate, stream, status_t,
-                        status_dev, expect)
+            arrays.raw_residual(x, pt, self._raw_values, residual)
 
 
 @register("fp16", "float16")
@@ -393,7 +443,7 @@ class FP16(_Raw):
     Round to nearest (biased only by rounding; values beyond ±65504 become ±inf). Wire: 64-byte
     header, numel float16 values, zero padding to a multiple of 4."""
     _method = wire.METHODS["fp16"]
-    _value_dtype = "float16"
+    _raw_values = "float16"
 
 
 @register("none", "nocompression", "fp32")
@@ -402,7 +452,7 @@ class NoCompression(_Raw):
 
     Wire: 64-byte header, numel float32 values."""
     _method = wire.METHODS["none"]
-    _value_dtype = "float32"
+    _raw_values = "float32"
 
 
 class Compression:

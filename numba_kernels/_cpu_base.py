@@ -178,7 +178,7 @@ def _lane_add(p, q, c, l, v, kind):
 def _lane_segment(x, st, en, kind, p, q, c):
     """The lanes of x[st:en] (one segment) into p (and q), by :func:`_lane_add`; returns the count of
     x >= 0 for kind 2 (counted per lane: one count summed across the lanes in the loop kept it from
-    vectorising, twice the time). Whole rows of 32 are sliced out so the compiler sees 32 independent
+    vectorising). Whole rows of 32 are sliced out so the compiler sees 32 independent
     lanes."""
     for l in range(32):
         p[l] = F0
@@ -256,8 +256,7 @@ def _extremes(x, st, en):
     """(bits of max |x|, min, max) of x[st:en]: the first at or above +inf's bits where a value is not
     finite (as :func:`_abs_max_bits`); the min and max mean something only where all are (-0.0 counts
     below +0.0). Integer maxima and minima of :func:`_int_order`, which vectorise; a float min and max
-    did not (a chain of selects that may meet NaN): 3.3 times the time over 4M values, 6.4 times over
-    buckets of 512."""
+    does not (a chain of selects that may meet NaN)."""
     xi = x.view(np.int32)
     a = np.int32(0)
     kmin = I31
@@ -341,8 +340,8 @@ def _pack(codes, ng, payload, base, lim, BITS):
             w = cw[j]
             pb[j] = np.uint8((w | (w >> np.uint32(12))) & np.uint32(0xFF))
         return
-    if BITS == 2:                                   # a byte's four codes read as one uint64 (2.6x
-        cq = codes.view(np.uint64)                  # faster than four 16-bit reads)
+    if BITS == 2:                                   # a byte's four codes read as one uint64 (one
+        cq = codes.view(np.uint64)                  # load instead of four 16-bit reads)
         for j in range(pb.size):
             w = cq[j]
             pb[j] = np.uint8((w | (w >> np.uint64(14)) | (w >> np.uint64(28)) | (w >> np.uint64(42))) & UFF)
@@ -353,8 +352,8 @@ def _pack(codes, ng, payload, base, lim, BITS):
             pb[j] = cb[j]
         return
     whole = min(ng, (lim - base) // BITS)          # groups whose BITS bytes all lie before lim
-    # groups [head, head + 8*nsg) as BITS 64-bit words per 64 codes (1.6-2.9x faster than a byte at a
-    # time, BENCHMARKS); the groups before head bring the words to an 8-byte boundary
+    # groups [head, head + 8*nsg) as BITS 64-bit words per 64 codes (wide stores instead of a byte at
+    # a time); the groups before head bring the words to an 8-byte boundary
     head = 0
     addr = payload.ctypes.data + base
     while head < 8 and (addr + head * BITS) & 7:
@@ -501,9 +500,8 @@ def _unpack(payload, codes_off, out, st, en, codes, BITS):
 def _lookup(payload, codes_off, ob, st, book, accumulate, BITS):
     """ob[j] (+)= book[code of element st + j] for every j of ``ob`` (BITS <= 8; ``book`` holds a value
     per code). Where element st starts on a byte, eight codes at a time from the BITS bytes that hold
-    them, each value read from the book as its code is cut out (no array of codes between: the
-    SortQuant and KMeans decodes took 1.5-2.2x as long unpacking first, their table reads gathers;
-    docs/BENCHMARKS.md); the rest field by field."""
+    them, each value read from the book as its code is cut out (no array of codes between: unpacking
+    first made the table reads gathers; docs/BENCHMARKS.md); the rest field by field."""
     n = ob.size
     first = st * BITS
     cb = codes_off + (first >> 3)

@@ -14,8 +14,8 @@ from ._scalar import F0, FNAN, KMEANS_SAMPLE
 @_inline
 def _kmeans_assign(mids, xb, q, K):
     """q[j] = the centroid of xb[j] (``q``: the bucket's codes): the count of boundaries below it. Up
-    to 32 centroids, K - 1 compares that the compiler vectorises across elements (about 13x faster
-    than a search and a sum per element); above, the binary search (K is a compile-time constant
+    to 32 centroids, K - 1 compares that the compiler vectorises across elements (a search and a sum
+    per element does not vectorise); above, the binary search (K is a compile-time constant
     either way)."""
     if K <= 32:
         for j in range(xb.size):

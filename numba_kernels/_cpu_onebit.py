@@ -46,7 +46,7 @@ def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, 
     xs = x[e0:e1]
     pb = payload[codes_off + (e0 >> 3):codes_off + ((e1 + 7) >> 3)]
     nw = xs.size >> 6
-    for w in range(nw):       # 64 bits in a word, then its 8 bytes (4.6x faster than byte by byte)
+    for w in range(nw):       # 64 bits in a word, then its 8 bytes (not byte by byte)
         xg = xs[64 * w:64 * w + 64]
         v = np.uint64(0)
         for k in range(64):

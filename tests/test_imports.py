@@ -3,7 +3,9 @@
 Every module's imports are read with ``ast`` (function-local ones included, relative ones resolved)
 and turned into a module graph; a cycle is reported with its modules in order. An import of a
 package counts as an import of its ``__init__``; ``from pkg import name`` counts as an import of
-``pkg.name`` when that is a module, else of ``pkg``.
+``pkg.name`` when that is a module, else of ``pkg``. A module reached by a literal name at run time,
+``sys.modules["pkg.mod"]`` or ``importlib.import_module("pkg.mod")``, is an import too: the
+dependency is the same, only hidden.
 """
 import ast
 import pathlib
@@ -49,7 +51,24 @@ def imports_of(name, path, modules):
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 resolve(full if full in modules else base)
+        elif isinstance(node, ast.Subscript) and _dotted(node.value) == "sys.modules":
+            if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                resolve(node.slice.value)
+        elif isinstance(node, ast.Call) and _dotted(node.func) in ("importlib.import_module",
+                                                                    "import_module"):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                resolve(node.args[0].value)
     return found
+
+
+def _dotted(node):
+    """``a.b.c`` of an attribute chain of names, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
 
 
 def import_graph(root=ROOT, packages=PACKAGES):
@@ -131,5 +150,17 @@ def test_cycle_is_found(tmp_path):
     (pkg / "a.py").write_text("from .b import f\n")
     (pkg / "b.py").write_text("def f():\n    from numba_kernels import c\n")
     (pkg / "c.py").write_text("import numba_kernels.a\n")
+    found = cycles(import_graph(tmp_path, ("numba_kernels",)))
+    assert found == [["numba_kernels.a", "numba_kernels.b", "numba_kernels.c", "numba_kernels.a"]], found
+
+
+def test_hidden_import_is_found(tmp_path):
+    """A module reached through ``sys.modules`` or ``importlib`` by a literal name closes a cycle."""
+    pkg = tmp_path / "numba_kernels"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import sys\ndef f():\n    return sys.modules['numba_kernels.b'].g\n")
+    (pkg / "b.py").write_text("from . import c\n")
+    (pkg / "c.py").write_text("import importlib\nA = importlib.import_module('numba_kernels.a')\n")
     found = cycles(import_graph(tmp_path, ("numba_kernels",)))
     assert found == [["numba_kernels.a", "numba_kernels.b", "numba_kernels.c", "numba_kernels.a"]], found

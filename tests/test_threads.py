@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import hvd_quant
-from hvd_quant import _launches
+from hvd_quant import _codec
 
 SPECS = ["qsgd:bits=4,bucket_size=512,seed=7", "qsgd:bits=3,bucket_size=512,seed=7", "onebit",
          "onebit:bucket_size=64", "sortquant:bits=4,split_bits=2,bucket_size=64,seed=5",
@@ -76,9 +76,9 @@ def test_prepared_launches_are_not_shared_between_threads():
     c1, c2 = hvd_quant.QSGD(bits=4, seed=1), hvd_quant.QSGD(bits=4, seed=1)
     arrays = hvd_quant._arrays.adapter_for(np.zeros(1, np.float32))
     got = []
-    t = threading.Thread(target=lambda: got.append(_launches._prepared_launch(c1, arrays, 1000, None)))
+    t = threading.Thread(target=lambda: got.append(_codec._prepared_launch(c1, arrays, 1000, None)))
     t.start()
     t.join()
-    mine = _launches._prepared_launch(c2, arrays, 1000, None)
+    mine = _codec._prepared_launch(c2, arrays, 1000, None)
     assert got[0] is not None and mine is not got[0]
-    assert _launches._prepared_launch(c1, arrays, 1000, None) is mine        # reused on one thread
+    assert _codec._prepared_launch(c1, arrays, 1000, None) is mine        # reused on one thread
