@@ -8,6 +8,7 @@ __all__ = ["QSGD", "OneBit", "SortQuant", "KMeans", "FP16", "NoCompression", "Co
 # The compressed exchange: the stock-Horovod adapter and the errors users may catch.
 from ._stock import StockCompression  # noqa: E402
 from .exchange import ConfigMismatchError, PayloadMismatchError  # noqa: E402
+from . import two_level  # noqa: E402,F401  (registers reduction="two_level" with the exchange)
 
 # Codecs: QSGD, 1-bit, sort and k-means quantization, fp16, none; the registry and the Horovod-style
 # namespace.

@@ -16,7 +16,7 @@ the two reductions that can, out of Horovod's public ``alltoall``, ``allgather``
     encode the whole buffer, ``allgather`` every rank's payload, decode each in rank order and sum in
     float32. Traffic per rank is (N-1) * payload(n): pays off for small N or 1-bit codes.
 
-``reduction="two_level"`` (several ranks on each of several nodes; :class:`_TwoLevel`)
+``reduction="two_level"`` (several ranks on each of several nodes; :mod:`hvd_quant.two_level`)
     1. inside each node, an fp32 Sum ``allreduce`` over the node's L ranks; local rank l keeps shard
        l of the node's sum (L bucket-aligned shards, as SRA's chunks);
     2. across nodes, shard l goes through the codec's exchange among the ranks of local rank l (one
@@ -76,6 +76,7 @@ __all__ = [
 AVERAGE = "average"
 SUM = "sum"
 TWO_LEVEL = "two_level"
+LEVELLED = {}    # reduction -> the class that runs it over process-set levels (hvd_quant/two_level.py)
 REDUCTIONS = ("sra", "allgather", TWO_LEVEL)
 
 HANDSHAKE_NAME = "hvdq.handshake"
@@ -533,7 +534,7 @@ class Exchange:
         self._mark = (ops.mark or _host_mark) if timing else None
         self._setups = {}           # (name, header, numel) -> _Setup
         self._verified = set()      # exchange names whose first payloads were checked on the device
-        self._two = _TwoLevel(self) if reduction == TWO_LEVEL else None
+        self._two = LEVELLED[TWO_LEVEL](self) if reduction == TWO_LEVEL else None
 
     # -- sizes ------------------------------------------------------------------------------------
     def payload_nbytes(self, numel):
@@ -789,140 +790,3 @@ class Exchange:
         for p in pendings:
             self.advance(p)
         return [self.finish(p) for p in pendings]
-
-
-class _TwoLevel:
-    """``reduction="two_level"`` of an :class:`Exchange` (module doc): the node's fp32 sum, the codec
-    across nodes on this rank's shard of it, the shards gathered inside the node.
-
-    The levels come from ``Collectives.levels()`` of the exchange's ``coll``, taken again when that
-    changes (elastic). Across two nodes the shards go by allgather (the same bytes as SRA, one
-    quantization and one round instead of two), across more by SRA. Error feedback: the worker
-    residual of a bucket stays bucket-sized in the exchange's memory, this rank's shard of it
-    written and the rest zero (:class:`_ShardMemory`), so checkpoints keep per-tensor residuals as
-    with the flat reductions; the server residual is keyed by the cross-node rank and size.
-    """
-
-    class Pending(Pending):
-        """A bucket's two-level exchange: ``result`` the shard until it is done, then the sum;
-        ``cross``: its shard's exchange across nodes."""
-        __slots__ = ("header", "cross")
-
-    def __init__(self, ex):
-        self.ex = ex
-        self.coll = self.local = self.cross = None
-        self.traffic = {}          # name -> the Traffic of the node level, per step
-
-    def levels(self):
-        ex = self.ex
-        if self.coll is not ex.coll:
-            if ex.coll.levels is None:
-                raise ValueError("hvd_quant: reduction='two_level' needs the nodes' process sets, "
-                                 "which this frontend or process set does not provide")
-            self.local, cross = ex.coll.levels()
-            self.cross = None if cross is None else Exchange(
-                ex.codec, cross, ex.ops, reduction="allgather" if cross.size == 2 else "sra",
-                memory=None if ex.memory is None else _ShardMemory(ex.memory, ex.ops),
-                prefix=ex.prefix, timing=ex._mark is not None)
-            self.coll = ex.coll
-            self.traffic = {}
-        if self.cross is not None:
-            self.cross.traffic = self.ex.traffic
-        return self.local, self.cross
-
-    def start(self, name, flat, step, record, header):
-        local, _ = self.levels()
-        p = self.Pending(name, None, step, flat, self.ex)
-        p.record, p.header, p.cross = record, header, None
-        if local is not None:
-            p.handle = local.allreduce_async(flat, f"{self.ex.prefix}.node.{name}", SUM)
-        else:
-            p.result = flat
-        return p
-
-    def advance_ready(self, pendings):
-        local, cross = self.local, self.cross
-        for p in pendings:
-            if p is not None and p.stage == "first" and (
-                    local is None or (local.poll is not None and local.poll(p.handle))):
-                self.advance(p)
-        if cross is not None:
-            cross.advance_ready([p.cross for p in pendings if p is not None and p.cross is not None])
-
-    def advance(self, p):
-        """Wait for the node's sum and start this rank's shard's exchange across nodes."""
-        if p.stage != "first":
-            return
-        ex, local, cross = self.ex, self.local, self.cross
-        numel = ex.ops.numel(p.like)
-        whole = local is None or cross is None          # one level: no part to keep
-        a, b = (0, numel) if whole else chunk_bounds(numel, local.size, ex.align)[local.rank]
-        shard = p.result if local is None else ex.ops.slice(local.synchronize(p.handle), a, b)
-        t = self.traffic.get(p.name)
-        if t is None:
-            t = self.traffic[p.name] = _node_traffic(numel, b - a, local, cross, ex.coll.size)
-            if cross is not None and cross.memory is not None:
-                cross.memory.bounds[p.name] = (a, b, numel)
-        ex.traffic.add(t)
-        if cross is not None:
-            p.cross = cross.start(p.name, shard, step=p.step, record=p.record, header=p.header)
-        p.result, p.handle, p.stage = shard, None, "second"
-
-    def finish(self, p):
-        """Finish the shard's exchange, then gather the node's shards: the float32 sum over ranks."""
-        self.advance(p)
-        ex, local, cross = self.ex, self.local, self.cross
-        shard = p.result if cross is None else cross.finish(p.cross)
-        out = shard
-        if local is not None and cross is not None:
-            numel = ex.ops.numel(p.like)
-            a, b = chunk_bounds(numel, local.size, ex.align)[local.rank]
-            out = ex.ops.zeros(numel, p.like)
-            ex.ops.add_(ex.ops.slice(out, a, b), shard)
-            out = local.synchronize(local.allreduce_async(out, f"{ex.prefix}.gather.{p.name}", SUM))
-        p.result, p.stage, p.like, p.cross = out, "done", None, None
-        return out
-
-
-def _node_traffic(numel, shard, local, cross, size):
-    """What the node level adds to a step's Traffic beside the cross-node exchange's own count: its
-    two fp32 ring allreduces, and the rest of the flat ring allreduce's bytes."""
-    t = Traffic()
-    n_local = 1 if local is None else local.size
-    n_cross = 1 if cross is None else cross.coll.size
-    t.sent_bytes = (2 if cross is not None else 1) * 2.0 * (n_local - 1) / n_local * 4 * numel
-    t.fp32_bytes = 2.0 * (size - 1) / size * 4 * numel - 2.0 * (n_cross - 1) / n_cross * 4 * shard
-    t.numel = numel - (shard if cross is not None else 0)
-    return t
-
-
-class _ShardMemory:
-    """The memory the cross-node exchange of :class:`_TwoLevel` sees: server residuals as they are;
-    the worker residual of ``name`` is this rank's shard of the bucket-sized residual kept in
-    ``memory`` (zeros outside it), written in place."""
-    WORKER, SERVER = "worker", "server"
-
-    def __init__(self, memory, ops):
-        self.memory, self.ops = memory, ops
-        self.bounds = {}            # name -> (start, stop, bucket numel): this rank's shard
-
-    def shard(self, key, like):
-        a, b, n = self.bounds[key]
-        full = self.memory.current(self.WORKER, key, n, like)
-        self.memory.set(self.WORKER, key, full)
-        return self.ops.slice(full, a, b)
-
-    def compensate(self, ns, key, flat):
-        if ns == self.SERVER:
-            return self.memory.compensate(ns, key, flat)
-        return self.ops.add_(flat, self.shard(key, flat))
-
-    def buffer(self, ns, key, numel, like):
-        return self.memory.buffer(ns, key, numel, like) if ns == self.SERVER else self.shard(key, like)
-
-    def current(self, ns, key, numel, like):
-        return self.memory.current(ns, key, numel, like)
-
-    def set(self, ns, key, residual):
-        if ns == self.SERVER:
-            self.memory.set(ns, key, residual)
