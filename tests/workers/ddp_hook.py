@@ -74,6 +74,15 @@ class _World:
         dist.barrier()
         dist.destroy_process_group()
 
+    @staticmethod
+    def exit(code):
+        # Leave without the exit-time destructors: after the group was destroyed, the interpreter's
+        # and the C++ runtime's teardown of torch.distributed's remaining objects has aborted a rank
+        # ("terminate called without an active exception"). Everything is reported and flushed here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
 
 check = _checks.Checks(_World)
 
