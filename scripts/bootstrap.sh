@@ -27,7 +27,7 @@ HOROVOD_VERSION=0.28.1
 # keeps Keras 2 as tf_keras. TF 2.15 needs numpy < 2, 2.19 numpy < 2.2. pyparsing 3.3 deprecates names
 # that matplotlib 3.9's mathtext (log-scale tick labels) still calls, with a warning each time.
 REQS=(torch==2.13.0 "${TF_REQS[@]}" "numpy==1.26.4" numba==0.61.2 mpi4py==4.1.2
-      pytest==8.4.2 pytest-timeout==2.4.0 cloudpickle psutil pyyaml packaging cffi
+      pytest==8.4.2 pytest-timeout==2.4.0 pytest-xdist==3.8.0 cloudpickle psutil pyyaml packaging cffi
       scikit-learn==1.6.1 tqdm matplotlib==3.9.4 "pyparsing<3.3")
 STAMP_KEY="$(cat scripts/bootstrap.sh setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 STAMP="$VENV/.hvd_quant_bootstrap_$STAMP_KEY"

@@ -6,6 +6,11 @@ that reads a child's output waits for it (its timeout counts from then).
 A child is ``python <args>`` run from the repository root with ``ROOT`` on ``PYTHONPATH``; it is
 named by the test module and the fixture that reads it. ``HVDQ_REAL_CUDA=1`` runs the kernel
 children on the real GPU instead of the simulator.
+
+Under pytest-xdist (``-n 2``) no worker knows at collection which tests it will be given, and two
+workers must not both run a child: the tests that read a child form one ``xdist_group``
+(tests/conftest.py; ``--dist loadgroup`` hands the largest groups out first), and the worker that
+runs them starts the child when the first asks for it (at normal priority: the worker waits).
 """
 import json
 import os
@@ -36,7 +41,7 @@ CHILDREN = {
 _running = {}       # key -> (Popen, stdout file, stderr file)
 
 
-def _start(key):
+def _start(key, nice=19):
     if key in _running:
         return
     args, extra, _ = CHILDREN[key]
@@ -44,23 +49,27 @@ def _start(key):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=err,
-                            stdin=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
+                            stdin=subprocess.DEVNULL, preexec_fn=lambda: os.nice(nice))
     _running[key] = (proc, out, err)
+
+
+def key_of(item):
+    """The (module, fixture) of the child that test ``item`` reads, or None."""
+    stem = Path(str(item.fspath)).stem
+    return next(((stem, name) for name in getattr(item, "fixturenames", ()) if (stem, name) in CHILDREN),
+                None)
 
 
 def start(items):
     """Starts the child of every (module, fixture) that one of the collected ``items`` uses."""
-    for item in items:
-        stem = Path(str(item.fspath)).stem
-        for name in getattr(item, "fixturenames", ()):
-            if (stem, name) in CHILDREN:
-                _start((stem, name))
+    for key in {key_of(item) for item in items} - {None}:
+        _start(key)
 
 
 def result(module, fixture):
     """The child's ``subprocess.CompletedProcess`` (text output), waiting for it to end."""
     key = (module, fixture)
-    _start(key)
+    _start(key, nice=0)
     proc, out, err = _running[key]
     try:
         proc.wait(timeout=CHILDREN[key][2])

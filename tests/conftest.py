@@ -73,15 +73,28 @@ QUICK = {
 }
 
 
+# (test module, fixture): module-scoped fixtures that cost minutes (a background child, a Horovod
+# job). Under pytest-xdist the tests that read one form one xdist_group: one worker makes it once.
+SHARED = set(children.CHILDREN) | {("test_examples", "driver_job")}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Mark the fast tier's tests ``quick`` (before ``-m`` selects on the markers)."""
+    """Mark the fast tier's tests ``quick`` (before ``-m`` selects on the markers), group the
+    readers of each :data:`SHARED` fixture, and order the modules."""
     taken = {name: 0 for name in QUICK}
     for item in items:
+        shared = next((f for f in getattr(item, "fixturenames", ()) if (item.path.stem, f) in SHARED), None)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}.{shared}"))
         base = item.nodeid.split("[", 1)[0]
         if base in QUICK and (QUICK[base] == 0 or taken[base] < QUICK[base]):
             taken[base] += 1
             item.add_marker(pytest.mark.quick)
+    # the modules of multi-process jobs first, whole: under xdist the in-process grids of short cases
+    # come last and keep both workers busy to the end
+    heavy = {item.path for item in items if item.get_closest_marker("multiproc")}
+    items.sort(key=lambda item: item.path not in heavy)
     if "quick" not in (config.getoption("markexpr") or ""):
         return
     root = config.rootpath
@@ -94,7 +107,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    children.start(session.items)
+    if "PYTEST_XDIST_WORKER" not in os.environ:     # under xdist the group's worker starts it
+        children.start(session.items)
 
 
 def pytest_sessionfinish(session):

@@ -12,7 +12,6 @@
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -415,9 +414,10 @@ def test_cpu_every_width_equal_reference(cpu, n, bs, bits):
 
 
 # the 64-bit word pack's head depends on gcd(bits, 8): an odd width (3), 2 (6) and 4 (12), each at
-# every offset class of the payload; at 70001 elements (parallel chunks) three more widths
+# every offset class of the payload; at 70001 elements (parallel chunks) odd widths of three classes
+# mod 8, those whose parallel kernels the cases above compile anyway (each width is a compile)
 ALIGN_CASES = ([(4097, bits, off) for bits in (3, 6, 12) for off in (0, 1, 4, 6)]
-               + [(70001, 5, 1), (70001, 13, 4), (70001, 15, 6)])
+               + [(70001, 3, 1), (70001, 13, 4), (70001, 7, 6)])
 
 
 @pytest.mark.parametrize("n,bits,off", ALIGN_CASES, ids=[f"n{n}-b{b}-at{o}" for n, b, o in ALIGN_CASES])
@@ -614,27 +614,6 @@ def test_wide_marks_only_the_function_that_calls_it():
     assert wide(1) == plain(1) == 2
     assert '"prefer-vector-width"="512"' in wide.inspect_llvm(wide.signatures[0])
     assert "prefer-vector-width" not in plain.inspect_llvm(plain.signatures[0])
-
-
-def test_cpu_import_writes_nothing_in_the_package(tmp_path):
-    """Importing numba_kernels.cpu (and compiling) writes nothing next to the sources but Python's
-    own bytecode; with NUMBA_CACHE_DIR, Numba's cache goes there."""
-    pkg = ROOT / "numba_kernels"
-    before = {p: p.stat().st_mtime_ns for p in pkg.rglob("*") if "__pycache__" not in p.parts}
-    cache_before = {p.name for p in (pkg / "__pycache__").glob("*")} if (pkg / "__pycache__").exists() else set()
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONDONTWRITEBYTECODE="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = ("import numpy as np, numba_kernels as nk; p = np.zeros(64 + 4 + 4, np.uint8); "
-            "nk.prepare('qsgd', 'decode', False, 1, bits=4, bucket_size=8, accumulate=False)"
-            "(p, np.zeros(1, np.float32))")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    after = {p: p.stat().st_mtime_ns for p in pkg.rglob("*") if "__pycache__" not in p.parts}
-    assert after == before
-    cache_after = {p.name for p in (pkg / "__pycache__").glob("*")} if (pkg / "__pycache__").exists() else set()
-    assert {n for n in cache_after - cache_before if not n.endswith(".pyc")} == set()
-    assert any(tmp_path.rglob("*.nbi"))
 
 
 def test_header_check_reference():

@@ -50,10 +50,13 @@ def test_ranks_configured_differently_fail_fast(controller):
     result = run_horovod("tf_mismatch.py", np=NP, controller=controller, timeout=240)
     assert_all_ranks_passed(result, NP)
     # ok = raised an error whose message says "configured differently" (checked in the worker);
-    # seconds = from the call to the error, tracing excluded.
+    # seconds = from the call to the error, our tracing excluded. The stock tape's span also holds
+    # Horovod's first trace of its own allreduce subgraph, which no public call separates (9-19 s
+    # seen on the 2-core machine beside another test job): those cases prove "fails, no hang" only.
     lines = re.findall(r"MISMATCH r(\d+) (\S+) ([\d.]+) (ok|FAIL)", result.stdout)
     cases = {c for _, c, _, _ in lines}
     assert len(cases) >= 13, cases
     for rank, case, seconds, status in lines:
-        assert status == "ok" and float(seconds) < 10, (rank, case, seconds, result.stdout[-3000:])
+        limit = 60 if case.startswith("stocktape") else 10
+        assert status == "ok" and float(seconds) < limit, (rank, case, seconds, result.stdout[-3000:])
     assert {(int(r), c) for r, c, _, _ in lines} == {(r, c) for r in range(NP) for c in cases}
