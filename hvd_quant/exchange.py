@@ -104,8 +104,9 @@ class Collectives:
     allows, ``op`` one of :data:`AVERAGE` / :data:`SUM`.
     ``synchronize(handle)``: waits and returns the result tensor (alltoall: the data, not the splits).
     ``poll(handle)`` (optional): True once the collective has completed, without waiting.
-    ``levels()`` (optional, the global set): ``(local, cross)``, the Collectives of this rank's node and of the ranks with its local rank on every node,
-    None where a level has one rank (``reduction="two_level"``).
+    ``levels()`` (optional, the global set): ``(local, cross)``, the Collectives of this rank's node
+    and of the ranks with its local rank on every node, None where a level has one rank
+    (``reduction="two_level"``).
     """
     rank: int
     size: int
