@@ -73,6 +73,9 @@ QUICK = {
 }
 
 
+# The modules whose tests compile every CPU kernel (pytest_collection_modifyitems runs them first).
+COMPILE_FIRST = {"test_kernels", "test_fused_kernels", "test_codecs"}
+
 # (test module, fixture): module-scoped fixtures that cost minutes (a background child, a Horovod
 # job). Under pytest-xdist the tests that read one form one xdist_group: one worker makes it once.
 SHARED = set(children.CHILDREN) | {("test_examples", "driver_job")}
@@ -91,10 +94,14 @@ def pytest_collection_modifyitems(config, items):
         if base in QUICK and (QUICK[base] == 0 or taken[base] < QUICK[base]):
             taken[base] += 1
             item.add_marker(pytest.mark.quick)
-    # the modules of multi-process jobs first, whole: under xdist the in-process grids of short cases
-    # come last and keep both workers busy to the end
+    # the kernel grids first: each CPU kernel is compiled once, in one process, into Numba's on-disk
+    # cache, and the multi-process jobs after them load it instead of compiling it in every rank at
+    # once (a cold compile holds the GIL for seconds at a time, and Horovod's background thread needs
+    # the GIL to free a tensor whose Python object is gone: ranks compiling on 2 cores stalled a
+    # 3-rank job past Gloo's timeout). Then the modules of multi-process jobs, whole; the in-process
+    # rest last keeps both workers busy to the end under xdist.
     heavy = {item.path for item in items if item.get_closest_marker("multiproc")}
-    items.sort(key=lambda item: item.path not in heavy)
+    items.sort(key=lambda item: 0 if item.path.stem in COMPILE_FIRST else 1 if item.path in heavy else 2)
     if "quick" not in (config.getoption("markexpr") or ""):
         return
     root = config.rootpath

@@ -11,6 +11,7 @@ ranks when it does not.
 ``run_driver(runs, tmp_path)`` runs several runs of the PyTorch example driver in one 2-rank job, so
 the world and the imports start once for all of them.
 """
+import functools
 import json
 import os
 import re
@@ -37,6 +38,19 @@ def _tool(name):
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def _gloo_built():
+    """Horovod's own probe (a forked process that imports its extensions), once per test process."""
+    from horovod.common.util import gloo_built
+    return bool(gloo_built())
+
+
+def horovodrun():
+    """The launcher of Gloo jobs: tests/horovodrun.py (Horovod's launcher; its build probe answered
+    by :func:`_gloo_built`, see ``horovod_env``)."""
+    return [sys.executable, str(Path(__file__).resolve().parent / "horovodrun.py")]
+
+
 def horovod_env(extra=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -44,9 +58,13 @@ def horovod_env(extra=None):
     # Fail fast instead of hanging when ranks disagree on what to exchange.
     env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "5")
     env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
-    # Gloo gives up on a peer after 30 s by default; on 2 shared cores one rank's first Numba compiles
-    # have stalled its Horovod thread that long (a CI run's 3-rank job), which is not a hang.
-    env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "120")
+    # Gloo gives up on a peer after 30 s by default. A rank's Horovod thread waits for the GIL where
+    # it frees a tensor whose Python object is gone, and a cold Numba compile holds the GIL for
+    # seconds at a time: on 2 shared cores, ranks compiling at once stalled a 3-rank job for over
+    # 120 s (CI, a cold cache; tests/conftest.py now compiles the kernels first), which is not a hang.
+    env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "300")
+    if _gloo_built():
+        env["HVDQ_GLOO_BUILT"] = "1"       # tests/horovodrun.py: no probe at every launch
     # Keep each rank on one thread: 2 cores are shared by all ranks.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         env.setdefault(var, "1")
@@ -79,7 +97,7 @@ def horovod_command(script, np=2, controller="gloo", args=(), nodes=1):
         raise ValueError(f"emulated nodes: 2 nodes of equal size, got np={np}, nodes={nodes}")
     hosts = [f"{h}:{np // nodes}" for h in NODE_HOSTS[controller][:nodes]] if nodes > 1 else None
     if controller == "gloo":
-        return [_tool("horovodrun"), "-np", str(np), "-H", ",".join(hosts or [f"localhost:{np}"]),
+        return [*horovodrun(), "-np", str(np), "-H", ",".join(hosts or [f"localhost:{np}"]),
                 "--gloo", *py]
     if controller == "mpi":
         where = ["-H", ",".join(hosts), "--mca", "plm_rsh_agent", str(MPI_AGENT), "-x", "PATH",

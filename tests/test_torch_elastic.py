@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from launch import _tool, run_command
+from launch import horovodrun, run_command
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.torch]
 
@@ -30,7 +30,7 @@ def _elastic_job(tmp_path, mode, worker="torch_elastic.py", steps=STEPS, group=N
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat '{hosts}'\n")
     discover.chmod(discover.stat().st_mode | stat.S_IXUSR)
-    cmd = [_tool("horovodrun"), "--gloo", "-np", "2", "--min-np", "2", "--max-np", "3",
+    cmd = [*horovodrun(), "--gloo", "-np", "2", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", str(discover), "--elastic-timeout", "60",
            "--start-timeout", "60", "--network-interface", "lo",
            sys.executable, f"tests/workers/{worker}", mode]
