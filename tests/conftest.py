@@ -90,6 +90,12 @@ def pytest_collection_modifyitems(config, items):
         shared = next((f for f in getattr(item, "fixturenames", ()) if (item.path.stem, f) in SHARED), None)
         if shared:
             item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}.{shared}"))
+        elif item.get_closest_marker("multiproc"):
+            # one lane for the multi-process jobs: under xdist one worker runs them one at a time
+            # while the other takes the in-process tests, so at most one job's ranks share the 2
+            # cores with one other test (two jobs at once slowed both 2-4x and stalled ranks past
+            # Horovod's stall shutdown)
+            item.add_marker(pytest.mark.xdist_group("multiproc"))
         base = item.nodeid.split("[", 1)[0]
         if base in QUICK and (QUICK[base] == 0 or taken[base] < QUICK[base]):
             taken[base] += 1

@@ -55,9 +55,10 @@ def horovod_env(extra=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
-    # Fail fast instead of hanging when ranks disagree on what to exchange.
+    # Name stalled tensors after 5 s; end a job stalled for 300 s (the tests' own timeouts are longer)
+    # instead of hanging. Not 30 s: ranks compiling kernels cold on 2 shared cores were that late.
     env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "5")
-    env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
+    env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "300")
     # Gloo gives up on a peer after 30 s by default. A rank's Horovod thread waits for the GIL where
     # it frees a tensor whose Python object is gone, and a cold Numba compile holds the GIL for
     # seconds at a time: on 2 shared cores, ranks compiling at once stalled a 3-rank job for over
