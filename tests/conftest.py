@@ -100,12 +100,12 @@ def pytest_collection_modifyitems(config, items):
         if base in QUICK and (QUICK[base] == 0 or taken[base] < QUICK[base]):
             taken[base] += 1
             item.add_marker(pytest.mark.quick)
-    # the kernel grids first: each CPU kernel is compiled once, in one process, into Numba's on-disk
-    # cache, and the multi-process jobs after them load it instead of compiling it in every rank at
-    # once (a cold compile holds the GIL for seconds at a time, and Horovod's background thread needs
-    # the GIL to free a tensor whose Python object is gone: ranks compiling on 2 cores stalled a
-    # 3-rank job past Gloo's timeout). Then the modules of multi-process jobs, whole; the in-process
-    # rest last keeps both workers busy to the end under xdist.
+    # In one process (-n 0): the kernel grids first, so each CPU kernel is compiled once into Numba's
+    # on-disk cache and the multi-process jobs load it instead of compiling it in every rank at once
+    # (a cold compile holds the GIL for seconds at a time, and Horovod's background thread needs the
+    # GIL to free a tensor whose Python object is gone), then the jobs, then the rest. Under xdist
+    # --dist loadgroup hands out the largest groups first, so the lane starts early on its worker
+    # whatever this order; within the lane the jobs keep it.
     heavy = {item.path for item in items if item.get_closest_marker("multiproc")}
     items.sort(key=lambda item: 0 if item.path.stem in COMPILE_FIRST else 1 if item.path in heavy else 2)
     if "quick" not in (config.getoption("markexpr") or ""):

@@ -61,8 +61,9 @@ def horovod_env(extra=None):
     env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "300")
     # Gloo gives up on a peer after 30 s by default. A rank's Horovod thread waits for the GIL where
     # it frees a tensor whose Python object is gone, and a cold Numba compile holds the GIL for
-    # seconds at a time: on 2 shared cores, ranks compiling at once stalled a 3-rank job for over
-    # 120 s (CI, a cold cache; tests/conftest.py now compiles the kernels first), which is not a hang.
+    # seconds at a time: on 2 shared cores, ranks compiling at once beside another job stalled a
+    # 3-rank job for over 120 s (CI, a cold cache; tests/conftest.py now runs one job at a time),
+    # which is not a hang.
     env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "300")
     if _gloo_built():
         env["HVDQ_GLOO_BUILT"] = "1"       # tests/horovodrun.py: no probe at every launch
