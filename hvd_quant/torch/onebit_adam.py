@@ -129,6 +129,7 @@ class OneBitAdam(torch.optim.Optimizer):
                                  predivide=None, extra=(("optimizer", "OneBitAdam"),
                                                         ("freeze_step", self.freeze_step)))
         self._memory = Memory(OPS)
+        self._denominators = {}     # parameter -> (what it was made from, Adam's frozen denominator)
         self._exchange = None       # made at the first compressed step
         self._coll = None           # the process set's Collectives the ranks last agreed on
         self.last_traffic = Traffic()
@@ -253,9 +254,9 @@ class OneBitAdam(torch.optim.Optimizer):
                             header=b.header)
                    for b, ps in zip(self.buckets, self._bucket_params)]
         for b, ps, out in zip(self.buckets, self._bucket_params, ex.finish_all(pending)):
-            out = OPS.scale_(out, 1.0 / coll.size)
-            for k, p in enumerate(ps):
-                self.state[p]["exp_avg"].copy_(out[b.offsets[k]:b.offsets[k + 1]].view_as(p))
+            for k, p in enumerate(ps):     # the average, written into the momentum in one pass
+                torch.mul(out[b.offsets[k]:b.offsets[k + 1]].view_as(p), 1.0 / coll.size,
+                          out=self.state[p]["exp_avg"])
         traffic.add(ex.traffic)
 
     def _update(self, p, g, t):
@@ -276,8 +277,19 @@ class OneBitAdam(torch.optim.Optimizer):
             bc1, bc2 = 1 - b1 ** t, 1 - b2 ** min(t, self.freeze_step)
         else:
             bc1 = bc2 = 1.0
-        denom = (v.sqrt() / bc2 ** 0.5).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / bc1)
+        p.addcdiv_(m, self._denominator(p, v, bc2, eps, frozen=t > self.freeze_step), value=-lr / bc1)
+
+    def _denominator(self, p, v, bc2, eps, frozen):
+        """``sqrt(v / bc2) + eps``. Once the variance is frozen it is kept (one more parameter-sized
+        buffer) until ``v``, ``bc2`` or ``eps`` change: three of the step's passes over memory fewer.
+        ``v._version`` counts in-place writes (a broadcast into the state, for one)."""
+        if not frozen:
+            return (v.sqrt() / bc2 ** 0.5).add_(eps)
+        key = (v.data_ptr(), v._version, bc2, eps)
+        kept = self._denominators.get(p)
+        if kept is None or kept[0] != key:
+            kept = self._denominators[p] = (key, (v.sqrt() / bc2 ** 0.5).add_(eps))
+        return kept[1]
 
     # -- traffic and state ----------------------------------------------------------------------------
     def bytes_per_step(self):
@@ -301,6 +313,7 @@ class OneBitAdam(torch.optim.Optimizer):
         ours = state_dict.pop(_STATE_KEY, None)
         super().load_state_dict(state_dict)
         self._memory.clear()
+        self._denominators.clear()
         if ours is not None:
             device = self._params[0].device if self._params else torch.device("cpu")
             restore_residuals(self._memory, self.buckets, dict(ours["worker_residuals"]),
