@@ -129,6 +129,7 @@ class OneBitAdam(torch.optim.Optimizer):
                                  predivide=None, extra=(("optimizer", "OneBitAdam"),
                                                         ("freeze_step", self.freeze_step)))
         self._memory = Memory(OPS)
+        self._flat_momenta = {}     # bucket name -> the buffer its momenta travel from
         self._denominators = {}     # parameter -> (what it was made from, Adam's frozen denominator)
         self._exchange = None       # made at the first compressed step
         self._coll = None           # the process set's Collectives the ranks last agreed on
@@ -208,9 +209,7 @@ class OneBitAdam(torch.optim.Optimizer):
         if t <= self.freeze_step:
             grads = self._average(coll, grads, traffic)
         else:
-            for p, g in zip(self._params, grads):
-                self._momentum(p, g)
-            self._exchange_momentum(coll, t, traffic)
+            self._exchange_momentum(coll, grads, t, traffic)
         for p, g in zip(self._params, grads):
             self._update(p, g, t)
         self.last_traffic = traffic
@@ -234,29 +233,37 @@ class OneBitAdam(torch.optim.Optimizer):
                 out[index[p]] = flat[b.offsets[k]:b.offsets[k + 1]].view_as(p)
         return out
 
-    def _momentum(self, p, g):
-        """After the freeze: this rank's momentum from its own gradient (L2 decay in the gradient)."""
+    def _momentum(self, p, g, out):
+        """After the freeze: this rank's momentum from its own gradient (L2 decay in the gradient),
+        written into ``out``."""
         group = self._group[p]
         if group["weight_decay"] and not group["decoupled_weight_decay"]:
             g = g.add(p, alpha=group["weight_decay"])
-        self.state[p]["exp_avg"].lerp_(g, 1 - group["betas"][0])
+        torch.lerp(self.state[p]["exp_avg"], g, 1 - group["betas"][0], out=out)
 
-    def _exchange_momentum(self, coll, t, traffic):
-        """The momentum of every bucket averaged in 1 bit (SRA, worker and server error feedback)."""
+    def _exchange_momentum(self, coll, grads, t, traffic):
+        """Each rank's momentum, written straight into one kept buffer per bucket, averaged in 1 bit
+        (SRA, worker and server error feedback) into every parameter's ``exp_avg``."""
         if coll.size == 1:
+            for p, g in zip(self._params, grads):
+                self._momentum(p, g, self.state[p]["exp_avg"])
             return
         if self._exchange is None:
             self._exchange = Exchange(self.codec, coll, OPS, reduction="sra", memory=self._memory,
                                       prefix=self._prefix, reuse_result=True)
         ex = self._exchange
         ex.traffic.reset()
-        pending = [ex.start(b.name, OPS.flatten([self.state[p]["exp_avg"] for p in ps]), step=t,
-                            header=b.header)
-                   for b, ps in zip(self.buckets, self._bucket_params)]
+        pending = []
+        for b, ps in zip(self.buckets, self._bucket_params):
+            flat = self._flat_momenta.get(b.name)
+            if flat is None:
+                flat = self._flat_momenta[b.name] = torch.empty(b.numel, device=ps[0].device)
+            for i, p, a, z in zip(b.members, ps, b.offsets, b.offsets[1:]):
+                self._momentum(p, grads[i], flat[a:z].view_as(p))
+            pending.append(ex.start(b.name, flat, step=t, header=b.header))
         for b, ps, out in zip(self.buckets, self._bucket_params, ex.finish_all(pending)):
-            for k, p in enumerate(ps):     # the average, written into the momentum in one pass
-                torch.mul(out[b.offsets[k]:b.offsets[k + 1]].view_as(p), 1.0 / coll.size,
-                          out=self.state[p]["exp_avg"])
+            for p, a, z in zip(ps, b.offsets, b.offsets[1:]):     # the average into the momentum
+                torch.mul(out[a:z].view_as(p), 1.0 / coll.size, out=self.state[p]["exp_avg"])
         traffic.add(ex.traffic)
 
     def _update(self, p, g, t):
