@@ -21,7 +21,9 @@ gradients through the plan, scheduler and exchange of ``hvd_quant.torch.Distribu
    results are written into the buffers of the step's DDP buckets, whose futures are then complete.
 
 ``warmup_steps``, and steps where ``reduction="auto"`` runs (or chose) fp32 allreduce, reduce each
-bucket as DDP itself does, to the bit (buffer * (1/N), then a Sum allreduce). Buckets whose dtype is
+bucket as DDP itself does, to the bit (buffer * (1/N), then a Sum allreduce). While ``auto`` times
+its candidates, such a step waits for its allreduces at DDP's last bucket, as an exchange does, so
+that each step's time holds its own communication and not the step before's. Buckets whose dtype is
 not floating point take that allreduce too; a process group of one rank gets its buffer back as it is.
 """
 import time
@@ -144,6 +146,7 @@ class DDPCommState:
         self._params = ()               # the planned parameters (their ids key _spots)
         self._layout = []               # the first step's DDP buckets' parameters, until planned
         self._held = []                 # this step's (future, buffer, parameters) for the scheduler
+        self._allreduced = []           # this step's futures of DDP's own allreduce
         self._open = False              # a step is under way
         self._compress = False          # this step's buckets go through the scheduler
         self._t0 = None
@@ -169,6 +172,7 @@ class DDPCommState:
                     self._arrive(buf, self._held[-1][2])
             else:
                 fut = self._allreduce(buf)
+                self._allreduced.append(fut)
         if bucket.is_last():
             self._end_step()
         return fut
@@ -221,7 +225,11 @@ class DDPCommState:
                         self._arrive(buf, params)
         if self._held:
             self._finish_held()
+        allreduced, self._allreduced = self._allreduced, []
         if self._sched is not None:
+            if self._sched.auto is not None and self._sched.auto.choice is None:
+                for fut in allreduced:  # auto times this step: its allreduces end in it, as an
+                    fut.wait()          # exchange does (else they fall into the next step's time)
             self._sched.end_step(timed=self.step >= self.config.warmup_steps)
         self.step += 1
         self.traffic.seconds = time.perf_counter() - self._t0

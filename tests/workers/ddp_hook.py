@@ -22,7 +22,7 @@ DDP's own allreduce (the reference), and checks:
   of the summed local gradients.
 * ``unused``: ``find_unused_parameters=True`` with a parameter outside the forward pass.
 * ``auto``: ``reduction="auto"`` decides after its 18 steps, the same on every rank (the test counts
-  rank 0's one printed line).
+  rank 0's one printed line); a step it times on DDP's allreduce ends with its allreduces done.
 * ``bad``: an unknown codec spec and a bad reduction raise ValueError naming them.
 """
 import copy
@@ -263,7 +263,20 @@ def test_unused():
 def test_auto():
     model, state = ours(Q4D, reduction="auto")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    run_steps(model, opt, 0, 20)
+    run_steps(model, opt, 0, 1)
+    # a step timed on DDP's allreduce ends with its allreduces done (else their wait falls into the
+    # next candidate's time, and allreduce measures nearly free on any link)
+    launched, allreduce, late = [], state._allreduce, []
+    state._allreduce = lambda buf: launched.append(allreduce(buf)) or launched[-1]
+    auto, clock = state._sched.auto, state._sched.auto.clock
+
+    def read_clock():
+        late.extend(f for f in launched if not f.done())
+        launched.clear()
+        return clock()
+    auto.clock = read_clock
+    run_steps(model, opt, 1, 20)
+    check(not late, "auto: a step timed on allreduce holds its allreduces", f"{len(late)} not done")
     choice = WORLD.allgather_object(state.reduction_in_use())
     check(len(set(choice)) == 1 and state._sched.auto.choice is not None, "auto: one choice on every rank",
           str(choice))
