@@ -41,6 +41,8 @@ from ._backend import OPS, wait_for
 __all__ = ["ddp_comm_hook", "DDPCommState", "collectives"]
 
 _PREFIX = "hvdq.ddp"
+# torch 2.13 renamed all_gather_into_tensor (since deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Work:
@@ -82,8 +84,8 @@ def collectives(process_group=None):
     def allgather_async(t, name):
         t = on_device(t)
         sizes = torch.empty(size, dtype=torch.int64, device=t.device)
-        dist.all_gather_single(sizes, torch.tensor([t.numel()], dtype=torch.int64, device=t.device),
-                                    group=pg)
+        _all_gather_single(sizes, torch.tensor([t.numel()], dtype=torch.int64, device=t.device),
+                           group=pg)
         sizes = sizes.tolist()
         each = max(sizes)
         if t.numel() != each:
@@ -91,7 +93,7 @@ def collectives(process_group=None):
             padded[:t.numel()].copy_(t)
             t = padded
         out = t.new_empty(each * size)
-        work = dist.all_gather_single(out, t, group=pg, async_op=True)
+        work = _all_gather_single(out, t, group=pg, async_op=True)
         if all(s == each for s in sizes):
             return _Work(work, out)
         return _Work(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
@@ -244,17 +246,22 @@ class DDPCommState:
                 fut.set_result(self._allreduce(buf).wait())
             return
         sched, out = self._sched, {}
+        scale = 1.0 / self._coll.size   # the buckets' sums, averaged as they are written back
         for k, pieces in sched.finish_started():
-            out.update(zip(self._bucket_ids[k], pieces))
+            out.update((i, (piece, scale)) for i, piece in zip(self._bucket_ids[k], pieces))
         for j in sched.plain_started():
             pieces = sched.plain_result(j)
-            out.update(zip(self._plain_ids[j], pieces))
+            out.update((i, (piece, None)) for i, piece in zip(self._plain_ids[j], pieces))
             sched.take_plain(j, len(pieces))
         for fut, buf, params in held:
             off = 0
             for p in params:
                 n = p.numel()
-                buf[off:off + n].copy_(out[id(p)])
+                piece, factor = out[id(p)]
+                if factor is None:
+                    buf[off:off + n].copy_(piece)
+                else:
+                    torch.mul(piece, factor, out=buf[off:off + n])
                 off += n
             fut.set_result(buf)
 
@@ -277,7 +284,7 @@ class DDPCommState:
             plan, [(f"{_PREFIX}.plain.{j}", [ordered[i].numel() for i in g]) for j, g in enumerate(groups)],
             ops=OPS, exchange_for=self._exchange_for, traffic=self.traffic,
             numbering=lambda b: (self.step, None), split=lambda flat, sizes: flat.split(sizes),
-            average=True, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
+            average=False, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
             wait_device=lambda: wait_for(params[0].device))
         sched.bind(self._coll)
         self._plan, self._sched = plan, sched
