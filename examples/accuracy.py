@@ -227,7 +227,8 @@ def kept_rows(cfg, data_dir, todo):
         for r in csv.DictReader(open(raw)):
             r = {k: (_NUMBERS[k](v) if k in _NUMBERS and v not in ("", None) else (v or None))
                  for k, v in r.items()}
-            if (r["experiment"], r["precision"], r["seed"]) in again and r["status"] == "ok":
+            again_now = (r["experiment"], r["precision"], r["seed"]) in again
+            if again_now and not r["status"].startswith("superseded"):     # ok or failed alike
                 r["status"] = "superseded (run again)"
             mine.append(r)
         rows += mine
