@@ -68,9 +68,8 @@ def collectives(process_group=None):
     Its collectives match across ranks by order, not by name, so the caller issues them in one order
     on every rank: the scheduler does, given hooks that come in DDP's bucket order. It has no
     ``poll``: an SRA exchange polled while backward runs would start its second phase at a moment,
-    and so in an order, that differs between ranks. ``allgather_async`` pads each payload to the
-    longest, its lengths given by the caller (the exchange) or gathered first (one small blocking
-    allgather); ``alltoall_async`` takes
+    and so in an order, that differs between ranks. ``allgather_async`` gathers the lengths first
+    (one small blocking allgather) and pads each payload to the longest; ``alltoall_async`` takes
     the received lengths to be this rank's split on every rank (the plans are equal: the handshake
     checks). On NCCL, host tensors (the handshake, auto's record) travel on the current CUDA device.
     """
@@ -82,13 +81,12 @@ def collectives(process_group=None):
     def on_device(t):
         return t if device is None or t.device == device else t.to(device)
 
-    def allgather_async(t, name, sizes=None):
+    def allgather_async(t, name):
         t = on_device(t)
-        if sizes is None:           # (a blocking allgather of the lengths: a sync point)
-            sizes = torch.empty(size, dtype=torch.int64, device=t.device)
-            _all_gather_single(sizes, torch.tensor([t.numel()], dtype=torch.int64, device=t.device),
-                               group=pg)
-            sizes = sizes.tolist()
+        sizes = torch.empty(size, dtype=torch.int64, device=t.device)
+        _all_gather_single(sizes, torch.tensor([t.numel()], dtype=torch.int64, device=t.device),
+                           group=pg)
+        sizes = sizes.tolist()
         each = max(sizes)
         if t.numel() != each:
             padded = t.new_zeros(each)
