@@ -35,6 +35,7 @@ byte, its perplexity and bits per byte, and the next-byte accuracy as ``test acc
 ``--task imagenet`` trains on one synthetic batch kept on the device (like Horovod's
 ``pytorch_synthetic_benchmark.py``) for ``--max-steps`` steps (default 200) and has no test pass.
 """
+import gc
 import math
 import os
 import sys
@@ -481,10 +482,20 @@ class TorchDistributed:
     ``horovod.torch`` otherwise, over a ``torch.distributed`` process group."""
     Sum = "sum"
 
+    closed = False
+
     def __init__(self, backend):
         import torch.distributed as dist
         dist.init_process_group(backend)
         self.dist, self.backend = dist, backend
+
+    def close(self):
+        """The models' DDP hooks freed while the group lives, then no rank tearing its connections
+        down while another still uses them."""
+        gc.collect()
+        self.dist.barrier()
+        self.dist.destroy_process_group()
+        TorchDistributed.closed = True
 
     def rank(self):
         return self.dist.get_rank()
@@ -568,11 +579,16 @@ def main(argv=None):
         for name in args.models:
             run_model(name, args, hvd, ds, log, device)
         if args.frontend == "ddp":
-            hvd.dist.destroy_process_group()
+            hvd.close()
     finally:
         log.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if TorchDistributed.closed:     # torch.distributed's exit-time teardown has aborted ranks after
+        sys.stdout.flush()          # the run ("terminate called without an active exception"):
+        sys.stderr.flush()          # everything is written, so leave without it
+        os._exit(code)
+    sys.exit(code)

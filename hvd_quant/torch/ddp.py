@@ -246,22 +246,17 @@ class DDPCommState:
                 fut.set_result(self._allreduce(buf).wait())
             return
         sched, out = self._sched, {}
-        scale = 1.0 / self._coll.size   # the buckets' sums, averaged as they are written back
         for k, pieces in sched.finish_started():
-            out.update((i, (piece, scale)) for i, piece in zip(self._bucket_ids[k], pieces))
+            out.update(zip(self._bucket_ids[k], pieces))
         for j in sched.plain_started():
             pieces = sched.plain_result(j)
-            out.update((i, (piece, None)) for i, piece in zip(self._plain_ids[j], pieces))
+            out.update(zip(self._plain_ids[j], pieces))
             sched.take_plain(j, len(pieces))
         for fut, buf, params in held:
             off = 0
             for p in params:
                 n = p.numel()
-                piece, factor = out[id(p)]
-                if factor is None:
-                    buf[off:off + n].copy_(piece)
-                else:
-                    torch.mul(piece, factor, out=buf[off:off + n])
+                buf[off:off + n].copy_(out[id(p)])
                 off += n
             fut.set_result(buf)
 
@@ -284,7 +279,7 @@ class DDPCommState:
             plan, [(f"{_PREFIX}.plain.{j}", [ordered[i].numel() for i in g]) for j, g in enumerate(groups)],
             ops=OPS, exchange_for=self._exchange_for, traffic=self.traffic,
             numbering=lambda b: (self.step, None), split=lambda flat, sizes: flat.split(sizes),
-            average=False, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
+            average=True, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
             wait_device=lambda: wait_for(params[0].device))
         sched.bind(self._coll)
         self._plan, self._sched = plan, sched
