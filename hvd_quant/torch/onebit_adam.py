@@ -79,6 +79,10 @@ class OneBitAdam(torch.optim.Optimizer):
             Default ``OneBit(bucket_size=1024)``: about 1.06 bits per element (1/30 of fp32).
         process_set: the Horovod process set the ranks average over (this rank must be in it).
 
+    Memory: Adam's two state tensors per parameter, and from the freeze on two more parameter-sized
+    buffers (the frozen denominator, kept instead of recomputed every step, and one flat momentum
+    buffer per bucket), besides the error-feedback residuals.
+
     Raises ``ValueError`` at construction for bad arguments, and in ``step()`` for sparse gradients
     and for parameters added or removed once the variance is frozen (before, the buckets are planned
     again). Example::
