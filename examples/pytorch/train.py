@@ -35,7 +35,6 @@ byte, its perplexity and bits per byte, and the next-byte accuracy as ``test acc
 ``--task imagenet`` trains on one synthetic batch kept on the device (like Horovod's
 ``pytorch_synthetic_benchmark.py``) for ``--max-steps`` steps (default 200) and has no test pass.
 """
-import gc
 import math
 import os
 import sys
@@ -482,20 +481,13 @@ class TorchDistributed:
     ``horovod.torch`` otherwise, over a ``torch.distributed`` process group."""
     Sum = "sum"
 
-    closed = False
+    started = False     # the job ends through hvd_quant.torch.ddp.shutdown (the end of this file)
 
     def __init__(self, backend):
         import torch.distributed as dist
         dist.init_process_group(backend)
         self.dist, self.backend = dist, backend
-
-    def close(self):
-        """The models' DDP hooks freed while the group lives, then no rank tearing its connections
-        down while another still uses them."""
-        gc.collect()
-        self.dist.barrier()
-        self.dist.destroy_process_group()
-        TorchDistributed.closed = True
+        TorchDistributed.started = True
 
     def rank(self):
         return self.dist.get_rank()
@@ -578,8 +570,6 @@ def main(argv=None):
     try:
         for name in args.models:
             run_model(name, args, hvd, ds, log, device)
-        if args.frontend == "ddp":
-            hvd.close()
     finally:
         log.close()
     return 0
@@ -587,8 +577,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     code = main()
-    if TorchDistributed.closed:     # torch.distributed's exit-time teardown has aborted ranks after
-        sys.stdout.flush()          # the run ("terminate called without an active exception"):
-        sys.stderr.flush()          # everything is written, so leave without it
-        os._exit(code)
+    if TorchDistributed.started:    # barrier, group destroyed, then leave without torch.distributed's
+        from hvd_quant.torch.ddp import shutdown    # exit-time teardown, which has aborted ranks
+        shutdown(exit_code=code)
     sys.exit(code)

@@ -439,14 +439,8 @@ def main(argv=None):
     if launcher == "horovod":
         hvd.shutdown()
     elif launcher == "ddp":
-        import gc
-        import torch.distributed as dist
-        gc.collect()                # the model's DDP hook freed while the group lives
-        dist.barrier()
-        dist.destroy_process_group()
-        sys.stdout.flush()          # torch.distributed's exit-time teardown has aborted ranks after
-        sys.stderr.flush()          # the run ("terminate called without an active exception"):
-        os._exit(0)                 # everything is written, so leave without it
+        from hvd_quant.torch.ddp import shutdown
+        shutdown(exit_code=0)
     return 0
 
 

@@ -26,6 +26,9 @@ its candidates, such a step waits for its allreduces at DDP's last bucket, as an
 that each step's time holds its own communication and not the step before's. Buckets whose dtype is
 not floating point take that allreduce too; a process group of one rank gets its buffer back as it is.
 """
+import gc
+import os
+import sys
 import time
 
 import torch
@@ -38,7 +41,7 @@ from ..memory import Memory
 from ..scheduler import StepScheduler, step_metrics
 from ._backend import OPS, wait_for
 
-__all__ = ["ddp_comm_hook", "DDPCommState", "collectives"]
+__all__ = ["ddp_comm_hook", "DDPCommState", "collectives", "shutdown"]
 
 _PREFIX = "hvdq.ddp"
 # torch 2.13 renamed all_gather_into_tensor (since deprecated) to all_gather_single
@@ -379,3 +382,19 @@ def ddp_comm_hook(codec, reduction="auto", error_feedback=None, warmup_steps=0, 
                              min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                              warmup_steps=warmup_steps, error_feedback=error_feedback, op=AVERAGE)
     return DDPCommState(config, process_group), _hook
+
+
+def shutdown(exit_code=None):
+    """End a ``torch.distributed`` job that ran the hook (or FSDP's): the hooks' last collectives freed
+    while the default process group lives (``gc.collect()``), a barrier, so that no rank tears its
+    connections down while another still uses them, and the group destroyed. With ``exit_code``,
+    stdout and stderr are flushed and the process leaves at once (``os._exit``): after a finished run,
+    torch.distributed's exit-time teardown of its remaining objects has aborted ranks ("terminate
+    called without an active exception"), turning a good run into a failed job."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    if exit_code is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)

@@ -2,11 +2,9 @@
 
 Every check prints one ``CHECK ok|FAIL name: detail`` line; ``run`` turns an exception in a group of
 checks into a failed check instead of ending the run; ``finish`` prints this rank's ``RESULT`` line,
-rank 0 a ``SUMMARY`` of every rank, shuts Horovod down and exits 1 if anything failed (through the
-``hvd`` object's ``exit`` where it has one).
+rank 0 a ``SUMMARY`` of every rank, shuts Horovod (or the torch.distributed world,
+``hvd_quant.torch.ddp.shutdown``) down and exits 1 if anything failed.
 """
-import gc
-import os
 import sys
 import time
 import traceback
@@ -54,8 +52,12 @@ class Checks:
             print("SUMMARY " + " ".join(f"rank{r}={n}/{f}" for r, (n, f) in enumerate(counts))
                   + f" checks/failures over {hvd.size()} ranks", flush=True)
         sys.stdout.flush()
+        code = 1 if self.failed else 0
+        if isinstance(hvd, TorchWorld):     # barrier, group destroyed, then the process leaves
+            from hvd_quant.torch.ddp import shutdown
+            shutdown(exit_code=code)
         hvd.shutdown()
-        getattr(hvd, "exit", sys.exit)(1 if self.failed else 0)
+        sys.exit(code)
 
 
 class TorchWorld:
@@ -76,18 +78,3 @@ class TorchWorld:
         self.dist.all_gather_object(out, obj)
         return out
 
-    def shutdown(self):
-        # Free the models' and hooks' last collectives while the group lives, and let no rank tear
-        # its connections down while another still uses them.
-        gc.collect()
-        self.dist.barrier()
-        self.dist.destroy_process_group()
-
-    @staticmethod
-    def exit(code):
-        # Leave without the exit-time destructors: after the group was destroyed, the interpreter's
-        # and the C++ runtime's teardown of torch.distributed's remaining objects has aborted a rank
-        # ("terminate called without an active exception"). Everything is reported and flushed here.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
