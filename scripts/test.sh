@@ -21,5 +21,5 @@ ARGS=()
 for a in "$@"; do
   if [[ "$a" == --quick ]]; then ARGS+=(-m quick); else ARGS+=("$a"); fi
 done
-exec "$VENV/bin/python" -m pytest tests -ra --durations=15 --timeout=1200 -n 2 --dist loadgroup \
+exec "$VENV/bin/python" -m pytest tests -ra --durations=15 --timeout=1200 -n 2 --dist loadgroup --no-loadscope-reorder \
   ${ARGS[@]+"${ARGS[@]}"}

@@ -104,10 +104,13 @@ def pytest_collection_modifyitems(config, items):
     # on-disk cache and the multi-process jobs load it instead of compiling it in every rank at once
     # (a cold compile holds the GIL for seconds at a time, and Horovod's background thread needs the
     # GIL to free a tensor whose Python object is gone), then the jobs, then the rest. Under xdist
-    # --dist loadgroup hands out the largest groups first, so the lane starts early on its worker
-    # whatever this order; within the lane the jobs keep it.
+    # (scripts/test.sh: --dist loadgroup --no-loadscope-reorder, which hands out the groups in this
+    # order) the lane first: the longest unit starts at once on one worker, and the other takes
+    # everything else (a worker takes its next unit only when its own has at most 2 tests left).
     heavy = {item.path for item in items if item.get_closest_marker("multiproc")}
-    items.sort(key=lambda item: 0 if item.path.stem in COMPILE_FIRST else 1 if item.path in heavy else 2)
+    lane_first = "PYTEST_XDIST_WORKER" in os.environ
+    items.sort(key=lambda item: (0 if lane_first and item.get_closest_marker("multiproc") else 1,
+                                 0 if item.path.stem in COMPILE_FIRST else 1 if item.path in heavy else 2))
     if "quick" not in (config.getoption("markexpr") or ""):
         return
     root = config.rootpath

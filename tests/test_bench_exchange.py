@@ -22,16 +22,21 @@ def test_default_codecs_include_the_studys_qsgd_widths():
 
 
 def test_exchange_bench_prints_gbps(tmp_path):
+    """Two of the default codecs (a QSGD width and 1-bit; the codecs themselves are tested on real
+    collectives in test_exchange_multiproc.py) under both reductions, beside fp32."""
     out = tmp_path / "rows.json"
     script = tmp_path / "bench.py"
     script.write_text("import sys\nfrom hvd_quant.bench.exchange import main\nsys.exit(main(sys.argv[1:]))\n")
+    codecs = [c for c in exchange.DEFAULT_CODECS if c.startswith(("qsgd:bits=4,", "onebit:"))]
+    assert len(codecs) == 2, exchange.DEFAULT_CODECS
     result = run_horovod(script, np=2, controller="gloo", timeout=400,
-                         args=["--sizes", "tiny=3e4", "--iters", "2", "--warmup", "1", "--json", out])
+                         args=["--sizes", "tiny=3e4", "--iters", "2", "--warmup", "1", "--json", out,
+                               "--codecs", ";".join(codecs)])
     assert "a2a GB/s" in result.stdout and "ag GB/s" in result.stdout, result.stdout[-3000:]
     rows = json.loads(out.read_text())["rows"]
     methods = {r["method"] for r in rows}
     assert methods == {"fp32 allreduce"} | {f"{red} {spec}" for red in exchange.DEFAULT_REDUCTIONS
-                                            for spec in exchange.DEFAULT_CODECS}
+                                            for spec in codecs}
     for r in rows:
         assert r["gbps"] > 0 and math.isfinite(r["gbps"]), r
         if r["method"].startswith("sra "):
