@@ -131,7 +131,9 @@ def _pm(mean, sd, fmt):
 def table(cfg, exp, raw):
     """``(columns, rows, per-precision summary)`` of one experiment from its raw records."""
     mine = [r for r in raw if r["experiment"] == exp["id"] and r["status"] == "ok"]
-    base = {r["seed"]: r for r in mine if r["precision"] == cfg["baseline"]}
+    # a precision's baseline: its own ``baseline`` key (DDP's rows: DDP fp32), else the matrix's
+    base_of = {key: prec.get("baseline", cfg["baseline"]) for key, prec in cfg["precisions"].items()}
+    bases = {b: {r["seed"]: r for r in mine if r["precision"] == b} for b in set(base_of.values())}
     targets = exp["targets"]
     mnist = exp["metric"] == "accuracy"
     if mnist:
@@ -147,12 +149,13 @@ def table(cfg, exp, raw):
         if not runs:
             continue
         loss_m, loss_sd = _mean_sd([r["final_val_loss"] for r in runs])
+        base = bases[base_of[key]]
         paired = [r for r in runs if r["seed"] in base]
         if mnist:
             diffs = [100 * (r["test_accuracy"] - base[r["seed"]]["test_accuracy"]) for r in paired]
         else:
             diffs = [100 * (r["final_val_loss"] / base[r["seed"]]["final_val_loss"] - 1) for r in paired]
-        is_base = key == cfg["baseline"]
+        is_base = key in bases
         d_m, d_sd = _mean_sd(diffs) if not is_base else (None, None)
         target = targets.get(key)
         verdict = ""

@@ -101,9 +101,15 @@ def test_paired_table_and_verdicts(tmp_path):
         raw.append(_raw("lm", "lm-stdlib", "32bit", seed, 2.0 + 0.1 * seed, 0.4))
         raw.append(_raw("lm", "lm-stdlib", "qsgd4", seed, (2.0 + 0.1 * seed) * 1.02, 0.4))   # +2%
         raw.append(_raw("lm", "lm-stdlib", "qsgd8", seed, (2.0 + 0.1 * seed) * 1.005, 0.4))  # +0.5%
+        # DDP's rows pair against DDP fp32 (their own baseline), not against the Horovod 32bit rows
+        raw.append(_raw("mnist", "mnist-resnet18", "ddp-32bit", seed, 0.1, base - 0.02))
+        raw.append(_raw("mnist", "mnist-resnet18", "ddp-qsgd4", seed, 0.1, base - 0.024))   # -0.4 point
     exps = {e["id"]: e for e in cfg["experiments"]}
     cols, rows, summary = accuracy.table(cfg, exps["mnist-resnet18"], raw)
     by = {r[0]: dict(zip(cols, r)) for r in rows}
+    assert by["DDP fp32"]["accuracy diff vs fp32, points (paired, mean ± s.d.)"] == "baseline"
+    assert by["DDP hook QSGD 4bit"]["accuracy diff vs fp32, points (paired, mean ± s.d.)"] == "-0.40 ± 0.00"
+    assert by["DDP hook QSGD 4bit"]["verdict"] == "met"
     assert by["32bit"]["test accuracy % (mean ± s.d.)"] == "98.00 ± 1.00"
     assert by["32bit"]["s.e. over test images (points)"] == f"{100 * math.sqrt(0.98 * 0.02 / 1000):.2f}"
     assert by["32bit"]["accuracy diff vs fp32, points (paired, mean ± s.d.)"] == "baseline"
