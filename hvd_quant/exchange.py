@@ -96,8 +96,10 @@ class PayloadMismatchError(ValueError):
 class Collectives:
     """How the core reaches Horovod's collectives; one instance per framework and process set.
 
-    ``allgather_async(t, name)``: ``t`` a 1-D uint8 tensor; ranks may contribute different lengths;
-    the result is their concatenation in rank order.
+    ``allgather_async(t, name, sizes=None)``: ``t`` a 1-D uint8 tensor; ranks may contribute
+    different lengths; the result is their concatenation in rank order. ``sizes``: every rank's
+    length, where the caller knows them (the exchange does), so that a collective that needs them
+    (torch.distributed's) need not gather them first.
     ``alltoall_async(t, splits, name)``: ``t`` 1-D uint8, ``splits`` a list of ``size`` Python ints
     (bytes for each destination rank, in rank order); the result is the received bytes in rank order.
     ``allreduce_async(t, name, op, prescale_factor, postscale_factor)``: in place where the framework
@@ -110,7 +112,7 @@ class Collectives:
     """
     rank: int
     size: int
-    allgather_async: Callable[[Any, str], Any]
+    allgather_async: Callable[..., Any]
     alltoall_async: Callable[[Any, Sequence[int], str], Any]
     allreduce_async: Callable[..., Any]
     synchronize: Callable[[Any], Any]
@@ -379,8 +381,8 @@ class _Setup:
     errors to (``status``: the adapter's ``new_status``; its own, so that exchanges and direct
     decodes of equal codecs never mix their errors)."""
     __slots__ = ("coll", "numel", "arrays", "send", "own", "reduced", "gather", "send_nbytes",
-                 "gather_nbytes", "fresh", "steps", "traffic", "buffers", "server_key", "decode_sum",
-                 "reduce", "decode_chunks", "keep", "sent", "splits", "status")
+                 "gather_nbytes", "gather_sizes", "fresh", "steps", "traffic", "buffers", "server_key",
+                 "decode_sum", "reduce", "decode_chunks", "keep", "sent", "splits", "status")
 
     def __init__(self, ex, name, header, numel, like):
         codec, coll = ex.codec, ex.coll
@@ -413,6 +415,7 @@ class _Setup:
         self.send_nbytes = sum(c.size for c in self.send) if ex.reduction == "sra" else self.send[0].size
         self.splits = [c.size for c in self.send]          # the alltoall's pieces, one per rank
         self.gather_nbytes = sum(c.size for c in self.gather)
+        self.gather_sizes = [c.size for c in self.gather]  # what each rank sends in the allgather
         # One launch per phase where the codec has fused kernels (None: the phases loop over payloads)
         self.decode_sum = self.reduce = self.decode_chunks = self.keep = None
         arrays = self.arrays
@@ -617,7 +620,8 @@ class Exchange:
             p.handle = channel.alltoall(send, setup.splits)
             channel.waiting.append(p)
         elif self.reduction == "allgather":
-            p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}")
+            p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}",
+                                            sizes=setup.gather_sizes)
             return p
         else:
             p.handle = coll.alltoall_async(send, setup.splits, f"{self.prefix}.a2a.{name}")
@@ -705,7 +709,8 @@ class Exchange:
         if channel is not None:
             p.handle = channel.allgather(payload, setup.gather[0].size, setup.gather_nbytes)
         else:
-            p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}")
+            p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}",
+                                            sizes=setup.gather_sizes)
         p.stage = "second"
 
     def _scattered(self, p):

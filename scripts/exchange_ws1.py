@@ -13,7 +13,7 @@ from hvd_quant.memory import Memory
 from hvd_quant.torch import _backend as tb      # the torch ArrayOps; no Horovod needed
 
 OPS = tb.OPS
-coll = Collectives(rank=0, size=1, allgather_async=lambda t, name: t,
+coll = Collectives(rank=0, size=1, allgather_async=lambda t, name, sizes=None: t,
                    alltoall_async=lambda t, splits, name: t, allreduce_async=None, synchronize=lambda h: h)
 B, N = 25, 1 << 20
 xs = [torch.randn(N, device="cuda") for _ in range(B)]

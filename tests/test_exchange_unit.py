@@ -50,7 +50,7 @@ class SimWorld:
     def coll(self, rank):
         return Collectives(
             rank=rank, size=self.n,
-            allgather_async=lambda t, name: self._submit(rank, "allgather", name, t),
+            allgather_async=lambda t, name, sizes=None: self._submit(rank, "allgather", name, t),
             alltoall_async=lambda t, splits, name: self._submit(rank, "alltoall", name, t, list(splits)),
             allreduce_async=None, synchronize=self.sync)
 

@@ -195,7 +195,7 @@ class TensorFlowFrontend(Frontend):
         return self.host_adapter
 
     def make_collectives(self, ps):
-        def allgather_async(t, name):
+        def allgather_async(t, name, sizes=None):      # (Horovod gathers the lengths itself)
             t = _as_tensor(t)
             return _Handle(_graph_fn("allgather", name, t.dtype, ps), t)
 

@@ -84,7 +84,7 @@ def graph_collectives(process_set=None):
     return collectives_for(_GRAPH_COLL, hvd.global_process_set if process_set is None else process_set,
                            lambda ps: Collectives(
                                rank=ps.rank(), size=ps.size(),
-                               allgather_async=lambda t, name: _Deferred(t),
+                               allgather_async=lambda t, name, sizes=None: _Deferred(t),
                                alltoall_async=lambda t, splits, name: _Deferred(t, list(splits)),
                                allreduce_async=_no_allreduce, synchronize=_sync, process_set=ps))
 

@@ -108,7 +108,7 @@ class TorchFrontend(Frontend):
         import horovod.torch as hvd
         hvd_op = self.hvd_op
 
-        def allgather_async(t, name):
+        def allgather_async(t, name, sizes=None):      # (Horovod gathers the lengths itself)
             return hvd.allgather_async(t, name=name, process_set=ps)
 
         def alltoall_async(t, splits, name):

@@ -71,8 +71,9 @@ def collectives(process_group=None):
     Its collectives match across ranks by order, not by name, so the caller issues them in one order
     on every rank: the scheduler does, given hooks that come in DDP's bucket order. It has no
     ``poll``: an SRA exchange polled while backward runs would start its second phase at a moment,
-    and so in an order, that differs between ranks. ``allgather_async`` gathers the lengths first
-    (one small blocking allgather) and pads each payload to the longest; ``alltoall_async`` takes
+    and so in an order, that differs between ranks. ``allgather_async`` pads each payload to the
+    longest, its lengths given by the caller (the exchange) or gathered first (one small blocking
+    allgather); ``alltoall_async`` takes
     the received lengths to be this rank's split on every rank (the plans are equal: the handshake
     checks). On NCCL, host tensors (the handshake, auto's record) travel on the current CUDA device.
     """
@@ -84,12 +85,13 @@ def collectives(process_group=None):
     def on_device(t):
         return t if device is None or t.device == device else t.to(device)
 
-    def allgather_async(t, name):
+    def allgather_async(t, name, sizes=None):
         t = on_device(t)
-        sizes = torch.empty(size, dtype=torch.int64, device=t.device)
-        _all_gather_single(sizes, torch.tensor([t.numel()], dtype=torch.int64, device=t.device),
-                           group=pg)
-        sizes = sizes.tolist()
+        if sizes is None:           # (a blocking allgather of the lengths: a sync point)
+            sizes = torch.empty(size, dtype=torch.int64, device=t.device)
+            _all_gather_single(sizes, torch.tensor([t.numel()], dtype=torch.int64, device=t.device),
+                               group=pg)
+            sizes = sizes.tolist()
         each = max(sizes)
         if t.numel() != each:
             padded = t.new_zeros(each)
@@ -249,17 +251,22 @@ class DDPCommState:
                 fut.set_result(self._allreduce(buf).wait())
             return
         sched, out = self._sched, {}
+        scale = 1.0 / self._coll.size   # the buckets' sums, averaged as they are written back
         for k, pieces in sched.finish_started():
-            out.update(zip(self._bucket_ids[k], pieces))
+            out.update((i, (piece, scale)) for i, piece in zip(self._bucket_ids[k], pieces))
         for j in sched.plain_started():
             pieces = sched.plain_result(j)
-            out.update(zip(self._plain_ids[j], pieces))
+            out.update((i, (piece, None)) for i, piece in zip(self._plain_ids[j], pieces))
             sched.take_plain(j, len(pieces))
         for fut, buf, params in held:
             off = 0
             for p in params:
                 n = p.numel()
-                buf[off:off + n].copy_(out[id(p)])
+                piece, factor = out[id(p)]
+                if factor is None:
+                    buf[off:off + n].copy_(piece)
+                else:               # the same product as the scheduler's average, one pass fewer
+                    torch.mul(piece, factor, out=buf[off:off + n])
                 off += n
             fut.set_result(buf)
 
@@ -282,7 +289,7 @@ class DDPCommState:
             plan, [(f"{_PREFIX}.plain.{j}", [ordered[i].numel() for i in g]) for j, g in enumerate(groups)],
             ops=OPS, exchange_for=self._exchange_for, traffic=self.traffic,
             numbering=lambda b: (self.step, None), split=lambda flat, sizes: flat.split(sizes),
-            average=True, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
+            average=False, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
             wait_device=lambda: wait_for(params[0].device))
         sched.bind(self._coll)
         self._plan, self._sched = plan, sched
