@@ -481,13 +481,10 @@ class TorchDistributed:
     ``horovod.torch`` otherwise, over a ``torch.distributed`` process group."""
     Sum = "sum"
 
-    started = False     # the job ends through hvd_quant.torch.ddp.shutdown (the end of this file)
-
     def __init__(self, backend):
         import torch.distributed as dist
-        dist.init_process_group(backend)
+        dist.init_process_group(backend)    # the job ends through hvd_quant.torch.ddp.shutdown (below)
         self.dist, self.backend = dist, backend
-        TorchDistributed.started = True
 
     def rank(self):
         return self.dist.get_rank()
@@ -577,7 +574,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     code = main()
-    if TorchDistributed.started:    # barrier, group destroyed, then leave without torch.distributed's
-        from hvd_quant.torch.ddp import shutdown    # exit-time teardown, which has aborted ranks
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # barrier, group destroyed, then leave without torch.distributed's exit-time teardown,
+        # which has aborted ranks after complete runs
+        from hvd_quant.torch.ddp import shutdown
         shutdown(exit_code=code)
     sys.exit(code)
