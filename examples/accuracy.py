@@ -81,14 +81,17 @@ def grid(cfg, seeds, tasks=None, precisions=None):
 def command(cfg, exp, key, seed, threads, metrics):
     """The command of one run: horovodrun, or torchrun for a precision whose ``frontend`` is ``ddp``."""
     prec = cfg["precisions"][key]
-    launch = cfg["launch"]
+    launch = {**cfg["launch"], **prec.get("launch", {})}     # a precision's own ranks, nodes, reduction
     frontend = prec.get("frontend", "hvd_quant")
     if frontend == "ddp":       # a free port of its own (--standalone): runs at once do not collide
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                 str(launch["ranks"])]
     else:
-        argv = [sys.executable, "-m", "horovod.runner.launch", "-np", str(launch["ranks"]), "-H",
-                f"localhost:{launch['ranks']}", f"--{launch['controller']}", "--config-file",
+        # nodes > 1: emulated nodes, two names of this machine that Horovod takes for two hosts
+        nodes, ranks = launch.get("nodes", 1), launch["ranks"]
+        hosts = ",".join(f"{h}:{ranks // nodes}" for h in ("localhost", "127.0.0.1")[:nodes])
+        argv = [sys.executable, "-m", "horovod.runner.launch", "-np", str(ranks), "-H",
+                hosts, f"--{launch['controller']}", "--config-file",
                 launch["horovod_config"], sys.executable]
     argv += [TRAIN, "--task", exp["task"], "--model", exp["model"],
              "--compression", prec["compression"], "--frontend", frontend, "--reduction", launch["reduction"],

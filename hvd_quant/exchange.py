@@ -106,9 +106,9 @@ class Collectives:
     allows, ``op`` one of :data:`AVERAGE` / :data:`SUM`.
     ``synchronize(handle)``: waits and returns the result tensor (alltoall: the data, not the splits).
     ``poll(handle)`` (optional): True once the collective has completed, without waiting.
-    ``levels()`` (optional, the global set): ``(local, cross)``, the Collectives of this rank's node
-    and of the ranks with its local rank on every node, None where a level has one rank
-    (``reduction="two_level"``).
+    ``levels(probe=False)`` (optional, the global set): ``(local, cross)``, the Collectives of this
+    rank's node and of the ranks with its local rank on every node, None where a level has one rank
+    (``reduction="two_level"``); with ``probe``, ``(None, None)`` where two levels cannot run.
     """
     rank: int
     size: int
@@ -118,7 +118,7 @@ class Collectives:
     synchronize: Callable[[Any], Any]
     process_set: Any = None
     poll: Callable[[Any], bool] = None
-    levels: Callable[[], tuple] = None
+    levels: Callable[..., tuple] = None
 
 
 def collectives_for(cache, process_set, make):

@@ -91,16 +91,27 @@ class Frontend:
     def make_collectives(self, process_set):
         raise NotImplementedError
 
-    def node_levels(self, process_set):
+    def node_levels(self, process_set, probe=False):
         """``Collectives.levels`` of the global set (``reduction="two_level"``): ``(local, cross)``,
         the Collectives of this rank's node and of the ranks with its local rank, one per node; the
         global set's where a level spans every rank, None where it has one. The process sets are
         those registered at ``hvd.init(process_sets=...)``, else added here (every rank at once, in
-        the same order) where Horovod allows it (``hvd.init(process_sets="dynamic")``)."""
+        the same order) where Horovod allows it (``hvd.init(process_sets="dynamic")``).
+        ``probe`` (``reduction="auto"``): ``(None, None)`` unless the nodes are alike with several
+        ranks each and their process sets can be had, decided alike on every rank and with no
+        collective where Horovod's own layout already rules two levels out."""
         hvd = self.hvd()
         coll = self.collectives(process_set)
         if process_set.process_set_id != 0:
             raise ValueError("hvd_quant: reduction='two_level' runs on Horovod's global process set only")
+        if probe:
+            basics = importlib.import_module(f"{self.horovod}.mpi_ops")._basics
+            if not (basics.is_homogeneous() and 1 < hvd.local_size() < hvd.size()):
+                return None, None
+            try:
+                return self.node_levels(process_set)
+            except ValueError:
+                return None, None
         key = (coll.size, coll.rank)
         if self._levels is not None and self._levels[0] == key:
             return self._levels[1]
@@ -118,10 +129,6 @@ class Frontend:
                 return None if len(ranks) == 1 else coll
             return self.collectives(made[tuple(ranks)])
         levels = (level(node), level([n[node.index(coll.rank)] for n in nodes]))
-        if coll.rank == 0 and (len(nodes) == 1 or len(node) == 1):
-            print(f"hvd_quant: reduction='two_level' on {len(nodes)} node(s) of {len(node)} rank(s): "
-                  + ("an fp32 allreduce, nothing compressed" if len(nodes) == 1
-                     else "the codec's exchange across nodes only"), flush=True)
         self._levels = (key, levels)
         return levels
 

@@ -29,7 +29,7 @@ import statistics
 import struct
 import time
 
-from .exchange import SUM
+from .exchange import SUM, TWO_LEVEL
 from .plan import ALLREDUCE, AUTO
 
 __all__ = ["StepScheduler", "AutoChoice", "Presence", "in_plan_order", "step_metrics"]
@@ -111,12 +111,12 @@ class StepScheduler:
         self.coll = coll
         self.routes_run.clear()         # a joining rank's process ran none
         if self.auto is not None:
-            self.auto.reset()
+            self.auto.reset(AutoChoice.candidates_for(coll))
         self.clear_step()
         return True
 
     def route(self):
-        """How this step's compressed buckets travel: ``"sra"``, ``"allgather"`` or ``"allreduce"``."""
+        """How this step's buckets travel: ``"sra"``, ``"allgather"``, ``"two_level"`` or ``"allreduce"``."""
         return self.auto.current() if self.auto is not None else self.reduction
 
     def absent(self):
@@ -333,18 +333,31 @@ class AutoChoice:
     vary by several percent (docs/EXCHANGE.md), so medians of five can put a way that is slower in the
     steady state a few percent ahead. Ties go to the earlier candidate, Horovod's allreduce first. The
     choice holds for every bucket of the plan until :meth:`reset` (the world size changed).
+    ``candidates``: :data:`CANDIDATES`, and ``"two_level"`` last where the ranks sit on several nodes
+    of several ranks each (:meth:`candidates_for`); the warm-up runs them in reverse order.
     """
     CANDIDATES = (ALLREDUCE, "allgather", "sra")
-    WARM_ORDER = ("sra", "allgather", ALLREDUCE)
 
-    def __init__(self, trials=5, clock=time.perf_counter, margin=0.1):
+    def __init__(self, trials=5, clock=time.perf_counter, margin=0.1, candidates=CANDIDATES):
         self.trials, self.clock, self.margin = int(trials), clock, float(margin)
-        self.reset()
+        self.reset(candidates)
 
-    def reset(self):
-        self.schedule = list(self.WARM_ORDER) + [c for _ in range(self.trials) for c in self.CANDIDATES]
+    @classmethod
+    def candidates_for(cls, coll):
+        """:data:`CANDIDATES`, with ``"two_level"`` where ``coll`` offers two levels of several ranks
+        each (``Collectives.levels(probe=True)``: the same answer on every rank)."""
+        levels = getattr(coll, "levels", None)
+        if levels is not None and all(level is not None for level in levels(probe=True)):
+            return cls.CANDIDATES + (TWO_LEVEL,)
+        return cls.CANDIDATES
+
+    def reset(self, candidates=None):
+        if candidates is not None:
+            self.candidates = tuple(candidates)
+        cands = self.candidates
+        self.schedule = list(cands[::-1]) + [c for _ in range(self.trials) for c in cands]
         self.step = 0
-        self.times = {c: [] for c in self.CANDIDATES}
+        self.times = {c: [] for c in cands}
         self.choice = None
         self.medians = None
         self._last = None
@@ -367,7 +380,7 @@ class AutoChoice:
         if wait is not None:
             wait()
         now = self.clock()
-        if self._last is not None and self.step >= len(self.WARM_ORDER):
+        if self._last is not None and self.step >= len(self.candidates):
             self.times[self.schedule[self.step]].append(now - self._last)
         self._last = now
         self.step += 1
@@ -382,42 +395,47 @@ class AutoChoice:
 
     def record(self):
         """This rank's median step time per candidate (float64 seconds), as bytes to allgather."""
-        return struct.pack(f"<{len(self.CANDIDATES)}d",
-                           *[statistics.median(self.times[c]) for c in self.CANDIDATES])
+        return struct.pack(f"<{len(self.candidates)}d",
+                           *[statistics.median(self.times[c]) for c in self.candidates])
 
     def choose(self, gathered):
         """Take the choice from every rank's :meth:`record`, concatenated (the same on every rank)."""
-        n = len(self.CANDIDATES)
+        n = len(self.candidates)
         rows = [struct.unpack_from(f"<{n}d", gathered, r * 8 * n) for r in range(len(gathered) // (8 * n))]
         self.medians = [sum(r[i] for r in rows) / len(rows) for i in range(n)]
         best = min(range(n), key=lambda i: (self.medians[i], i))
-        plain = self.CANDIDATES.index(ALLREDUCE)
+        plain = self.candidates.index(ALLREDUCE)
         if self.medians[best] > (1.0 - self.margin) * self.medians[plain]:
             best = plain
-        self.choice = self.CANDIDATES[best]
+        self.choice = self.candidates[best]
         return self.choice
 
     def state_dict(self):
         """Where the schedule stands (a resumed run takes the same ways on the same steps)."""
-        return {"step": self.step, "times": {c: list(t) for c, t in self.times.items()},
+        return {"step": self.step, "candidates": list(self.candidates),
+                "times": {c: list(t) for c, t in self.times.items()},
                 "choice": self.choice, "medians": None if self.medians is None else list(self.medians)}
 
     def load_state_dict(self, state):
-        self.reset()
+        saved = state.get("candidates")
+        if saved is not None and not set(saved) <= set(self.CANDIDATES + (TWO_LEVEL,)):
+            raise ValueError(f"hvd_quant: saved reduction=auto candidates {saved!r} are not ways of "
+                             f"{self.CANDIDATES + (TWO_LEVEL,)}")
+        self.reset(saved)
         self.step = int(state.get("step", 0))
         for c, t in dict(state.get("times", {})).items():
             if c in self.times:
                 self.times[c] = [float(x) for x in t]
         self.choice = state.get("choice")
-        if self.choice is not None and self.choice not in self.CANDIDATES:
+        if self.choice is not None and self.choice not in self.candidates:
             raise ValueError(f"hvd_quant: saved reduction=auto choice {self.choice!r} is not one of "
-                             f"{self.CANDIDATES}")
+                             f"{self.candidates} (this run's ways)")
         medians = state.get("medians")
         self.medians = None if medians is None else [float(x) for x in medians]
 
     def summary(self):
         """One line for the log: the choice and the mean median step time of each candidate."""
-        times = ", ".join(f"{c} {m * 1e3:.2f} ms" for c, m in zip(self.CANDIDATES, self.medians or ()))
+        times = ", ".join(f"{c} {m * 1e3:.2f} ms" for c, m in zip(self.candidates, self.medians or ()))
         return f"reduction=auto chose {self.choice!r} (median step time, mean over ranks: {times})"
 
 

@@ -37,6 +37,11 @@ class TwoLevel:
                 raise ValueError("hvd_quant: reduction='two_level' needs the nodes' process sets, "
                                  "which this frontend or process set does not provide")
             self.local, cross = ex.coll.levels()
+            if ex.coll.rank == 0 and (self.local is None or cross is None):
+                nodes, per = (1, ex.coll.size) if cross is None else (ex.coll.size, 1)
+                print(f"hvd_quant: reduction='two_level' on {nodes} node(s) of {per} rank(s): "
+                      + ("an fp32 allreduce, nothing compressed" if cross is None
+                         else "the codec's exchange across nodes only"), flush=True)
             self.cross = None if cross is None else Exchange(
                 ex.codec, cross, ex.ops, reduction="allgather" if cross.size == 2 else "sra",
                 memory=None if ex.memory is None else _ShardMemory(ex.memory, ex.ops),

@@ -63,10 +63,11 @@ def test_matrix_covers_the_issue():
         assert {r.key for r in mine if r.args.get("onebit_adam")} == {"onebit-adam"}
     exps = {e["id"]: e for e in cfg["experiments"]}
     eight_four = {"qsgd8", "qsgd8-det", "qsgd4", "qsgd4-det"}
-    assert exps["mnist-resnet18"]["targets"] == dict(dict.fromkeys(eight_four, 0.5), **{"onebit-adam": 0.5,
-                                                                                        "ddp-qsgd4": 0.5})
-    assert exps["lm-stdlib"]["targets"] == dict(dict.fromkeys(eight_four, 1.0), **{"onebit-adam": 2.0,
-                                                                                   "ddp-qsgd4": 1.0})
+    two_by_two = {"2x2-qsgd4", "2x2-qsgd4-twolevel"}
+    assert exps["mnist-resnet18"]["targets"] == dict(dict.fromkeys(eight_four | two_by_two, 0.5),
+                                                     **{"onebit-adam": 0.5, "ddp-qsgd4": 0.5})
+    assert exps["lm-stdlib"]["targets"] == dict(dict.fromkeys(eight_four | two_by_two, 1.0),
+                                                **{"onebit-adam": 2.0, "ddp-qsgd4": 1.0})
     assert all(r.skip is None and r.baseline == "32bit" for r in runs)
     assert len({r.run_id for r in runs}) == len(runs)
     assert [r.seed for r in sweep.expand(cfg, seeds=[7, 8]) if r.key == "fp16"] == [7, 8] * 3
@@ -75,8 +76,14 @@ def test_matrix_covers_the_issue():
     ddp = {"ddp-32bit", "ddp-qsgd4", "ddp-powersgd4"}
     assert {k for k, p in cfg["precisions"].items() if p.get("frontend") == "ddp"} == ddp
     grid = accuracy.grid(cfg, [1, 2, 3])
-    assert len(grid) == 2 * 13 * 3 and {e["id"] for e, _, _ in grid} == {"mnist-resnet18", "lm-stdlib"}
-    assert {k for _, k, _ in grid[:2 * 7 * 3]} == {"32bit", "onebit-adam", "ddp-qsgd4"} | eight_four
+    assert len(grid) == 2 * 16 * 3 and {e["id"] for e, _, _ in grid} == {"mnist-resnet18", "lm-stdlib"}
+    assert {k for _, k, _ in grid[:2 * 9 * 3]} == {"32bit", "onebit-adam", "ddp-qsgd4"} | eight_four | two_by_two
+    # two emulated nodes of 2 ranks (two host names of this machine), paired against fp32 at 4 ranks
+    for key in two_by_two:
+        argv = accuracy.command(cfg, exps["mnist-resnet18"], key, 1, 1, "m.jsonl")
+        assert argv[argv.index("-np") + 1:argv.index("-H") + 2] == ["4", "-H", "localhost:2,127.0.0.1:2"]
+        assert argv[argv.index("--reduction") + 1] == ("two_level" if "twolevel" in key else "sra")
+        assert cfg["precisions"][key]["baseline"] == "2x2-32bit"
     for key in ddp:
         argv = accuracy.command(cfg, exps["lm-stdlib"], key, 1, 1, "m.jsonl")
         assert argv[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]

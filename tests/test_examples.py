@@ -60,6 +60,19 @@ def test_traffic_formulas_by_hand(n):
         assert ag.sent == sra.sent == fp32 == 0
 
 
+@pytest.mark.parametrize("n,local", [(4, 2), (6, 2), (4, 4), (4, 1)])
+def test_two_level_traffic_by_hand(n, local):
+    # C = n / local nodes: two fp32 ring allreduces over the node, and across nodes this rank's part
+    # (1e6 / local elements) by allgather at C = 2, by SRA above; one node: one fp32 allreduce
+    shapes = [(1000, 1000), (10,), (16, 8)]
+    small = 2 * (n - 1) / n * 4 * (10 + 128)
+    t = traffic.bytes_per_step(shapes, n, _one_byte_per_element, "two_level", 1024, local_size=local)
+    c, part = n // local, math.ceil(1_000_000 / local)
+    node = 2 * (local - 1) / local * 4 * 1_000_000
+    cross = {1: 0, 2: part}.get(c, 2 * (c - 1) * math.ceil(part / c))
+    assert t.sent == pytest.approx((node if c == 1 else 2 * node + cross) + small)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_powersgd_traffic_by_hand(n):
     # rank 4: (1000, 1000) sends P and Q, (1000 + 1000) x 4; (10,) is 10 x 1 and (16, 8) has

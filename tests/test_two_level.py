@@ -14,13 +14,16 @@ DYNAMIC = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HVDQ_TEST_NODES": "2"}
 @pytest.mark.torch
 @pytest.mark.parametrize("controller,groups", [
     pytest.param("gloo", ["topology", "grads"], id="gloo-grads"),
-    pytest.param("gloo", ["resume", "join", "bytes"], id="gloo-resume-join"),
+    pytest.param("gloo", ["resume", "join", "bytes", "auto"], id="gloo-resume-join-auto"),
     pytest.param("mpi", ["topology", "grads", "resume"], id="mpi", marks=pytest.mark.mpi),
 ])
 def test_two_level_on_two_nodes(controller, groups):
     result = run_horovod("torch_two_level.py", np=4, nodes=2, controller=controller, args=groups,
                          env=DYNAMIC, timeout=600)
     assert_all_ranks_passed(result, 4)
+    if "auto" in groups:        # rank 0 prints each optimizer's choice among the four ways, once
+        chose = [line for line in result.stdout.splitlines() if "reduction=auto chose" in line]
+        assert len(chose) == 2 and all("two_level" in line for line in chose), chose
 
 
 @pytest.mark.multiproc

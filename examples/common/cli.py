@@ -102,9 +102,11 @@ def build_parser(framework: str, description: str = None) -> argparse.ArgumentPa
     g.add_argument("--compression", default="none",
                    help="codec spec: none | fp16 | qsgd:bits=4,bucket_size=512,mode=stochastic | "
                         "onebit:bucket_size=64 | ...")
-    g.add_argument("--reduction", choices=REDUCTIONS, default="sra",
-                   help="how compressed gradients are reduced: sra (scatter-reduce-allgather) or allgather")
     ddp = framework == "PyTorch"
+    g.add_argument("--reduction", choices=REDUCTIONS + (("two_level",) if ddp else ()), default="sra",
+                   help="how compressed gradients are reduced: sra (scatter-reduce-allgather) or allgather"
+                        + ("; two_level: fp32 inside each node, the codec between nodes (Horovod frontends)"
+                           if ddp else ""))
     g.add_argument("--frontend", choices=("auto", "hvd_quant", "horovod") + (("ddp",) if ddp else ()),
                    default="auto",
                    help="auto: stock Horovod allreduce for 'none', hvd_quant's DistributedOptimizer "

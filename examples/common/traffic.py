@@ -15,6 +15,9 @@ What one rank sends per step, with ``N`` ranks:
 
    - ``allgather``: the rank sends its payload to each of the ``N-1`` peers:
      ``(N-1) * wire_nbytes(numel)``.
+   - ``two_level`` (``local_size`` L ranks on each of C = N/L nodes): two fp32 ring allreduces over
+     the node, ``2 * 2 (L-1)/L * 4 * numel``, and across nodes this rank's part of ``ceil(numel/L)``
+     elements by allgather (C = 2) or scatter-reduce-allgather (C > 2).
    - ``sra`` (scatter-reduce-allgather): the flat group is split into ``N`` chunks of
      ``ceil(numel/N)``; the ``alltoall`` sends the ``N-1`` chunks this rank does not own, and the
      ``allgather`` sends its reduced, requantized chunk to the ``N-1`` peers:
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional, Sequence
 
 FP32_ITEMSIZE = 4
-REDUCTIONS = ("sra", "allgather")
+REDUCTIONS = ("sra", "allgather", "two_level")
 
 
 def ring_allreduce_bytes(numel: int, world_size: int, itemsize: int = FP32_ITEMSIZE) -> float:
@@ -55,6 +58,16 @@ def sra_bytes(numel: int, world_size: int, wire_nbytes: Callable[[int], int]) ->
         return 0.0
     chunk = int(math.ceil(numel / world_size))
     return float(2 * (world_size - 1) * wire_nbytes(chunk))
+
+
+def two_level_bytes(numel: int, world_size: int, wire_nbytes: Callable[[int], int], local_size: int) -> float:
+    """Bytes one rank sends in ``reduction="two_level"`` of a group of ``numel`` elements."""
+    nodes = world_size // local_size
+    if nodes <= 1:
+        return ring_allreduce_bytes(numel, local_size)
+    part = int(math.ceil(numel / local_size))
+    cross = (allgather_bytes if nodes == 2 else sra_bytes)(part, nodes, wire_nbytes)
+    return 2 * ring_allreduce_bytes(numel, local_size) + cross
 
 
 REDUCTION_BYTES = {"allgather": allgather_bytes, "sra": sra_bytes}
@@ -109,8 +122,10 @@ class Traffic:
 
 def bytes_per_step(shapes: Iterable[Sequence[int]], world_size: int,
                    wire_nbytes: Optional[Callable[[int], int]] = None, reduction: str = "sra",
-                   min_compress_numel: int = 1024, bucket_bytes: Optional[int] = None) -> Traffic:
-    """Bytes one rank sends per step for gradients of ``shapes`` (see the module docstring).
+                   min_compress_numel: int = 1024, bucket_bytes: Optional[int] = None,
+                   local_size: Optional[int] = None) -> Traffic:
+    """Bytes one rank sends per step for gradients of ``shapes`` (see the module docstring);
+    ``local_size``: ranks per node, for ``two_level`` (default: one node of every rank).
 
     ``wire_nbytes=None`` means no codec: everything goes through fp32 ring allreduce (stock Horovod),
     so ``sent == fp32``.
@@ -121,12 +136,16 @@ def bytes_per_step(shapes: Iterable[Sequence[int]], world_size: int,
     if wire_nbytes is None:
         return Traffic(sent=fp32, fp32=fp32, world_size=world_size, reduction="allreduce",
                        numel_fp32=sum(numels), tensors_fp32=len(numels))
-    if reduction not in REDUCTION_BYTES:
+    if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     compressed = [n for s, n in zip(shapes, numels) if is_compressed(s, min_compress_numel)]
     plain = [n for s, n in zip(shapes, numels) if not is_compressed(s, min_compress_numel)]
     groups = fuse_groups(compressed, bucket_bytes)
-    per_group = REDUCTION_BYTES[reduction]
+    if reduction == "two_level":
+        def per_group(numel, n, wire):
+            return two_level_bytes(numel, n, wire, local_size or n)
+    else:
+        per_group = REDUCTION_BYTES[reduction]
     sent = sum(per_group(g, world_size, wire_nbytes) for g in groups)
     sent += sum(ring_allreduce_bytes(n, world_size) for n in plain)
     return Traffic(sent=sent, fp32=fp32, world_size=world_size, reduction=reduction,

@@ -222,7 +222,7 @@ def wrap_ddp(args, model, device, codec):
     return ddp, state, what
 
 
-def estimate_traffic(args, model, codec, kind, world_size):
+def estimate_traffic(args, model, codec, kind, world_size, local_size=None):
     """Bytes per step from :mod:`examples.common.traffic`, laid out as the frontend fuses them."""
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     rank = powersgd_rank(args.compression) if kind == "ddp" else None
@@ -240,7 +240,7 @@ def estimate_traffic(args, model, codec, kind, world_size):
         return traffic.bytes_per_step([(math.prod(s), 1) for s in shapes], world_size, wire, "sra", 0,
                                       bucket_bytes=bucket)
     return traffic.bytes_per_step(shapes, world_size, wire, args.reduction, args.min_compress_numel,
-                                  bucket_bytes=bucket)
+                                  bucket_bytes=bucket, local_size=local_size)
 
 
 def measured_traffic(dist, kind, codec, steps, hook_state=None):
@@ -375,7 +375,7 @@ def run_model(name, args, hvd, ds, log, device):
             hvd.broadcast_optimizer_state(dist, root_rank=0)
 
     nparams = sum(p.numel() for p in model.parameters())
-    est = estimate_traffic(args, net, codec, kind, size)
+    est = estimate_traffic(args, net, codec, kind, size, hvd.local_size())
     psgd = powersgd_rank(args.compression) if kind == "ddp" else None
     spec = codec.spec() if codec is not None else f"powersgd:rank={psgd}" if psgd else "none"
     log.emit(f"model: {note}; {nparams / 1e6:.3f}M parameters in "
@@ -537,7 +537,8 @@ def main(argv=None):
         hvd = TorchDistributed("nccl" if args.device != "cpu" and torch.cuda.is_available() else "gloo")
     else:
         import horovod.torch as hvd
-        hvd.init()
+        # two_level's node and cross-node process sets are made at the first step
+        hvd.init(process_sets="dynamic" if args.reduction == "two_level" else None)
     rank, size = hvd.rank(), hvd.size()
     threads = share_cores(args.threads, hvd.local_size())
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):

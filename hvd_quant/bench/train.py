@@ -107,11 +107,11 @@ DEFAULT_METHODS = ("single", "ddp-fp32", "ddp-fp16", "ddp-powersgd4", "ddpq-qsgd
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 NETWORK_ENV = {"nvlink": {}, "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
                "loopback": {}, "ws1": {}, "ws1-forced": {"HOROVOD_ELASTIC": "1"}, "local": {}}
-# Warm-up covers reduction="auto"'s 18 measured steps (hvd_quant.scheduler.AutoChoice), for every method alike
+# Warm-up covers reduction="auto"'s 18 steps, 24 with two_level (hvd_quant.scheduler.AutoChoice), for every method alike
 GPU_DEFAULTS = dict(models="resnet50,vgg16,vit_b_16", batch_size=64, image_size=224, num_classes=1000,
                     num_warmup_batches=25, num_batches_per_iter=10, num_iters=10)
 CPU_DEFAULTS = dict(models="cpu_resnet", batch_size=16, image_size=32, num_classes=10,
-                    num_warmup_batches=20, num_batches_per_iter=5, num_iters=5)
+                    num_warmup_batches=25, num_batches_per_iter=5, num_iters=5)
 COLUMNS = ("id", "model", "network", "np", "procs", "method", "status", "img_per_sec", "conf",
            "total_img_per_sec", "vs_best_peer", "best_peer", "vs_single", "bytes_ratio", "replicas",
            "seconds", "error", "device", "batch_size", "image_size", "model_source", "finished", "log",
@@ -144,7 +144,7 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=None, help="per rank (GPU 64, CPU 16)")
     p.add_argument("--image-size", type=int, default=None, help="GPU 224, CPU 32")
     p.add_argument("--num-classes", type=int, default=None, help="GPU 1000, CPU 10")
-    p.add_argument("--num-warmup-batches", type=int, default=None, help="GPU 25, CPU 20: past auto's measured steps")
+    p.add_argument("--num-warmup-batches", type=int, default=None, help="25: past auto's measured steps")
     p.add_argument("--num-batches-per-iter", type=int, default=None, help="GPU 10, CPU 5")
     p.add_argument("--num-iters", type=int, default=None, help="GPU 10, CPU 5")
     p.add_argument("--threads", type=int, default=None,

@@ -212,7 +212,7 @@ class TensorFlowFrontend(Frontend):
         return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
                            synchronize=lambda h: h.result(), process_set=ps,
-                           levels=(lambda: self.node_levels(ps)) if ps.process_set_id == 0 else None)
+                           levels=(lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None)
 
     # -- primitives of the stock path -------------------------------------------------------------
     @staticmethod

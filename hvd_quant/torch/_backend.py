@@ -131,7 +131,7 @@ class TorchFrontend(Frontend):
         return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
                            synchronize=synchronize, process_set=ps, poll=poll,
-                           levels=(lambda: self.node_levels(ps)) if ps.process_set_id == 0 else None)
+                           levels=(lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None)
 
     def payload_group(self, process_set, device, label, record=None, what=None):
         """:meth:`PayloadGroup.open <hvd_quant.torch.payload_group.PayloadGroup.open>` for one

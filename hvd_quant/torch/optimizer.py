@@ -388,8 +388,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] = passes
 
     def reduction_in_use(self):
-        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"`` or
-        ``"allreduce"`` (``reduction="auto"``: the schedule's candidate, then the choice)."""
+        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"``, ``"two_level"``
+        or ``"allreduce"`` (``reduction="auto"``: the schedule's candidate, then the choice)."""
         return self._sched.route()
 
     # -- traffic ------------------------------------------------------------------------------------
@@ -470,9 +470,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``, ...), a
             spec string (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``.
             Default: no compression (plain Horovod allreduce).
-        reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"`` or ``"sra"``, whichever
-            measured the fastest step in the first steps, the same on every rank, logged once on
-            rank 0; :class:`hvd_quant.scheduler.AutoChoice`), ``"sra"`` (scatter-reduce-allgather with
+        reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"`` or ``"sra"``, and
+            ``"two_level"`` where there are several nodes of several ranks, whichever measured the
+            fastest step in the first steps, the same on every rank, logged once on rank 0;
+            :class:`hvd_quant.scheduler.AutoChoice`), ``"sra"`` (scatter-reduce-allgather with
             requantization; traffic flat in the number of ranks), ``"allgather"`` (each rank
             decodes every rank's payload; one quantization) or ``"two_level"`` (several ranks per
             node: fp32 inside each node, the codec only between nodes; needs

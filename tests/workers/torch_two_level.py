@@ -5,7 +5,7 @@ an uncompressed ``hvd.allreduce`` within the codec's bound (two nodes: each node
 quantized once, as allgather's per-rank payloads are; the bound in torch_optim's docstring with the
 allgather factor), the same parameter bytes on every rank after ``step()``, and a save / restore
 that continues bit-identically with error feedback. Groups (argv): ``topology``, ``grads``,
-``resume``, ``join``, ``bytes``; and ``one-node`` (a plain 2-rank job).
+``resume``, ``join``, ``bytes``, ``auto``; and ``one-node`` (a plain 2-rank job).
 """
 import sys
 
@@ -77,6 +77,28 @@ def bytes_cases():
           f"{sm['reduction']}, sent {got['sent']:.0f}, fp32 {got['fp32']:.0f}")
 
 
+def auto_cases():
+    """``reduction="auto"`` on two nodes weighs two_level too: its schedule runs every way (two_level
+    among them) on the same steps on every rank, the choice is one of them, replicas stay identical."""
+    for entry in ("ours", "stock"):
+        m = T.fresh()
+        opt = T.make_opt(entry, m, Q4D, reduction="auto")
+        ways = []
+        for step in range(4 + 4 * 5 + 2):          # warm-up of 4 ways, 5 trials each, then the choice
+            x, y = T.batch(step, 9)
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+            ways.append(hqt.step_metrics(opt)["reduction"])
+        check(ways[:4] == ["two_level", "sra", "allgather", "allreduce"]
+              and set(ways[4:-2]) == {"two_level", "sra", "allgather", "allreduce"}
+              and ways[-1] == ways[-2] and ways[-1] in ways[:4], f"auto {entry}: two_level weighed",
+              f"ways per step {ways}")
+        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        g = hvd.allgather(flat[None], name=f"auto.{entry}.params")
+        check(all(torch.equal(g[0], g[r]) for r in range(N)), f"auto {entry}: replicas identical")
+
+
 def one_node_cases():
     """One node (a plain 2-rank job): the node's fp32 sum is the result, as Horovod's allreduce."""
     m = T.fresh()
@@ -87,7 +109,7 @@ def one_node_cases():
 def main():
     groups = sys.argv[1:] or ["topology", "grads", "resume", "join", "bytes"]
     table = {"topology": topology_cases, "grads": grad_cases, "resume": resume_cases, "join": join_cases,
-             "bytes": bytes_cases, "one-node": one_node_cases}
+             "bytes": bytes_cases, "auto": auto_cases, "one-node": one_node_cases}
     for g in groups:
         check.run(g, table[g])
     check.finish()
