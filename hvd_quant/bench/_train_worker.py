@@ -271,8 +271,10 @@ def main(argv=None):
         if spec.get("hierarchical"):
             os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
         import horovod.torch as hvd
-        # two_level: hvd_quant adds the nodes' process sets
-        hvd.init(process_sets="dynamic" if spec.get("reduction") == "two_level" else None)
+        # two_level, and auto on several nodes (it weighs two_level): hvd_quant adds the nodes' process sets
+        nodes = int(os.environ.get("HOROVOD_CROSS_SIZE", "1")) > 1
+        levels = spec.get("reduction") == "two_level" or (spec.get("reduction") == "auto" and nodes)
+        hvd.init(process_sets="dynamic" if levels else None)
         rank, size, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
     elif launcher == "ddp":
         import torch.distributed as dist
