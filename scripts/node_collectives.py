@@ -11,22 +11,12 @@ of the same floats, the memory's own cost. Run under ``scripts/slownet.py --node
 Rank 0 prints one line per operation: the median of ``--repeat`` timed calls after one warm-up.
 """
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 import horovod.torch as hvd
 
-
-def timed(fn, repeat):
-    fn()
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+from hvd_quant.bench.codec import CpuTimer
 
 
 def main():
@@ -50,10 +40,11 @@ def main():
         ("node allgather, fp32 part", lambda: hvd.allgather(part, process_set=node)),
         ("cross allgather, 4-bit part", lambda: hvd.allgather(payload, process_set=cross)),
     ]
+    timer = CpuTimer()
     for what, fn in rows:
-        s = timed(fn, args.repeat)
+        ms, _ = timer(fn, args.repeat, warmup=1)
         if hvd.rank() == 0:
-            print(f"{what:34s} {s * 1e3:8.1f} ms  ({args.numel} floats, {local} ranks a node, "
+            print(f"{what:34s} {ms:8.1f} ms  ({args.numel} floats, {local} ranks a node, "
                   f"{size // local} nodes)", flush=True)
 
 
