@@ -88,8 +88,11 @@ def command(cfg, exp, key, seed, threads, metrics):
                 str(launch["ranks"])]
     else:
         # nodes > 1: emulated nodes, two names of this machine that Horovod takes for two hosts
-        nodes, ranks = launch.get("nodes", 1), launch["ranks"]
-        hosts = ",".join(f"{h}:{ranks // nodes}" for h in ("localhost", "127.0.0.1")[:nodes])
+        nodes, ranks, names = launch.get("nodes", 1), launch["ranks"], ("localhost", "127.0.0.1")
+        if nodes > len(names) or ranks % nodes:
+            raise ValueError(f"{key}: launch nodes={nodes} for {ranks} ranks; emulated nodes are at most "
+                             f"{len(names)} of equal size")
+        hosts = ",".join(f"{h}:{ranks // nodes}" for h in names[:nodes])
         argv = [sys.executable, "-m", "horovod.runner.launch", "-np", str(ranks), "-H",
                 hosts, f"--{launch['controller']}", "--config-file",
                 launch["horovod_config"], sys.executable]
