@@ -1,16 +1,12 @@
 """TensorFlow frontend (TensorFlow 2.15, 2.19 or 2.20 with Keras 2, Horovod 0.28.1). See docs/TENSORFLOW.md.
 
 - :func:`DistributedGradientTape`, :func:`DistributedOptimizer` (and
-  ``hvd_quant.tensorflow.keras.DistributedOptimizer``): Horovod's wrappers with hvd_quant's
-  compressed exchange, ``reduction``, ``bucket_bytes``, ``min_compress_numel``, ``warmup_steps`` and
-  checkpointable error feedback.
-- :class:`GradientReducer`: the persistent, ``tf.train.Checkpoint``-trackable reduction they use.
+  ``hvd_quant.tensorflow.keras.DistributedOptimizer``): Horovod's wrappers with the compressed
+  exchange of a :class:`GradientReducer` (``tf.train.Checkpoint``-trackable).
 - :data:`OPS` / :func:`collectives`: the core's ArrayOps and eager Collectives tables for TensorFlow.
 
-Attributes are imported on first use (TensorFlow and ``horovod.tensorflow`` with them). Codecs passed
-to stock Horovod (``hvd.DistributedGradientTape(tape, compression=hvd_quant.QSGD(bits=4))``) reach
-this frontend (``hvd_quant.tensorflow._backend.FRONTEND``) through ``hvd_quant._stock`` without any
-import.
+Attributes are imported on first use. Codecs passed to stock Horovod reach this frontend through
+``hvd_quant.dispatch`` without any import.
 """
 from .._lazy import lazy_exports
 

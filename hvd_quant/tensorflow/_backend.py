@@ -1,30 +1,15 @@
 """The TensorFlow frontend: :data:`FRONTEND`, the one object through which the core reaches
 TensorFlow (``hvd_quant.frontend.Frontend``, registered in ``hvd_quant.dispatch``).
 
-TensorFlow tensors are immutable and have no views, while the core decodes into slices of a buffer
-(``decode_into(payload, ops.slice(out, a, b))``). So the TensorFlow frontend runs the core on **NumPy
-arrays in host memory**, reached without copying where TensorFlow allows it:
+TensorFlow tensors are immutable and have no views, while the core decodes into slices of a buffer,
+so the core runs on **NumPy arrays in host memory** (:data:`OPS`): reads of CPU tensors are
+read-only views of TensorFlow's buffer (the core writes only into buffers it allocated), and results
+go back as the NumPy arrays they are. The eager Collectives tables run Horovod's collectives each on
+its own thread (eager Horovod ops block their caller) through a cached ``tf.function`` per
+collective name (Horovod's eager ops ignore ``name=``). Inside a graph ``_graph.py`` takes over.
 
-* reading a CPU tensor: ``np.asarray(eager_tensor)`` and the arrays ``tf.numpy_function`` hands its
-  Python body are read-only views of TensorFlow's own buffer (no copy); the core only ever writes
-  into buffers it allocated (``flatten``, ``zeros``, ``empty``, residuals);
-* writing back: the decoded float32 sum is handed to TensorFlow as the NumPy array it is
-  (``tf.numpy_function`` / ``tf.convert_to_tensor`` adopt aligned NumPy memory).
-
-:data:`OPS` is that :class:`~hvd_quant.exchange.ArrayOps` table. The eager
-:class:`~hvd_quant.exchange.Collectives` tables (:meth:`TensorFlowFrontend.make_collectives`) run
-``allgather`` / ``alltoall`` / ``allreduce`` of ``horovod.tensorflow`` on uint8 or float arrays,
-asynchronously (each call on its own thread; ``synchronize`` joins it), returning NumPy arrays.
-Horovod's TensorFlow ops ignore ``name=`` in eager mode (every eager allgather is called
-``HorovodAllgather``, so two in flight collide), so each (collective, name, dtype) is a small cached
-``tf.function`` in which the name holds. Inside ``tf.function`` the frontend does not use this table:
-the collectives become graph ops between ``tf.numpy_function`` steps of the same core
-(``hvd_quant/tensorflow/_graph.py``, which also builds the stock path's exchanges of symbolic
-tensors: its ``stock_compress``, registered in ``hvd_quant.dispatch.STOCK_HOOKS``).
-
-GPU tensors: the codecs refuse them (:data:`GPU_REFUSED`; docs/TENSORFLOW.md, "GPU"). No machine we
-test on has TensorFlow with a GPU, so no TensorFlow GPU path is offered; the reducer's and the stock
-path's steps read GPU gradients through NumPy, which copies them to the host.
+GPU tensors: the codecs refuse them (:data:`GPU_REFUSED`; docs/TENSORFLOW.md, "GPU"); the host
+steps read GPU gradients through NumPy, which copies them to the host.
 """
 import concurrent.futures
 import re
@@ -47,17 +32,13 @@ GPU_REFUSED = (
     "reduce GPU gradients through host steps; for a codec, copy the tensor to the host first "
     "(with tf.device(\"/cpu:0\"): tf.identity(t)) or pass its NumPy value")
 
-
-# --------------------------------------------------------------------------------------------------
-# NumPy array ops (host)
+FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)     # the dtypes the codecs take
 
 
 def to_numpy(t, dtype=None):
     """A NumPy view of an eager tensor / array (no copy for CPU tensors of the same dtype)."""
     a = np.asarray(t)
-    if dtype is not None and a.dtype != dtype:
-        a = a.astype(dtype)
-    return a
+    return a if dtype is None or a.dtype == dtype else a.astype(dtype)
 
 
 def _flatten(tensors):
@@ -69,18 +50,9 @@ def _flatten(tensors):
     return np.concatenate(parts).astype(np.float32, copy=False)
 
 
-def _add_(a, b):
-    b = to_numpy(b, np.float32)
-    if a.flags.writeable:
-        return np.add(a, b, out=a)
-    return a + b
-
-
-def _scale_(a, s):
-    s = np.float32(s) if np.isscalar(s) else to_numpy(s, np.float32).reshape(-1)[:1]
-    if a.flags.writeable:
-        return np.multiply(a, s, out=a)
-    return a * s
+def _in_place(ufunc, a, b):
+    """``a`` (op)= ``b`` in ``a`` where it is writable (the core's buffers), else a new array."""
+    return ufunc(a, b, out=a) if a.flags.writeable else ufunc(a, b)
 
 
 OPS = ArrayOps(
@@ -89,19 +61,15 @@ OPS = ArrayOps(
     empty=lambda numel, like: np.empty(numel, np.float32),
     slice=lambda buf, a, b: buf[a:b],
     empty_bytes=lambda nbytes, like: np.empty(nbytes, np.uint8),
-    add_=_add_,
-    scale_=_scale_,
+    add_=lambda a, b: _in_place(np.add, a, to_numpy(b, np.float32)),
+    scale_=lambda a, s: _in_place(np.multiply, a, np.float32(s) if np.isscalar(s)
+                                  else to_numpy(s, np.float32).reshape(-1)[:1]),
     numel=lambda t: int(np.size(t)),
     from_bytes=lambda b: np.frombuffer(bytes(b), dtype=np.uint8).copy(),
     to_bytes=lambda t: to_numpy(t, np.uint8).tobytes(),
     to_like=lambda t, like: np.array(to_numpy(t, np.float32).reshape(-1), copy=True),
     clone=lambda t: np.array(to_numpy(t), copy=True),
 )
-
-
-# --------------------------------------------------------------------------------------------------
-# Op names
-
 
 _BAD = re.compile(r"[^A-Za-z0-9_.\-]")
 
@@ -115,70 +83,48 @@ def op_name(text):
 # --------------------------------------------------------------------------------------------------
 # Eager collectives
 
-
 _FNS = {}
 _FNS_LOCK = threading.Lock()
 
 
-def _graph_fn(kind, name, dtype, ps, op=None, pre=1.0, post=1.0):
-    """A cached tf.function running one Horovod collective under ``name`` (honoured in graphs)."""
-    key = (kind, name, dtype, ps.process_set_id, op, pre, post)
+def _graph_fn(kind, name, dtype, ps, *args):
+    """A cached tf.function running one Horovod collective under ``name`` (honoured in graphs);
+    ``args``: the allreduce's ``(op, prescale, postscale)``."""
+    key = (kind, name, dtype, ps.process_set_id) + args
     with _FNS_LOCK:
         fn = _FNS.get(key)
-        if fn is not None:
-            return fn
-        import horovod.tensorflow as hvd
-        nm = op_name(name)
-        if kind == "allgather":
-            def body(t):
-                return hvd.allgather(t, name=nm, ignore_name_scope=True, process_set=ps)
-            sig = [tf.TensorSpec([None], dtype)]
-        elif kind == "alltoall":
-            def body(t, splits):
-                return hvd.alltoall(t, splits=splits, name=nm, ignore_name_scope=True,
-                                    process_set=ps)[0]
-            sig = [tf.TensorSpec([None], dtype), tf.TensorSpec([None], tf.int32)]
-        elif kind == "allreduce":
-            hop = FRONTEND.hvd_op(op)
-
-            def body(t):
-                return hvd.allreduce(t, op=hop, prescale_factor=pre, postscale_factor=post, name=nm,
-                                     ignore_name_scope=True, process_set=ps)
-            sig = [tf.TensorSpec(None, dtype)]
-        else:  # pragma: no cover
-            raise ValueError(kind)
-        fn = _FNS[key] = tf.function(body, input_signature=sig, autograph=False)
+        if fn is None:
+            import horovod.tensorflow as hvd
+            kw = dict(name=op_name(name), ignore_name_scope=True, process_set=ps)
+            vec = tf.TensorSpec([None], dtype)
+            if kind == "allgather":
+                body, sig = (lambda t: hvd.allgather(t, **kw)), [vec]
+            elif kind == "alltoall":
+                body = lambda t, splits: hvd.alltoall(t, splits=splits, **kw)[0]    # noqa: E731
+                sig = [vec, tf.TensorSpec([None], tf.int32)]
+            else:
+                op, pre, post = args
+                body = lambda t: hvd.allreduce(t, op=FRONTEND.hvd_op(op), prescale_factor=pre,  # noqa: E731
+                                               postscale_factor=post, **kw)
+                sig = [tf.TensorSpec(None, dtype)]
+            fn = _FNS[key] = tf.function(body, input_signature=sig, autograph=False)
         return fn
 
 
-def _as_tensor(t):
-    if isinstance(t, (tf.Tensor, tf.Variable)):
-        return t
-    with tf.device("/cpu:0"):
-        return tf.convert_to_tensor(np.ascontiguousarray(t))
+def _start(kind, name, ps, t, *args, more=()):
+    """Run collective ``kind`` of ``t`` (and ``more`` tensors) on a thread of its own; a Future."""
+    if not isinstance(t, (tf.Tensor, tf.Variable)):
+        with tf.device("/cpu:0"):
+            t = tf.convert_to_tensor(np.ascontiguousarray(t))
+    fn, future = _graph_fn(kind, name, t.dtype, ps, *args), concurrent.futures.Future()
 
-
-class _Handle:
-    """One collective running on its own thread (eager Horovod ops block their caller)."""
-    __slots__ = ("future",)
-
-    def __init__(self, fn, *args):
-        self.future = concurrent.futures.Future()
-        threading.Thread(target=self._run, args=(fn, args), daemon=True,
-                         name="hvd_quant-collective").start()
-
-    def _run(self, fn, args):
+    def run():
         try:
-            self.future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to synchronize()
-            self.future.set_exception(e)
-
-    def result(self):
-        out = self.future.result()
-        return to_numpy(out)
-
-
-FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)     # the dtypes the codecs take
+            future.set_result(fn(t, *more))
+        except BaseException as e:  # noqa: BLE001 - raised by synchronize()
+            future.set_exception(e)
+    threading.Thread(target=run, daemon=True, name="hvd_quant-collective").start()
+    return future
 
 
 class TensorFlowFrontend(Frontend):
@@ -196,23 +142,19 @@ class TensorFlowFrontend(Frontend):
 
     def make_collectives(self, ps):
         def allgather_async(t, name, sizes=None):      # (Horovod gathers the lengths itself)
-            t = _as_tensor(t)
-            return _Handle(_graph_fn("allgather", name, t.dtype, ps), t)
+            return _start("allgather", name, ps, t)
 
         def alltoall_async(t, splits, name):
-            t = _as_tensor(t)
-            return _Handle(_graph_fn("alltoall", name, t.dtype, ps), t,
-                           tf.constant(list(map(int, splits)), tf.int32))
+            return _start("alltoall", name, ps, t, more=(tf.constant(list(map(int, splits)), tf.int32),))
 
         def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
-            t = _as_tensor(t)
-            return _Handle(_graph_fn("allreduce", name, t.dtype, ps, op, float(prescale_factor),
-                                     float(postscale_factor)), t)
+            return _start("allreduce", name, ps, t, op, float(prescale_factor), float(postscale_factor))
 
+        levels = (lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None
         return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
-                           synchronize=lambda h: h.result(), process_set=ps,
-                           levels=(lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None)
+                           synchronize=lambda future: to_numpy(future.result()), process_set=ps,
+                           levels=levels)
 
     # -- primitives of the stock path -------------------------------------------------------------
     @staticmethod
@@ -248,26 +190,6 @@ class TensorFlowFrontend(Frontend):
             return self.cast_back(tf.reshape(tf.convert_to_tensor(flat), info.shape), info)
 
 
-# --------------------------------------------------------------------------------------------------
-# The codecs' array adapter: eager CPU tensors through NumPy (``.numpy()`` copies: TensorFlow exposes
-# no writable view); payloads and results come back with ``tf.convert_to_tensor``. TensorFlow tensors
-# are immutable, so ``decode_into`` needs a ``tf.Variable`` as ``out`` (decoded into a NumPy
-# temporary, then ``assign``); a plain tensor is refused with a clear error.
-
-
-def _describe(x):
-    name = x.dtype.name
-    check_float(name)
-    return tuple(int(d) for d in x.shape), name
-
-
-def _immutable_error(out):
-    return UnsupportedInputError(
-        "TensorFlow tensors are immutable: decoding a TensorFlow payload into out needs a float32 "
-        f"tf.Variable (got {type(out).__name__}); or use decode(), or decode the payload's NumPy value "
-        "(payload.numpy()) into a NumPy array")
-
-
 def _value(t):
     """An eager tensor's (or variable's) NumPy value; a clear error for a graph's symbolic tensor."""
     try:
@@ -280,10 +202,14 @@ def _value(t):
 
 
 class TFHostAdapter(HostAdapter):
+    """The codecs' adapter: eager CPU tensors through NumPy; payloads and results come back with
+    ``tf.convert_to_tensor``. ``decode_into`` needs a ``tf.Variable`` as ``out`` (decoded into a
+    NumPy temporary, then ``assign``): TensorFlow tensors are immutable."""
     views = False
 
     def describe(self, x):
-        return _describe(x)
+        check_float(x.dtype.name)
+        return tuple(int(d) for d in x.shape), x.dtype.name
 
     def input_np(self, x):
         return np.asarray(_value(x)).reshape(-1)
@@ -304,14 +230,14 @@ class TFHostAdapter(HostAdapter):
 
     def out_np(self, out):
         if not isinstance(out, tf.Variable):
-            raise _immutable_error(out)
+            raise UnsupportedInputError(
+                "TensorFlow tensors are immutable: decoding a TensorFlow payload into out needs a float32 "
+                f"tf.Variable (got {type(out).__name__}); or use decode(), or decode the payload's NumPy "
+                "value (payload.numpy()) into a NumPy array")
         if out.dtype != tf.float32:
             raise UnsupportedInputError(f"decode_into needs a float32 tf.Variable; got {out.dtype.name}")
         tmp = np.ascontiguousarray(_value(out), dtype=np.float32).reshape(-1)
-
-        def commit():
-            out.assign(tmp.reshape(tuple(out.shape)))
-        return tmp, commit
+        return tmp, lambda: out.assign(tmp.reshape(tuple(out.shape)))
 
     def wrap_result(self, arr_f32, dtype_name, shape, like):
         if dtype_name == "bfloat16":

@@ -1,43 +1,30 @@
 """The core exchange inside a TensorFlow graph (``tf.function``, Keras ``fit``, Horovod's own
-``tf.function`` around gradient reduction).
+``tf.function`` around gradient reduction; docs/TENSORFLOW.md, "Graph mode and eager mode").
 
-Horovod's TensorFlow frontend builds its allreduce while *tracing*: ``compress`` sees symbolic
-tensors and runs once per trace, not once per step. So the exchange is built into the graph as
-``tf.numpy_function`` steps that call the core (:class:`hvd_quant.exchange.Exchange`, unchanged)
-with Horovod's own graph collectives between them::
+Horovod builds its TensorFlow allreduce while *tracing*, so the exchange is built into the graph as
+``tf.numpy_function`` steps that call the core's ``Exchange.start`` / ``advance`` / ``finish``,
+with Horovod's graph collectives between them. The core talks to a *recording* Collectives table:
+its ``alltoall_async`` / ``allgather_async`` only record what to send (the numpy step returns it to
+the graph) and ``synchronize`` returns what the graph op delivered to the next step. No step blocks
+waiting for another rank, so graph order may differ between ranks without deadlock. The first
+execution of each exchange runs a configuration handshake (in a ``tf.cond`` later steps skip) that
+its collectives wait for.
 
-    flat ─► [start: compensate, encode, split] ─► HorovodAlltoall  (sra)   ─► [advance: decode, sum,
-            requantize] ─► HorovodAllgather ─► [finish: decode] ─► float32 sum over ranks
-    flat ─► [start: encode] ─► HorovodAllgather (allgather) ─► [finish: decode, sum] ─► float32 sum
-
-The core talks to a *recording* :class:`~hvd_quant.exchange.Collectives` table: ``alltoall_async``
-/ ``allgather_async`` only record the array to send (the numpy step returns it to the graph), and
-``synchronize`` returns what the graph op delivered to the next numpy step. No Python step blocks a
-TensorFlow thread waiting for another rank (Horovod's asynchronous kernels wait), so graph order may
-differ between ranks without deadlock. Horovod op names are fixed at trace time from the exchange's
-name and matched across ranks by Horovod. Payload sizes are known when tracing, so every step has a
-static shape. The first execution of each exchange runs a configuration handshake (an allgather of
-a fixed-size record, in a ``tf.cond`` that later steps skip) that the exchange's collectives wait
-for, so ranks configured differently raise :class:`~hvd_quant.exchange.ConfigMismatchError`.
-
-Stock path. :func:`stock_compress` is the hook ``hvd_quant._stock`` calls for TensorFlow tensors
-(``hvd_quant.dispatch.STOCK_HOOKS``): eager tensors go to ``StockCompression.compress_on`` with the
-frontend's eager tables; a symbolic tensor's exchange is built into the graph through
-``StockCompression``'s public surface, this module being the backend of those graph sessions
-(:func:`stock_backend`: the recording collectives). Inside Horovod's ``allreduce_grads`` the first
-``compress`` of the call plans the whole list and builds one exchange per bucket (:func:`_fused`);
-``reduction="auto"`` measures and chooses there (:class:`GraphAuto`). Names: the ``name`` given to
-``hvd.allreduce``, else the gradient's variable (Horovod's ``allreduce_grads(grads, vars)`` frame),
-else the symbolic tensor's name; all fixed by the program, hence equal on every rank; duplicates
-within one traced function get ``#k``.
+Stock path: :func:`stock_compress` is ``hvd_quant._stock``'s hook for TensorFlow tensors
+(``hvd_quant.dispatch.STOCK_HOOKS``), this module the backend of its graph sessions
+(:func:`stock_backend`). Inside Horovod's ``allreduce_grads`` the first ``compress`` of a call
+plans the whole list, one exchange per bucket (:func:`_fused`; ``reduction="auto"``:
+:class:`GraphAuto`); elsewhere each tensor is exchanged alone.
 """
 import functools
 import os
 import sys
 import threading
 import time
+import types
 import weakref
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
@@ -64,13 +51,6 @@ class _Deferred:
         self.tensor, self.splits, self.result = tensor, splits, None
 
 
-def _sync(handle):
-    if handle.result is None:
-        raise RuntimeError("hvd_quant: internal error: a graph collective's result was read before "
-                           "the graph delivered it")
-    return handle.result
-
-
 def _no_allreduce(*args, **kwargs):
     raise RuntimeError("hvd_quant: the in-graph exchange uses Horovod's graph allreduce directly")
 
@@ -80,38 +60,38 @@ _GRAPH_COLL = {}
 
 def graph_collectives(process_set=None):
     """The recording Collectives table (rank and size of ``process_set``) used inside graphs."""
-    import horovod.tensorflow as hvd
     return collectives_for(_GRAPH_COLL, hvd.global_process_set if process_set is None else process_set,
                            lambda ps: Collectives(
                                rank=ps.rank(), size=ps.size(),
                                allgather_async=lambda t, name, sizes=None: _Deferred(t),
                                alltoall_async=lambda t, splits, name: _Deferred(t, list(splits)),
-                               allreduce_async=_no_allreduce, synchronize=_sync, process_set=ps))
+                               allreduce_async=_no_allreduce, synchronize=lambda h: h.result,
+                               process_set=ps))
 
 
 # --------------------------------------------------------------------------------------------------
 # The exchange as graph ops
 
 
-class _InFlight:
-    """One exchange built into one trace; ``pending`` lives from its start step to its finish step."""
-    __slots__ = ("pending",)
-
-    def __init__(self):
-        self.pending = None
-
-
-def _readonly(a, dtype):
-    v = to_numpy(a, dtype).reshape(-1).view()
-    v.flags.writeable = False          # the core must not write into TensorFlow's buffer
-    return v
-
-
-def _numpy_step(fn, inputs, dtype, shape, name):
+def numpy_step(fn, inputs, dtype, shape, name):
+    """A stateful ``tf.numpy_function`` step on the host, its output of static ``shape``."""
     with tf.device("/cpu:0"):
         out = tf.numpy_function(fn, inputs, dtype, stateful=True, name=name)
     out.set_shape(shape)
     return out
+
+
+def _gather_then(record, nbytes, name, ps, then, dtype, label):
+    """Graph ops: Horovod's allgather of the bytes ``record()`` returns, then the numpy step
+    ``then(gathered)``. The record comes from a stateful step, not a constant: Grappler would fold an
+    allgather of a constant once, and a new (elastic) world would never see it."""
+    rec = numpy_step(lambda: np.frombuffer(record(), np.uint8), [], tf.uint8, [nbytes], f"{label}_record")
+    gathered = hvd.allgather(rec, name=name, ignore_name_scope=True, process_set=ps)
+    return numpy_step(then, [gathered], dtype, [], f"{label}_check")
+
+
+def _bytes(arr):
+    return np.ascontiguousarray(np.asarray(arr, dtype=np.uint8).reshape(-1))
 
 
 class GraphExchange:
@@ -130,21 +110,15 @@ class GraphExchange:
         self._levels = None        # two_level: (the node's process set or None, the GraphExchange across)
 
     def rebind(self):
-        """Bind the exchange to the process set's rank and size now (call under ``lock``, at run
-        time). Horovod's elastic mode changes them between two executions of one trace; in a new
-        world every rank runs the handshakes again and restarts the exchange counters from zero,
-        the same on every rank (a worker that joins has none)."""
+        """Bind the exchange to the process set's rank and size now (under ``lock``, at run time):
+        elastic Horovod changes them under a trace. In a new world every rank runs the handshakes
+        again and restarts the exchange counters from zero (a worker that joins has none)."""
         coll = graph_collectives(self.process_set)
         if coll is self.exchange.coll:
             return
         self.exchange.coll = coll
         self.verified.clear()
         self.steps.clear()
-
-    def world_size(self):
-        """A graph op: the process set's size when the graph runs (elastic: not the traced one)."""
-        import horovod.tensorflow as hvd
-        return hvd.size_op(process_set_id=self.process_set.process_set_id)
 
     def take_seconds(self):
         """Seconds from the first exchange start to the last finish since the last call (None if no
@@ -154,7 +128,6 @@ class GraphExchange:
             self.t_first = self.t_last = None
         return None if t0 is None or t1 is None else t1 - t0
 
-    # -- names --------------------------------------------------------------------------------------
     def unique_key(self, base):
         """``base``, or ``base#k`` if this traced function already holds an exchange of that name."""
         g = tf.compat.v1.get_default_graph()
@@ -165,14 +138,9 @@ class GraphExchange:
         used[base] = k + 1
         return base if k == 0 else f"{base}#{k}"
 
-    # -- handshake ----------------------------------------------------------------------------------
     def handshake(self, key, record, what, name=None):
         """A scalar bool op: on the first execution of ``key`` (on this process) allgathers
         ``record`` and raises ConfigMismatchError on every rank if any rank's record differs."""
-        import horovod.tensorflow as hvd
-        ex, ps = self.exchange, self.process_set
-        hs_name = op_name(name or f"{ex.prefix}.hs.{key}")
-
         def need():
             with self.lock:
                 self.rebind()
@@ -180,42 +148,34 @@ class GraphExchange:
 
         def check(gathered):
             with self.lock:
-                check_handshake(ex.coll, OPS, record, gathered, what)
+                check_handshake(self.exchange.coll, OPS, record, gathered, what)
                 self.verified.add(key)
             return np.bool_(True)
 
-        def run():
-            # from a stateful step, not a constant: Grappler would fold an allgather of a constant
-            # once, when the function is first optimized, and a new world would never see it
-            rec = _numpy_step(lambda: np.frombuffer(record, dtype=np.uint8), [], tf.uint8,
-                              [len(record)], "hvdq_handshake_record")
-            gathered = hvd.allgather(rec, name=hs_name, ignore_name_scope=True, process_set=ps)
-            return _numpy_step(check, [gathered], tf.bool, [], "hvdq_handshake_check")
+        hs_name = op_name(name or f"{self.exchange.prefix}.hs.{key}")
+        flag = numpy_step(need, [], tf.bool, [], "hvdq_handshake_needed")
+        return tf.cond(flag, lambda: _gather_then(lambda: record, len(record), hs_name, self.process_set,
+                                                  check, tf.bool, "hvdq_handshake"),
+                       lambda: tf.constant(True))
 
-        flag = _numpy_step(need, [], tf.bool, [], "hvdq_handshake_needed")
-        return tf.cond(flag, run, lambda: tf.constant(True))
-
-    # -- the exchange -------------------------------------------------------------------------------
-    def sizes(self, numel):
-        """(bytes this rank sends first, bytes it sends second or None) for ``numel`` elements, in the
-        current world (SRA's depend on its rank and size, allgather's do not)."""
-        ex = self.exchange
-        if ex.reduction == "allgather":
-            return ex.payload_nbytes(numel), None
-        bounds = ex.bounds(numel)
-        a, b = bounds[ex.coll.rank]
-        return sum(ex.payload_nbytes(y - x) for x, y in bounds), ex.payload_nbytes(b - a)
-
-    def _splits(self, numel):
-        with self.lock:
-            ex = self.exchange
-            return np.array([ex.payload_nbytes(b - a) for a, b in ex.bounds(numel)], np.int32)
+    def build_buckets(self, buckets, grads, scale=None):
+        """Graph ops of ``buckets`` (of a :func:`hvd_quant.plan.make_plan` plan) over ``grads``:
+        ``{gradient index: float32 sum over ranks (times ``scale``), in the gradient's shape}``."""
+        out = {}
+        for b in buckets:
+            parts = [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in b.members]
+            total = self.build(b.name, parts[0] if len(parts) == 1 else tf.concat(parts, 0), header=b.header)
+            if scale is not None:
+                total = total * scale
+            pieces = tf.split(total, list(b.numels)) if len(b.members) > 1 else [total]
+            for i, piece, shape in zip(b.members, pieces, b.shapes):
+                out[i] = tf.reshape(piece, shape)
+        return out
 
     def build(self, key, flat, header=None, deps=()):
         """Graph ops computing the float32 **sum over ranks** of the 1-D float32 ``flat`` (static
         size) with the core's reduction; returns that 1-D float32 tensor. The steps run on the host
         (a GPU ``flat`` is copied there by TensorFlow: docs/TENSORFLOW.md, "GPU")."""
-        import horovod.tensorflow as hvd
         ex, ps = self.exchange, self.process_set
         numel = int(flat.shape[0])
         header = key if header is None else header
@@ -224,30 +184,29 @@ class GraphExchange:
         # SRA's payload sizes follow the world, which elastic Horovod changes under a trace: they
         # are computed when the steps run, and the shapes left open
         sra = ex.reduction == "sra"
-        shape = [None] if sra else [self.sizes(numel)[0]]
-        flight = _InFlight()
+        shape = [None] if sra else [ex.payload_nbytes(numel)]
+        flight = types.SimpleNamespace(pending=None)     # from the start step to the finish step
         nm = op_name(key)
         with tf.control_dependencies(list(deps)):
-            send = _numpy_step(functools.partial(self._start, flight, key, header, numel), [flat],
-                               tf.uint8, shape, "hvdq_start")
+            send = numpy_step(functools.partial(self._start, flight, key, header), [flat], tf.uint8, shape,
+                               "hvdq_start")
         if sra:
             with tf.control_dependencies([send]):      # after start has bound the current world
-                splits = _numpy_step(functools.partial(self._splits, numel), [], tf.int32, [None],
+                splits = numpy_step(functools.partial(self._splits, numel), [], tf.int32, [None],
                                      "hvdq_splits")
             recv, _ = hvd.alltoall(send, splits=splits, name=op_name(f"{ex.prefix}.a2a.{nm}"),
                                    ignore_name_scope=True, process_set=ps)
-            send = _numpy_step(functools.partial(self._advance, flight, numel), [recv], tf.uint8, shape,
+            send = numpy_step(functools.partial(self._advance, flight), [recv], tf.uint8, shape,
                                "hvdq_advance")
         gathered = hvd.allgather(send, name=op_name(f"{ex.prefix}.ag.{nm}"), ignore_name_scope=True,
                                  process_set=ps)
-        return _numpy_step(functools.partial(self._finish, flight, numel), [gathered], tf.float32,
+        return numpy_step(functools.partial(self._finish, flight, numel), [gathered], tf.float32,
                            [numel], "hvdq_finish")
 
     def _two_level(self, key, flat, header, deps):
         """``reduction="two_level"`` as graph ops (``hvd_quant.exchange``'s module doc): the node's fp32
         sum (Horovod's allreduce over the node's process set), this rank's shard of it through another
         GraphExchange on the cross-node set, the shards gathered by a Sum allreduce of each in place."""
-        import horovod.tensorflow as hvd
         ex = self.exchange
         if self._levels is None:
             if ex.memory is not None:
@@ -255,10 +214,11 @@ class GraphExchange:
                                  "PyTorch only; TensorFlow takes it without")
             with tf.init_scope():       # eager collectives, also while tracing
                 local, cross = _backend.FRONTEND.collectives(self.process_set).levels()
-            self._levels = (None if local is None else local.process_set, None if cross is None else GraphExchange(
-                Exchange(ex.codec, graph_collectives(cross.process_set), OPS,
-                         reduction="allgather" if cross.size == 2 else "sra", prefix=ex.prefix),
-                cross.process_set))
+            if cross is not None:
+                cross = GraphExchange(Exchange(ex.codec, graph_collectives(cross.process_set), OPS,
+                                               reduction="allgather" if cross.size == 2 else "sra",
+                                               prefix=ex.prefix), cross.process_set)
+            self._levels = (None if local is None else local.process_set, cross)
         local, cross = self._levels
         numel, shard = int(flat.shape[0]), flat
         if local is not None:
@@ -278,46 +238,37 @@ class GraphExchange:
 
     # The numpy steps (run at execution time, under one lock per engine: the core and the codec
     # keep per-name state).
-    def _start(self, flight, key, header, numel, flat):
+    def _start(self, flight, key, header, flat):
         with self.lock:
             self.rebind()
             if self.t_first is None:
                 self.t_first = time.perf_counter()
             step = self.steps.get(key, 0)
             self.steps[key] = step + 1
-            flight.pending = self.exchange.start(key, _readonly(flat, np.float32), step=step,
-                                                 header=header)
-            return self._out(flight.pending.handle.tensor, self.sizes(numel)[0], key)
+            x = to_numpy(flat, np.float32).reshape(-1).view()
+            x.flags.writeable = False          # the core must not write into TensorFlow's buffer
+            flight.pending = self.exchange.start(key, x, step=step, header=header)
+            return _bytes(flight.pending.handle.tensor)
 
-    def _advance(self, flight, numel, recv):
+    def _splits(self, numel):
         with self.lock:
-            p = self._pending(flight)
+            ex = self.exchange
+            return np.array([ex.payload_nbytes(b - a) for a, b in ex.bounds(numel)], np.int32)
+
+    def _advance(self, flight, recv):
+        with self.lock:
+            p = flight.pending
             p.handle.result = np.asarray(recv).reshape(-1)
             self.exchange.advance(p)
-            return self._out(p.handle.tensor, self.sizes(numel)[1], p.name)
+            return _bytes(p.handle.tensor)
 
     def _finish(self, flight, numel, gathered):
         with self.lock:
-            p = self._pending(flight)
-            flight.pending = None
+            p, flight.pending = flight.pending, None
             p.handle.result = np.asarray(gathered).reshape(-1)
             out = self.exchange.finish(p)
             self.t_last = time.perf_counter()
             return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
-
-    @staticmethod
-    def _pending(flight):
-        if flight.pending is None:
-            raise RuntimeError("hvd_quant: internal error: an exchange step ran without its start")
-        return flight.pending
-
-    @staticmethod
-    def _out(arr, expected, key):
-        arr = np.ascontiguousarray(np.asarray(arr, dtype=np.uint8).reshape(-1))
-        if arr.size != expected:
-            raise RuntimeError(f"hvd_quant: internal error: exchange {key!r} produced {arr.size} "
-                               f"bytes, {expected} were planned")
-        return arr
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,13 +284,7 @@ def stock_adapter():
     return _backend.FRONTEND
 
 
-class HorovodContext:
-    __slots__ = ("name", "process_set", "variable", "grads", "variables", "index", "op", "prescale",
-                 "postscale")
-
-    def __init__(self):
-        for slot in self.__slots__:
-            setattr(self, slot, None)
+_CONTEXT = ("name", "process_set", "variable", "grads", "variables", "index", "op", "prescale", "postscale")
 
 
 @tf.autograph.experimental.do_not_convert
@@ -349,7 +294,7 @@ def horovod_context(tensor, max_depth=150):
     ``allreduce_grads(grads, vars)`` (``grads``, ``vars``, and the gradient's index in ``grads``: by
     identity, else the ``i`` of the comprehension over ``enumerate(grads)``), autograph's converted
     copies (``tf__*``, ``else_body_*``, lambdas) included."""
-    ctx = HorovodContext()
+    ctx = types.SimpleNamespace(**dict.fromkeys(_CONTEXT))
     seen = False
     index = None
     f = sys._getframe(1)
@@ -461,30 +406,12 @@ class _GraphCtx:
         return tf.reshape(out, self.info.shape)
 
 
-def build_buckets(buckets, grads, total_of, scale=None):
-    """Graph ops of ``buckets`` (of a :func:`hvd_quant.plan.make_plan` plan) over ``grads``:
-    ``{gradient index: float32 sum over ranks (times ``scale``), in the gradient's shape}``.
-    ``total_of(bucket, flat)`` builds the sum over ranks of the bucket's 1-D float32 ``flat``."""
-    out = {}
-    for b in buckets:
-        parts = [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in b.members]
-        flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-        total = total_of(b, flat)
-        if scale is not None:
-            total = total * scale
-        pieces = tf.split(total, list(b.numels)) if len(b.members) > 1 else [total]
-        for i, piece, shape in zip(b.members, pieces, b.shapes):
-            out[i] = tf.reshape(piece, shape)
-    return out
-
-
 class GraphAuto:
-    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`'s schedule and choice):
-    :meth:`route` is an op, run once per execution of the reduction, giving the index in
-    ``AutoChoice.CANDIDATES`` of the way this step's buckets travel; :meth:`bucket` builds a bucket's
-    compressed ways under a ``tf.switch_case`` on it, :meth:`plain` each gradient's allreduce. The step time is the host time between two
-    executions of the route op. When the schedule ends, the ranks allgather their medians in the
-    graph (a ``tf.cond`` that later steps skip) and take the same choice; rank 0 logs it once."""
+    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`): :meth:`route` is an
+    op, run once per execution of the reduction, giving the index in ``CANDIDATES`` of the way this
+    step's buckets travel (a step's time: the host time between two executions). When the schedule
+    ends, the ranks allgather their medians (a ``tf.cond`` later steps skip) and take the same
+    choice; rank 0 logs it."""
     CANDIDATES = AutoChoice.CANDIDATES
 
     def __init__(self, name, process_set, engines):
@@ -495,7 +422,6 @@ class GraphAuto:
         self.lock = threading.Lock()
 
     def route(self):
-        import horovod.tensorflow as hvd
         cands = self.CANDIDATES
 
         def tick():       # a step begins; the one before it (if any) ends
@@ -512,44 +438,33 @@ class GraphAuto:
                 return np.int32(cands.index(c))
 
         def decide():
-            rec = _numpy_step(lambda: np.frombuffer(self.choice.record(), np.uint8), [], tf.uint8,
-                              [8 * len(cands)], "hvdq_auto_record")
-            gathered = hvd.allgather(rec, name=op_name(f"{self.name}.auto"), ignore_name_scope=True,
-                                     process_set=self.process_set)
-            return _numpy_step(choose, [gathered], tf.int32, [], "hvdq_auto_choose")
+            return _gather_then(self.choice.record, 8 * len(cands), op_name(f"{self.name}.auto"),
+                                self.process_set, choose, tf.int32, "hvdq_auto")
 
-        r = _numpy_step(tick, [], tf.int32, [], "hvdq_auto_tick")
+        r = numpy_step(tick, [], tf.int32, [], "hvdq_auto_tick")
         return tf.cond(r < 0, decide, lambda: tf.identity(r))
 
     def bucket(self, route, b, grads):
         """Bucket ``b``'s members' float32 sums over ranks (a list, shaped as the gradients) by the
         compressed way ``route`` says; empty tensors when it says Horovod's allreduce, which
         :meth:`plain` then does per gradient."""
-        def compressed(eng):
-            out = build_buckets([b], grads, lambda bb, flat: eng.build(bb.name, flat, header=bb.header))
-            return [out[i] for i in b.members]
-
         def way(c):
             if c == _plan.ALLREDUCE:
                 return lambda: [tf.zeros([0], tf.float32) for _ in b.members]
-            return lambda: compressed(self.engines[c])
+            return lambda: list(self.engines[c].build_buckets([b], grads).values())
         return tf.switch_case(route, [way(c) for c in self.CANDIDATES])
 
     def plain(self, route, tensor, hctx, name):
-        """Horovod's allreduce of ``tensor`` (with the arguments of Horovod's own call, ``hctx``),
-        flattened, when ``route`` says so; on the compressed ways, of an empty slice of it (cheaper
-        than a ``tf.cond`` per gradient). Built in ``compress``,
-        before Horovod's allreduce of the placeholder, so that it waits for the gradient and the
-        route only, and is sent as soon as backward makes the gradient."""
-        import horovod.tensorflow as hvd
+        """Horovod's allreduce of ``tensor`` flattened (with the arguments of Horovod's own call,
+        ``hctx``) when ``route`` says so, else of an empty slice of it (cheaper than a ``tf.cond``).
+        Built in ``compress``, so it waits for the gradient and the route only."""
         use = tf.equal(route, self.CANDIDATES.index(_plan.ALLREDUCE))
-        send = _backend.sendable_dtype(tensor.dtype)      # bfloat16 travels as float32
-        flat = tf.reshape(tensor if send == tensor.dtype else tf.cast(tensor, send), [-1])
+        flat = tf.reshape(_backend.FRONTEND.sendable(tensor), [-1])      # bfloat16 travels as float32
         part = tf.slice(flat, [0], tf.where(use, tf.shape(flat), tf.zeros([1], tf.int32)))
         out = hvd.allreduce(
             part, op=hctx.op, prescale_factor=hctx.prescale, postscale_factor=hctx.postscale,
             name=op_name(f"{name}.ar"), ignore_name_scope=True, process_set=self.process_set)
-        return out if send == tensor.dtype else tf.cast(out, tensor.dtype)
+        return out if out.dtype == tensor.dtype else tf.cast(out, tensor.dtype)
 
 
 # The fused reductions built for Horovod's allreduce_grads calls: outermost graph -> {(id(grads),
@@ -594,22 +509,17 @@ def _fused(sc, ps, hctx):
                 out = {i: piece for b in plan.buckets
                        for i, piece in zip(b.members, auto.bucket(route, b, grads))}
             else:
-                out = build_buckets(plan.buckets, grads,
-                                    lambda b, flat: eng.build(b.name, flat, header=b.header))
+                out = eng.build_buckets(plan.buckets, grads)
     built[key] = (grads, out, auto, route, names)
     return out, auto, route, names
 
 
 def stock_compress(sc, tensor):
-    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path with the eager
-    tables (``_backend.py``); for a symbolic one (``tf.function``, Horovod's own ``tf.function`` around
-    gradients) the exchange is built into the graph and the placeholder returned: inside Horovod's
-    ``allreduce_grads`` one exchange per bucket of its gradients (:func:`_fused`), elsewhere (a
-    graph ``hvd.allreduce(compression=...)``) one per tensor."""
+    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path; a symbolic
+    one's exchange is built into the graph (module doc) and its placeholder returned."""
     from .. import _stock
     if tf.executing_eagerly() and hasattr(tensor, "numpy"):
         return sc.compress_on(_backend.FRONTEND, tensor)
-    import horovod.tensorflow as hvd
     if os.environ.get("HOROVOD_ELASTIC") == "1":
         raise ValueError(
             "hvd_quant: a codec as compression= of Horovod's TensorFlow tape or optimizer inside a "

@@ -54,29 +54,28 @@ def reducer_of(obj):
 # GradientReducer's arguments, which every wrapper takes under the same names.
 _REDUCER_ARGS = ("compression", "op", "reduction", "bucket_bytes", "min_compress_numel", "warmup_steps",
                  "error_feedback", "compress_1d", "gradient_predivide_factor", "groups",
-                 "sparse_as_dense", "process_set", "device_dense", "device_sparse", "device_exchange")
+                 "sparse_as_dense", "process_set", "device_dense", "device_sparse")
 
 
 def _reducer_args(args, backward_passes_per_step=1):
-    """The GradientReducer arguments among a wrapper's ``locals()``, checked; ``num_groups`` folded
-    into ``groups`` as Horovod does."""
-    _plan.check_reduction(args["reduction"], auto=False)
+    """The GradientReducer arguments among a wrapper's ``locals()``, checked: ``op`` as the core's,
+    ``num_groups`` folded into ``groups`` as Horovod does."""
+    if args["device_exchange"]:
+        raise ValueError(f"hvd_quant: {_backend.GPU_REFUSED}")
     _plan.check_backward_passes(backward_passes_per_step)
     kw = {k: args[k] for k in _REDUCER_ARGS}
+    kw["op"] = _backend.core_op(kw["op"])
     if args["num_groups"] != 0 and kw["groups"] is None:
         kw["groups"] = args["num_groups"]
     return kw
 
 
 def _tape_key(kw):
-    key = dict(kw, op=_backend.core_op(kw["op"]), process_set=kw["process_set"].process_set_id,
-               device_exchange=bool(kw["device_exchange"]))
-    comp = kw["compression"]
+    key = dict(kw, process_set=kw["process_set"].process_set_id)
     try:        # codecs are immutable values: an equal codec made afresh each step finds the same reducer
-        hash(comp)
+        hash(kw["compression"])
     except TypeError:
-        comp = id(comp)
-    key["compression"] = comp
+        key["compression"] = id(kw["compression"])
     if isinstance(kw["groups"], (list, tuple)):
         key["groups"] = tuple(tuple(v.ref() for v in g) for g in kw["groups"])
     return tuple(key[k] for k in _REDUCER_ARGS)
@@ -113,48 +112,29 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
                             compress_1d=False, device_exchange=False, reducer=None):
     """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange.
 
-    Horovod's arguments keep their meaning; the sources may also be Keras 3 variables (Horovod's
-    tape is given the ``tf.Variable`` each holds). hvd_quant adds (see :class:`GradientReducer`):
-
-    Arguments:
-        compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``), a spec
-            string (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``.
-        reduction: ``"sra"`` (scatter-reduce-allgather, default), ``"allgather"`` or ``"two_level"``
-            (fp32 inside each node, the codec between nodes; without error feedback).
-        bucket_bytes: fusion bucket size in float32 bytes (default 25 MiB).
-        min_compress_numel: smaller gradients, and 1-D ones unless ``compress_1d``, go uncompressed.
-        warmup_steps: full-precision steps first.
-        error_feedback: keep per-rank residuals (default: what the codec wants).
-        device_exchange: must be False: GPU gradients take host steps, and ``True`` raises (a GPU
-            exchange for TensorFlow was never run: docs/TENSORFLOW.md, "GPU").
-        reducer: a :class:`GradientReducer` to use (and checkpoint). By default the tapes made with
-            the same arguments (equal codecs, or the same spec string) share one, so state survives
-            the per-step tape: it is ``tape.hvd_quant_reducer``. One reduction per reducer per step:
-            a persistent tape whose ``gradient()`` is called twice a step wants a ``reducer=`` per
-            call (else the calls share residuals and the step count).
-
-    Example::
-
-        with tf.GradientTape() as tape:
-            loss = loss_fn(model(x), y)
-        tape = hvd_quant.tensorflow.DistributedGradientTape(tape, compression=hvd_quant.QSGD(bits=4))
-        grads = tape.gradient(loss, model.trainable_variables)
+    Horovod's arguments keep their meaning; the sources may also be Keras 3 variables. hvd_quant's
+    (``compression``, ``reduction``, ``bucket_bytes``, ``min_compress_numel``, ``warmup_steps``,
+    ``error_feedback``, ``compress_1d``) are :class:`GradientReducer`'s; ``device_exchange=True``
+    raises (docs/TENSORFLOW.md, "GPU"). ``reducer``: a :class:`GradientReducer` to use (and
+    checkpoint); by default tapes made with the same arguments (equal codecs, or the same spec string)
+    share one, ``tape.hvd_quant_reducer``, so state survives the per-step tape. One reduction per
+    reducer per step: a persistent tape whose ``gradient()`` is called twice a step wants a
+    ``reducer=`` per call.
     """
     if isinstance(groups, (list, tuple)):
         groups = [[_tf_variable(v) for v in g] for g in groups]
     kw = _reducer_args(locals())
     tape = hvd.DistributedGradientTape(
         gradtape, device_dense=device_dense, device_sparse=device_sparse,
-        compression=_HvdCompression.none, sparse_as_dense=sparse_as_dense,
-        op=_backend.hvd_op(_backend.core_op(op)), gradient_predivide_factor=gradient_predivide_factor,
-        groups=kw["groups"], process_set=process_set, scale_local_gradients=scale_local_gradients)
+        compression=_HvdCompression.none, sparse_as_dense=sparse_as_dense, op=_backend.hvd_op(kw["op"]),
+        gradient_predivide_factor=gradient_predivide_factor, groups=kw["groups"], process_set=process_set,
+        scale_local_gradients=scale_local_gradients)
     if reducer is None:
         key = _tape_key(kw)
-        with _TAPE_LOCK:
-            entry = _TAPE_REDUCERS.get(key)
-            if entry is None:
-                entry = _TAPE_REDUCERS[key] = (compression, GradientReducer(**kw))
-            reducer = entry[1]
+        with _TAPE_LOCK:        # the entry keeps compression alive, so an id in a key is never reused
+            if key not in _TAPE_REDUCERS:
+                _TAPE_REDUCERS[key] = (compression, GradientReducer(**kw))
+            reducer = _TAPE_REDUCERS[key][1]
     return _keras3_sources(install_reducer(tape, reducer))
 
 
@@ -184,8 +164,7 @@ def _wrap_optimizer(factory, args, **extra):
             "(docs/TENSORFLOW.md, \"TensorFlow 2.19 and Keras 3\")")
     kw = _reducer_args(args, args["backward_passes_per_step"])
     opt = factory(args["optimizer"], compression=_HvdCompression.none, groups=kw["groups"],
-                  op=_backend.hvd_op(_backend.core_op(args["op"])),
-                  **{k: args[k] for k in _HOROVOD_OPTIMIZER_ARGS}, **extra)
+                  op=_backend.hvd_op(kw["op"]), **{k: args[k] for k in _HOROVOD_OPTIMIZER_ARGS}, **extra)
     return install_reducer(opt, GradientReducer(**kw))
 
 
@@ -219,9 +198,6 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
 
 
 def step_metrics(obj):
-    """What the last step of an hvd_quant tape or optimizer (or reducer) did
-    (:func:`hvd_quant.scheduler.step_metrics`: bytes sent and the fp32 equivalent, the exchange's time, the
-    reduction and precision of each bucket); None before its first step. The stock path: use
-    :func:`bytes_sent_per_step`."""
+    """What the last step of an hvd_quant tape, optimizer or reducer did
+    (:func:`hvd_quant.scheduler.step_metrics`); None before its first step."""
     return reducer_of(obj).step_metrics()
-
