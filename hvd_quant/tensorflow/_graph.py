@@ -43,12 +43,9 @@ __all__ = ["GraphExchange", "graph_collectives", "horovod_context", "stock_compr
 # Recording collectives
 
 
-class _Deferred:
-    """What the core asked to send; ``result`` is filled by the numpy step after the graph op."""
-    __slots__ = ("tensor", "splits", "result")
-
-    def __init__(self, tensor, splits=None):
-        self.tensor, self.splits, self.result = tensor, splits, None
+def _deferred(t, *args, **kwargs):
+    """What the core asked to send (a handle); ``result`` is filled by the numpy step after the graph op."""
+    return types.SimpleNamespace(tensor=t, result=None)
 
 
 def _no_allreduce(*args, **kwargs):
@@ -63,8 +60,7 @@ def graph_collectives(process_set=None):
     return collectives_for(_GRAPH_COLL, hvd.global_process_set if process_set is None else process_set,
                            lambda ps: Collectives(
                                rank=ps.rank(), size=ps.size(),
-                               allgather_async=lambda t, name, sizes=None: _Deferred(t),
-                               alltoall_async=lambda t, splits, name: _Deferred(t, list(splits)),
+                               allgather_async=_deferred, alltoall_async=_deferred,
                                allreduce_async=_no_allreduce, synchronize=lambda h: h.result,
                                process_set=ps))
 
@@ -172,13 +168,12 @@ class GraphExchange:
                 out[i] = tf.reshape(piece, shape)
         return out
 
-    def build(self, key, flat, header=None, deps=()):
+    def build(self, key, flat, header, deps=()):
         """Graph ops computing the float32 **sum over ranks** of the 1-D float32 ``flat`` (static
         size) with the core's reduction; returns that 1-D float32 tensor. The steps run on the host
         (a GPU ``flat`` is copied there by TensorFlow: docs/TENSORFLOW.md, "GPU")."""
         ex, ps = self.exchange, self.process_set
         numel = int(flat.shape[0])
-        header = key if header is None else header
         if ex.reduction == TWO_LEVEL:
             return self._two_level(key, flat, header, deps)
         # SRA's payload sizes follow the world, which elastic Horovod changes under a trace: they
@@ -288,7 +283,7 @@ _CONTEXT = ("name", "process_set", "variable", "grads", "variables", "index", "o
 
 
 @tf.autograph.experimental.do_not_convert
-def horovod_context(tensor, max_depth=150):
+def horovod_context(tensor):
     """Name, process set and variable name of the gradient Horovod is compressing, read from
     Horovod's frames: ``allreduce`` / ``grouped_allreduce`` (``name``, ``process_set``), then
     ``allreduce_grads(grads, vars)`` (``grads``, ``vars``, and the gradient's index in ``grads``: by
@@ -298,7 +293,7 @@ def horovod_context(tensor, max_depth=150):
     seen = False
     index = None
     f = sys._getframe(1)
-    for _ in range(max_depth):
+    for _ in range(150):
         if f is None:
             break
         if f.f_globals.get("__name__") == "horovod.tensorflow":
@@ -396,9 +391,7 @@ class _GraphCtx:
     def stock_decompress(self, summed_placeholder):
         # placeholder sum / N = the factor Horovod would apply to the sum (op, pre/postscale).
         factor = tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32) / np.float32(self.size)
-        out = self.result * factor
-        if self.info.dtype != tf.float32:
-            out = tf.cast(out, self.info.dtype)
+        out = _backend.FRONTEND.cast_back(self.result * factor, self.info)
         if self.plain is not None:
             # one of the two is empty (the way not taken): no conditional, whose call would cost
             # more than this copy
@@ -467,18 +460,16 @@ class GraphAuto:
         return out if out.dtype == tensor.dtype else tf.cast(out, tensor.dtype)
 
 
-# The fused reductions built for Horovod's allreduce_grads calls: outermost graph -> {(id(grads),
-# id(sc), process set id): (grads, {gradient index: float32 sum over ranks}, GraphAuto or None,
-# its route op, the gradients' names)}
+# outermost graph -> {(id(grads), id(sc), process set id): (grads, what _fused returns)}
 _FUSED = weakref.WeakKeyDictionary()
 
 
 def _fused(sc, ps, hctx):
-    """The graph ops of every compressible gradient of the ``allreduce_grads`` call ``hctx`` was
-    read from, fused into the buckets of :func:`hvd_quant.plan.make_plan` and built once, at that
-    call's first ``compress``, in the graph that holds the gradients (Horovod builds each
-    gradient's allreduce in a ``tf.cond`` branch of its own; the branch captures its result).
-    ``reduction="auto"``: :class:`GraphAuto`, one per plan and process set, kept across traces."""
+    """``({gradient index: float32 sum over ranks}, GraphAuto or None, its route op, the names)`` of
+    the ``allreduce_grads`` call ``hctx`` was read from: its gradients planned into buckets and built
+    once, at the call's first ``compress``, in the graph that holds them (Horovod builds each
+    gradient's allreduce in a ``tf.cond`` branch that captures the result). ``reduction="auto"``:
+    a :class:`GraphAuto` per plan and process set, kept across traces."""
     grads = hctx.grads
     outer = next(g.graph for g in grads if isinstance(g, tf.Tensor))
     key = (id(grads), id(sc), ps.process_set_id)

@@ -63,6 +63,8 @@ class GradientReducer(_Trackable):
                  min_compress_numel=1024, warmup_steps=0, error_feedback=None, compress_1d=False,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
                  process_set=None, device_dense="", device_sparse="", device_exchange=False):
+        if device_exchange:
+            raise ValueError(f"hvd_quant: {_backend.GPU_REFUSED}")
         op = _backend.core_op(op)
         _plan.check_reduction(reduction, auto=False)   # "auto" is measured by the PyTorch paths only
         _plan.check_groups(groups, "tf.Variable")
@@ -77,8 +79,6 @@ class GradientReducer(_Trackable):
         self.process_set = hvd.global_process_set if process_set is None else process_set
         self.device_dense, self.device_sparse = device_dense, device_sparse
         self.memory = Memory(OPS) if self.error_feedback else None
-        if device_exchange:
-            raise ValueError(f"hvd_quant: {_backend.GPU_REFUSED}")
         with tf.init_scope():
             self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
         self._traces = {}
@@ -238,13 +238,14 @@ class GradientReducer(_Trackable):
         {(bucket header, rank, size): array}, "exchange_steps": {bucket: count}}`` (NumPy copies;
         this rank's). The exchange counters key the stochastic rounding, so a restored run draws the
         same noise."""
-        residuals, server = dict(self._restored), dict(self._restored_server)
         with self._lock:
-            for trace in self._traces.values() if self.memory is not None else ():
-                worker, own = _plan.save_residuals(self.memory, trace.plan.buckets,
-                                                   lambda a: np.array(a, np.float32))
-                residuals.update(worker)
-                server.update(own)
+            residuals, server = dict(self._restored), dict(self._restored_server)
+            for trace in self._traces.values():
+                if self.memory is not None:
+                    worker, own = _plan.save_residuals(self.memory, trace.plan.buckets,
+                                                       lambda a: np.array(a, np.float32))
+                    residuals.update(worker)
+                    server.update(own)
             steps = {k.removeprefix(_PREFIX + "."): v for k, v in self._counters().items()}
         return {"step": int(self._step.numpy()), "codec": self.codec.spec(),
                 "reduction": self.reduction, "residuals": residuals, "server_residuals": server,
