@@ -158,6 +158,7 @@ class QSGD(Codec):
 
     PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
     _method = wire.METHODS["qsgd"]
+    _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("norm", _NORM_NAMES)}
 
     def __init__(self, bits=4, bucket_size=512, mode="stochastic", norm="max", seed=None):
         mode = _check_choice("mode", mode, tuple(wire.MODES))
@@ -172,10 +173,6 @@ class QSGD(Codec):
         """s = 2**(bits-1) - 1 magnitude levels per sign."""
         return (1 << (self.bits - 1)) - 1
 
-    def _config(self):
-        return {"bits": self.bits, "bucket_size": self.bucket_size, "mode": self.mode, "norm": self.norm,
-                "seed": self.seed}
-
     def __repr__(self):
         r = super().__repr__()
         if self.mode == "fake":
@@ -184,13 +181,6 @@ class QSGD(Codec):
 
     def _fields(self):
         return (self._method, self.bits, wire.MODES[self.mode], wire.NORMS[self.norm], self.bucket_size)
-
-    def _field_text(self, field, code):
-        if field == "mode":
-            return f"mode={_MODE_NAMES.get(code, code)}"
-        if field == "param":
-            return f"norm={_NORM_NAMES.get(code, code)}"
-        return super()._field_text(field, code)
 
     def _kernel_table(self):
         if self.mode == "fake":         # float32 on the wire: the kernels run on the stochastic twin
@@ -213,13 +203,13 @@ class QSGD(Codec):
         twin._decode_host(tmp, pay[_HDR:_HDR + 4 * n].view(np.float32), False)
         numba_kernels.cpu.write_header_cpu(pay, words)
 
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
+    def _encode_dev(self, arrays, x, payload, words, lay, key, residual=None):
         if self.mode != "fake":
-            return super()._encode_dev(arrays, x, pt, pdev, words, lay, key, stream, residual)
-        twin, n = self._twin, lay.numel     # (an accuracy-study mode, not a hot path)
+            return super()._encode_dev(arrays, x, payload, words, lay, key, residual)
+        twin, n, stream = self._twin, lay.numel, arrays.stream(x)     # (an accuracy-study mode, not a hot path)
         xt, _ = arrays.input_f32(x)
         tt, _ = arrays.new_bytes(twin.wire_nbytes(n), x)
-        tn, pn = arrays.numba(tt), arrays.numba(pt)
+        tn, pn = arrays.numba(tt), arrays.numba(payload)
         _thread_op(twin, "encode", True, n)(arrays.numba(xt), tn, words, key, stream,
                                             None if residual is None else arrays.numba(residual))
         _thread_op(twin, "decode", True, n, False)(tn, pn[_HDR:_HDR + 4 * n].view(np.float32), stream)
@@ -251,6 +241,7 @@ class OneBit(Codec):
 
     PARAMS = {"bucket_size": _p_opt_int, "scale": _p_str, "error_feedback": _p_bool}
     _method = wire.METHODS["onebit"]
+    _FIELD_TEXT = {"mode": ("scale", _SCALE_NAMES), "bucket_size": ("bucket_size", {0: None})}
 
     def __init__(self, bucket_size=None, scale="two_mean", error_feedback=True):
         if not isinstance(error_feedback, (bool, np.bool_)):
@@ -264,18 +255,8 @@ class OneBit(Codec):
     def wants_error_feedback(self):
         return self.error_feedback
 
-    def _config(self):
-        return {"bucket_size": self.bucket_size, "scale": self.scale, "error_feedback": self.error_feedback}
-
     def _fields(self):
         return (self._method, 1, wire.ONEBIT_SCALES[self.scale], 0, self.bucket_size or 0)
-
-    def _field_text(self, field, code):
-        if field == "mode":
-            return f"scale={_SCALE_NAMES.get(code, code)}"
-        if field == "bucket_size":
-            return f"bucket_size={code or None}"
-        return super()._field_text(field, code)
 
     def _kernel_table(self):
         c = {"bucket_size": self.bucket_size or 0, "two_mean": self.scale == "two_mean"}
@@ -316,6 +297,7 @@ class SortQuant(Codec):
     PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,
               "seed": _p_opt_int}
     _method = wire.METHODS["sortquant"]
+    _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("split_bits", {})}
 
     def __init__(self, bits=4, split_bits=2, bucket_size=512, mode="stochastic", seed=None):
         bits = _check_int("bits", bits, 2, 16)
@@ -326,19 +308,8 @@ class SortQuant(Codec):
                      seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1))
         self.__dict__["stochastic"] = self.mode == "stochastic"
 
-    def _config(self):
-        return {"bits": self.bits, "split_bits": self.split_bits, "bucket_size": self.bucket_size,
-                "mode": self.mode, "seed": self.seed}
-
     def _fields(self):
         return (self._method, self.bits, wire.MODES[self.mode], self.split_bits, self.bucket_size)
-
-    def _field_text(self, field, code):
-        if field == "mode":
-            return f"mode={_MODE_NAMES.get(code, code)}"
-        if field == "param":
-            return f"split_bits={code}"
-        return super()._field_text(field, code)
 
     _device_pointers = False
 
@@ -380,6 +351,7 @@ class KMeans(Codec):
     PARAMS = {"bits": _p_int, "iters": _p_int, "bucket_size": _p_opt_int, "seed": _p_opt_int}
     _method = wire.METHODS["kmeans"]
     stochastic = True           # the sample is drawn with the noise key
+    _FIELD_TEXT = {"bucket_size": ("bucket_size", {0: None})}
 
     def __init__(self, bits=4, iters=20, bucket_size=None, seed=0):
         self._freeze(bits=_check_int("bits", bits, 1, 8), iters=_check_int("iters", iters, 0, 1000),
@@ -387,16 +359,8 @@ class KMeans(Codec):
                                                                                2 ** 32 - 1),
                      seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1))
 
-    def _config(self):
-        return {"bits": self.bits, "iters": self.iters, "bucket_size": self.bucket_size, "seed": self.seed}
-
     def _fields(self):
         return (self._method, self.bits, 0, 0, self.bucket_size or 0)
-
-    def _field_text(self, field, code):
-        if field == "bucket_size":
-            return f"bucket_size={code or None}"
-        return super()._field_text(field, code)
 
     _device_pointers = False
 
@@ -429,11 +393,11 @@ class _Raw(Codec):
         if residual is not None:
             np.subtract(xs, vals, out=residual, dtype=np.float32)
 
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        arrays.raw_encode_into(x, self._raw_values, pt)
-        numba_kernels.cuda.write_header_cuda(arrays.numba(pt), words, stream)
+    def _encode_dev(self, arrays, x, payload, words, lay, key, residual=None):
+        arrays.raw_encode_into(x, self._raw_values, payload)
+        numba_kernels.cuda.write_header_cuda(arrays.numba(payload), words, arrays.stream(x))
         if residual is not None:
-            arrays.raw_residual(x, pt, self._raw_values, residual)
+            arrays.raw_residual(x, payload, self._raw_values, residual)
 
 
 @register("fp16", "float16")
