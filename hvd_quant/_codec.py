@@ -439,7 +439,8 @@ class Codec:
         status = self._status(arrays, like, status)
         if launch is None:
             if arrays.device:
-                return lambda payload, out: self._decode_into_dev(arrays, payload, out, accumulate, expect, status)
+                return lambda payload, out: self._decode_into_dev(arrays, payload, out, accumulate, expect,
+                                                                  status)
             return lambda payload, out: self.decode_into(payload, out, accumulate=accumulate, expect=expect,
                                                          arrays=arrays)
         _, pay, to_out, stream, status_dev = _handles(arrays, status)
@@ -496,7 +497,8 @@ class Codec:
         if launch is None:
             return None
         _, pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
-        return lambda gathered, out: launch(pay(gathered), to_out(out), stream(out), status, name_hashes, expect)
+        return lambda gathered, out: launch(pay(gathered), to_out(out), stream(out), status, name_hashes,
+                                            expect)
 
     def _status(self, arrays, like, status):
         """A device bind's status word: the caller's, else this codec's on ``like``'s device."""

@@ -123,6 +123,14 @@ def from_spec(spec):
         raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
 
 
+def _bucket_size(v):
+    return None if v is None else _check_int("bucket_size", v, 1, 2 ** 32 - 1)
+
+
+def _seed(v):
+    return None if v is None else _check_int("seed", v, 0, 2 ** 64 - 1)
+
+
 _MODE_NAMES = {v: k for k, v in wire.MODES.items()}
 _NORM_NAMES = {v: k for k, v in wire.NORMS.items()}
 
@@ -164,8 +172,7 @@ class QSGD(Codec):
         mode = _check_choice("mode", mode, tuple(wire.MODES))
         self._freeze(bits=_check_int("bits", bits, 2, 16),
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
-                     mode=mode, norm=_check_choice("norm", norm, tuple(wire.NORMS)),
-                     seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1),
+                     mode=mode, norm=_check_choice("norm", norm, tuple(wire.NORMS)), seed=_seed(seed),
                      stochastic=mode != "deterministic", _raw_values="float32" if mode == "fake" else None)
 
     @property
@@ -206,7 +213,7 @@ class QSGD(Codec):
     def _encode_dev(self, arrays, x, payload, words, lay, key, residual=None):
         if self.mode != "fake":
             return super()._encode_dev(arrays, x, payload, words, lay, key, residual)
-        twin, n, stream = self._twin, lay.numel, arrays.stream(x)     # (an accuracy-study mode, not a hot path)
+        twin, n, stream = self._twin, lay.numel, arrays.stream(x)     # (accuracy studies, not a hot path)
         xt, _ = arrays.input_f32(x)
         tt, _ = arrays.new_bytes(twin.wire_nbytes(n), x)
         tn, pn = arrays.numba(tt), arrays.numba(payload)
@@ -246,10 +253,8 @@ class OneBit(Codec):
     def __init__(self, bucket_size=None, scale="two_mean", error_feedback=True):
         if not isinstance(error_feedback, (bool, np.bool_)):
             raise ValueError(f"error_feedback must be True or False; got {error_feedback!r}")
-        self._freeze(
-            bucket_size=None if bucket_size is None else _check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
-            scale=_check_choice("scale", scale, tuple(wire.ONEBIT_SCALES)),
-            error_feedback=bool(error_feedback))
+        self._freeze(bucket_size=_bucket_size(bucket_size), error_feedback=bool(error_feedback),
+                     scale=_check_choice("scale", scale, tuple(wire.ONEBIT_SCALES)))
 
     @property
     def wants_error_feedback(self):
@@ -305,7 +310,7 @@ class SortQuant(Codec):
                                                       f" (below bits={bits})"),
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
                      mode=_check_choice("mode", mode, ("stochastic", "deterministic")),
-                     seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1))
+                     seed=_seed(seed))
         self.__dict__["stochastic"] = self.mode == "stochastic"
 
     def _fields(self):
@@ -355,9 +360,8 @@ class KMeans(Codec):
 
     def __init__(self, bits=4, iters=20, bucket_size=None, seed=0):
         self._freeze(bits=_check_int("bits", bits, 1, 8), iters=_check_int("iters", iters, 0, 1000),
-                     bucket_size=None if bucket_size is None else _check_int("bucket_size", bucket_size, 1,
-                                                                               2 ** 32 - 1),
-                     seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1))
+                     bucket_size=_bucket_size(bucket_size),
+                     seed=_seed(seed))
 
     def _fields(self):
         return (self._method, self.bits, 0, 0, self.bucket_size or 0)
