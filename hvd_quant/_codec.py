@@ -125,14 +125,13 @@ def _thread_op(codec, kind, device, numel, accumulate=None):
 
 
 def _handles(arrays, status=(None, None)):
-    """``(input, payload, out, stream, status)``: what the prepared ops take of the caller's arrays:
-    converters of a float32 input, a uint8 payload, a float32 out and the stream of a tensor, and
-    the status word's device array. Host: NumPy arrays, no stream, no status word."""
+    """``(payload, out, stream, status)``: what the prepared ops take of the caller's arrays: the
+    adapter's converters of a uint8 payload and of a float32 out (``[0]`` of its result), the
+    stream of a tensor (None on the host) and the status word's device array (None on the host).
+    (No wrappers: the bound launches are the exchange's hot path.)"""
     if arrays.device:
-        f32, out_dev = arrays.input_f32, arrays.out_dev
-        return (lambda x: f32(x)[1]), arrays.bytes_dev, (lambda t: out_dev(t)[0]), arrays.stream, status[1]
-    out_np = arrays.out_np
-    return arrays.input_f32, arrays.payload_np, (lambda t: out_np(t)[0]), (lambda t: None), None
+        return arrays.bytes_dev, arrays.out_dev, arrays.stream, status[1]
+    return arrays.payload_np, arrays.out_np, None, None
 
 
 def _nb(arrays, t, dev):
@@ -423,10 +422,12 @@ class Codec:
         if launch is None:
             return lambda x, payload, key, residual=None: self.encode_into(
                 x, payload, words, lay, key, arrays=arrays, residual=residual)
-        f32, pay, out, stream, _ = _handles(arrays)
+        pay, to_out, stream, _ = _handles(arrays)
+        f32, dev = arrays.input_f32, arrays.device
 
         def encode(x, payload, key, residual=None):
-            launch(f32(x), pay(payload), words, key, stream(x), None if residual is None else out(residual))
+            launch(f32(x)[1] if dev else f32(x), pay(payload), words, key, stream and stream(x),
+                   None if residual is None else to_out(residual)[0])
         return encode
 
     def bind_decode(self, arrays, numel, accumulate, expect, like, status=None):
@@ -443,9 +444,9 @@ class Codec:
                                                                   status)
             return lambda payload, out: self.decode_into(payload, out, accumulate=accumulate, expect=expect,
                                                          arrays=arrays)
-        _, pay, to_out, stream, status_dev = _handles(arrays, status)
+        pay, to_out, stream, status_dev = _handles(arrays, status)
         if arrays.device:
-            return lambda payload, out: launch(pay(payload), to_out(out), stream(out), status_dev, expect)
+            return lambda payload, out: launch(pay(payload), to_out(out)[0], stream(out), status_dev, expect)
         total = self._layout(numel).total
 
         def decode(payload, out):
@@ -457,7 +458,7 @@ class Codec:
                 raise PayloadError(f"payload holds {h.numel} elements with name hash "
                                    f"{h.name_hash:#010x}; expected {numel} with "
                                    f"{expect.name_hash:#010x}: it belongs to another tensor")
-            launch(p, to_out(out))
+            launch(p, to_out(out)[0])
         return decode
 
     # fused launches: one per exchange phase
@@ -468,8 +469,9 @@ class Codec:
         launch = self._op("decode_sum", arrays.device, numel) if numel and arrays.views else None
         if launch is None:
             return None
-        _, pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
-        return lambda payloads, n, out: launch(pay(payloads), n, to_out(out), stream(out), status, expect)
+        pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
+        return lambda payloads, n, out: launch(pay(payloads), n, to_out(out)[0], stream and stream(out), status,
+                                               expect)
 
     def bind_reduce_requantize(self, arrays, lay, words, expect, like, status=None):
         """``f(payloads, n, residual, out_payload, key)``: SRA's middle phase in one launch: sum the
@@ -480,11 +482,11 @@ class Codec:
                   else None)
         if launch is None:
             return None
-        _, pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
+        pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
 
         def reduce(payloads, n, residual, out_payload, key):
-            launch(pay(payloads), n, None if residual is None else to_out(residual), pay(out_payload),
-                   words, key, stream(out_payload), status, expect)
+            launch(pay(payloads), n, None if residual is None else to_out(residual)[0], pay(out_payload),
+                   words, key, stream and stream(out_payload), status, expect)
         return reduce
 
     def bind_decode_chunks(self, arrays, numel, chunk, name_hashes, expect, like, status=None):
@@ -496,9 +498,9 @@ class Codec:
                   if numel and arrays.views and getattr(self, "bucket_size", None) else None)
         if launch is None:
             return None
-        _, pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
-        return lambda gathered, out: launch(pay(gathered), to_out(out), stream(out), status, name_hashes,
-                                            expect)
+        pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
+        return lambda gathered, out: launch(pay(gathered), to_out(out)[0], stream and stream(out), status,
+                                            name_hashes, expect)
 
     def _status(self, arrays, like, status):
         """A device bind's status word: the caller's, else this codec's on ``like``'s device."""

@@ -113,11 +113,6 @@ class _Session:
                                                       reduction=reduction, memory=self.memory)
         return ex
 
-    def rebind(self, coll):
-        self.coll = coll
-        for ex in self.exchanges.values():
-            ex.coll = coll
-
 
 # What ``compress`` learns from the Horovod function that called it: the tensor's ``name``, the
 # ``process_set``, the optimizer (``owner``) and the parameter (``param``) where there are ones.
@@ -176,7 +171,7 @@ class _Group:
     runs its steps."""
 
     def __init__(self, sc, session, owner, backend, process_set):
-        self.sc, self.session, self.backend, self.process_set = sc, session, backend, process_set
+        self.session, self.backend, self.process_set = session, backend, process_set
         names = owner._parameter_names
         todo = getattr(owner, "_requires_update", None) or set()
         params = [p for g in owner.param_groups for p in g["params"]
@@ -250,18 +245,12 @@ def _key_str(key):
 _DECIDED = threading.local()
 
 
-def _decided(tensor):
-    """What ``compress`` returns for ``tensor`` where the taken-over optimizer already decided."""
-    decided = getattr(_DECIDED, "value", None)
-    return decided[1] if decided is not None and decided[0] is tensor else None
-
-
 def _compress(codec, tensor):
     """Horovod's ``compress`` of ``codec`` (a codec or a :class:`StockCompression`): the state of
     its exchanges belongs to the caller (:func:`state_of`)."""
-    decided = _decided(tensor)
-    if decided is not None:
-        return decided
+    decided = getattr(_DECIDED, "value", None)
+    if decided is not None and decided[0] is tensor:
+        return decided[1]
     caller = _frame_context(tensor)
     return _owned_state(codec, caller, _backend_for(tensor)).compress_from(caller, tensor)
 
@@ -338,7 +327,9 @@ class StockCompression:
         coll = backend.stock_backend(process_set)[0]
         if coll is s.coll:
             return False
-        s.rebind(coll)
+        s.coll = coll
+        for ex in s.exchanges.values():
+            ex.coll = coll
         # Another world: the ranks that joined start their exchanges afresh, so every rank does
         # (handshake with the first exchange of each name, step counts, auto's schedule).
         self._steps.clear()
@@ -536,19 +527,20 @@ class StockCompression:
         return session.adapter.restore(flat, info)
 
     # -- state ------------------------------------------------------------------------------------
+    def _traffics(self):
+        return [ex.traffic for s in self._sessions.values() for ex in s.exchanges.values()]
+
     @property
     def traffic(self):
         """Bytes sent since the last :meth:`reset_traffic`, summed over sessions."""
         total = Traffic()
-        for s in self._sessions.values():
-            for ex in s.exchanges.values():
-                total.add(ex.traffic)
+        for t in self._traffics():
+            total.add(t)
         return total
 
     def reset_traffic(self):
-        for s in self._sessions.values():
-            for ex in s.exchanges.values():
-                ex.traffic.reset()
+        for t in self._traffics():
+            t.reset()
 
     def state_dict(self):
         """``{"residuals": {session key: {name: tensor}}, "server_residuals": {session key:
@@ -661,27 +653,20 @@ def state_of(obj):
     return sc
 
 
-def _process_set_states(codec):
-    """The states of ``codec`` kept by the global process set of each framework in use."""
-    out = []
-    for backend in _USED:
-        ps = backend.stock_backend(None)[0].process_set
-        sc = getattr(ps, "__dict__", {}).get(_STATE_ATTR, {}).get(codec)
-        if sc is not None and all(sc is not s for s in out):
-            out.append(sc)
-    return out
-
-
 def take_traffic(obj):
     """:class:`~hvd_quant.exchange.Traffic` since the last call of the stock state of ``obj``: a
     StockCompression, a Horovod optimizer whose ``compression=`` is a codec or StockCompression, or a
-    codec (its state on the global process set, as ``hvd.allreduce`` and TensorFlow keep it)."""
-    sc = state_of(obj)
-    if sc is not None:
-        states = [sc]
-    else:
+    codec (its states on the global process set of each framework in use, as ``hvd.allreduce`` and
+    TensorFlow keep them)."""
+    states = [state_of(obj)]
+    if states[0] is None:
         codec = getattr(obj, "_compression", obj)
-        states = _process_set_states(codec) if hasattr(codec, "spec") else []
+        states = []
+        for backend in _USED if hasattr(codec, "spec") else ():
+            ps = backend.stock_backend(None)[0].process_set
+            sc = getattr(ps, "__dict__", {}).get(_STATE_ATTR, {}).get(codec)
+            if sc is not None and all(sc is not s for s in states):
+                states.append(sc)
     total = Traffic()
     for s in states:
         total.add(s.traffic)
