@@ -116,8 +116,8 @@ def _thread_op(codec, kind, device, numel, accumulate=None):
     """This thread's prepared op ``kind`` of ``codec`` for ``numel`` elements on a CUDA device or the
     CPU (``Codec._op``), built once; the table is emptied when it holds 4096."""
     table, key = _THREAD.ops, (kind, codec, device, numel, accumulate)
-    op = table.get(key, table)          # (the table itself: not built yet; None is a result)
-    if op is table:
+    op = table.get(key)
+    if op is None:
         if len(table) >= 4096:
             table.clear()
         op = table[key] = codec._op(kind, device, numel, accumulate)
@@ -140,13 +140,13 @@ def _nb(arrays, t, dev):
 
 
 class Codec:
-    """Base class: the payload plumbing shared by every codec (see the module docstring).
+    """Base class: the payload plumbing shared by every codec.
 
-    A codec is an immutable value: its configuration is set once by ``__init__``, it compares and
-    hashes by that configuration, and it holds no runtime state, so one instance can be shared by
-    any number of optimizers, threads and ranks (``Compression.fp16`` is a global). What a run needs
-    (noise counters, prepared launches, device status words, buffers) lives with whoever runs it:
-    the exchange's per-bucket plans, or for direct calls the calling thread (:class:`_ThreadState`).
+    A codec is an immutable value: configured once by ``__init__``, compared and hashed by that
+    configuration, holding no runtime state, so one instance can be shared by any number of
+    optimizers, threads and ranks. What a run needs (noise counters, prepared ops, device status
+    words, buffers) lives with whoever runs it: the exchange's per-bucket setups, or for direct calls
+    the calling thread (:class:`_ThreadState`).
 
     Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical order; the configuration
     is those attributes), ``_fields()`` (the header's method/bits/mode/param/bucket_size),
@@ -336,11 +336,9 @@ class Codec:
 
     def decode(self, payload, name=None, shape=None, dtype=None):
         """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
-
-        Host payloads are fully validated (PayloadError). For a device payload, passing ``shape`` and
-        ``dtype`` avoids any host synchronisation: the header is then checked on the device (as in
-        :meth:`decode_into`); without them the 64-byte header is copied to the host (one
-        synchronisation) and validated there."""
+        Host payloads are fully validated (PayloadError). A device payload given ``shape`` and
+        ``dtype`` is checked on the device (as in :meth:`decode_into`), with no host synchronisation;
+        without them its 64-byte header is copied to the host and validated there."""
         name = _name_arg(name)
         shape = None if shape is None else _shape_arg(shape)
         arrays = adapter_for(payload)
@@ -367,20 +365,13 @@ class Codec:
 
     def decode_into(self, payload, out, accumulate=False, name=None, expect=None, arrays=None):
         """Write (``accumulate=False``) or add (``True``) the decoded values into ``out``, a flat
-        float32 array/tensor of the payload's kind with the payload's element count; no temporary of
-        that size is allocated (except for TensorFlow, whose tensors are immutable: ``out`` must be a
-        ``tf.Variable``). Returns ``out``.
-
-        Errors. Host payloads raise :class:`PayloadError` before anything is written. For device
-        payloads only sizes are checked on the host (a wrong size raises at once); the header is
-        checked on the device, in the same stream order: if it is wrong (magic, version,
-        configuration, numel, checksums, or the name when ``name`` is given) the decode writes NaN
-        into ``out`` (so a bad payload can never pass silently into a sum) and the reason is kept in a
-        device status word; :meth:`check_device_errors` reads it (synchronising) and raises.
-
-        ``expect`` (a ``wire.Expect`` from :meth:`expectation`, given instead of ``name``) and
-        ``arrays`` (the payload's adapter) let a caller that decodes the same layout every step skip
-        the per-call preparation."""
+        float32 array/tensor of the payload's kind with the payload's element count (TensorFlow, whose
+        tensors are immutable: a ``tf.Variable``); returns ``out``. Host payloads raise
+        :class:`PayloadError` before anything is written; a device payload's size is checked on the
+        host and its header on the device, in stream order: a bad one decodes to NaN and
+        :meth:`check_device_errors` raises (docs/CODECS.md, "Errors"). ``expect`` (from
+        :meth:`expectation`, instead of ``name``) and ``arrays`` (the payload's adapter) spare a
+        caller that decodes the same layout every step the per-call preparation."""
         name = _name_arg(name)
         arrays = arrays or adapter_for(payload)
         if arrays.device:

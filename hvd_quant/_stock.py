@@ -384,7 +384,7 @@ class StockCompression:
         if caller is None:
             caller = _frame_context(tensor)
         if caller.param is not None:
-            return self._compress_member(self._group(backend, caller), caller.param, tensor)
+            return self._member(self._group(backend, caller), caller.param, tensor)
         session = self.session(backend, caller.process_set)
         adapter = session.adapter
         info = adapter.describe(tensor)
@@ -408,15 +408,10 @@ class StockCompression:
         return adapter.placeholder(tensor), _Ctx(functools.partial(self._finish_alone, session, pending, info,
                                                                   ex.coll.size))
 
-    def _compress_member(self, group, param, tensor):
-        """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters."""
-        out, ctx = self._member(group, param, tensor)
-        return (group.placeholder(param, tensor) if out is None else out), ctx
-
     def _member(self, group, param, tensor, direct=False):
-        """``(None, ctx)`` when the gradient of ``param`` (one of ``group``'s optimizer's parameters)
-        went to its bucket (``direct``: or its plain group; the ctx is then a callable giving the
-        result), else ``(what Horovod allreduces, ctx)``."""
+        """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters:
+        ``(what Horovod allreduces, ctx)``; ``direct``: ``(None, a callable giving the result)`` when
+        it went to its bucket or plain group."""
         self._arrived(group, param)
         session, sched = group.session, group.sched
         info = group.describe(param, tensor)
@@ -431,7 +426,7 @@ class StockCompression:
             return self._uncompressed(session, tensor, info)    # (the bucket's route: allreduce)
         sched.arrive(*where, tensor)
         finish = functools.partial(_finish, group, False, *where, info)
-        return None, (finish if direct else _Ctx(finish))
+        return (None, finish) if direct else (group.placeholder(param, tensor), _Ctx(finish))
 
     @staticmethod
     def _uncompressed(session, tensor, info):
@@ -500,12 +495,9 @@ class StockCompression:
                 p.grad = p.data.new(p.size()).zero_()   # as Horovod: a gradient of zeros
             grad = p.grad
             if grad is not None and not grad.is_sparse:
-                if group.direct:
-                    out, ctx = self._member(group, p, grad, direct=True)
-                    if out is None:
-                        return ctx, None
-                else:
-                    out, ctx = self._compress_member(group, p, grad)
+                out, ctx = self._member(group, p, grad, direct=group.direct)
+                if out is None:
+                    return ctx, None
                 _DECIDED.value = (grad, (out, ctx))     # what compress returns, no frame lookup
             try:
                 return horovod_async(p)
