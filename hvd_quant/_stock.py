@@ -251,8 +251,11 @@ def _compress(codec, tensor):
     decided = getattr(_DECIDED, "value", None)
     if decided is not None and decided[0] is tensor:
         return decided[1]
-    caller = _frame_context(tensor)
-    return _owned_state(codec, caller, _backend_for(tensor)).compress_from(caller, tensor)
+    caller, backend = _frame_context(tensor), _backend_for(tensor)
+    sc = _owned_state(codec, caller, backend)
+    hook = stock_hook_for(tensor)       # a framework's own path (TensorFlow: graphs)
+    out = None if hook is None else hook(sc, tensor)
+    return sc.compress_on(backend, tensor, caller) if out is None else out
 
 
 _codec.STOCK_COMPRESS = _compress       # a codec's compress (hvd_quant._codec)
@@ -367,16 +370,6 @@ class StockCompression:
 
     def decompress(self, tensor, ctx):
         return stock_decompress(tensor, ctx)
-
-    def compress_from(self, caller, tensor):
-        """``compress`` with the calling frame's :class:`_Caller`."""
-        backend = _backend_for(tensor)
-        hook = stock_hook_for(tensor)       # a framework's own path (TensorFlow: graphs)
-        if hook is not None:
-            out = hook(self, tensor)
-            if out is not None:
-                return out
-        return self.compress_on(backend, tensor, caller)
 
     def compress_on(self, backend, tensor, caller=None):
         """``compress`` through ``backend`` (a frontend, or another object with the stock path's
