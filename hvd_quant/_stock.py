@@ -536,9 +536,7 @@ class StockCompression:
         states.update({_key_str(k): s.memory.state_dict()
                        for k, s in self._sessions.items() if s.memory is not None})
         auto = dict(self._restored_auto)
-        auto.update({g.key: g.sched.auto.state_dict() for _, g in self._groups.values()
-                     if g.sched.auto is not None})
-        auto.update({k: a.state_dict() for k, a in self._graph_autos.items()})
+        auto.update({k: a.state_dict() for k, a in self._autos()})
         return {"residuals": {k: dict(v.get(Memory.WORKER, {})) for k, v in states.items()},
                 "server_residuals": {k: dict(v.get(Memory.SERVER, {})) for k, v in states.items()},
                 "steps": dict(self._steps), "auto": auto}
@@ -549,6 +547,11 @@ class StockCompression:
         self._restore_auto(key, choice)
         self._graph_autos[key] = choice
 
+    def _autos(self):
+        """(plan key, AutoChoice) of each ``reduction="auto"`` schedule of this state."""
+        groups = [(g.key, g.sched.auto) for _, g in self._groups.values() if g.sched.auto is not None]
+        return groups + list(self._graph_autos.items())
+
     def _restore_auto(self, key, choice):
         saved = self._restored_auto.pop(key, None)
         if saved is not None:
@@ -557,11 +560,8 @@ class StockCompression:
     def load_state_dict(self, state):
         self._steps = dict(state.get("steps", {}))
         self._restored_auto = dict(state.get("auto", {}))
-        for k, a in self._graph_autos.items():
+        for k, a in self._autos():
             self._restore_auto(k, a)
-        for _, g in self._groups.values():
-            if g.sched.auto is not None:
-                self._restore_auto(g.key, g.sched.auto)
         server = state.get("server_residuals", {})
         self._restored = {k: {Memory.WORKER: v, Memory.SERVER: server.get(k, {})}
                           for k, v in state.get("residuals", {}).items()}
