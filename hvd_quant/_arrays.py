@@ -1,20 +1,12 @@
 """Zero-copy adapters between the caller's arrays and what the kernels take.
 
-The codecs never import a framework. They ask :func:`adapter_for` for the adapter of whatever they
-were given: the ``adapter(obj)`` of the object's frontend (``hvd_quant.dispatch``; NumPy's adapter is
-at the end of this module), imported on first use, only for the framework the object comes from.
-
-Two kinds of adapters:
-
-* host (:class:`HostAdapter`): NumPy arrays, torch CPU tensors, TensorFlow CPU tensors. The codec does
-  all its work on NumPy arrays with the Numba CPU kernels; the adapter converts at the edges
-  (zero-copy where the framework allows: ``Tensor.numpy()`` for torch; TensorFlow copies).
-* device (:class:`DeviceAdapter`): torch CUDA tensors (raw pointers, on torch's current stream). The
-  codec launches the Numba CUDA kernels on the framework's own memory; outputs are allocated by the
-  framework. (TensorFlow GPU tensors are refused: docs/TENSORFLOW.md, "GPU".)
-
-Input dtypes: float32 is used in place; float16, bfloat16 and float64 are converted to float32 first
-(one extra pass, done by the framework); anything else raises :class:`UnsupportedInputError`.
+The codecs never import a framework: :func:`adapter_for` gives the ``adapter(obj)`` of the object's
+frontend (``hvd_quant.dispatch``; NumPy's is at the end of this module). A host adapter
+(:class:`HostAdapter`: NumPy arrays, torch and TensorFlow CPU tensors) converts at the edges to
+NumPy arrays for the Numba CPU kernels; a device adapter (:class:`DeviceAdapter`: torch CUDA
+tensors) hands the Numba CUDA kernels the framework's own memory and current stream (TensorFlow GPU
+tensors are refused: docs/TENSORFLOW.md, "GPU"). float32 input is used in place; float16, bfloat16
+and float64 are converted to float32 first; anything else raises :class:`UnsupportedInputError`.
 """
 import threading
 

@@ -1,7 +1,7 @@
 """The codec base class and what every codec shares: argument checks, the payload header plumbing
-(memoised per configuration), what direct calls keep per thread, and the host and device paths of
-``encode`` / ``decode`` / ``decode_into`` over a codec's kernels (the codecs, their registry and
-string specs: :mod:`hvd_quant.codecs`).
+(memoised per configuration), what direct calls keep per thread, and ``encode`` / ``decode`` /
+``decode_into`` and the binds over a codec's kernels (the codecs, their registry and string specs:
+:mod:`hvd_quant.codecs`).
 """
 import functools
 import inspect
@@ -35,7 +35,9 @@ def _fmt(v):
 
 
 def _name_arg(name):
-    """A tensor name given to encode/decode: a str (a subclass as its str)."""
+    """A tensor name given to encode/decode: None or a str (a subclass as its str)."""
+    if name is None or type(name) is str:
+        return name
     if not isinstance(name, str):
         raise TypeError(f"name must be a str or None; got {type(name).__name__} {name!r}")
     return str(name)
@@ -75,40 +77,6 @@ def _check_choice(key, v, choices):
     return v
 
 
-@functools.lru_cache(maxsize=4096)
-def _prepared(codec, shape, dtype_name, name):
-    """(name hash, header words, layout) of an input: a pure function of its arguments, memoised."""
-    method, bits, mode, param, bs = codec._fields()
-    header = wire.Header(method, bits, mode, param, bs, wire.DTYPES[dtype_name], shape,
-                         name_hash=wire.name_hash(name))
-    words = header.words()              # validates rank and dims before any work
-    return header.name_hash, words, codec._layout(header.numel)
-
-
-@functools.lru_cache(maxsize=4096)
-def _layout_of(codec, numel):
-    """The payload layout of ``numel`` elements (``wire.layout``; memoised, layouts are never modified)."""
-    method, bits, mode, param, bs = codec._fields()
-    return wire.layout(method, numel, bits, bs, mode, param)
-
-
-@functools.lru_cache(maxsize=4096)
-def _validated(codec, header_bytes, nbytes, name):
-    """The header of a payload of ``nbytes`` bytes starting with ``header_bytes``, checked against
-    ``codec`` and ``name`` (PayloadError otherwise). Pure, so memoised: an exchange receives the same
-    headers every step."""
-    h = wire.parse_header(header_bytes, nbytes)
-    codec._check_header(h, name)
-    return h
-
-
-@functools.lru_cache(maxsize=4096)
-def _expectation(codec, numel, name):
-    """What a receiver expects of a payload header (``wire.Expect``), for the on-device check."""
-    method, bits, mode, param, bs = codec._fields()
-    return wire.Expect(method, bits, mode, param, bs, int(numel), wire.name_hash(name), name is not None)
-
-
 # ---- what direct calls keep between calls, per thread ---------------------------------------------
 
 class _ThreadState(threading.local):
@@ -117,12 +85,12 @@ class _ThreadState(threading.local):
 
     * ``calls``: id(codec) -> (weak reference to the codec, {name hash: seeded encodes so far}): the
       ``k`` of :func:`noise_key` counts one codec object's encodes of a name on this thread;
-    * ``launches``: prepared kernel launches; each writes its parameter buffer (and, on a device,
-      its scratch) on every call, so each thread prepares its own."""
+    * ``ops``: prepared kernel ops; each writes its parameter buffer (and, on a device, its scratch)
+      on every call, so each thread prepares its own."""
 
     def __init__(self):
         self.calls = {}
-        self.launches = {}
+        self.ops = {}
 
 
 _THREAD = _ThreadState()
@@ -144,72 +112,45 @@ def _direct_count(codec, nh):
     return k
 
 
-def _thread_launch(key, make, *args):
-    """``make(*args)``, built once per ``key`` on this thread (:class:`_ThreadState`); the table is
-    emptied when it holds 4096."""
-    table = _THREAD.launches
-    p = table.get(key, table)           # (the table itself: not built yet; None is a result)
-    if p is table:
-        if len(table) >= 4096:
-            table.clear()
-        p = table[key] = make(*args)
-    return p
-
-
-def _prepared_launch(codec, arrays, numel, accumulate):
-    """This thread's prepared op of ``codec`` for ``numel`` elements on ``arrays``' device or the
-    CPU (``Codec._bound_kernel``: the encode when ``accumulate`` is None); None where the generic
-    path serves."""
-    if not numel:
-        return None
-    return _thread_launch(("bound", codec, arrays, numel, accumulate), codec._bound_kernel, arrays, numel,
-                          accumulate)
-
-
-def _direct_encoder(codec, arrays, shape, dtype_name, name):
-    """A direct ``encode``'s (name hash, payload bytes, header words, prepared launch
-    ``f(x, payload, words, key, stream, residual)`` taking the adapter's device handles or NumPy
-    arrays), or None (generic path); this thread's."""
-    def make():
-        nh, words, lay = codec.header_plan(shape, dtype_name, name)
-        launch = _prepared_launch(codec, arrays, lay.numel, None)
-        return None if launch is None else (nh, lay.total, words, launch)
-    return _thread_launch(("encode", codec, arrays, shape, dtype_name, name), make)
-
-
-def _device_decoder(codec, arrays, payload, numel, accumulate, name, expect):
-    """A direct device ``decode_into``'s (payload bytes, bound launch ``f(payload, out)`` or None for
-    the generic path), this thread's, per device (the launch reports to that device's status word of
-    ``codec``)."""
-    def make():
-        exp = codec.expectation(numel, name) if expect is None else expect
-        bound = None
-        if numel and _prepared_launch(codec, arrays, numel, accumulate) is not None:
-            bound = codec.bind_decode(arrays, numel, accumulate, exp, None,
-                                      status=status_for(codec, arrays, payload))
-        return codec.wire_nbytes(numel), bound
-    key = ("decode", codec, arrays, arrays.device_key(payload), numel, accumulate, name, expect)
-    return _thread_launch(key, make)
-
-
 def _thread_op(codec, kind, device, numel, accumulate=None):
     """This thread's prepared op ``kind`` of ``codec`` for ``numel`` elements on a CUDA device or the
-    CPU (``Codec._op``)."""
-    return _thread_launch((kind, codec, device, numel, accumulate), codec._op, kind, device, numel, accumulate)
+    CPU (``Codec._op``), built once; the table is emptied when it holds 4096."""
+    table, key = _THREAD.ops, (kind, codec, device, numel, accumulate)
+    op = table.get(key)
+    if op is None:
+        if len(table) >= 4096:
+            table.clear()
+        op = table[key] = codec._op(kind, device, numel, accumulate)
+    return op
+
+
+def _handles(arrays, status=(None, None)):
+    """``(payload, out, stream, status)``: what the prepared ops take of the caller's arrays: the
+    adapter's converters of a uint8 payload and of a float32 out (``[0]`` of its result), the
+    stream of a tensor (None on the host) and the status word's device array (None on the host).
+    (No wrappers: the bound launches are the exchange's hot path.)"""
+    if arrays.device:
+        return arrays.bytes_dev, arrays.out_dev, arrays.stream, status[1]
+    return arrays.payload_np, arrays.out_np, None, None
+
+
+def _nb(arrays, t, dev):
+    """A Numba device array of ``t``, whose device handle is ``dev`` (torch's is a raw pointer)."""
+    return arrays.numba(t) if type(dev) is int else dev
 
 
 class Codec:
-    """Base class: the payload plumbing shared by every codec (see the module docstring).
+    """Base class: the payload plumbing shared by every codec.
 
-    A codec is an immutable value: its configuration is set once by ``__init__``, it compares and
-    hashes by that configuration, and it holds no runtime state, so one instance can be shared by
-    any number of optimizers, threads and ranks (``Compression.fp16`` is a global). What a run needs
-    (noise counters, prepared launches, device status words, buffers) lives with whoever runs it:
-    the exchange's per-bucket plans, or for direct calls the calling thread (:class:`_ThreadState`).
+    A codec is an immutable value: configured once by ``__init__``, compared and hashed by that
+    configuration, holding no runtime state, so one instance can be shared by any number of
+    optimizers, threads and ranks. What a run needs (noise counters, prepared ops, device status
+    words, buffers) lives with whoever runs it: the exchange's per-bucket setups, or for direct calls
+    the calling thread (:class:`_ThreadState`).
 
-    Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical order), ``_config()`` (the
-    values of those parameters), ``_fields()`` (the header's method/bits/mode/param/bucket_size) and
-    the host/device encode and decode steps."""
+    Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical order; the configuration
+    is those attributes), ``_fields()`` (the header's method/bits/mode/param/bucket_size),
+    ``_kernel_table()`` and, where they have no kernels, the host/device encode and decode steps."""
 
     name = None
     PARAMS = {}
@@ -219,6 +160,11 @@ class Codec:
     # the dtype ("float16", "float32") of the values a raw payload carries after its header (fp16,
     # none, QSGD's fake mode), decoded with framework ops; None: codes and scales, decoded by kernels
     _raw_values = None
+    # how PayloadError spells a header field: field -> (spec parameter, {code: value})
+    _FIELD_TEXT = {}
+    # whether the CUDA ops take device pointers (prepared launches), or need Numba device arrays
+    # (SortQuant and KMeans, which launch through Numba's dispatcher)
+    _device_pointers = True
 
     def _freeze(self, **config):
         self.__dict__.update(config)
@@ -233,7 +179,7 @@ class Codec:
 
     # -- configuration -------------------------------------------------------------------------------
     def _config(self):
-        return {}
+        return {k: getattr(self, k) for k in self.PARAMS}
 
     def spec(self):
         """Canonical string spec; ``from_spec(c.spec()) == c`` (built once: the codec is immutable)."""
@@ -271,52 +217,64 @@ class Codec:
         """Whether the caller should keep an error-feedback residual for this codec (biased codecs)."""
         return False
 
-    # -- wire ----------------------------------------------------------------------------------------
+    # -- wire (memoised: pure functions of the configuration and the arguments) -----------------------
     def _fields(self):
         """(method, bits, mode, param, bucket_size) as written in the header."""
         raise NotImplementedError
 
+    @functools.lru_cache(maxsize=4096)
     def _layout(self, numel):
-        return _layout_of(self, numel)
+        method, bits, mode, param, bs = self._fields()
+        return wire.layout(method, numel, bits, bs, mode, param)
 
     def wire_nbytes(self, numel):
         """Size in bytes of the payload of a tensor of ``numel`` elements (header included)."""
         return self._layout(_check_int("numel", numel, 0)).total
 
+    @functools.lru_cache(maxsize=4096)
     def header_plan(self, shape, dtype_name, name):
         """(name hash, header words, layout) of an input of ``shape`` and dtype ``dtype_name`` sent
-        under ``name``: what :meth:`encode_into` takes, built once per input and memoised."""
-        return _prepared(self, shape, dtype_name, name)
+        under ``name``: what :meth:`encode_into` takes."""
+        method, bits, mode, param, bs = self._fields()
+        header = wire.Header(method, bits, mode, param, bs, wire.DTYPES[dtype_name], shape,
+                             name_hash=wire.name_hash(name))
+        words = header.words()              # validates rank and dims before any work
+        return header.name_hash, words, self._layout(header.numel)
 
+    @functools.lru_cache(maxsize=4096)
     def expectation(self, numel, name):
         """What a receiver expects of the header of a payload of ``numel`` elements sent under
-        ``name`` (``wire.Expect``, the decoders' ``expect``; memoised)."""
-        return _expectation(self, numel, name)
+        ``name`` (``wire.Expect``, the decoders' ``expect``)."""
+        method, bits, mode, param, bs = self._fields()
+        return wire.Expect(method, bits, mode, param, bs, int(numel), wire.name_hash(name), name is not None)
 
-    def _check_header(self, h, name):
-        """Raise PayloadError if header ``h`` is not of this configuration (or not ``name``'s)."""
+    @functools.lru_cache(maxsize=4096)
+    def _header(self, header_bytes, nbytes, name):
+        """The header of a payload of ``nbytes`` bytes starting with ``header_bytes``, checked against
+        this configuration and ``name`` (PayloadError otherwise); an exchange receives the same
+        headers every step."""
+        h = wire.parse_header(header_bytes, nbytes)
         method, bits, mode, param, bs = self._fields()
         if h.method != method:
             raise PayloadError(f"payload was made by the {h.method_name!r} codec; this codec is {self.spec()!r}")
         for field, got, want in (("bits", h.bits, bits), ("mode", h.mode, mode), ("param", h.param, param),
                                  ("bucket_size", h.bucket_size, bs)):
             if got != want:
-                have, need = self._field_text(field, got), self._field_text(field, want)
-                raise PayloadError(f"payload configuration differs in {have.split('=')[0]}: payload has "
-                                   f"{have}, this codec ({self.spec()}) has {need}")
+                key, values = self._FIELD_TEXT.get(field, (field, {}))
+                raise PayloadError(f"payload configuration differs in {key}: payload has "
+                                   f"{key}={values.get(got, got)}, this codec ({self.spec()}) has "
+                                   f"{key}={values.get(want, want)}")
         if name is not None:
             nh = wire.name_hash(name)
             if h.name_hash != nh:
                 what = "carries no name" if h.name_hash == 0 else f"has name hash {h.name_hash:#010x}"
                 raise PayloadError(f"name mismatch: payload {what}, expected {name!r} (hash {nh:#010x}): "
                                    "it belongs to another tensor")
-
-    def _field_text(self, field, code):
-        return f"{field}={code}"
+        return h
 
     def _parse(self, pay, name):
         """The validated header of host payload ``pay`` (a NumPy uint8 array), for ``name``."""
-        return _validated(self, pay[:wire.HEADER_NBYTES].tobytes(), pay.size, name)
+        return self._header(pay[:_HDR].tobytes(), pay.size, name)
 
     # -- noise ---------------------------------------------------------------------------------------
     def _direct_key(self, nh, step, rank):
@@ -343,29 +301,15 @@ class Codec:
         k is this codec object's count of encodes of ``name`` on this thread unless ``step`` is given, rank the
         process's Horovod rank (environment) unless ``rank`` is given. ``step=s, rank=r`` gives the
         payload the exchange sends for that name at step s from rank r."""
-        if name is not None and type(name) is not str:
-            name = _name_arg(name)
+        name = _name_arg(name)
         arrays = adapter_for(x)
-        shape, dtype = arrays.describe(x)
-        direct = _direct_encoder(self, arrays, shape, dtype, name)
-        if direct is not None:          # a prepared kernel launch: nothing else to resolve
-            nh, total, words, launch = direct
-            key = self._direct_key(nh, step, rank)
-            if arrays.device:
-                t, px = arrays.input_f32(x)
-                pt, pp = arrays.new_bytes(total, t)
-                launch(px, pp, words, key, arrays.stream(t), None)
-                return pt
-            pay = np.empty(total, np.uint8)
-            launch(arrays.input_f32(x), pay, words, key, None, None)
-            return arrays.wrap_payload(pay, x)
-        nh, words, lay = _prepared(self, shape, dtype, name)
+        nh, words, lay = self.header_plan(*arrays.describe(x), name)
         key = self._direct_key(nh, step, rank)
         if arrays.device:
             with arrays.context(x):
-                pt, pdev = arrays.new_bytes(lay.total, x)
-                self._encode_dev(arrays, x, pt, pdev, words, lay, key, arrays.stream(x))
-                return pt
+                payload = arrays.new_bytes(lay.total, x)[0]
+                self._encode_dev(arrays, x, payload, words, lay, key)
+            return payload
         pay = np.empty(lay.total, np.uint8)
         self._encode_host(arrays, x, pay, words, lay, key)
         return arrays.wrap_payload(pay, x)
@@ -373,12 +317,10 @@ class Codec:
     def encode_into(self, x, payload, words, lay, key, arrays=None, residual=None):
         """Encode ``x`` (``lay.numel`` elements) into ``payload``, a uint8 buffer (or a slice of one)
         of ``lay.total`` bytes of the same kind and device, with header ``words`` and noise ``key``
-        prepared by the caller (:meth:`header_plan`, :func:`noise_key`): the exchange's hot path, with
-        no allocation and no per-call preparation. ``arrays``: the adapter of ``x``, if known.
-
-        ``residual`` (a flat float32 buffer of ``x``'s kind, or None): also write ``x - decode(payload)``
-        there, from the encode itself (error feedback without a second pass); bit-identical to
-        decoding the payload and subtracting."""
+        prepared by the caller (:meth:`header_plan`, :func:`noise_key`). ``arrays``: the adapter of
+        ``x``, if known. ``residual`` (a flat float32 buffer of ``x``'s kind, or None): also write
+        ``x - decode(payload)`` there, from the encode itself (bit-identical to decoding and
+        subtracting)."""
         arrays = arrays or adapter_for(x)
         if arrays.numel(x) != lay.numel or arrays.payload_nbytes(payload) != lay.total:
             raise PayloadError(f"encode_into: x has {arrays.numel(x)} elements and the payload "
@@ -386,34 +328,97 @@ class Codec:
                                f"elements in {lay.total} bytes")
         if arrays.device:
             with arrays.context(x):
-                self._encode_dev(arrays, x, payload, arrays.bytes_dev(payload), words, lay, key,
-                                 arrays.stream(x), residual)
+                self._encode_dev(arrays, x, payload, words, lay, key, residual)
         else:
             self._encode_host(arrays, x, arrays.payload_np(payload), words, lay, key,
                               None if residual is None else arrays.out_np(residual)[0])
         return payload
 
+    def decode(self, payload, name=None, shape=None, dtype=None):
+        """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
+        Host payloads are fully validated (PayloadError). A device payload given ``shape`` and
+        ``dtype`` is checked on the device (as in :meth:`decode_into`), with no host synchronisation;
+        without them its 64-byte header is copied to the host and validated there."""
+        name = _name_arg(name)
+        shape = None if shape is None else _shape_arg(shape)
+        arrays = adapter_for(payload)
+        expect = None
+        if arrays.device and shape is not None and dtype is not None:
+            dtype_name = _dtype_text(dtype)
+            expect = self.expectation(math.prod(shape), name)
+        else:
+            pay = arrays.read_header(payload) if arrays.device else arrays.payload_np(payload)
+            h = self._header(bytes(pay[:_HDR]), arrays.payload_nbytes(payload), name)
+            if shape is not None and shape != h.shape:
+                raise PayloadError(f"payload holds shape {h.shape}, caller expected {tuple(shape)}")
+            if dtype is not None and _dtype_text(dtype) != h.dtype_name:
+                raise PayloadError(f"payload holds dtype {h.dtype_name}, caller expected {_dtype_text(dtype)}")
+            shape, dtype_name = h.shape, h.dtype_name
+        if not arrays.device:
+            out = np.empty(h.numel, np.float32)
+            self._decode_host(pay, out, False)
+            return arrays.wrap_result(out, dtype_name, shape, payload)
+        out = arrays.new_f32(math.prod(shape), payload)[0]
+        self._decode_into_dev(arrays, payload, out, False, expect,
+                              None if expect is None else status_for(self, arrays, payload))
+        return arrays.result(out, dtype_name, shape)
+
+    def decode_into(self, payload, out, accumulate=False, name=None, expect=None, arrays=None):
+        """Write (``accumulate=False``) or add (``True``) the decoded values into ``out``, a flat
+        float32 array/tensor of the payload's kind with the payload's element count (TensorFlow, whose
+        tensors are immutable: a ``tf.Variable``); returns ``out``. Host payloads raise
+        :class:`PayloadError` before anything is written; a device payload's size is checked on the
+        host and its header on the device, in stream order: a bad one decodes to NaN and
+        :meth:`check_device_errors` raises (docs/CODECS.md, "Errors"). ``expect`` (from
+        :meth:`expectation`, instead of ``name``) and ``arrays`` (the payload's adapter) spare a
+        caller that decodes the same layout every step the per-call preparation."""
+        name = _name_arg(name)
+        arrays = arrays or adapter_for(payload)
+        if arrays.device:
+            if expect is None:
+                expect = self.expectation(arrays.numel(out), name)
+            return self._decode_into_dev(arrays, payload, out, accumulate, expect,
+                                         status_for(self, arrays, payload))
+        pay = arrays.payload_np(payload)
+        h = self._parse(pay, name)
+        if expect is not None and expect.check_name and h.name_hash != expect.name_hash:
+            raise PayloadError(f"name mismatch: payload has name hash {h.name_hash:#010x}, expected "
+                               f"{expect.name_hash:#010x}: it belongs to another tensor")
+        out_np, commit = arrays.out_np(out)
+        if out_np.size != h.numel:
+            raise PayloadError(f"payload holds {h.numel} elements but out has {out_np.size}")
+        self._decode_host(pay, out_np, accumulate)
+        if commit is not None:
+            commit()
+        return out
+
+    def check_device_errors(self):
+        """Raise PayloadError if any device payload decoded by this codec since the last call failed
+        its on-device header check (reads the device status words: synchronises). Resets them."""
+        problems = []
+        for key, arrays, status_t in device_statuses(self):
+            bits = arrays.read_status(status_t)
+            if bits:
+                problems.append(f"{key}: {wire.describe_error_bits(bits)}")
+        if problems:
+            raise PayloadError("device payload(s) refused (their decode wrote NaN): " + "; ".join(problems))
+
+    # -- the exchange's hot path: everything resolved once, then called every step --------------------
     def bind_encode(self, arrays, lay, words, like):
         """``f(x, payload, key, residual=None)``: :meth:`encode_into` for inputs of ``lay.numel``
         elements like ``like`` with header ``words``, everything else resolved now (the kernel's
         prepared launch, the adapter). Sizes are the caller's promise: the exchange's plans hold them.
         Device tensors: one device per process (Horovod's model), on the framework's current stream."""
-        launch = self._bound_kernel(arrays, lay.numel, None) if lay.numel else None
+        launch = self._bound_kernel(arrays, lay.numel, None)
         if launch is None:
             return lambda x, payload, key, residual=None: self.encode_into(
                 x, payload, words, lay, key, arrays=arrays, residual=residual)
-        if arrays.device:
-            f32, pay, out_dev, stream = arrays.input_f32, arrays.bytes_dev, arrays.out_dev, arrays.stream
+        pay, to_out, stream, _ = _handles(arrays)
+        f32, dev = arrays.input_f32, arrays.device
 
-            def encode(x, payload, key, residual=None):
-                launch(f32(x)[1], pay(payload), words, key, stream(x),
-                       None if residual is None else out_dev(residual)[0])
-        else:
-            f32, pay, out_np = arrays.input_f32, arrays.payload_np, arrays.out_np
-
-            def encode(x, payload, key, residual=None):
-                launch(f32(x), pay(payload), words, key, None,
-                       None if residual is None else out_np(residual)[0])
+        def encode(x, payload, key, residual=None):
+            launch(f32(x)[1] if dev else f32(x), pay(payload), words, key, stream and stream(x),
+                   None if residual is None else to_out(residual)[0])
         return encode
 
     def bind_decode(self, arrays, numel, accumulate, expect, like, status=None):
@@ -422,38 +427,32 @@ class Codec:
         kernel and reports through ``status``, the caller's ``arrays.new_status(like)``, or else
         through the status word of this codec on ``like``'s device that :meth:`check_device_errors`
         reads)."""
-        launch = self._bound_kernel(arrays, numel, bool(accumulate)) if numel else None
-        if arrays.device and status is None:
-            status = status_for(self, arrays, like)
+        launch = self._bound_kernel(arrays, numel, bool(accumulate))
+        status = self._status(arrays, like, status)
         if launch is None:
             if arrays.device:
-                return lambda payload, out: self._decode_into_device(arrays, payload, out, accumulate, None,
-                                                                     expect, status)
+                return lambda payload, out: self._decode_into_dev(arrays, payload, out, accumulate, expect,
+                                                                  status)
             return lambda payload, out: self.decode_into(payload, out, accumulate=accumulate, expect=expect,
                                                          arrays=arrays)
+        pay, to_out, stream, status_dev = _handles(arrays, status)
         if arrays.device:
-            status_dev = status[1]
-            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
+            return lambda payload, out: launch(pay(payload), to_out(out)[0], stream(out), status_dev, expect)
+        total = self._layout(numel).total
 
-            def decode(payload, out):
-                launch(pay(payload), out_dev(out)[0], stream(out), status_dev, expect)
-        else:
-            total = self._layout(numel).total
-            payload_np, out_np = arrays.payload_np, arrays.out_np
-
-            def decode(payload, out):
-                p = payload_np(payload)
-                if p.size != total:
-                    raise PayloadError(f"payload has {p.size} bytes; {numel} elements take {total}")
-                h = _validated(self, p[:wire.HEADER_NBYTES].tobytes(), total, None)
-                if h.numel != numel or (expect.check_name and h.name_hash != expect.name_hash):
-                    raise PayloadError(f"payload holds {h.numel} elements with name hash "
-                                       f"{h.name_hash:#010x}; expected {numel} with "
-                                       f"{expect.name_hash:#010x}: it belongs to another tensor")
-                launch(p, out_np(out)[0])
+        def decode(payload, out):
+            p = pay(payload)
+            if p.size != total:
+                raise PayloadError(f"payload has {p.size} bytes; {numel} elements take {total}")
+            h = self._header(p[:_HDR].tobytes(), total, None)
+            if h.numel != numel or (expect.check_name and h.name_hash != expect.name_hash):
+                raise PayloadError(f"payload holds {h.numel} elements with name hash "
+                                   f"{h.name_hash:#010x}; expected {numel} with "
+                                   f"{expect.name_hash:#010x}: it belongs to another tensor")
+            launch(p, to_out(out)[0])
         return decode
 
-    # -- fused launches: one per exchange phase ------------------------------------------------------
+    # fused launches: one per exchange phase
     def bind_decode_sum(self, arrays, numel, expect, like, status=None):
         """``f(payloads, n, out)``: ``out`` = the sum, in order, of the ``n`` payloads of ``numel``
         elements held back to back in ``payloads``, each checked against ``expect``: one launch (the
@@ -461,13 +460,9 @@ class Codec:
         launch = self._op("decode_sum", arrays.device, numel) if numel and arrays.views else None
         if launch is None:
             return None
-        if arrays.device:
-            status = (status or status_for(self, arrays, like))[1]
-            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
-            return lambda payloads, n, out: launch(pay(payloads), n, out_dev(out)[0], stream(out), status,
-                                                   expect)
-        pay, out_np = arrays.payload_np, arrays.out_np
-        return lambda payloads, n, out: launch(pay(payloads), n, out_np(out)[0], None, None, expect)
+        pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
+        return lambda payloads, n, out: launch(pay(payloads), n, to_out(out)[0], stream and stream(out), status,
+                                               expect)
 
     def bind_reduce_requantize(self, arrays, lay, words, expect, like, status=None):
         """``f(payloads, n, residual, out_payload, key)``: SRA's middle phase in one launch: sum the
@@ -478,19 +473,11 @@ class Codec:
                   else None)
         if launch is None:
             return None
-        if arrays.device:
-            status = (status or status_for(self, arrays, like))[1]
-            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
-
-            def reduce(payloads, n, residual, out_payload, key):
-                launch(pay(payloads), n, None if residual is None else out_dev(residual)[0], pay(out_payload),
-                       words, key, stream(out_payload), status, expect)
-            return reduce
-        pay, out_np = arrays.payload_np, arrays.out_np
+        pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
 
         def reduce(payloads, n, residual, out_payload, key):
-            launch(pay(payloads), n, None if residual is None else out_np(residual)[0], pay(out_payload),
-                   words, key, None, None, expect)
+            launch(pay(payloads), n, None if residual is None else to_out(residual)[0], pay(out_payload),
+                   words, key, stream and stream(out_payload), status, expect)
         return reduce
 
     def bind_decode_chunks(self, arrays, numel, chunk, name_hashes, expect, like, status=None):
@@ -502,13 +489,13 @@ class Codec:
                   if numel and arrays.views and getattr(self, "bucket_size", None) else None)
         if launch is None:
             return None
-        if arrays.device:
-            status = (status or status_for(self, arrays, like))[1]
-            pay, out_dev, stream = arrays.bytes_dev, arrays.out_dev, arrays.stream
-            return lambda gathered, out: launch(pay(gathered), out_dev(out)[0], stream(out), status, name_hashes,
-                                                expect)
-        pay, out_np = arrays.payload_np, arrays.out_np
-        return lambda gathered, out: launch(pay(gathered), out_np(out)[0], None, None, name_hashes, expect)
+        pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
+        return lambda gathered, out: launch(pay(gathered), to_out(out)[0], stream and stream(out), status,
+                                            name_hashes, expect)
+
+    def _status(self, arrays, like, status):
+        """A device bind's status word: the caller's, else this codec's on ``like``'s device."""
+        return (status or status_for(self, arrays, like)) if arrays.device else (None, None)
 
     # -- kernels -------------------------------------------------------------------------------------
     def _kernel_table(self):
@@ -531,186 +518,79 @@ class Codec:
             params = dict(params, chunk=chunk)
         return numba_kernels.prepare(self.name, kind, device, numel, **params)
 
-    # whether the CUDA ops take device pointers (prepared launches), or need Numba device arrays
-    # (SortQuant and KMeans, which launch through Numba's dispatcher)
-    _device_pointers = True
-
     def _bound_kernel(self, arrays, numel, accumulate):
         """The prepared op behind :meth:`bind_encode` (``accumulate`` None) or :meth:`bind_decode`, or
-        None where the generic path serves (no kernel, TensorFlow tensors, which are immutable, or a
-        device op that needs Numba arrays)."""
-        if not arrays.views or (arrays.device and not self._device_pointers):
+        None where the generic path serves (no elements, no kernel, TensorFlow tensors, which are
+        immutable, or a device op that needs Numba arrays)."""
+        if not numel or not arrays.views or (arrays.device and not self._device_pointers):
             return None
         return self._op("encode" if accumulate is None else "decode", arrays.device, numel, accumulate)
 
-    def decode(self, payload, name=None, shape=None, dtype=None):
-        """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
-
-        Host payloads are fully validated (PayloadError). For a device payload, passing ``shape`` and
-        ``dtype`` avoids any host synchronisation: the header is then checked on the device (as in
-        :meth:`decode_into`); without them the 64-byte header is copied to the host (one
-        synchronisation) and validated there."""
-        if name is not None and type(name) is not str:
-            name = _name_arg(name)
-        if shape is not None:
-            shape = _shape_arg(shape)
-        arrays = adapter_for(payload)
-        if arrays.device:
-            return self._decode_device(arrays, payload, name, shape, dtype)
-        pay = arrays.payload_np(payload)
-        h = self._parse(pay, name)
-        if shape is not None and shape != h.shape:
-            raise PayloadError(f"payload holds shape {h.shape}, caller expected {tuple(shape)}")
-        if dtype is not None and _dtype_text(dtype) != h.dtype_name:
-            raise PayloadError(f"payload holds dtype {h.dtype_name}, caller expected {_dtype_text(dtype)}")
-        out = np.empty(h.numel, np.float32)
-        self._decode_host(pay, out, False)
-        return arrays.wrap_result(out, h.dtype_name, h.shape, payload)
-
-    def decode_into(self, payload, out, accumulate=False, name=None, expect=None, arrays=None):
-        """Write (``accumulate=False``) or add (``True``) the decoded values into ``out``, a flat
-        float32 array/tensor of the payload's kind with the payload's element count; no temporary of
-        that size is allocated (except for TensorFlow, whose tensors are immutable: ``out`` must be a
-        ``tf.Variable``). Returns ``out``.
-
-        Errors. Host payloads raise :class:`PayloadError` before anything is written. For device
-        payloads only sizes are checked on the host (a wrong size raises at once); the header is
-        checked on the device, in the same stream order: if it is wrong (magic, version,
-        configuration, numel, checksums, or the name when ``name`` is given) the decode writes NaN
-        into ``out`` (so a bad payload can never pass silently into a sum) and the reason is kept in a
-        device status word; :meth:`check_device_errors` reads it (synchronising) and raises.
-
-        ``expect`` (a ``wire.Expect`` from :meth:`expectation`, given instead of ``name``) and
-        ``arrays`` (the payload's adapter) let a caller that decodes the same layout every step skip
-        the per-call preparation."""
-        if name is not None and type(name) is not str:
-            name = _name_arg(name)
-        arrays = arrays or adapter_for(payload)
-        if arrays.device:
-            return self._decode_into_device(arrays, payload, out, accumulate, name, expect)
-        pay = arrays.payload_np(payload)
-        h = self._parse(pay, name)
-        if expect is not None and expect.check_name and h.name_hash != expect.name_hash:
-            raise PayloadError(f"name mismatch: payload has name hash {h.name_hash:#010x}, expected "
-                               f"{expect.name_hash:#010x}: it belongs to another tensor")
-        out_np, commit = arrays.out_np(out)
-        if out_np.size != h.numel:
-            raise PayloadError(f"payload holds {h.numel} elements but out has {out_np.size}")
-        launch = _prepared_launch(self, arrays, h.numel, bool(accumulate))
-        if launch is None:
-            self._decode_host(pay, out_np, accumulate)
-        else:
-            launch(pay, out_np)
-        if commit is not None:
-            commit()
-        return out
-
-    def check_device_errors(self):
-        """Raise PayloadError if any device payload decoded by this codec since the last call failed
-        its on-device header check (reads the device status words: synchronises). Resets them."""
-        problems = []
-        for key, arrays, status_t in device_statuses(self):
-            bits = arrays.read_status(status_t)
-            if bits:
-                problems.append(f"{key}: {wire.describe_error_bits(bits)}")
-        if problems:
-            raise PayloadError("device payload(s) refused (their decode wrote NaN): " + "; ".join(problems))
-
-    # -- device plumbing -----------------------------------------------------------------------------
-    def _decode_device(self, arrays, payload, name, shape, dtype):
-        nbytes = arrays.payload_nbytes(payload)
-        if shape is None or dtype is None:
-            h = wire.parse_header(arrays.read_header(payload), nbytes)     # synchronises (64 bytes)
-            self._check_header(h, name)
-            shape, dtype_name, expect = h.shape, h.dtype_name, None
-        else:
-            dtype_name = _dtype_text(dtype)
-            expect = self.expectation(math.prod(shape), name)
-        numel = math.prod(shape)
-        if nbytes != self.wire_nbytes(numel):
-            raise PayloadError(f"payload has {nbytes} bytes; {numel} elements take {self.wire_nbytes(numel)}")
-        with arrays.context(payload):
-            stream = arrays.stream(payload)
-            pdev = arrays.bytes_dev(payload)
-            if expect is not None:
-                status_t, status_dev = status_for(self, arrays, payload)
-            else:
-                status_t = status_dev = None        # checked on the host already
-            out_t, out_dev = arrays.new_f32(numel, payload)
-            res = self._decode_dev(arrays, payload, pdev, out_t, out_dev, False, stream, status_t,
-                                   status_dev, expect)
-            return arrays.result(out_t if res is None else res, dtype_name, shape)
-
-    def _decode_into_device(self, arrays, payload, out, accumulate, name, expect, status=None):
-        if arrays.views and status is None:
-            numel = arrays.numel(out)
-            total, bound = _device_decoder(self, arrays, payload, numel, bool(accumulate), name, expect)
-            if arrays.payload_nbytes(payload) != total:
-                raise PayloadError(f"payload has {arrays.payload_nbytes(payload)} bytes; out has {numel} "
-                                   f"elements, which take {total}")
-            if bound is not None:       # a prepared kernel launch: nothing else to resolve
-                bound(payload, out)
-                return out
-        with arrays.context(payload):
-            numel = arrays.numel(out)
-            nbytes = arrays.payload_nbytes(payload)
-            if nbytes != self.wire_nbytes(numel):
-                raise PayloadError(f"payload has {nbytes} bytes; out has {numel} elements, which take "
-                                   f"{self.wire_nbytes(numel)}")
-            if expect is None:
-                expect = self.expectation(numel, name)
-            stream = arrays.stream(payload)
-            pdev = arrays.bytes_dev(payload)
-            status_t, status_dev = status or status_for(self, arrays, payload)
-            self._decode_into_dev(arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
-                                  expect)
-        return out
-
-    def _decode_into_dev(self, arrays, payload, pdev, out, accumulate, stream, status_t, status_dev,
-                         expect):
-        """Kernel codecs: decode into a device view of ``out`` (or into the adapter's temporary, then
-        commit, for frameworks whose tensors are immutable); raw values: with framework ops."""
-        if self._raw_values:
-            _raw_decode_dev(arrays, payload, out, self._raw_values, accumulate, stream, status_t, expect)
-            return
-        out_dev, commit = arrays.out_dev(out)
-        self._decode_dev(arrays, payload, pdev, out, out_dev, accumulate and commit is None, stream,
-                         status_t, status_dev, expect)
-        if commit is not None:
-            commit(accumulate)
-
-    # -- the generic steps over the kernel table (raw codecs override them) -----------------------------
+    # -- the steps over the kernel table (raw codecs and QSGD's fake mode override the encodes) -------
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
         """Write the payload of host input ``x`` into the NumPy uint8 array ``pay`` (and, given a
         float32 NumPy ``residual``, ``x - decode(pay)`` into it)."""
         _thread_op(self, "encode", False, lay.numel)(arrays.input_f32(x), pay, words, key, None, residual)
 
-    def _decode_host(self, pay, out, accumulate):
-        if self._raw_values:
-            return _raw_decode_host(pay, out, self._raw_values, accumulate)
-        _thread_op(self, "decode", False, out.size, bool(accumulate))(pay, out)
-
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        """Write the payload of device input ``x`` into ``pt`` (framework tensor) / ``pdev`` (its
-        device-array view), and the residual into ``residual`` (a flat float32 tensor) if given."""
+    def _encode_dev(self, arrays, x, payload, words, lay, key, residual=None):
+        """Write the payload of device input ``x`` into ``payload`` (a framework tensor), and the
+        residual into ``residual`` (a flat float32 tensor) if given, on ``x``'s stream."""
         xt, xdev = arrays.input_f32(x)
-        res = _dev_view(arrays, residual)
+        pdev = arrays.bytes_dev(payload)
+        res = None if residual is None else arrays.out_dev(residual)[0]
         if not self._device_pointers:
-            xdev, pdev = _nb(arrays, xt, xdev), _nb(arrays, pt, pdev)
+            xdev, pdev = _nb(arrays, xt, xdev), _nb(arrays, payload, pdev)
             res = None if residual is None else _nb(arrays, residual, res)
-        _thread_op(self, "encode", True, lay.numel)(xdev, pdev, words, key, stream, res)
+        _thread_op(self, "encode", True, lay.numel)(xdev, pdev, words, key, arrays.stream(x), res)
 
-    def _decode_dev(self, arrays, payload, pdev, out_t, out_dev, accumulate, stream, status_t, status_dev,
-                    expect):
-        """Decode (and, when ``expect`` is given, check on the device) into ``out_dev``."""
-        if self._raw_values:
-            return _raw_decode_dev(arrays, payload, out_t, self._raw_values, accumulate, stream, status_t,
-                                   expect)
-        if not self._device_pointers:
-            pdev, out_dev = _nb(arrays, payload, pdev), _nb(arrays, out_t, out_dev)
-            status_dev = None if status_t is None else _nb(arrays, status_t, status_dev)
-        _thread_op(self, "decode", True, arrays.numel(out_t), bool(accumulate))(pdev, out_dev, stream, status_dev,
-                                                                                 expect)
+    def _decode_host(self, pay, out, accumulate):
+        """out (+)= the values of host payload ``pay`` (validated), both NumPy arrays."""
+        if not self._raw_values:
+            return _thread_op(self, "decode", False, out.size, bool(accumulate))(pay, out)
+        w = 2 if self._raw_values == "float16" else 4
+        raw = pay[_HDR:_HDR + w * out.size]
+        if w == 2 and raw.ctypes.data % 2 == 0:
+            numba_kernels.cpu.half_decode_cpu(raw.view(np.uint16), out, accumulate)    # NumPy's values, faster
+            return
+        if raw.ctypes.data % w:
+            raw = raw.copy()
+        vals = raw.view(self._raw_values)
+        if accumulate:
+            np.add(out, vals, out=out, casting="unsafe")
+        else:
+            out[...] = vals
+
+    def _decode_into_dev(self, arrays, payload, out, accumulate, expect, status):
+        """out (+)= the values of device ``payload``, its header checked on the device against
+        ``expect`` into ``status`` (``expect`` None: checked on the host already). Kernel codecs
+        decode into a device view of ``out`` (or into the adapter's temporary, then commit, for
+        frameworks whose tensors are immutable); raw values: with framework ops, NaN where the
+        check failed."""
+        numel, nbytes = arrays.numel(out), arrays.payload_nbytes(payload)
+        if nbytes != self.wire_nbytes(numel):
+            raise PayloadError(f"payload has {nbytes} bytes; out has {numel} elements, which take "
+                               f"{self.wire_nbytes(numel)}")
+        with arrays.context(payload):
+            stream = arrays.stream(payload)
+            status_t, status_dev = status or (None, None)
+            if self._raw_values:
+                bad = None
+                if expect is not None:
+                    numba_kernels.cuda.check_header_cuda(arrays.numba(payload), arrays.numba(status_t), expect,
+                                                         stream)
+                    bad = arrays.status_bad(status_t)
+                arrays.raw_decode_into(payload, _HDR, numel, self._raw_values, out, accumulate, bad)
+                return out
+            pdev = arrays.bytes_dev(payload)
+            out_dev, commit = arrays.out_dev(out)
+            if not self._device_pointers:
+                pdev, out_dev = _nb(arrays, payload, pdev), _nb(arrays, out, out_dev)
+                status_dev = None if status_t is None else _nb(arrays, status_t, status_dev)
+            _thread_op(self, "decode", True, numel, bool(accumulate and commit is None))(
+                pdev, out_dev, stream, status_dev, expect)
+            if commit is not None:
+                commit(accumulate)
+        return out
 
 
 def stock_decompress(tensor, ctx):
@@ -735,38 +615,3 @@ def _dtype_text(dtype):
     if name not in wire.DTYPES:
         raise UnsupportedInputError(f"unsupported dtype {dtype!r}")
     return name
-
-
-def _raw_decode_host(pay, out, value_dtype, accumulate):
-    """out (+)= the float16 or float32 values after a payload's header (raw codecs, QSGD's fake mode)."""
-    w = 2 if value_dtype == "float16" else 4
-    raw = pay[_HDR:_HDR + w * out.size]
-    if w == 2 and raw.ctypes.data % 2 == 0:
-        numba_kernels.cpu.half_decode_cpu(raw.view(np.uint16), out, accumulate)    # NumPy's values, faster
-        return
-    if raw.ctypes.data % w:
-        raw = raw.copy()
-    vals = raw.view(value_dtype)
-    if accumulate:
-        np.add(out, vals, out=out, casting="unsafe")
-    else:
-        out[...] = vals
-
-
-def _dev_view(arrays, t):
-    """The device-array view of a flat float32 tensor (None stays None)."""
-    return None if t is None else arrays.out_dev(t)[0]
-
-
-def _raw_decode_dev(arrays, payload, out, value_dtype, accumulate, stream, status_t, expect):
-    """Raw float values on a device, with framework ops; NaN where the header check failed."""
-    bad = None
-    if expect is not None:
-        numba_kernels.cuda.check_header_cuda(arrays.numba(payload), arrays.numba(status_t), expect, stream)
-        bad = arrays.status_bad(status_t)
-    return arrays.raw_decode_into(payload, _HDR, arrays.numel(out), value_dtype, out, accumulate, bad)
-
-
-def _nb(arrays, t, dev):
-    """A Numba device array of ``t``, whose device handle is ``dev`` (torch's is a raw pointer)."""
-    return arrays.numba(t) if type(dev) is int else dev

@@ -2,29 +2,23 @@
 
 Horovod's optimizers call ``compress(grad) -> (t, ctx)``, **sum** ``t`` across ranks with allreduce
 (applying ``op``, ``prescale_factor`` and ``postscale_factor``), then ``decompress(summed_t, ctx)``.
-Summing quantized codes is wrong (their scales differ per rank), so here:
+Summing quantized codes is wrong (their scales differ per rank), so ``compress`` starts hvd_quant's
+own exchange of the tensor (named after it) and hands Horovod a 1-element placeholder holding 1.0.
+Horovod's allreduce of it is exactly the factor Horovod would have applied to (sum of gradients) *
+N, and ``decompress`` finishes the exchange and returns ``decoded_sum * (placeholder / N)``, on the
+device, cast back to the gradient's dtype and shape.
 
-1. ``compress`` starts hvd_quant's own exchange for the tensor (:class:`hvd_quant.exchange.Exchange`,
-   asynchronous, named after the tensor) and hands Horovod a 1-element placeholder holding 1.0;
-2. Horovod allreduces the placeholders: the result is exactly the factor Horovod would have applied to
-   (sum of gradients) * N -- 1 for Average, N for Sum, times the pre/post-scale factors;
-3. ``decompress`` finishes the exchange and returns ``decoded_sum * (placeholder / N)``, computed on
-   the device (no host synchronisation), cast back to the gradient's dtype and shape.
-
-Fusion. When the caller is a Horovod PyTorch optimizer (the frame of its ``_allreduce_grad_async`` /
-``_grouped_allreduce_grad_async`` holds ``self`` and the parameter), its gradients are planned once
-(:func:`hvd_quant.plan.make_plan`) and a :class:`hvd_quant.scheduler.StepScheduler` runs their steps
-as for ``hvd_quant.torch.DistributedOptimizer``: ``compress`` hands the gradient to its bucket and
-``decompress`` returns its piece, scaled by the factor of the optimizer's ``op`` (the placeholder is
-not read). From its second step, such an optimizer's ``_allreduce_grad_async`` (not the grouped
-one) is replaced (:meth:`StockCompression._take_over`): gradients go straight to the scheduler and
-Horovod's ``synchronize`` gets each result from a callable handle. Without such an optimizer
-(``hvd.allreduce(t, compression=...)``, TensorFlow) each tensor is its own exchange, as in 1-3.
+Fusion. The gradients of a Horovod PyTorch optimizer (the frame of its ``_allreduce_grad_async`` /
+``_grouped_allreduce_grad_async`` holds ``self`` and the parameter) are planned once and run by a
+:class:`hvd_quant.scheduler.StepScheduler` as in ``hvd_quant.torch.DistributedOptimizer``, scaled by
+the optimizer's ``op`` (the placeholder is not read); from its second step its
+``_allreduce_grad_async`` (not the grouped one) is taken over (:meth:`StockCompression._take_over`).
+Elsewhere (``hvd.allreduce(t, compression=...)``, TensorFlow) each tensor is its own exchange.
 
 This module is the adapter: Horovod's context (read from the calling frame), the placeholders, the
-step boundaries (a gradient seen again starts the next step) and who owns the state. A codec is an
-immutable value: the state of its exchanges (a :class:`StockCompression`) belongs to the Horovod
-optimizer that called (kept on it), or, without one, to the process set; a
+step boundaries (a gradient seen again starts the next step) and who owns the state: a codec is an
+immutable value, the state of its exchanges (a :class:`StockCompression`) belongs to the Horovod
+optimizer that called (kept on it) or, without one, to the process set; a
 :class:`StockCompression` passed by the user is its own state.
 
 Tensors below ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and non-floating
@@ -33,16 +27,15 @@ tensors pass through to Horovod's allreduce. ``op=hvd.Adasum`` raises.
 Names. ``compress`` is not told the tensor's name: it reads the ``name`` local of Horovod 0.28.1's
 ``_allreduce_grad_async`` (torch) or ``allreduce`` (TensorFlow, torch), or in the grouped path the
 parameter's name from ``self._parameter_names``; failing that, the call order within the step. The
-name and shape go into every payload header, so a rank that receives another tensor's payload
-raises; exchanges match across ranks by name, and the first of each name carries a configuration
-handshake.
+name and shape go into every payload header; exchanges match across ranks by name.
 
 Frameworks. ``compress`` dispatches on the tensor's type to its frontend (``hvd_quant.dispatch``;
-the stock path's interface is listed in :mod:`hvd_quant.frontend`). A framework may register a hook
-(``hvd_quant.dispatch.STOCK_HOOKS``) that takes ``compress`` over, returning a ctx whose
-``stock_decompress(summed)`` finishes in ``decompress``: TensorFlow's builds symbolic tensors'
-exchanges into the graph (``hvd_quant/tensorflow/_graph.py``).
+the interface is listed in :mod:`hvd_quant.frontend`). A framework's hook
+(``hvd_quant.dispatch.STOCK_HOOKS``) may take ``compress`` over, returning a ctx whose
+``stock_decompress(summed)`` finishes in ``decompress`` (TensorFlow's builds symbolic tensors'
+exchanges into the graph).
 """
+import collections
 import functools
 import sys
 import threading
@@ -74,23 +67,15 @@ def _backend_for(tensor):
 _USED = []              # the frontends the stock path has served, each once
 
 
-class _Passthrough:
-    """ctx of a tensor Horovod allreduces itself."""
-    __slots__ = ()
+PASSTHROUGH = None      # the ctx of a tensor Horovod allreduces itself: decompress gives it back
 
 
-PASSTHROUGH = _Passthrough()
+class _Ctx:
+    """A ctx Horovod hands back to ``decompress``: ``stock_decompress(summed)`` finishes the tensor."""
+    __slots__ = ("stock_decompress",)
 
-
-class _Cast:
-    """ctx of a tensor sent uncompressed in float32 because Horovod cannot reduce its dtype."""
-    __slots__ = ("adapter", "info")
-
-    def __init__(self, adapter, info):
-        self.adapter, self.info = adapter, info
-
-    def stock_decompress(self, summed):
-        return self.adapter.cast_back(summed, self.info)
+    def __init__(self, finish):
+        self.stock_decompress = finish
 
 
 def uncompressed(adapter, tensor, info):
@@ -99,24 +84,13 @@ def uncompressed(adapter, tensor, info):
     sendable = adapter.sendable(tensor)
     if sendable is tensor:
         return tensor, PASSTHROUGH
-    return sendable, _Cast(adapter, info)
+    return sendable, _Ctx(lambda summed: adapter.cast_back(summed, info))
 
 
 def header(name, shape):
     """The payload header of tensor ``name``: the shape goes into it (not into the collective's name,
     which must match across ranks for a mismatch to be reported instead of stalling)."""
     return f"{name}[{'x'.join(map(str, shape))}]"
-
-
-class _Ctx:
-    """ctx of a tensor exchanged alone by ``owner`` (a :class:`StockCompression`)."""
-    __slots__ = ("owner", "session", "pending", "info", "size")
-
-    def __init__(self, owner, session, pending, info, size):
-        self.owner, self.session, self.pending, self.info, self.size = owner, session, pending, info, size
-
-    def stock_decompress(self, summed):
-        return self.owner._finish_alone(summed, self)
 
 
 class _Session:
@@ -139,19 +113,10 @@ class _Session:
                                                       reduction=reduction, memory=self.memory)
         return ex
 
-    def rebind(self, coll):
-        self.coll = coll
-        for ex in self.exchanges.values():
-            ex.coll = coll
 
-
-class _Caller:
-    """What ``compress`` learns from the Horovod function that called it: the tensor's ``name``, the
-    ``process_set``, the optimizer (``owner``) and the parameter (``param``) where there are ones."""
-    __slots__ = ("name", "process_set", "owner", "param")
-
-    def __init__(self, name=None, process_set=None, owner=None, param=None):
-        self.name, self.process_set, self.owner, self.param = name, process_set, owner, param
+# What ``compress`` learns from the Horovod function that called it: the tensor's ``name``, the
+# ``process_set``, the optimizer (``owner``) and the parameter (``param``) where there are ones.
+_Caller = collections.namedtuple("_Caller", "name process_set owner param", defaults=(None,) * 4)
 
 
 def _frame_context(tensor):
@@ -200,25 +165,13 @@ def _refuse_adasum(backend, owner):
         backend.core_op(op)
 
 
-
-class _Slot:
-    """ctx of a tensor fused into a bucket of a :class:`_Group`: member ``i`` of bucket ``k``."""
-    __slots__ = ("group", "k", "i", "info")
-
-    def __init__(self, group, k, i, info):
-        self.group, self.k, self.i, self.info = group, k, i, info
-
-    def stock_decompress(self, summed):
-        return _finish_slot(self)
-
-
 class _Group:
     """One Horovod optimizer's gradients on this path: the plan made at its first ``compress``, where
     each parameter goes, its placeholders, and the :class:`~hvd_quant.scheduler.StepScheduler` that
     runs its steps."""
 
     def __init__(self, sc, session, owner, backend, process_set):
-        self.sc, self.session, self.backend, self.process_set = sc, session, backend, process_set
+        self.session, self.backend, self.process_set = session, backend, process_set
         names = owner._parameter_names
         todo = getattr(owner, "_requires_update", None) or set()
         params = [p for g in owner.param_groups for p in g["params"]
@@ -292,20 +245,17 @@ def _key_str(key):
 _DECIDED = threading.local()
 
 
-def _decided(tensor):
-    """What ``compress`` returns for ``tensor`` where the taken-over optimizer already decided."""
-    decided = getattr(_DECIDED, "value", None)
-    return decided[1] if decided is not None and decided[0] is tensor else None
-
-
 def _compress(codec, tensor):
     """Horovod's ``compress`` of ``codec`` (a codec or a :class:`StockCompression`): the state of
     its exchanges belongs to the caller (:func:`state_of`)."""
-    decided = _decided(tensor)
-    if decided is not None:
-        return decided
-    caller = _frame_context(tensor)
-    return _owned_state(codec, caller, _backend_for(tensor)).compress_from(caller, tensor)
+    decided = getattr(_DECIDED, "value", None)
+    if decided is not None and decided[0] is tensor:
+        return decided[1]
+    caller, backend = _frame_context(tensor), _backend_for(tensor)
+    sc = _owned_state(codec, caller, backend)
+    hook = stock_hook_for(tensor)       # a framework's own path (TensorFlow: graphs)
+    out = None if hook is None else hook(sc, tensor)
+    return sc.compress_on(backend, tensor, caller) if out is None else out
 
 
 _codec.STOCK_COMPRESS = _compress       # a codec's compress (hvd_quant._codec)
@@ -380,7 +330,9 @@ class StockCompression:
         coll = backend.stock_backend(process_set)[0]
         if coll is s.coll:
             return False
-        s.rebind(coll)
+        s.coll = coll
+        for ex in s.exchanges.values():
+            ex.coll = coll
         # Another world: the ranks that joined start their exchanges afresh, so every rank does
         # (handshake with the first exchange of each name, step counts, auto's schedule).
         self._steps.clear()
@@ -419,23 +371,13 @@ class StockCompression:
     def decompress(self, tensor, ctx):
         return stock_decompress(tensor, ctx)
 
-    def compress_from(self, caller, tensor):
-        """``compress`` with the calling frame's :class:`_Caller`."""
-        backend = _backend_for(tensor)
-        hook = stock_hook_for(tensor)       # a framework's own path (TensorFlow: graphs)
-        if hook is not None:
-            out = hook(self, tensor)
-            if out is not None:
-                return out
-        return self.compress_on(backend, tensor, caller)
-
     def compress_on(self, backend, tensor, caller=None):
         """``compress`` through ``backend`` (a frontend, or another object with the stock path's
         interface) with its hook skipped."""
         if caller is None:
             caller = _frame_context(tensor)
         if caller.param is not None:
-            return self._compress_member(self._group(backend, caller), caller.param, tensor)
+            return self._member(self._group(backend, caller), caller.param, tensor)
         session = self.session(backend, caller.process_set)
         adapter = session.adapter
         info = adapter.describe(tensor)
@@ -456,17 +398,13 @@ class StockCompression:
                            header=header(name, info.shape))
         self._unadvanced.append((ex, pending))
         self._pending[name] = (session, pending)
-        return adapter.placeholder(tensor), _Ctx(self, session, pending, info, ex.coll.size)
-
-    def _compress_member(self, group, param, tensor):
-        """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters."""
-        out, ctx = self._member(group, param, tensor)
-        return (group.placeholder(param, tensor) if out is None else out), ctx
+        return adapter.placeholder(tensor), _Ctx(functools.partial(self._finish_alone, session, pending, info,
+                                                                  ex.coll.size))
 
     def _member(self, group, param, tensor, direct=False):
-        """``(None, ctx)`` when the gradient of ``param`` (one of ``group``'s optimizer's parameters)
-        went to its bucket (``direct``: or its plain group; the ctx is then a callable giving the
-        result), else ``(what Horovod allreduces, ctx)``."""
+        """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters:
+        ``(what Horovod allreduces, ctx)``; ``direct``: ``(None, a callable giving the result)`` when
+        it went to its bucket or plain group."""
         self._arrived(group, param)
         session, sched = group.session, group.sched
         info = group.describe(param, tensor)
@@ -476,12 +414,12 @@ class StockCompression:
             if spot is None:
                 return self._uncompressed(session, tensor, info)
             sched.arrive_plain(*spot, tensor)
-            return None, functools.partial(_finish_plain, group, *spot, info)
+            return None, functools.partial(_finish, group, True, *spot, info)
         if not direct and (sched.route() == _plan.ALLREDUCE or sched.absent()):
             return self._uncompressed(session, tensor, info)    # (the bucket's route: allreduce)
         sched.arrive(*where, tensor)
-        slot = _Slot(group, *where, info)
-        return None, (functools.partial(_finish_slot, slot) if direct else slot)
+        finish = functools.partial(_finish, group, False, *where, info)
+        return (None, finish) if direct else (group.placeholder(param, tensor), _Ctx(finish))
 
     @staticmethod
     def _uncompressed(session, tensor, info):
@@ -532,7 +470,7 @@ class StockCompression:
         straight into its bucket or plain group, and Horovod's ``synchronize`` gets the result from a
         callable handle (as for Horovod's own sparse path): no placeholder, no Horovod op per tensor,
         no frame lookup. ``direct`` turns on once every rank has handed out a bucket (the first
-        :func:`_finish_slot`), and off at a step's first gradient in a new world (elastic), for one
+        :func:`_finish` of one), and off at a step's first gradient in a new world (elastic), for one
         step: the ranks that joined start with Horovod's per-tensor path, so every rank does. A plan
         with no bucket (every gradient too small or 1-D) turns direct at its second step's first
         gradient instead, and again after a new world's first step. Other gradients (sparse,
@@ -550,12 +488,9 @@ class StockCompression:
                 p.grad = p.data.new(p.size()).zero_()   # as Horovod: a gradient of zeros
             grad = p.grad
             if grad is not None and not grad.is_sparse:
-                if group.direct:
-                    out, ctx = self._member(group, p, grad, direct=True)
-                    if out is None:
-                        return ctx, None
-                else:
-                    out, ctx = self._compress_member(group, p, grad)
+                out, ctx = self._member(group, p, grad, direct=group.direct)
+                if out is None:
+                    return ctx, None
                 _DECIDED.value = (grad, (out, ctx))     # what compress returns, no frame lookup
             try:
                 return horovod_async(p)
@@ -565,32 +500,32 @@ class StockCompression:
         owner._allreduce_grad_async = allreduce_grad_async
         group.taken_over = True
 
-    def _finish_alone(self, tensor, ctx):
+    def _finish_alone(self, session, pending, info, size, summed):
         """``decompress`` of a tensor exchanged alone: every such exchange still in its first phase
         is advanced first (the overlap rule), once per step, not once per tensor."""
         started, self._unadvanced = self._unadvanced, []
-        for exchange, pending in started:
-            exchange.advance(pending)
-        session, pending = ctx.session, ctx.pending
+        for exchange, started_one in started:
+            exchange.advance(started_one)
         self._pending.pop(pending.name, None)
         flat = session.exchange.finish(pending)
-        flat = session.ops.scale_(flat, session.adapter.as_float(tensor) / ctx.size)
-        return session.adapter.restore(flat, ctx.info)
+        flat = session.ops.scale_(flat, session.adapter.as_float(summed) / size)
+        return session.adapter.restore(flat, info)
 
     # -- state ------------------------------------------------------------------------------------
+    def _traffics(self):
+        return [ex.traffic for s in self._sessions.values() for ex in s.exchanges.values()]
+
     @property
     def traffic(self):
         """Bytes sent since the last :meth:`reset_traffic`, summed over sessions."""
         total = Traffic()
-        for s in self._sessions.values():
-            for ex in s.exchanges.values():
-                total.add(ex.traffic)
+        for t in self._traffics():
+            total.add(t)
         return total
 
     def reset_traffic(self):
-        for s in self._sessions.values():
-            for ex in s.exchanges.values():
-                ex.traffic.reset()
+        for t in self._traffics():
+            t.reset()
 
     def state_dict(self):
         """``{"residuals": {session key: {name: tensor}}, "server_residuals": {session key:
@@ -601,9 +536,7 @@ class StockCompression:
         states.update({_key_str(k): s.memory.state_dict()
                        for k, s in self._sessions.items() if s.memory is not None})
         auto = dict(self._restored_auto)
-        auto.update({g.key: g.sched.auto.state_dict() for _, g in self._groups.values()
-                     if g.sched.auto is not None})
-        auto.update({k: a.state_dict() for k, a in self._graph_autos.items()})
+        auto.update({k: a.state_dict() for k, a in self._autos()})
         return {"residuals": {k: dict(v.get(Memory.WORKER, {})) for k, v in states.items()},
                 "server_residuals": {k: dict(v.get(Memory.SERVER, {})) for k, v in states.items()},
                 "steps": dict(self._steps), "auto": auto}
@@ -614,6 +547,11 @@ class StockCompression:
         self._restore_auto(key, choice)
         self._graph_autos[key] = choice
 
+    def _autos(self):
+        """(plan key, AutoChoice) of each ``reduction="auto"`` schedule of this state."""
+        groups = [(g.key, g.sched.auto) for _, g in self._groups.values() if g.sched.auto is not None]
+        return groups + list(self._graph_autos.items())
+
     def _restore_auto(self, key, choice):
         saved = self._restored_auto.pop(key, None)
         if saved is not None:
@@ -622,11 +560,8 @@ class StockCompression:
     def load_state_dict(self, state):
         self._steps = dict(state.get("steps", {}))
         self._restored_auto = dict(state.get("auto", {}))
-        for k, a in self._graph_autos.items():
+        for k, a in self._autos():
             self._restore_auto(k, a)
-        for _, g in self._groups.values():
-            if g.sched.auto is not None:
-                self._restore_auto(g.key, g.sched.auto)
         server = state.get("server_residuals", {})
         self._restored = {k: {Memory.WORKER: v, Memory.SERVER: server.get(k, {})}
                           for k, v in state.get("residuals", {}).items()}
@@ -651,20 +586,18 @@ def _go_direct(group):
     group.direct = True
 
 
-def _finish_slot(slot):
-    """A fused gradient's result: its piece of the bucket's, cast back to its dtype and shape."""
-    group = slot.group
-    if group.taken_over and not group.direct:
-        _go_direct(group)
-    pieces = group.sched.result(slot.k)
-    group.sched.take(slot.k)
-    return group.session.adapter.restore(pieces[slot.i], slot.info)
-
-
-def _finish_plain(group, j, i, info):
-    """A plain group member's result: its piece of the group's allreduce."""
-    pieces = group.sched.plain_result(j)
-    group.sched.take_plain(j)
+def _finish(group, plain, k, i, info, summed=None):
+    """Member ``i``'s result: its piece of bucket ``k`` (``plain``: of plain group ``k``), cast back
+    to its dtype and shape (Horovod's ``summed`` placeholder is not read)."""
+    sched = group.sched
+    if plain:
+        pieces = sched.plain_result(k)
+        sched.take_plain(k)
+    else:
+        if group.taken_over and not group.direct:
+            _go_direct(group)
+        pieces = sched.result(k)
+        sched.take(k)
     return group.session.adapter.restore(pieces[i], info)
 
 
@@ -705,27 +638,20 @@ def state_of(obj):
     return sc
 
 
-def _process_set_states(codec):
-    """The states of ``codec`` kept by the global process set of each framework in use."""
-    out = []
-    for backend in _USED:
-        ps = backend.stock_backend(None)[0].process_set
-        sc = getattr(ps, "__dict__", {}).get(_STATE_ATTR, {}).get(codec)
-        if sc is not None and all(sc is not s for s in out):
-            out.append(sc)
-    return out
-
-
 def take_traffic(obj):
     """:class:`~hvd_quant.exchange.Traffic` since the last call of the stock state of ``obj``: a
     StockCompression, a Horovod optimizer whose ``compression=`` is a codec or StockCompression, or a
-    codec (its state on the global process set, as ``hvd.allreduce`` and TensorFlow keep it)."""
-    sc = state_of(obj)
-    if sc is not None:
-        states = [sc]
-    else:
+    codec (its states on the global process set of each framework in use, as ``hvd.allreduce`` and
+    TensorFlow keep them)."""
+    states = [state_of(obj)]
+    if states[0] is None:
         codec = getattr(obj, "_compression", obj)
-        states = _process_set_states(codec) if hasattr(codec, "spec") else []
+        states = []
+        for backend in _USED if hasattr(codec, "spec") else ():
+            ps = backend.stock_backend(None)[0].process_set
+            sc = getattr(ps, "__dict__", {}).get(_STATE_ATTR, {}).get(codec)
+            if sc is not None and all(sc is not s for s in states):
+                states.append(sc)
     total = Traffic()
     for s in states:
         total.add(s.traffic)

@@ -1,4 +1,4 @@
-"""Gradient codecs: bucketed QSGD, 1-bit SGD, fp16 and no compression, on one self-describing wire format.
+"""Gradient codecs: QSGD, 1-bit SGD, sort and k-means quantization, fp16 and none, on one wire format.
 
 Every codec turns a float tensor into a 1-D uint8 *payload* of the same kind (NumPy array, torch
 tensor on the same device, TensorFlow tensor) and back::
@@ -123,6 +123,14 @@ def from_spec(spec):
         raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
 
 
+def _bucket_size(v):
+    return None if v is None else _check_int("bucket_size", v, 1, 2 ** 32 - 1)
+
+
+def _seed(v):
+    return None if v is None else _check_int("seed", v, 0, 2 ** 64 - 1)
+
+
 _MODE_NAMES = {v: k for k, v in wire.MODES.items()}
 _NORM_NAMES = {v: k for k, v in wire.NORMS.items()}
 
@@ -131,50 +139,34 @@ _NORM_NAMES = {v: k for k, v in wire.NORMS.items()}
 class QSGD(Codec):
     """Bucketed QSGD (Alistarh et al., 2017): ``bits``-bit codes with one float32 scale per bucket.
 
-    Per bucket of ``bucket_size`` consecutive elements, ``scale`` = max|x| (``norm="max"``) or
-    ||x||_2 (``norm="l2"``); with s = 2**(bits-1) - 1 levels per sign and unit = scale / s, element x
-    gets the level q = round(|x| / unit) in [0, s] with its sign, stored offset-binary (q + s) in
-    ``bits`` bits; decode gives q * unit.
+    Per bucket of ``bucket_size`` elements, scale = max|x| (``norm="max"``) or ||x||_2 (``"l2"``)
+    and s = 2**(bits-1) - 1 levels per sign; each element sends its level in ``bits`` bits.
+    ``mode="stochastic"`` rounds **unbiased**, ``"deterministic"`` to nearest (**biased**, error at
+    most half a level); ``"fake"`` quantizes and dequantizes locally and sends float32 (the numerics
+    of "stochastic", **no savings**: for accuracy studies only). bits 2..16, bucket_size >= 1.
 
-    * ``mode="stochastic"``: q = floor(v) + (u < v - floor(v)), u uniform: **unbiased**
-      (E[decode] = x, up to 2**-24 of a level from 24-bit uniforms); variance per bucket at most
-      min(d/s^2, sqrt(d)/s) ||x||^2 with the l2 norm (the paper's bound).
-    * ``mode="deterministic"``: round half up: **biased**, error at most unit/2 per element.
-    * ``mode="fake"``: quantize (stochastic rounding) and dequantize locally and put the float32
-      result on the wire: the numerics of "stochastic" with **no savings** (4 bytes per element);
-      for accuracy studies only.
-
-    Noise: ``seed=None`` draws fresh noise on every call. With a fixed ``seed`` the uniforms are a
-    counter-based hash of the key :func:`noise_key` (seed, k, rank, name hash) and the element index.
-    For a direct :meth:`encode`, k counts this codec object's encode calls for that name on the
-    calling thread and rank is ``HOROVOD_RANK`` (or ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0): the k-th
-    call on the same input gives the same payload in every run. Inside the exchange, k is the
-    training step and rank the process set rank, so ranks draw independent noise.
-
-    Wire: 64-byte header, ceil(numel*bits/8) code bytes (zero padded to 4), 4*ceil(numel/bucket_size)
-    scale bytes. A zero bucket decodes to zeros; a bucket holding NaN or Inf decodes to NaN (only
-    that bucket). bits 2..16, bucket_size >= 1.
+    Noise: ``seed=None`` draws fresh noise on every call; with a ``seed`` the uniforms are keyed by
+    :func:`noise_key` (seed, k, rank, name hash): for a direct :meth:`encode` k counts this codec
+    object's encodes of that name on the calling thread and rank is ``HOROVOD_RANK`` (or
+    ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0); inside the exchange k is the training step and
+    rank the process set rank. Wire format, error bounds and edge cases: docs/CODECS.md, "QSGD".
     """
 
     PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
     _method = wire.METHODS["qsgd"]
+    _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("norm", _NORM_NAMES)}
 
     def __init__(self, bits=4, bucket_size=512, mode="stochastic", norm="max", seed=None):
         mode = _check_choice("mode", mode, tuple(wire.MODES))
         self._freeze(bits=_check_int("bits", bits, 2, 16),
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
-                     mode=mode, norm=_check_choice("norm", norm, tuple(wire.NORMS)),
-                     seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1),
+                     mode=mode, norm=_check_choice("norm", norm, tuple(wire.NORMS)), seed=_seed(seed),
                      stochastic=mode != "deterministic", _raw_values="float32" if mode == "fake" else None)
 
     @property
     def levels(self):
         """s = 2**(bits-1) - 1 magnitude levels per sign."""
         return (1 << (self.bits - 1)) - 1
-
-    def _config(self):
-        return {"bits": self.bits, "bucket_size": self.bucket_size, "mode": self.mode, "norm": self.norm,
-                "seed": self.seed}
 
     def __repr__(self):
         r = super().__repr__()
@@ -184,13 +176,6 @@ class QSGD(Codec):
 
     def _fields(self):
         return (self._method, self.bits, wire.MODES[self.mode], wire.NORMS[self.norm], self.bucket_size)
-
-    def _field_text(self, field, code):
-        if field == "mode":
-            return f"mode={_MODE_NAMES.get(code, code)}"
-        if field == "param":
-            return f"norm={_NORM_NAMES.get(code, code)}"
-        return super()._field_text(field, code)
 
     def _kernel_table(self):
         if self.mode == "fake":         # float32 on the wire: the kernels run on the stochastic twin
@@ -213,13 +198,13 @@ class QSGD(Codec):
         twin._decode_host(tmp, pay[_HDR:_HDR + 4 * n].view(np.float32), False)
         numba_kernels.cpu.write_header_cpu(pay, words)
 
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
+    def _encode_dev(self, arrays, x, payload, words, lay, key, residual=None):
         if self.mode != "fake":
-            return super()._encode_dev(arrays, x, pt, pdev, words, lay, key, stream, residual)
-        twin, n = self._twin, lay.numel     # (an accuracy-study mode, not a hot path)
+            return super()._encode_dev(arrays, x, payload, words, lay, key, residual)
+        twin, n, stream = self._twin, lay.numel, arrays.stream(x)     # (accuracy studies, not a hot path)
         xt, _ = arrays.input_f32(x)
         tt, _ = arrays.new_bytes(twin.wire_nbytes(n), x)
-        tn, pn = arrays.numba(tt), arrays.numba(pt)
+        tn, pn = arrays.numba(tt), arrays.numba(payload)
         _thread_op(twin, "encode", True, n)(arrays.numba(xt), tn, words, key, stream,
                                             None if residual is None else arrays.numba(residual))
         _thread_op(twin, "decode", True, n, False)(tn, pn[_HDR:_HDR + 4 * n].view(np.float32), stream)
@@ -235,47 +220,28 @@ _SCALE_NAMES = {v: k for k, v in wire.ONEBIT_SCALES.items()}
 class OneBit(Codec):
     """1-bit SGD (Seide et al., 2014): one sign bit per element and float32 scales per bucket.
 
-    bit = (x >= 0) (zeros count as positive). ``scale="two_mean"``: per bucket the mean of its
-    non-negative elements and the mean of its negative elements; they decode to those means, so each
-    bucket's **sum is preserved** (up to float32 rounding). ``scale="mean_abs"``: (||x||_1/d)·sign(x)
-    of EF-SignSGD, one scale per bucket. Both are **biased**: use error feedback, which
-    ``wants_error_feedback`` asks of the caller (``error_feedback=True``); the residual lives where
-    tensor names are known (``hvd_quant.memory``). ``bucket_size=None``: one bucket per tensor (its sums
-    are taken over segments of 8192 elements, docs/CODECS.md, so on a GPU a large tensor's reduction
-    is spread over the whole device).
-
-    Wire: 64-byte header, ceil(numel/8) bit bytes (zero padded to 4), then 8 (two_mean) or 4
-    (mean_abs) bytes of scales per bucket. A bucket holding NaN/Inf decodes to NaN (two_mean) or to a
-    non-finite value (mean_abs), only that bucket.
+    ``scale="two_mean"``: per bucket the means of its non-negative and of its negative elements (each
+    bucket's **sum is preserved**); ``scale="mean_abs"``: EF-SignSGD's (||x||_1/d)·sign(x). Both are
+    **biased**: use error feedback, which ``wants_error_feedback`` asks of the caller
+    (``error_feedback=True``). ``bucket_size=None``: one bucket per tensor. docs/CODECS.md, "1-bit".
     """
 
     PARAMS = {"bucket_size": _p_opt_int, "scale": _p_str, "error_feedback": _p_bool}
     _method = wire.METHODS["onebit"]
+    _FIELD_TEXT = {"mode": ("scale", _SCALE_NAMES), "bucket_size": ("bucket_size", {0: None})}
 
     def __init__(self, bucket_size=None, scale="two_mean", error_feedback=True):
         if not isinstance(error_feedback, (bool, np.bool_)):
             raise ValueError(f"error_feedback must be True or False; got {error_feedback!r}")
-        self._freeze(
-            bucket_size=None if bucket_size is None else _check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
-            scale=_check_choice("scale", scale, tuple(wire.ONEBIT_SCALES)),
-            error_feedback=bool(error_feedback))
+        self._freeze(bucket_size=_bucket_size(bucket_size), error_feedback=bool(error_feedback),
+                     scale=_check_choice("scale", scale, tuple(wire.ONEBIT_SCALES)))
 
     @property
     def wants_error_feedback(self):
         return self.error_feedback
 
-    def _config(self):
-        return {"bucket_size": self.bucket_size, "scale": self.scale, "error_feedback": self.error_feedback}
-
     def _fields(self):
         return (self._method, 1, wire.ONEBIT_SCALES[self.scale], 0, self.bucket_size or 0)
-
-    def _field_text(self, field, code):
-        if field == "mode":
-            return f"scale={_SCALE_NAMES.get(code, code)}"
-        if field == "bucket_size":
-            return f"bucket_size={code or None}"
-        return super()._field_text(field, code)
 
     def _kernel_table(self):
         c = {"bucket_size": self.bucket_size or 0, "two_mean": self.scale == "two_mean"}
@@ -286,36 +252,20 @@ class OneBit(Codec):
 
 @register("sortquant")
 class SortQuant(Codec):
-    """Sort quantization: per bucket, ``2**split_bits`` groups of equal count by rank, each quantized
-    uniformly within its own range (reference/004 in the project's sources).
+    """Sort quantization: per bucket, ``2**split_bits`` groups of equal count by rank of value, each
+    quantized uniformly within its own (min, max) range (reference/004 in the project's sources).
 
-    Within each bucket of ``bucket_size`` consecutive elements the values are ranked by **value**
-    (ties in index order) and the element of rank p (of n) goes to group ``g = (p * 2**split_bits) //
-    n``: the groups are consecutive value intervals of n / 2**split_bits elements each (give or take
-    one). Each group sends its (min, max) as two float32 scales; each element sends ``g`` in
-    ``split_bits`` bits and a level q in [0, L], L = 2**(bits - split_bits) - 1, in the remaining
-    ``bits - split_bits``: with unit = (max - min) / L, x = min + v * unit, ``mode="stochastic"``
-    rounds v up with probability v - floor(v) (**unbiased** within the group, up to 2**-24 of a level),
-    ``"deterministic"`` to nearest (half up; error at most unit/2). Decode gives min + q * unit.
-
-    Why by value, not by magnitude: the groups are then disjoint intervals of the values, each as
-    narrow as its count allows; ranked by magnitude a group would hold values of both signs and span
-    twice its width. Where values bunch near zero and a few are large (gradients), the outer groups
-    take the large values and the inner ones resolve the bulk finely, where QSGD's one scale per
-    bucket spends every level on the largest value.
-
-    Kernels: Numba CPU (a stable radix sort per bucket) and CUDA (a block per bucket sorts it in shared
-    memory with a bitonic network: on CUDA ``bucket_size`` is at most 4096), both bit-identical to the
-    NumPy reference; not tuned yet (no fused reduce kernels: SRA and allgather decode and sum payload
-    by payload). Wire: 64-byte header (``param`` holds split_bits), ceil(numel*bits/8) code bytes (zero
-    padded to 4), then 8 * 2**split_bits scale bytes per bucket. A bucket holding NaN or Inf, or whose
-    range overflows float32, decodes to NaN (only that bucket). bits 2..16, split_bits 1..bits-1,
-    bucket_size >= 1. Noise and ``seed`` as :class:`QSGD`.
+    Each element sends its group in ``split_bits`` bits and its level in the remaining ``bits -
+    split_bits``; ``mode="stochastic"`` rounds **unbiased** within the group, ``"deterministic"`` to
+    nearest. bits 2..16, split_bits 1..bits-1, bucket_size >= 1 (at most 4096 on CUDA). Noise and
+    ``seed`` as :class:`QSGD`. No fused reduce kernels: SRA and allgather decode and sum payload by
+    payload. docs/CODECS.md, "Sort quantization".
     """
 
     PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,
               "seed": _p_opt_int}
     _method = wire.METHODS["sortquant"]
+    _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("split_bits", {})}
 
     def __init__(self, bits=4, split_bits=2, bucket_size=512, mode="stochastic", seed=None):
         bits = _check_int("bits", bits, 2, 16)
@@ -323,22 +273,11 @@ class SortQuant(Codec):
                                                       f" (below bits={bits})"),
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
                      mode=_check_choice("mode", mode, ("stochastic", "deterministic")),
-                     seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1))
+                     seed=_seed(seed))
         self.__dict__["stochastic"] = self.mode == "stochastic"
-
-    def _config(self):
-        return {"bits": self.bits, "split_bits": self.split_bits, "bucket_size": self.bucket_size,
-                "mode": self.mode, "seed": self.seed}
 
     def _fields(self):
         return (self._method, self.bits, wire.MODES[self.mode], self.split_bits, self.bucket_size)
-
-    def _field_text(self, field, code):
-        if field == "mode":
-            return f"mode={_MODE_NAMES.get(code, code)}"
-        if field == "param":
-            return f"split_bits={code}"
-        return super()._field_text(field, code)
 
     _device_pointers = False
 
@@ -353,50 +292,25 @@ class KMeans(Codec):
     iterations, each element sent as the ``bits``-bit index of its nearest centroid (reference/004 in
     the project's sources).
 
-    The fit is one-dimensional and exact. **Start**: a sample of the bucket (all of it up to 1024
-    values, else its min, its max and 1022 values drawn at positions keyed by ``seed`` with the rank,
-    the tensor's name and the step, as :class:`QSGD`'s noise, so every rank and every run is
-    reproducible), sorted; the centroids start at equal steps of its companded rank (the running sum
-    of sqrt(gap) between neighbours), which spreads them into the tails, where a gradient's squared
-    error is made. **Iterations**: each value goes to the nearest centroid (the
-    boundaries are the midpoints between neighbours, ties to the lower one) and each centroid moves to
-    the mean of its values; a centroid left without values stays where it was. The means are exact
-    integer sums in a per-bucket fixed point (|x| scaled below 2**31), so they do not depend on the
-    order of the additions: the CPU and CUDA kernels and the NumPy reference agree bit for bit. The
-    CPU kernel stops early once a step moves no centroid (the result is the same). Nearest-centroid
-    rounding is **biased** (like ``QSGD(mode="deterministic")``); the bias is small where the
-    codebook fits the bucket.
-
-    ``bucket_size=None``: one codebook per tensor (per chunk on SRA's middle phase), the source's
-    setting; a bucket_size gives one per bucket, which costs ``2**bits * 4`` bytes each. bits 1..8
-    (a 2**bits codebook beyond that outweighs the codes it replaces), iters 0..1000 (0: the sample's
-    quantiles as they are). Wire: 64-byte header (bucket_size 0 for None), ceil(numel*bits/8) code
-    bytes (zero padded to 4), then the codebooks. A bucket holding NaN or Inf decodes to NaN (only that
-    bucket). Kernels: Numba CPU (the assignment vectorised over K - 1 comparisons, one thread per
-    bucket) and CUDA (``iters + 5`` launches, most over the whole input; fixed-point sums by atomic
-    adds); no fused reduce kernels (SRA and allgather decode and sum payload by payload).
+    The fit starts from a sample drawn with ``seed`` (keyed as :class:`QSGD`'s noise, so every rank
+    and run is reproducible) and sums in fixed point, so the CPU and CUDA kernels and the NumPy
+    reference agree bit for bit. Nearest-centroid rounding is **biased**. ``bucket_size=None``: one
+    codebook per tensor (per chunk on SRA's middle phase). bits 1..8, iters 0..1000. No fused reduce
+    kernels. docs/CODECS.md, "K-means quantization".
     """
 
     PARAMS = {"bits": _p_int, "iters": _p_int, "bucket_size": _p_opt_int, "seed": _p_opt_int}
     _method = wire.METHODS["kmeans"]
     stochastic = True           # the sample is drawn with the noise key
+    _FIELD_TEXT = {"bucket_size": ("bucket_size", {0: None})}
 
     def __init__(self, bits=4, iters=20, bucket_size=None, seed=0):
         self._freeze(bits=_check_int("bits", bits, 1, 8), iters=_check_int("iters", iters, 0, 1000),
-                     bucket_size=None if bucket_size is None else _check_int("bucket_size", bucket_size, 1,
-                                                                               2 ** 32 - 1),
-                     seed=None if seed is None else _check_int("seed", seed, 0, 2 ** 64 - 1))
-
-    def _config(self):
-        return {"bits": self.bits, "iters": self.iters, "bucket_size": self.bucket_size, "seed": self.seed}
+                     bucket_size=_bucket_size(bucket_size),
+                     seed=_seed(seed))
 
     def _fields(self):
         return (self._method, self.bits, 0, 0, self.bucket_size or 0)
-
-    def _field_text(self, field, code):
-        if field == "bucket_size":
-            return f"bucket_size={code or None}"
-        return super()._field_text(field, code)
 
     _device_pointers = False
 
@@ -429,11 +343,11 @@ class _Raw(Codec):
         if residual is not None:
             np.subtract(xs, vals, out=residual, dtype=np.float32)
 
-    def _encode_dev(self, arrays, x, pt, pdev, words, lay, key, stream, residual=None):
-        arrays.raw_encode_into(x, self._raw_values, pt)
-        numba_kernels.cuda.write_header_cuda(arrays.numba(pt), words, stream)
+    def _encode_dev(self, arrays, x, payload, words, lay, key, residual=None):
+        arrays.raw_encode_into(x, self._raw_values, payload)
+        numba_kernels.cuda.write_header_cuda(arrays.numba(payload), words, arrays.stream(x))
         if residual is not None:
-            arrays.raw_residual(x, pt, self._raw_values, residual)
+            arrays.raw_residual(x, payload, self._raw_values, residual)
 
 
 @register("fp16", "float16")

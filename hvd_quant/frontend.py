@@ -1,25 +1,14 @@
-"""One object per framework: what the core asks of PyTorch or TensorFlow, with the glue that is the
-same for both written once here.
+"""One object per framework (``hvd_quant.torch._backend.FRONTEND``,
+``hvd_quant.tensorflow._backend.FRONTEND``, registered in :mod:`hvd_quant.dispatch`): what the core
+asks of PyTorch or TensorFlow, the glue both share written once here. A subclass fills in the
+framework's primitives (``make_collectives``, ``is_floating``, ``describe``, ``ones``, ``cast``,
+``split``, ``as_float``, ``restore``, ``adapter``).
 
-Each framework has one :class:`Frontend` (``hvd_quant.torch._backend.FRONTEND``,
-``hvd_quant.tensorflow._backend.FRONTEND``), registered once in :mod:`hvd_quant.dispatch`. A
-subclass fills in the framework's primitives (``make_collectives``, ``is_floating``, ``describe``,
-``ones``, ``cast``, ``split``, ``as_float``, ``restore``, ``adapter``); the rest is here:
-
-* the codecs' array adapters: ``adapter(obj)`` (``hvd_quant._arrays.adapter_for``);
-* the exchange's tables: ``ops`` (:class:`~hvd_quant.exchange.ArrayOps`) and
-  ``collectives(process_set)`` (:class:`~hvd_quant.exchange.Collectives`, one per process set);
-* the framework's Horovod constants: ``hvd_op`` (core op -> Horovod's), ``core_op`` (Horovod's ->
-  core op; Adasum raises), ``resolve_codec`` (``compression=`` with the framework's
-  ``hvd.Compression`` namespace), ``sendable_dtype`` (the dtype a tensor travels in when Horovod
-  reduces it: its own, or float32 where Horovod cannot reduce it, e.g. bfloat16);
-* the stock path's interface (``hvd_quant._stock``): ``stock_backend(process_set)`` ->
-  ``(Collectives, ArrayOps)`` and ``stock_adapter()``, the frontend itself, with ``describe(t)`` ->
-  :class:`TensorInfo`, ``placeholder(t, n=1)``, ``as_float(t)``, ``split(flat, sizes)``,
-  ``restore(flat, info)``, ``sendable(t)`` and ``cast_back(t, info)``; a frontend may add
-  ``host_one``, ``wait_for`` and ``payload_group`` (PyTorch). A framework's own stock ``compress``
-  (TensorFlow builds symbolic tensors' exchanges into the graph) is registered beside its frontend
-  (``hvd_quant.dispatch.STOCK_HOOKS``).
+The stock path's interface (``hvd_quant._stock``): ``stock_backend(process_set)`` ->
+``(Collectives, ArrayOps)`` and ``stock_adapter()``, the frontend itself, with ``describe(t)`` ->
+:class:`TensorInfo`, ``placeholder(t, n=1)``, ``as_float(t)``, ``split(flat, sizes)``,
+``restore(flat, info)``, ``sendable(t)`` and ``cast_back(t, info)``; a frontend may add
+``host_one``, ``wait_for`` and ``payload_group`` (PyTorch).
 """
 import importlib
 import math

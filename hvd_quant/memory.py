@@ -1,23 +1,13 @@
 """Error-feedback memory: the quantization residuals of a rank, kept by namespace and key.
 
-Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SignSGD) adds back what the last
-quantization lost before quantizing again, so the error does not accumulate over steps:
-
-    1. compensated = gradient + residual[key]
-    2. payload     = encode(compensated)
-    3. residual[key] = compensated - decode(payload)      # from this rank's own payload
-
-Two namespaces, named explicitly by every call:
-
-* :attr:`Memory.WORKER` -- a rank's own quantization residual, keyed by exchange (bucket) name;
-* :attr:`Memory.SERVER` -- with SRA, the residual of requantizing the reduced chunk this rank owns
-  (the "server" error feedback of 1-bit Adam), keyed by ``(exchange name, rank, world size)``: the
-  chunk a rank owns depends on both.
-
-The exchange calls :meth:`~Memory.compensate`, :meth:`~Memory.buffer` and :meth:`~Memory.set`.
-Residuals are framework tensors on the gradient's device; :meth:`~Memory.state_dict` copies them and
-:meth:`~Memory.load_state_dict` restores them bit-exactly (``hvd_quant.plan.save_residuals`` gives the
-frontends' checkpoint form). Always on for ``OneBit(error_feedback=True)``; optional for QSGD.
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019) adds back what the last quantization lost
+before quantizing again: ``compensated = gradient + residual[key]``, ``payload =
+encode(compensated)``, ``residual[key] = compensated - decode(payload)``. Two namespaces:
+:attr:`Memory.WORKER`, a rank's own residual keyed by exchange (bucket) name, and
+:attr:`Memory.SERVER`, with SRA the residual of requantizing the reduced chunk this rank owns, keyed
+by ``(exchange name, rank, world size)`` (the chunk a rank owns depends on both). Residuals are
+framework tensors on the gradient's device; :meth:`~Memory.state_dict` and
+:meth:`~Memory.load_state_dict` copy them bit-exactly.
 """
 
 __all__ = ["Memory"]

@@ -74,11 +74,10 @@ def test_threads_give_the_bytes_of_each_alone(spec, shared):
 def test_prepared_launches_are_not_shared_between_threads():
     """Equal codecs on two threads get two prepared launches (each writes its own parameters)."""
     c1, c2 = hvd_quant.QSGD(bits=4, seed=1), hvd_quant.QSGD(bits=4, seed=1)
-    arrays = hvd_quant._arrays.adapter_for(np.zeros(1, np.float32))
     got = []
-    t = threading.Thread(target=lambda: got.append(_codec._prepared_launch(c1, arrays, 1000, None)))
+    t = threading.Thread(target=lambda: got.append(_codec._thread_op(c1, "encode", False, 1000)))
     t.start()
     t.join()
-    mine = _codec._prepared_launch(c2, arrays, 1000, None)
+    mine = _codec._thread_op(c2, "encode", False, 1000)
     assert got[0] is not None and mine is not got[0]
-    assert _codec._prepared_launch(c1, arrays, 1000, None) is mine        # reused on one thread
+    assert _codec._thread_op(c1, "encode", False, 1000) is mine        # reused on one thread
