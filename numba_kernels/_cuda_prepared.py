@@ -22,7 +22,6 @@ import numpy as np
 from numba import cuda, types as nbt
 
 from . import _cuda_block as _B
-from . import _cuda_sortquant as _S
 from . import _cuda_warp as _W
 from . import wire
 from .reference import chunk_ranges
@@ -31,11 +30,7 @@ from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX,
                            SIG_REDUCE, SIG_WARP_DECODE, SIG_WARP_ENCODE, SIMULATOR, TWO_MEAN)
 
 
-SORTQUANT_MAX_BUCKET = _S.MAX_BUCKET
-
-MAXCH = _B.MAXCH
-
-FUSE_MAX = _B.FUSE_MAX
+MAXCH, FUSE_MAX = _B.MAXCH, _B.FUSE_MAX
 
 # The header check and header write are one-block kernels by design: silence Numba's occupancy hint
 # for them (a message filter, so Numba's other performance warnings still show).

@@ -30,11 +30,12 @@ from . import _cuda_sortquant as _S
 from . import wire
 from ._cuda_device import BLOCK, SIMULATOR
 from ._cuda_prepared import (_grid, _kernel, _nb_stream, _stream, _zero_status, check_header_cuda, FUSE_MAX,
-                             kernel_path, kernels, MAXCH, PREPARE, SORTQUANT_MAX_BUCKET, write_header_cuda)
-
+                             kernel_path, kernels, MAXCH, PREPARE, write_header_cuda)
 
 __all__ = ["PREPARE", "write_header_cuda", "check_header_cuda", "kernel_path", "kernels", "SIMULATOR", "BLOCK",
            "FUSE_MAX", "MAXCH", "SORTQUANT_MAX_BUCKET"]
+
+SORTQUANT_MAX_BUCKET = _S.MAX_BUCKET        # (a bucket sorts in shared memory)
 
 
 # ---- SortQuant and KMeans: several dispatcher launches per op ------------------------------------------
