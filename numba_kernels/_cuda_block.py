@@ -1,39 +1,32 @@
-"""The general CUDA kernels: any bit width, any bucket size (launched from ``numba_kernels.cuda``).
+"""The general CUDA kernels: any bit width, any bucket size; used wherever the warp kernels
+(``_cuda_warp``) do not apply (OneBit's default one bucket per tensor included).
 
-Used wherever the warp kernels (``_cuda_warp``) do not apply: bit widths not dividing 32, buckets of
-fewer than 32 elements or not holding whole code words, buckets above ``FUSE_MAX`` elements
-(OneBit's default one bucket per tensor included), tensors of 2**31 elements or more.
-
-* ``block_encode`` (``make_encode((bits, red, pack, resid))``), one launch for buckets of at most
-  ``FUSE_MAX`` elements ("fused"): a block owns G whole buckets (G*bs*bits a multiple of 32, so its
-  codes are whole 32-bit words). Phase 1: warp w computes the scales of buckets w, w+NW, ... in the
-  canonical order (lane l adds elements l, l+32, ... sequentially, then the shared-memory tree
-  16..1), keeps scale and unit = scale/s in shared memory and writes the scales. Phase 2: one thread
-  per 32-bit word of codes: it quantizes the elements that touch its word (x is re-read from L1/L2)
-  and stores the word; the padding words come out zero. Block 0 also writes the header. Larger
-  buckets take ``reduce`` and ``combine`` (the scales), then ``block_encode`` in pack-only mode
-  (``fused=False``): block ``blk`` packs the G words ``[blk*G, blk*G + G)`` (G a multiple of ``bits``:
-  every block starts on an element boundary). The scales of such buckets are sums over segments of
-  ``SEGMENT`` elements (``numba_kernels.reference``): ``reduce`` gives each segment one warp and
-  writes its lane sums to scratch, ``combine`` gives each bucket one warp over its segments' sums, so
-  one bucket of a whole tensor (OneBit's default) is read by the whole GPU.
-  With ``resid`` the encode also writes ``residual[i] = x[i] - d[i]`` (d: what the decode writes).
-  An element whose bits straddle two words is read by both words' threads and its residual written
-  by the thread of its last word after a block barrier, so ``residual`` may be ``x`` (in place).
-* ``block_decode`` (``make_decode((bits, kind))``): grid-stride over chunks of K*BLOCK elements: the
-  block first fills a shared table of unit = scale/s for the chunk's buckets (one IEEE division per
-  bucket, not per element), then thread t writes elements base + k*BLOCK + t (coalesced stores),
-  each read from the 32-bit code words. The header check runs in the decode (``block_bad``).
+* ``block_encode`` (``make_encode``), one launch for buckets of at most ``FUSE_MAX`` elements
+  ("fused"): a block owns G whole buckets (G*bs*bits a multiple of 32: whole 32-bit code words).
+  Phase 1: warp w computes the scales of buckets w, w+NW, ... in the canonical order (lane l adds
+  elements l, l+32, ..., then the shared-memory tree 16..1) into shared memory and the payload.
+  Phase 2: one thread per 32-bit code word quantizes the elements that touch it (x re-read from
+  L1/L2); the padding words come out zero. Larger buckets take ``reduce`` (a warp per segment of
+  ``SEGMENT`` elements, its lane sums to scratch) and ``combine`` (a warp per bucket over its
+  segments' sums), then ``block_encode`` in pack-only mode (block ``blk`` packs words
+  ``[blk*G, blk*G + G)``, G a multiple of ``bits``), so one bucket of a whole tensor is read by the
+  whole GPU. With ``resid`` the encode writes ``residual = x - decode``: an element straddling two
+  words is read by both words' threads and its residual written by its last word's thread after a
+  block barrier, so ``residual`` may be ``x``.
+* ``block_decode`` (``make_decode``): grid-stride over chunks of DEC_K*BLOCK elements: a shared
+  table of unit = scale/s for the chunk's buckets (one IEEE division per bucket), then coalesced
+  stores; the header check runs in the decode (``block_bad``). ``block_decode_multi``: the same over
+  several payloads (decode_sum, decode_chunks).
 * ``k_header`` writes a header; ``k_check`` checks one (raw payloads: fp16, none, fake).
 """
 import numpy as np
 from numba import cuda, float32, int32, int64
 
-from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT,
-                           PACK_STOCH, SHARED, SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of,
-                           hdr_err, header_errors, max_nan, mul, onebit_scales, qsgd_code,
+from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH,
+                           SHARED, SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of, hdr_err, header_byte,
+                           header_errors, max_nan, mul, onebit_scales, publish, put, qsgd_code,
                            sqrt32)
-from ._scalar import F0, FNAN, SEGMENT, U8, UFF
+from ._scalar import F0, FNAN, SEGMENT
 
 FUSE_MAX = SEGMENT                  # buckets above this take reduce + combine + pack-only
 ENC_ELEMS = 256 if SIMULATOR else 4096   # elements per block targeted by the fused encode
@@ -64,16 +57,11 @@ def multi_bad(payloads, npay, ptotal, status, expect, check, check_name, sred, s
     sred[tid] = err
     cuda.syncthreads()
     if tid == 0:
+        e = 0
         if check:
-            e = 0
             for t in range(cuda.blockDim.x):
                 e |= sred[t]
-            if cuda.blockIdx.x == 0:
-                status[0] = e
-                status[1] = status[1] | e
-        else:
-            e = status[0]
-        serr[0] = e
+        publish(status, check, e, serr)
     cuda.syncthreads()
     return serr[0] != 0
 
@@ -106,18 +94,15 @@ def chunks_bad(payloads, nch, ptotal, chunk, last_numel, status, expect, check, 
         if check:
             for t in range(nch):
                 e |= sbad[t]
-            if cuda.blockIdx.x == 0:
-                status[0] = e
-                status[1] = status[1] | e
-        else:
-            e = status[0]
-        serr[0] = e
+        publish(status, check, e, serr)
     cuda.syncthreads()
 
 
 def make_value(BITS, kind):
-    """``value(words, scales, wb, sb, le, lb)``: element ``le`` (bucket ``lb``) of the payload whose
-    code words start at ``words[wb]`` and scales at ``scales[sb]``, as its decoder writes it."""
+    """``code_at(words, wb, le)``: the code of element ``le`` of the code words at ``words[wb]``;
+    ``decoded(code, units, b, b0, scales, sb, lb)``: its value (QSGD: the unit ``units[b - b0]``;
+    1-bit: from bucket ``lb``'s scales at ``scales[sb]``); ``value(words, scales, wb, sb, le, lb)``: the
+    value of element ``le``."""
     S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
     SF = np.float32(max(S, 1))
     MASK = np.int64((1 << BITS) - 1)
@@ -132,11 +117,10 @@ def make_value(BITS, kind):
             v |= np.int64(words[wi + 1]) << (32 - sh)
         return v & MASK
 
-    @cuda.jit(device=True)
-    def value(words, scales, wb, sb, le, lb):
-        code = code_at(words, wb, le)
+    @cuda.jit(device=True, inline="always")
+    def decoded(code, units, b, b0, scales, sb, lb):
         if kind == DEC_QSGD:
-            return mul(np.float32(np.int32(code - S)), scales[sb + lb] / SF)
+            return mul(np.float32(np.int32(code - S)), units[b - b0])
         if kind == DEC_TWO_MEAN:
             if code:
                 return scales[sb + 2 * lb]
@@ -146,7 +130,14 @@ def make_value(BITS, kind):
             v = -v
         return v
 
-    return code_at, value
+    @cuda.jit(device=True)
+    def value(words, scales, wb, sb, le, lb):
+        code = code_at(words, wb, le)
+        if kind == DEC_QSGD:
+            return mul(np.float32(np.int32(code - S)), scales[sb + lb] / SF)
+        return decoded(code, scales, 0, 0, scales, sb, lb)
+
+    return code_at, decoded, value
 
 
 def make_source(BITS, kind):
@@ -154,7 +145,7 @@ def make_source(BITS, kind):
     order, of element ``i`` (bucket ``b``) of the ``npay`` payloads of ``pw`` words each (code words at
     word 16, scales at word ``psoff`` of each), plus ``rin[i]`` when ``has_rin``: the value a
     reduce_requantize quantizes, computed where it is used (never stored)."""
-    _, value = make_value(BITS, kind)
+    value = make_value(BITS, kind)[2]
 
     @cuda.jit(device=True)
     def source(words, scales, i, b, npay, pw, psoff, rin, has_rin):
@@ -166,6 +157,23 @@ def make_source(BITS, kind):
         return v
 
     return source
+
+
+def make_load(BITS, kind, SRC):
+    """``load(x, i, b, bad, pwords, pscales, npay, pw, psoff, rin, has_rin)``: the value an encode
+    quantizes, ``x[i]``, or with ``SRC`` (reduce_requantize) ``source``'s sum, NaN when ``bad``."""
+    source = make_source(BITS, kind) if SRC else None
+
+    @cuda.jit(device=True, inline="always")
+    def load(x, i, b, bad, pwords, pscales, npay, pw, psoff, rin, has_rin):
+        if SRC:
+            v = source(pwords, pscales, np.int64(i), np.int64(b), npay, pw, psoff, rin, has_rin)
+            if bad:
+                v = FNAN
+            return v
+        return x[i]
+
+    return load
 
 
 def dec_kind(red, pack):
@@ -183,7 +191,7 @@ def make_reduce(spec):
     index, bucket-major); ``make_combine`` turns them into the scales."""
     red = spec[0]
     SRC = len(spec) > 1
-    source = make_source(spec[1], dec_kind(red, spec[2])) if SRC else None
+    load = make_load(spec[1], dec_kind(red, spec[2]), True) if SRC else make_load(None, None, False)
 
     @cuda.jit
     def reduce(x, parts, numel, bs, nb, ppay, pwords, pscales, status, expect, check, check_name,
@@ -210,12 +218,7 @@ def make_reduce(spec):
         if w < nseg:
             i = st + lane
             while i < en:
-                if SRC:
-                    xv = source(pwords, pscales, i, b, npay, pw, psoff, rin, has_rin)
-                    if bad:
-                        xv = FNAN
-                else:
-                    xv = x[i]
+                xv = load(x, i, b, bad, pwords, pscales, npay, pw, psoff, rin, has_rin)
                 p, q, cnt = add_term(red, xv, p, q, cnt)
                 i += 32
         lane_tree(red, p, q, cnt, sp, sq, sc, tid, lane)
@@ -260,21 +263,26 @@ def make_combine(spec):
                 k += 32
         lane_tree(red, p, q, cnt, sp, sq, sc, tid, lane)
         if lane == 0 and b < nb:
-            p = sp[tid]
-            st = b * bs
-            en = min(numel, st + bs)
-            if red == MAX:
-                scales[b] = p
-            elif red == L2:
-                scales[b] = sqrt32(p)
-            else:
-                hi, lo = onebit_scales(red == TWO_MEAN, p, sq[tid], sc[tid], en - st)
-                if red == TWO_MEAN:
-                    scales[2 * b] = hi
-                    scales[2 * b + 1] = lo
-                else:
-                    scales[b] = hi
+            put_scales(red, scales, b, sp[tid], sq[tid], sc[tid], min(numel, b * bs + bs) - b * bs)
     return combine
+
+
+@cuda.jit(device=True, inline="always")
+def put_scales(red, scales, b, p, q, cnt, ln):
+    """Bucket ``b``'s scale(s) from its reduction (p, q, cnt over ``ln`` elements) into ``scales``;
+    returns (scale, 1-bit's value of bit 0)."""
+    if red == MAX or red == L2:
+        if red == L2:
+            p = sqrt32(p)
+        scales[b] = p
+        return p, p
+    hi, lo = onebit_scales(red == TWO_MEAN, p, q, cnt, ln)
+    if red == TWO_MEAN:
+        scales[2 * b] = hi
+        scales[2 * b + 1] = lo
+    else:
+        scales[b] = hi
+    return hi, lo
 
 
 @cuda.jit(device=True)
@@ -303,12 +311,23 @@ def make_encode(spec):
     ``rin``), computed by ``source`` wherever the plain encode reads ``x`` (reduce_requantize)."""
     BITS, red, pack, RESID = spec[:4]
     SRC = len(spec) > 4 and spec[4]
-    source = make_source(BITS, dec_kind(red, pack)) if SRC else None
+    load = make_load(BITS, dec_kind(red, pack), SRC)
     S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
     SF = np.float32(max(S, 1))
     PER = 32 // BITS + 2           # at most this many elements touch one 32-bit word
     ONEBIT = pack == PACK_ONEBIT
     STOCH = pack == PACK_STOCH
+
+    @cuda.jit(device=True, inline="always")
+    def units(fused, b, b0, ssc, sunit, scales):
+        """Bucket ``b``'s (scale, unit) (1 bit: the values of bits 1 and 0)."""
+        if fused:
+            return ssc[b - b0], sunit[b - b0]
+        if ONEBIT:
+            if red == TWO_MEAN:
+                return scales[2 * b], scales[2 * b + 1]
+            return scales[b], -scales[b]
+        return scales[b], scales[b] / SF
 
     @cuda.jit
     def block_encode(x, payload, words, scales, header, n, nb, bs, inv_bs, G, fused, key, residual,
@@ -350,33 +369,14 @@ def make_encode(spec):
                 if lb < nbl:
                     i = st + lane
                     while i < en:
-                        if SRC:
-                            xv = source(pwords, pscales, i, b0 + lb, npay, pw, psoff, rin, has_rin)
-                            if bad:
-                                xv = FNAN
-                        else:
-                            xv = x[i]
+                        xv = load(x, i, b0 + lb, bad, pwords, pscales, npay, pw, psoff, rin, has_rin)
                         p, q, cnt = add_term(red, xv, p, q, cnt)
                         i += 32
                 lane_tree(red, p, q, cnt, sp, sq, sc, tid, lane)
                 if lane == 0 and lb < nbl:
-                    b = b0 + lb
-                    p = sp[tid]
-                    if red == MAX or red == L2:
-                        if red == L2:
-                            p = sqrt32(p)
-                        scales[b] = p
-                        ssc[lb] = p
-                        sunit[lb] = p / SF
-                    else:
-                        hi, lo = onebit_scales(red == TWO_MEAN, p, sq[tid], sc[tid], en - st)
-                        if red == TWO_MEAN:
-                            scales[2 * b] = hi
-                            scales[2 * b + 1] = lo
-                        else:
-                            scales[b] = hi
-                        ssc[lb] = hi
-                        sunit[lb] = lo
+                    hi, lo = put_scales(red, scales, b0 + lb, sp[tid], sq[tid], sc[tid], en - st)
+                    ssc[lb] = hi
+                    sunit[lb] = lo if ONEBIT else hi / SF
                 cuda.syncthreads()     # the next round reuses sp/sq/sc; phase 2 reads ssc/sunit
         # phase 2: 32-bit code words [w0, w1) of this block (the last block also writes the padding)
         if fused:
@@ -403,43 +403,14 @@ def make_encode(spec):
                 if e < e_end:
                     b = bucket_of(e, bs, inv_bs)
                     bend = (b + 1) * bs
-                    if fused:
-                        scale = ssc[b - b0]
-                        unit = sunit[b - b0]
-                    elif ONEBIT:
-                        if red == TWO_MEAN:
-                            scale = scales[2 * b]
-                            unit = scales[2 * b + 1]
-                        else:
-                            scale = scales[b]
-                            unit = -scale
-                    else:
-                        scale = scales[b]
-                        unit = scale / SF
+                    scale, unit = units(fused, b, b0, ssc, sunit, scales)
                     for _ in range(PER):
                         if e < e_end:
                             if e >= bend:
                                 b += 1
                                 bend += bs
-                                if fused:
-                                    scale = ssc[b - b0]
-                                    unit = sunit[b - b0]
-                                elif ONEBIT:
-                                    if red == TWO_MEAN:
-                                        scale = scales[2 * b]
-                                        unit = scales[2 * b + 1]
-                                    else:
-                                        scale = scales[b]
-                                        unit = -scale
-                                else:
-                                    scale = scales[b]
-                                    unit = scale / SF
-                            if SRC:
-                                xv = source(pwords, pscales, e, b, npay, pw, psoff, rin, has_rin)
-                                if bad:
-                                    xv = FNAN
-                            else:
-                                xv = x[e]
+                                scale, unit = units(fused, b, b0, ssc, sunit, scales)
+                            xv = load(x, e, b, bad, pwords, pscales, npay, pw, psoff, rin, has_rin)
                             if ONEBIT:
                                 c = np.int64(0)
                                 d = unit               # (1-bit: scale = value of 1, unit = of 0)
@@ -465,7 +436,7 @@ def make_encode(spec):
                 for k in range(nres):
                     residual[ri[k]] = rv[k]
         if blk == 0 and tid < 64:
-            payload[tid] = (header[tid >> 3] >> (U8 * np.uint64(tid & 7))) & UFF
+            payload[tid] = header_byte(header, tid)
 
     return block_encode
 
@@ -474,7 +445,7 @@ def make_decode(spec):
     BITS, kind = spec
     S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
     SF = np.float32(max(S, 1))
-    MASK = np.int64((1 << BITS) - 1)
+    code_at, decoded, _ = make_value(BITS, kind)
 
     @cuda.jit
     def block_decode(payload, words, scales, out, status, expect, check, check_name, n, bs, inv_bs,
@@ -500,31 +471,12 @@ def make_decode(spec):
             for k in range(DEC_K):
                 i = base + k * nthr + tid
                 if i < n:
-                    bitpos = i * BITS
-                    wi = bitpos >> 5
-                    sh = bitpos & 31
-                    v = np.int64(words[wi]) >> sh
-                    if sh + BITS > 32:
-                        v |= np.int64(words[wi + 1]) << (32 - sh)
-                    code = v & MASK
+                    code = code_at(words, 0, i)
                     b = bucket_of(i, bs, inv_bs)
-                    if kind == DEC_QSGD:
-                        val = mul(np.float32(np.int32(code - S)), sunit[b - bl0])
-                    elif kind == DEC_TWO_MEAN:
-                        if code:
-                            val = scales[2 * b]
-                        else:
-                            val = scales[2 * b + 1]
-                    else:
-                        val = scales[b]
-                        if not code:
-                            val = -val
+                    val = decoded(code, sunit, b, bl0, scales, 0, b)
                     if bad:
                         val = FNAN
-                    if accumulate:
-                        out[i] = out[i] + val
-                    else:
-                        out[i] = val
+                    put(out, i, val, accumulate)
             if kind == DEC_QSGD:
                 cuda.syncthreads()     # the next chunk overwrites the table
             chunk += cuda.gridDim.x
@@ -543,9 +495,25 @@ def make_decode_multi(spec):
     BITS, kind, MODE = spec
     S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
     SF = np.float32(max(S, 1))
-    code_at, _ = make_value(BITS, kind)
+    code_at, decoded, _ = make_value(BITS, kind)
     CHUNKS = MODE == MULTI_CHUNKS
     NBAD = MAXCH if CHUNKS else 1
+
+    @cuda.jit(device=True, inline="always")
+    def locate(i, b, k, chunk, bpc, nch, pw, psoff, last_psoff):
+        """Element ``i`` of bucket ``b`` in pass ``k``: its payload, its bucket's and its own index
+        there, and that payload's scales."""
+        pj = k
+        le = i
+        lb = b
+        if CHUNKS:
+            pj = b // bpc
+            lb = b - pj * bpc
+            le = i - pj * chunk
+        sb = pj * pw + psoff
+        if CHUNKS and pj == nch - 1:
+            sb = pj * pw + last_psoff
+        return pj, lb, le, sb
 
     @cuda.jit
     def block_decode_multi(payloads, words, scales, out, status, expect, check, check_name, name_hashes,
@@ -578,15 +546,7 @@ def make_decode_multi(spec):
                 if kind == DEC_QSGD:
                     j = tid
                     while j < nbl:
-                        b = bl0 + j
-                        pj = k
-                        lb = b
-                        if CHUNKS:
-                            pj = b // bpc
-                            lb = b - pj * bpc
-                        sb = pj * pw + psoff
-                        if CHUNKS and pj == nch - 1:
-                            sb = pj * pw + last_psoff
+                        pj, lb, _, sb = locate(0, bl0 + j, k, chunk, bpc, nch, pw, psoff, last_psoff)
                         sunit[j] = scales[sb + lb] / SF
                         j += nthr
                     cuda.syncthreads()
@@ -594,28 +554,9 @@ def make_decode_multi(spec):
                     i = base + kk * nthr + tid
                     if i < n:
                         b = bucket_of(i, bs, inv_bs)
-                        pj = k
-                        le = i
-                        lb = b
-                        if CHUNKS:
-                            pj = b // bpc
-                            lb = b - pj * bpc
-                            le = i - pj * chunk
-                        sb = pj * pw + psoff
-                        if CHUNKS and pj == nch - 1:
-                            sb = pj * pw + last_psoff
+                        pj, lb, le, sb = locate(i, b, k, chunk, bpc, nch, pw, psoff, last_psoff)
                         code = code_at(words, pj * pw + HDR_WORDS, le)
-                        if kind == DEC_QSGD:
-                            val = mul(np.float32(np.int32(code - S)), sunit[b - bl0])
-                        elif kind == DEC_TWO_MEAN:
-                            if code:
-                                val = scales[sb + 2 * lb]
-                            else:
-                                val = scales[sb + 2 * lb + 1]
-                        else:
-                            val = scales[sb + lb]
-                            if not code:
-                                val = -val
+                        val = decoded(code, sunit, b, bl0, scales, sb, lb)
                         if k == 0:
                             acc[kk] = val
                         else:
@@ -644,7 +585,7 @@ def make_decode_multi(spec):
 def k_header(payload, header):
     tid = cuda.threadIdx.x
     if tid < 64:
-        payload[tid] = (header[tid >> 3] >> (U8 * np.uint64(tid & 7))) & UFF
+        payload[tid] = header_byte(header, tid)
 
 
 @cuda.jit

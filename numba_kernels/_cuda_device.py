@@ -4,10 +4,11 @@ Import lazily (through ``numba_kernels.cuda``): importing this imports ``numba.c
 ``NUMBA_ENABLE_CUDASIM`` must be set before that happens.
 """
 import numba
+import numpy as np
 from numba import cuda
 from numba import types as nbt
 
-from ._scalar import F0, build
+from ._scalar import F0, U8, UFF, build
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 # Threads per block. 256 on hardware; the simulator runs a Python thread per CUDA thread, so smaller.
@@ -24,29 +25,14 @@ else:
         return libdevice.fmul_rn(a, b)
 
 fmul = cuda.jit(device=True)(_fmul_impl)
-ops = build(cuda.jit(device=True), fmul)
-qsgd_code = ops.qsgd_code
-qsgd_level = ops.qsgd_level
-qsgd_round = ops.qsgd_round
-uniform24 = ops.uniform24
-draw = ops.draw
-mix64 = ops.mix64
-max_nan = ops.max_nan
-finite = ops.finite
-bucket_of = ops.bucket_of
-mul = ops.mul
-sqrt32 = ops.sqrt32
-header_errors = ops.header_errors
-onebit_scales = ops.onebit_scales      # (two_mean, p, q, cnt, ln) -> (hi, lo)
-sortquant_level = ops.sortquant_level
-sortquant_value = ops.sortquant_value
-kmeans_draw = ops.kmeans_draw
-kmeans_scale = ops.kmeans_scale
-kmeans_fixed = ops.kmeans_fixed
-kmeans_mean = ops.kmeans_mean
-kmeans_mids = ops.kmeans_mids
-kmeans_index = ops.kmeans_index
-kmeans_starts = ops.kmeans_starts
+_ops = build(cuda.jit(device=True), fmul)
+# _scalar's math compiled for the device, under the names the kernels import
+(bucket_of, draw, header_errors, kmeans_draw, kmeans_fixed, kmeans_index, kmeans_mean, kmeans_mids,
+ kmeans_scale, kmeans_starts, max_nan, mix64, mul, onebit_scales, qsgd_code, qsgd_level, qsgd_round,
+ sortquant_level, sortquant_value, sqrt32, uniform24) = (getattr(_ops, name) for name in (
+    "bucket_of draw header_errors kmeans_draw kmeans_fixed kmeans_index kmeans_mean kmeans_mids kmeans_scale "
+    "kmeans_starts max_nan mix64 mul onebit_scales qsgd_code qsgd_level qsgd_round sortquant_level "
+    "sortquant_value sqrt32 uniform24").split())
 
 # reductions (scales)
 MAX, L2, TWO_MEAN, MEAN_ABS = 0, 1, 2, 3
@@ -85,21 +71,44 @@ def hdr_err(payload, expect, check_name):
 
 
 @cuda.jit(device=True)
+def publish(status, check, err, serr):
+    """Thread 0's error bits into the shared ``serr[0]``: with ``check`` ``err`` (block 0 also stores
+    it in ``status[0]`` and ORs it into ``status[1]``, as the check kernel does), else ``status[0]``."""
+    if check:
+        if cuda.blockIdx.x == 0:
+            status[0] = err
+            status[1] = status[1] | err
+    else:
+        err = status[0]
+    serr[0] = err
+
+
+@cuda.jit(device=True)
 def block_bad(payload, status, expect, check, check_name, serr):
-    """Whether this block decodes a bad payload: thread 0 runs the header check (``check``; block 0
-    also stores the error bits in ``status``, as the check kernel does) or reads ``status[0]``; ``serr``
-    is a shared int32[1]. Every thread of the block must call it (it ends with a block barrier)."""
+    """Whether this block decodes a bad payload (thread 0 checks its header, :func:`publish`). Every
+    thread of the block must call it (it ends with a block barrier)."""
     if cuda.threadIdx.x == 0:
+        err = 0
         if check:
             err = hdr_err(payload, expect, check_name)
-            if cuda.blockIdx.x == 0:
-                status[0] = err
-                status[1] = status[1] | err
-        else:
-            err = status[0]
-        serr[0] = err
+        publish(status, check, err, serr)
     cuda.syncthreads()
     return serr[0] != 0
+
+
+@cuda.jit(device=True, inline="always")
+def put(out, i, val, accumulate):
+    """``out[i] = val``, or ``out[i] += val`` with ``accumulate``."""
+    if accumulate:
+        out[i] = out[i] + val
+    else:
+        out[i] = val
+
+
+@cuda.jit(device=True)
+def header_byte(header, k):
+    """Byte ``k`` (0..63) of the header words ``header`` (8 uint64)."""
+    return (header[k >> 3] >> (U8 * np.uint64(k & 7))) & UFF
 
 
 # ---- the kernels' launch signatures (1-D C-contiguous arrays; numba_kernels.cuda binds them once) ----

@@ -2,26 +2,21 @@
 ``numba_kernels.reference.kmeans_*_ref`` bit for bit.
 
 An encode is ``iters + 5`` launches after the header's; block k of the element-wise ones takes tile
-``k % tpb`` (TILE elements) of bucket ``k // tpb``, so a block never spans two buckets and sums its
-bucket's share in shared memory before one atomic add per centroid:
+``k % tpb`` (TILE elements) of bucket ``k // tpb`` and sums its share in shared memory before one
+atomic add per centroid:
 
 * ``k_clear``: the buckets' maxima and step 1's sums reset.
-* ``k_stats``: each bucket's largest |x| as float32 bits (an atomic max: non-finite values have the
-  largest bits, so ``amax >= 0x7F800000`` marks a bucket that decodes to NaN), its min and its max.
-* ``k_start``: one block per bucket sorts its sample (``KMEANS_SAMPLE`` values with the bucket's min
-  and max, in shared memory, with SortQuant's bitonic ``sort_pairs``); one thread picks the starting
-  centroids (``_scalar.kmeans_starts``) into ``cent[0]``.
-* ``k_step`` (t = 1 .. iters): from the sums of step t - 1 (or the start, for t = 1) each block works
-  out the centroids c(t-1) itself (the tile-0 block also stores them in ``cent[(t-1) % 2]``: step t
-  + 1 needs them where a centroid lost its members), assigns its elements and adds their fixed-point
-  values and counts into step t's sums. In shared memory each centroid has 256 / K copies, thread
-  tid adding into copy ``tid % (256 / K)``: with 2 or 4 centroids, 256 threads adding into one
-  address each serialise. Sums rotate through three buffers: step t adds into ``t % 3``, reads
-  ``(t - 1) % 3`` and clears ``(t + 1) % 3``. Fixed-point sums are integers, so the order of the
-  atomic adds cannot change them.
-* ``k_step`` with ``final``: the codebook c(iters) into the payload, each element's index into a
-  uint16 scratch array (as SortQuant's, so the two share one compiled pack), the residual; then
-  ``_cuda_sortquant.k_pack`` packs the indices.
+* ``k_stats``: each bucket's largest |x| as float32 bits (an atomic max; ``amax >= 0x7F800000``
+  marks a non-finite bucket, which decodes to NaN), its min and its max.
+* ``k_start``: a block per bucket sorts its sample (SortQuant's bitonic ``sort_pairs``); one thread
+  picks the starting centroids (``_scalar.kmeans_starts``) into ``cent[0]``.
+* ``k_step`` (t = 1 .. iters): each block works out the centroids c(t-1) from step t - 1's sums
+  (tile 0 also stores them in ``cent[(t-1) % 2]`` for a centroid that loses its members), assigns
+  its elements and adds their fixed-point values and counts into step t's sums (integers: the order
+  of the atomic adds cannot change them). Each centroid has 256 / K copies in shared memory, so few
+  threads add into one address. Sums rotate through three buffers: step t adds into ``t % 3``,
+  reads ``(t - 1) % 3`` and clears ``(t + 1) % 3``. With ``final``: the codebook c(iters), each
+  element's index into a uint16 scratch (packed by ``_cuda_sortquant.k_pack``), the residual.
 
 The device runs every step; the CPU kernel stops once the centroids stop moving (the remaining steps
 would repeat them exactly), so both give the same payload.
@@ -30,7 +25,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, int64
 
 from ._cuda_device import (SHARED, kmeans_draw, kmeans_fixed, kmeans_index, kmeans_mean, kmeans_mids,
-                           kmeans_scale, kmeans_starts)
+                           kmeans_scale, kmeans_starts, put)
 from ._cuda_sortquant import sort_pairs
 from ._scalar import F0, FINF, FNAN, KMEANS_SAMPLE
 
@@ -204,8 +199,5 @@ def k_decode(payload, book, out, codes_off, bs, bits, accumulate, status, check)
         if (bp & 7) + bits > 8:
             w |= np.int32(payload[o + 1]) << 8
         v = FNAN if bad else book[(i // bs) * K + ((w >> (bp & 7)) & mask)]
-        if accumulate:
-            out[i] = out[i] + v
-        else:
-            out[i] = v
+        put(out, i, v, accumulate)
         i += cuda.gridDim.x * cuda.blockDim.x

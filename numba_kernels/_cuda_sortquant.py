@@ -1,29 +1,22 @@
 """The CUDA kernels of sort quantization (launched from ``numba_kernels.cuda``), equal to
 ``numba_kernels.reference.sortquant_*_ref`` bit for bit.
 
-* ``make_encode(P)``: one block per bucket of at most ``P`` elements (P a power of two, at most
-  ``MAX_BUCKET``). The block loads its bucket into shared memory as (value, index) pairs, padded with
-  (+Inf, index) so the padding sorts last, checks it (a non-finite value, or a range float32 cannot
-  hold, makes the bucket NaN, as the reference does), sorts the pairs with a bitonic network (ties in
-  index order, so the ranks are those of a stable sort), and then thread p quantizes the element of
-  rank p within its group: the group's (min, max) are the values at its first and last rank. Codes go
-  to a uint16 scratch array (one per element), the scales straight into the payload, the residual
-  (``x - decode``) into ``residual`` (which may be ``x``: every value is read into shared memory
-  before the first barrier).
-* ``k_pack``: one thread per 32-bit word of codes assembles it from the scratch codes that touch it
-  (any width); the padding bytes before the scales come out zero.
-* ``k_decode``: grid-stride, one element per thread: its field from the payload bytes, its group's
-  (min, max) from the scales; NaN where ``check`` and ``status[0] != 0`` (set by an earlier
-  ``check_header_cuda``).
+* ``make_encode(P)``: a block per bucket of at most ``P`` elements (a power of two, at most
+  ``MAX_BUCKET``) loads it into shared memory as (value, index) pairs padded with (+Inf, index),
+  checks it (a non-finite value or range makes the bucket NaN, as in the reference), sorts the pairs
+  with a bitonic network (ties in index order: a stable sort's ranks), and thread p quantizes the
+  element of rank p within its group, whose (min, max) sit at its first and last rank. Codes go to a
+  uint16 scratch array, the scales into the payload, the residual into ``residual`` (which may be
+  ``x``: every value is in shared memory before the first barrier).
+* ``k_pack``: one thread per 32-bit word of codes (any width); the padding before the scales is zero.
+* ``k_decode``: grid-stride, one element per thread; NaN where ``check`` and ``status[0] != 0``.
 
-The per-element arithmetic is ``_scalar.sortquant_level`` / ``sortquant_value``, shared with the CPU
-kernels. Written for clarity, not tuned: the encode's cost is its sort (log2(P)^2 / 2 barriers per
-bucket).
+Written for clarity, not tuned: the encode's cost is its sort (log2(P)^2 / 2 barriers per bucket).
 """
 import numpy as np
 from numba import cuda, float32, int32
 
-from ._cuda_device import SHARED, sortquant_level, sortquant_value, uniform24
+from ._cuda_device import SHARED, put, sortquant_level, sortquant_value, uniform24
 from ._scalar import F0, FINF, FNAN
 
 MAX_BUCKET = 4096           # shared memory: 8 bytes per element
@@ -178,8 +171,5 @@ def k_decode(payload, scales, out, codes_off, bs, split_bits, bits, accumulate, 
         lo = scales[k]
         unit = float32(scales[k + 1] - lo) / Lf
         v = FNAN if bad else sortquant_value(lo, code & L, unit)
-        if accumulate:
-            out[i] = out[i] + v
-        else:
-            out[i] = v
+        put(out, i, v, accumulate)
         i += cuda.gridDim.x * cuda.blockDim.x

@@ -1,55 +1,42 @@
-"""The warp CUDA kernels: one warp per bucket (launched from ``numba_kernels.cuda``).
+"""The warp CUDA kernels: one warp per bucket (``supported``: bit widths dividing 32, buckets of
+32..FUSE_MAX elements holding whole 32-bit code words, tensors below 2**31 elements; every other
+case takes ``_cuda_block``). Lane ``l`` of bucket ``b``'s warp handles its elements ``l, l+32, ...``:
+the canonical order of every sum (``numba_kernels.reference``) and coalesced 128-byte accesses.
 
-For bit widths that divide 32 (1, 2, 4, 8, 16) and buckets of 32..FUSE_MAX elements that hold whole
-32-bit code words, on tensors of fewer than 2**31 elements (``supported``); every other case takes
-the general kernels (``_cuda_block``). Same payloads as the reference, bit for bit.
+* encode (``make_encode``): buckets of up to 512 elements are loaded into registers at once (``regk``
+  steps of 32 per lane; larger buckets are read twice). Pass 1 reduces the bucket: max with a xor
+  butterfly of shuffles, sums with ``shfl_down`` at strides 16..1 (the canonical tree), then a
+  broadcast. Pass 2 quantizes, ``|x| / unit`` through the bucket's reciprocal where DIV_* allow it
+  (``numba_kernels._scalar``: the IEEE quotient without its per-element range check), stochastic
+  draws shared by pairs of steps. A 32-bit word holds the codes of ``32 // bits`` lanes of one step:
+  where a lane holds that many steps, a recursive halving over the word's lanes leaves each lane one
+  whole word (one shuffle per word), else a xor butterfly ORs each step's codes (1 bit: a
+  ``ballot``); words are stored after the loop. No shared memory, no barrier (on hardware). With
+  ``resid`` each lane writes the residuals of the elements it read (``residual`` may be ``x``); with
+  ``src`` (reduce_requantize) each element is the payloads' sum plus ``rin``
+  (``_cuda_block.make_load``), NaN everywhere when a payload is bad.
+* decode (``make_decode``): a bucket's code words are read coalesced, each step takes its word from
+  the lane holding it with one shuffle and stores ``(code - s) * unit`` unconditionally (partial
+  last steps and buckets above 512 elements read a word per element). The header check runs once
+  per block, so the grid is persistent (the blocks striding over groups of buckets). Its
+  multi-payload modes: MULTI_SUM (n payloads summed in payload order, a bucket's sums in registers)
+  and MULTI_CHUNKS (each bucket from its chunk's payload), checked by ``_cuda_block.multi_bad`` /
+  ``chunks_bad``.
 
-Lane ``l`` of the warp that owns bucket ``b`` handles the bucket's elements ``l, l+32, l+64, ...``:
-the canonical order of every sum (``numba_kernels.reference``), and coalesced 128-byte loads and
-stores for the whole warp.
-
-* encode (``warp_encode``, ``make_encode((bits, red, pack, regk, paired, resid))``): buckets of up to 512 elements are loaded into registers at once
-  (``regk`` steps of 32 per lane, all loads in flight; larger buckets are read twice). Pass 1 reduces
-  the bucket: max with a xor butterfly of warp shuffles (max is order-free), sums with ``shfl_down``
-  at strides 16, 8, 4, 2, 1 (the canonical tree ``p[l] += p[l + stride]``), then broadcast. Pass 2
-  quantizes: ``|x| / unit`` through the bucket's reciprocal where the bucket allows it (see DIV_* in
-  ``numba_kernels._scalar``: the same float32 quotient as the IEEE division, without its per-element
-  range check and branch), stochastic draws with their splitmix64 argument advanced by a constant
-  per pair of steps. A 32-bit word holds the codes of ``32 // bits`` consecutive lanes of one step:
-  where a lane holds at least that many steps, it quantizes ``32 // bits`` steps and a recursive
-  halving over the word's lanes (``32 // bits - 1`` xor shuffles) leaves each lane one whole word;
-  otherwise a xor butterfly of ``log2(32 // bits)`` shuffles ORs each step's codes together (1 bit:
-  one ``ballot``). Words are kept in registers and stored after the loop. Block 0 also writes the
-  header. No shared memory, no block barrier (on hardware). With ``resid`` each lane also writes the
-  residual ``x - (code - s) * unit`` (1 bit: ``x - value of its bit``) of the elements it quantized:
-  it read them itself, so ``residual`` may be ``x``. With ``src`` (``make_encode(spec + (True,))``,
-  reduce_requantize) each element is the sum of the received payloads' values plus ``rin``
-  (``_cuda_block.make_source``), computed where the plain encode loads ``x``; a bad payload among
-  them makes every value NaN.
-* decode (``warp_decode``, ``make_decode((bits, kind, steps))``): a whole bucket's code words are read coalesced (``dec_steps`` steps
-  per lane), then each step takes its word from the lane holding it with one shuffle, shifts out its
-  code and writes ``(code - s) * unit`` with a coalesced, unconditional store (a bucket's partial
-  last steps, and buckets of more than 512 elements, read their words one per element instead);
-  ``unit = scale / s`` once per bucket. The header check runs once per block (thread 0), so the grid
-  is persistent: at most as many blocks as fit on the GPU at once, striding over groups of buckets.
-  ``make_decode((bits, kind, steps, mode))`` adds the multi-payload modes: MULTI_SUM (the sum of n
-  payloads in payload order, a whole bucket's sums kept in registers) and MULTI_CHUNKS (each bucket
-  from its chunk's payload), with the header checks of ``_cuda_block.multi_bad`` / ``chunks_bad``.
-
-In the CUDA simulator (which has no warp shuffles) the shuffles are emulated through shared memory
-and block barriers; every loop's trip count is therefore uniform over the block (warps past the
-last bucket run with no valid element).
+The CUDA simulator has no warp shuffles: they go through shared memory and block barriers there, so
+every loop's trip count is uniform over the block (warps past the last bucket run with no element).
 """
+from fractions import Fraction
+
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
-from ._cuda_block import (HDR_WORDS, MAXCH, MULTI_CHUNKS, MULTI_SUM, chunks_bad, dec_kind, make_source,
+from ._cuda_block import (HDR_WORDS, MAXCH, MULTI_CHUNKS, MULTI_SUM, chunks_bad, dec_kind, make_load,
                           make_value, multi_bad)
 from ._cuda_device import (DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH, SHARED, SIMULATOR,
-                           TWO_MEAN, add_term, block_bad, draw, max_nan, mix64, mul, onebit_scales,
-                           qsgd_code, qsgd_level, qsgd_round, sqrt32, uniform24)
-from ._scalar import (DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN, F0, FINF, FNAN, U8,
-                      UFF)
+                           TWO_MEAN, add_term, block_bad, draw, header_byte, max_nan, mix64, mul,
+                           onebit_scales, put, qsgd_code, qsgd_level, qsgd_round, sqrt32, uniform24)
+from ._scalar import DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN, F0, FINF, FNAN
 
 SIMBUF = 256                       # shared slots for the simulator's shuffle emulation
 FULL = 0xFFFFFFFF
@@ -58,37 +45,6 @@ ENC_REGS_1BIT = 48                 # (1 bit, two_mean: 40 would spill)
 DEC_REGS = 40
 DEC_REGS_MULTI = 64               # (a bucket's sums in registers)
 M32 = np.int64(0xFFFFFFFF)
-
-
-def _round_exact(exact, mode):
-    """The float32 nearest ``exact`` (a Fraction; ties to even), or the largest float32 <= it when
-    ``mode == 'down'`` (finite results only)."""
-    from fractions import Fraction
-    f = np.float32(float(exact))               # within one float32 step of the exact value
-    cands = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
-    cands = [c for c in cands if np.isfinite(c)]
-    if mode == "down":
-        return max(c for c in cands if Fraction(float(c)) <= exact)
-    return min(cands, key=lambda c: (abs(Fraction(float(c)) - exact),
-                                     int(np.float32(c).view(np.uint32)) & 1))
-
-
-def fma_exact(a, b, c):
-    """float32 ``a * b + c`` rounded once, to nearest (the hardware fma; the CUDA simulator's rounds
-    twice). Non-finite operands: plain float32 arithmetic."""
-    from fractions import Fraction
-    a, b, c = np.float32(a), np.float32(b), np.float32(c)
-    if not (np.isfinite(a) and np.isfinite(b) and np.isfinite(c)):
-        with np.errstate(all="ignore"):
-            return np.float32(a * b + c)
-    return np.float32(_round_exact(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)), "near"))
-
-
-def mul_rd_exact(a, b):
-    """float32 ``a * b`` rounded down (``libdevice.fmul_rd``), for the simulator; finite operands."""
-    from fractions import Fraction
-    return np.float32(_round_exact(Fraction(float(np.float32(a))) * Fraction(float(np.float32(b))),
-                                   "down"))
 
 
 def regk(bucket_size):
@@ -115,40 +71,29 @@ def supported(bits, bucket_size, numel, fuse_max):
     return 32 <= bucket_size <= fuse_max and bucket_size % (32 // bits) == 0
 
 
-def _shuffles(simulator):
-    """(xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot) device functions: warp shuffles on
-    hardware; shared memory + ``syncthreads`` in the simulator (``bf``/``bi``: float32/int64 slots)."""
-    if not simulator:
-        @cuda.jit(device=True)
-        def xor_f(v, m, bf, bi, tid):
-            return cuda.shfl_xor_sync(FULL, v, m)
+# The simulator has no warp shuffles, fma or directed rounding: there the shuffles go through shared
+# memory and block barriers (``bf``/``bi``: float32/int64 slots), fma and fmul_rd are computed exactly.
+if SIMULATOR:
+    def _round_exact(exact, down=False):
+        """The float32 nearest the Fraction ``exact`` (ties to even), or the largest float32 <= it."""
+        f = np.float32(float(exact))               # within one float32 step of the exact value
+        cands = [c for c in (np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf)))
+                 if np.isfinite(c)]
+        if down:
+            return max(c for c in cands if Fraction(float(c)) <= exact)
+        return min(cands, key=lambda c: (abs(Fraction(float(c)) - exact), int(c.view(np.uint32)) & 1))
 
-        @cuda.jit(device=True)
-        def down_f(v, d, bf, bi, tid):
-            return cuda.shfl_down_sync(FULL, v, d)
+    @cuda.jit(device=True)
+    def fma(a, b, c):
+        a, b, c = np.float32(a), np.float32(b), np.float32(c)
+        if not (np.isfinite(a) and np.isfinite(b) and np.isfinite(c)):
+            with np.errstate(all="ignore"):
+                return np.float32(a * b + c)
+        return _round_exact(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
 
-        @cuda.jit(device=True)
-        def bcast_f(v, src, bf, bi, tid):
-            return cuda.shfl_sync(FULL, v, src)
-
-        # integers (code words, counts) are non-negative and below 2**32: one 32-bit shuffle each
-        @cuda.jit(device=True)
-        def xor_i(v, m, bf, bi, tid):
-            return np.int64(cuda.shfl_xor_sync(FULL, np.int32(v), m)) & M32
-
-        @cuda.jit(device=True)
-        def down_i(v, d, bf, bi, tid):
-            return np.int64(cuda.shfl_down_sync(FULL, np.int32(v), d)) & M32
-
-        @cuda.jit(device=True)
-        def bcast_i(v, src, bf, bi, tid):
-            return np.int64(cuda.shfl_sync(FULL, np.int32(v), src)) & M32
-
-        @cuda.jit(device=True)
-        def ballot(pred, bf, bi, tid):
-            return np.int64(cuda.ballot_sync(FULL, pred)) & M32
-
-        return xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot
+    @cuda.jit(device=True)
+    def mul_rd(a, b):                              # (finite operands)
+        return _round_exact(Fraction(float(np.float32(a))) * Fraction(float(np.float32(b))), down=True)
 
     def _ex(buf, v, src, tid):
         buf[tid] = v
@@ -157,31 +102,20 @@ def _shuffles(simulator):
         cuda.syncthreads()
         return r
 
-    @cuda.jit(device=True)
-    def xor_f(v, m, bf, bi, tid):
-        return _ex(bf, v, tid ^ m, tid)
+    def _pair(source):      # source(tid, m): the thread whose value thread tid receives
+        @cuda.jit(device=True)
+        def f(v, m, bf, bi, tid):
+            return _ex(bf, v, source(tid, m), tid)
 
-    @cuda.jit(device=True)
-    def xor_i(v, m, bf, bi, tid):
-        return _ex(bi, v, tid ^ m, tid)
+        @cuda.jit(device=True)
+        def i(v, m, bf, bi, tid):
+            return _ex(bi, v, source(tid, m), tid)
 
-    @cuda.jit(device=True)
-    def down_f(v, d, bf, bi, tid):
-        lane = tid % 32
-        return _ex(bf, v, tid + d if lane + d < 32 else tid, tid)
+        return f, i
 
-    @cuda.jit(device=True)
-    def down_i(v, d, bf, bi, tid):
-        lane = tid % 32
-        return _ex(bi, v, tid + d if lane + d < 32 else tid, tid)
-
-    @cuda.jit(device=True)
-    def bcast_f(v, src, bf, bi, tid):
-        return _ex(bf, v, tid - tid % 32 + src, tid)
-
-    @cuda.jit(device=True)
-    def bcast_i(v, src, bf, bi, tid):
-        return _ex(bi, v, tid - tid % 32 + src, tid)
+    xor_f, xor_i = _pair(lambda tid, m: tid ^ m)
+    down_f, down_i = _pair(lambda tid, d: tid + d if tid % 32 + d < 32 else tid)
+    bcast_f, bcast_i = _pair(lambda tid, src: tid - tid % 32 + src)
 
     @cuda.jit(device=True)
     def ballot(pred, bf, bi, tid):
@@ -190,23 +124,8 @@ def _shuffles(simulator):
             w |= _ex(bi, w, tid ^ m, tid)
         return w
 
-    return xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot
-
-
-xor_f, xor_i, down_f, down_i, bcast_f, bcast_i, ballot = _shuffles(SIMULATOR)
-
-def _limit(regs):
-    # a register cap raises the blocks resident per multiprocessor (65536 registers / 256 threads:
-    # 48 -> 5 blocks, 40 -> 6, 32 -> 8). At these caps ptxas (CUDA 13, sm_90) reports no spills in
-    # the plain decodes and at most 4 bytes in the plain encodes; reduce_requantize and decode_sum
-    # spill some, and higher caps for them were no faster on an H200 (scripts/kernel_spills.py;
-    # docs/BENCHMARKS.md)
-    return {} if SIMULATOR else {"max_registers": regs}
-
-
-if SIMULATOR:
-    fma = cuda.jit(device=True)(fma_exact)
-    mul_rd = cuda.jit(device=True)(mul_rd_exact)
+    def _limit(regs):
+        return {}
 else:
     from numba.cuda import libdevice
 
@@ -217,6 +136,33 @@ else:
     @cuda.jit(device=True)
     def mul_rd(a, b):
         return libdevice.fmul_rd(a, b)
+
+    def _pair(shfl):
+        @cuda.jit(device=True)
+        def f(v, m, bf, bi, tid):
+            return shfl(FULL, v, m)
+
+        # integers (code words, counts) are non-negative and below 2**32: one 32-bit shuffle each
+        @cuda.jit(device=True)
+        def i(v, m, bf, bi, tid):
+            return np.int64(shfl(FULL, np.int32(v), m)) & M32
+
+        return f, i
+
+    xor_f, xor_i = _pair(cuda.shfl_xor_sync)
+    down_f, down_i = _pair(cuda.shfl_down_sync)
+    bcast_f, bcast_i = _pair(cuda.shfl_sync)
+
+    @cuda.jit(device=True)
+    def ballot(pred, bf, bi, tid):
+        return np.int64(cuda.ballot_sync(FULL, pred)) & M32
+
+    def _limit(regs):
+        # a register cap raises the blocks resident per multiprocessor (65536 registers / 256
+        # threads: 48 -> 5 blocks, 40 -> 6); at these caps the plain kernels spill at most 4 bytes,
+        # the fused ones some, and higher caps for those were no faster on an H200
+        # (scripts/kernel_spills.py)
+        return {"max_registers": regs}
 
 
 @cuda.jit(device=True)
@@ -269,7 +215,7 @@ def make_encode(spec):
     BITS, red, pack, REGK, PAIRED, RESID = spec[:6]
     SRC = len(spec) > 6 and spec[6]
     KIND = dec_kind(red, pack)
-    source = make_source(BITS, KIND) if SRC else None
+    load = make_load(BITS, KIND, SRC)
     code_at = make_value(BITS, KIND)[0] if SRC else None
     units, value = make_units(BITS, KIND)
     NREG = max(REGK, 1)
@@ -351,13 +297,13 @@ def make_encode(spec):
     words_fast, words_plain = make_words(True), make_words(False)
 
     @cuda.jit(device=True, inline="always")
-    def load(x, e, b, bad, pwords, pscales, npay, pw, psoff, rin, has_rin):
-        if SRC:
-            v = source(pwords, pscales, np.int64(e), np.int64(b), npay, pw, psoff, rin, has_rin)
-            if bad:
-                v = FNAN
-            return v
-        return x[e]
+    def or_lanes(w, bf, bi, tid):
+        """The OR of ``w`` over the EPW lanes of a code word (a xor butterfly)."""
+        m = 1
+        while m < EPW:
+            w |= xor_i(w, m, bf, bi, tid)
+            m <<= 1
+        return w
 
     @cuda.jit(**_limit(ENC_REGS if BITS > 1 else ENC_REGS_1BIT))
     def warp_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key, residual,
@@ -375,7 +321,7 @@ def make_encode(spec):
             serr = cuda.shared.array(1, int32)
             bad = multi_bad(ppay, npay, pw * 4, status, expect, check, check_name, sred, serr)
         if cuda.blockIdx.x == 0 and tid < 64:
-            payload[tid] = (header[tid >> 3] >> (U8 * np.uint64(tid & 7))) & UFF
+            payload[tid] = header_byte(header, tid)
         sh = np.int32((lane & GMASK) * BITS)
         g = cuda.blockIdx.x
         while g < ngroups:                          # uniform over the block
@@ -528,11 +474,7 @@ def make_encode(spec):
                             cde = np.int64(S)
                         if RESID and j < ln:
                             residual[e] = v - mul(np.float32(np.int32(cde - S)), unit)
-                        w = np.int64(np.uint32(cde) << np.uint32(sh))
-                        m = 1
-                        while m < EPW:
-                            w |= xor_i(w, m, bf, bi, tid)
-                            m <<= 1
+                        w = or_lanes(np.int64(np.uint32(cde) << np.uint32(sh)), bf, bi, tid)
                     if i == k % EPW:
                         slots[k // EPW] = np.uint32(w & M32)
                 gi = lane >> LOG_EPW                    # this lane's group: word k*BITS + gi of step k
@@ -562,11 +504,7 @@ def make_encode(spec):
                             cde = qsgd_code(v, scale, unit, SF, S, pack == PACK_STOCH, key, e)
                             if RESID:
                                 residual[e] = v - mul(np.float32(np.int32(cde - S)), unit)
-                        w = np.int64(np.uint32(cde) << np.uint32(sh))
-                        m = 1
-                        while m < EPW:
-                            w |= xor_i(w, m, bf, bi, tid)
-                            m <<= 1
+                        w = or_lanes(np.int64(np.uint32(cde) << np.uint32(sh)), bf, bi, tid)
                     if ok and (lane & GMASK) == 0:
                         words[np.uint32(wb + np.uint32(j >> LOG_EPW))] = np.uint32(w & M32)
             g += cuda.gridDim.x
@@ -595,13 +533,6 @@ def make_decode(spec):
     NBAD = MAXCH if MODE == MULTI_CHUNKS else 1
 
     units, value = make_units(BITS, kind)
-
-    @cuda.jit(device=True, inline="always")
-    def put(out, e, val, accumulate):
-        if accumulate:
-            out[e] = out[e] + val
-        else:
-            out[e] = val
 
     @cuda.jit(**_limit(DEC_REGS if MODE == PLAIN else DEC_REGS_MULTI))
     def warp_decode(payload, words, scales, out, status, expect, check, check_name, n, nb, bs, K,
