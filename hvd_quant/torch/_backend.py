@@ -29,10 +29,11 @@ from numba_kernels.wire import HEADER_NBYTES, PayloadError
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
 from ..exchange import AVERAGE, ArrayOps, Collectives, handshake
 from ..frontend import Frontend, TensorInfo
+from ..plan import restore_residuals, save_residuals
 from .payload_group import GroupWork, PayloadGroup
 
 __all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec",
-           "sendable_dtype", "host_one", "wait_for", "payload_group"]
+           "sendable_dtype", "host_one", "wait_for", "payload_group", "save_state", "load_state"]
 
 
 def _flatten(tensors):
@@ -59,6 +60,27 @@ def _mark(like):
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(like.device))
     return event
+
+
+def save_state(step, config, memory, buckets, auto):
+    """The state of a PyTorch path's plan: step counter, codec, reduction, this rank's worker residuals
+    by tensor name, its server residuals by ``(bucket header, rank, size)``, ``auto``'s state."""
+    residuals, server = save_residuals(memory, buckets, OPS.clone) if memory is not None else ({}, {})
+    return {"step": step, "codec": config.codec.spec(), "reduction": config.reduction,
+            "residuals": residuals, "server_residuals": server,
+            "auto": None if auto is None else auto.state_dict()}
+
+
+def load_state(state, memory, buckets, auto, device):
+    """Restore :func:`save_state`'s ``auto`` and residuals (moved to ``device``); the step is the caller's."""
+    if auto is not None and state.get("auto") is not None:
+        auto.load_state_dict(state["auto"])
+    if memory is not None:
+        memory.clear()
+        restore_residuals(
+            memory, buckets, dict(state.get("residuals", {})),
+            {k: v for k, v in state.get("server_residuals", {}).items() if isinstance(k, tuple)},
+            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
 
 
 OPS = ArrayOps(

@@ -39,7 +39,7 @@ from ..codecs import resolve_codec
 from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Exchange, Traffic, handshake
 from ..memory import Memory
 from ..scheduler import StepScheduler, step_metrics
-from ._backend import OPS, wait_for
+from ._backend import OPS, load_state, save_state, wait_for
 
 __all__ = ["ddp_comm_hook", "DDPCommState", "collectives", "shutdown"]
 
@@ -149,7 +149,7 @@ class DDPCommState:
         self._coll = None
         self._plan = self._sched = None
         self._exchanges = {}            # route -> Exchange
-        self._spots = {}                # id(parameter) -> (plain?, bucket or group, member)
+        self._spots = {}                # id(parameter) -> (the scheduler's group, member)
         self._params = ()               # the planned parameters (their ids key _spots)
         self._layout = []               # the first step's DDP buckets' parameters, until planned
         self._held = []                 # this step's (future, buffer, parameters) for the scheduler
@@ -214,8 +214,7 @@ class DDPCommState:
             if spot is None:
                 raise RuntimeError("hvd_quant: DDP handed ddp_comm_hook a parameter it did not hand over "
                                    "in the first step; make a new hook state for another model")
-            plain, k, i = spot
-            (sched.arrive_plain if plain else sched.arrive)(k, i, buf[off:off + n])
+            sched.arrive(*spot, buf[off:off + n])
             off += n
         if off != buf.numel():
             raise RuntimeError(f"hvd_quant: a DDP bucket of {buf.numel()} elements holds parameters of "
@@ -250,14 +249,10 @@ class DDPCommState:
             for fut, buf, _ in held:
                 fut.set_result(self._allreduce(buf).wait())
             return
-        sched, out = self._sched, {}
+        out, nb = {}, len(self._plan.buckets)
         scale = 1.0 / self._coll.size   # the buckets' sums, averaged as they are written back
-        for k, pieces in sched.finish_started():
-            out.update((i, (piece, scale)) for i, piece in zip(self._bucket_ids[k], pieces))
-        for j in sched.plain_started():
-            pieces = sched.plain_result(j)
-            out.update((i, (piece, None)) for i, piece in zip(self._plain_ids[j], pieces))
-            sched.take_plain(j, len(pieces))
+        for k, pieces in self._sched.finish_started():
+            out.update((i, (piece, scale if k < nb else None)) for i, piece in zip(self._group_ids[k], pieces))
         for fut, buf, params in held:
             off = 0
             for p in params:
@@ -281,10 +276,8 @@ class DDPCommState:
         groups = _plan.plain_groups(plan, [True] * len(ordered), self.config.bucket_bytes)
         handshake(self._coll, OPS, plan.record, "hvd_quant.torch.ddp_comm_hook", name=HANDSHAKE_NAME)
         self._params = tuple(params)
-        self._bucket_ids = [[id(ordered[i]) for i in b.members] for b in plan.buckets]
-        self._plain_ids = [[id(ordered[i]) for i in g] for g in groups]
-        self._spots = {pid: (False, k, i) for k, ids in enumerate(self._bucket_ids) for i, pid in enumerate(ids)}
-        self._spots.update({pid: (True, j, i) for j, ids in enumerate(self._plain_ids) for i, pid in enumerate(ids)})
+        self._group_ids = [[id(ordered[i]) for i in m] for m in [b.members for b in plan.buckets] + groups]
+        self._spots = {pid: (k, i) for k, ids in enumerate(self._group_ids) for i, pid in enumerate(ids)}
         sched = StepScheduler(
             plan, [(f"{_PREFIX}.plain.{j}", [ordered[i].numel() for i in g]) for j, g in enumerate(groups)],
             ops=OPS, exchange_for=self._exchange_for, traffic=self.traffic,
@@ -323,14 +316,8 @@ class DDPCommState:
     def state_dict(self):
         if self._plan is None and self._loaded is not None:
             return dict(self._loaded, step=self.step)
-        residuals, server = {}, {}
-        if self.memory is not None and self._plan is not None:
-            residuals, server = _plan.save_residuals(self.memory, self._plan.buckets,
-                                                     lambda t: t.detach().clone())
-        auto = self._sched.auto if self._sched is not None else None
-        return {"step": self.step, "codec": self.codec.spec(), "reduction": self.config.reduction,
-                "residuals": residuals, "server_residuals": server,
-                "auto": None if auto is None else auto.state_dict()}
+        return save_state(self.step, self.config, self.memory, () if self._plan is None else self._plan.buckets,
+                          None if self._sched is None else self._sched.auto)
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict`'s output; before the first step it is kept until the plan is
@@ -343,16 +330,7 @@ class DDPCommState:
         if self._plan is None:
             self._loaded = state
             return
-        if self._sched.auto is not None and state.get("auto") is not None:
-            self._sched.auto.load_state_dict(state["auto"])
-        if self.memory is None:
-            return
-        self.memory.clear()
-        device = self._params[0].device
-        _plan.restore_residuals(
-            self.memory, self._plan.buckets, dict(state.get("residuals", {})),
-            {k: v for k, v in state.get("server_residuals", {}).items() if isinstance(k, tuple)},
-            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
+        load_state(state, self.memory, self._plan.buckets, self._sched.auto, self._params[0].device)
 
 
 def _hook(state, bucket):

@@ -133,22 +133,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         plan = self._grad_plan = _plan.make_plan(self.config, tensors, groups, prefix=self._prefix)
         self._buckets = plan.buckets
         self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
-        self._p_bucket = {p: (k, m) for k, ps in enumerate(self._bucket_params) for m, p in enumerate(ps)}
         # The float32 gradients left uncompressed (1-D and small) are fused as well, into plain
         # groups of the same size in reverse order: one Horovod allreduce of a flat buffer per group,
         # whose views become their .grad, instead of one call per tensor.
         plain = _plan.plain_groups(plan, [p.dtype == torch.float32 for p in params],
                                    self.config.bucket_bytes)
-        self._plain = [[params[i] for i in g] for g in plain]
-        self._p_plain = {p: (j, m) for j, ps in enumerate(self._plain) for m, p in enumerate(ps)}
-        self._bucket_shapes = [b.shapes for b in self._buckets]
-        self._plain_shapes = [[tuple(p.shape) for p in ps] for ps in self._plain]
+        # the scheduler's groups: the buckets, then the plain groups
+        self._group_params = self._bucket_params + [[params[i] for i in g] for g in plain]
+        self._group_shapes = [b.shapes for b in self._buckets] + [[tuple(params[i].shape) for i in g]
+                                                                  for g in plain]
+        self._spots = {p: (k, m) for k, ps in enumerate(self._group_params) for m, p in enumerate(ps)}
         pre, post = self.config.allreduce_factors()
         presence = (Presence(f"{self._prefix}.present", _backend.host_one)
                     if self.process_set.process_set_id == 0 else None)   # hvd.join() is global
         self._sched = StepScheduler(
-            plan, [(f"{self._prefix}.plain.{j}", [p.numel() for p in ps])
-                   for j, ps in enumerate(self._plain)],
+            plan, [(f"{self._prefix}.plain.{j}", [params[i].numel() for i in g])
+                   for j, g in enumerate(plain)],
             ops=_backend.OPS, exchange_for=self._exchange_for, traffic=self._traffic,
             numbering=lambda b: (self._step, None), split=lambda flat, sizes: flat.split(sizes),
             average=self.op == _plan.AVERAGE, plain_op=(self.op, pre, post), name=self._prefix,
@@ -244,20 +244,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
-        spot = self._p_plain.get(p)
-        if spot is not None:
-            if p.grad.is_sparse and not self.sparse_as_dense:
-                self._launch_plain(p)       # its slot in the group carries zeros (_bucket_grad)
-            self._sched.arrive_plain(*spot, self._bucket_grad(p))
-            return
-        spot = self._p_bucket.get(p)
-        if spot is None or not self._compress_now:
-            self._launch_plain(p)
+        spot = self._spots.get(p)
+        if spot is None or not (self._compress_now or spot[0] >= len(self._buckets)):
+            self._launch_plain(p)       # not float32, or its bucket goes by allreduce this step
             return
         if p.grad.is_sparse and not self.sparse_as_dense:
-            # Horovod's sparse allreduce, uncompressed, as for a tensor outside the buckets; the bucket
-            # keeps the layout every rank planned, with zeros in this slot, and its result there is
-            # ignored (synchronize skips parameters that have a handle).
+            # Horovod's sparse allreduce, uncompressed; the group keeps the layout every rank
+            # planned, with zeros in this slot, and its result there is ignored (_hand_out).
             self._launch_plain(p)
         self._sched.arrive(*spot, self._bucket_grad(p))
 
@@ -315,10 +308,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._ready(p)
         sched = self._sched
         for k, pieces in sched.finish_started():
-            self._hand_out(self._bucket_params[k], self._bucket_shapes[k], pieces)
-        for j in sched.plain_started():
-            self._hand_out(self._plain[j], self._plain_shapes[j], sched.plain_result(j))
-            sched.take_plain(j, len(self._plain[j]))
+            self._hand_out(self._group_params[k], self._group_shapes[k], pieces)
         for p, h in self._handles.items():
             if callable(h):
                 p.grad.zero_().add_(h())
@@ -331,8 +321,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad.copy_(out)
         self._handles.clear()
         self._launched.clear()
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
         sched.end_step(timed=not self._in_warmup())
         self._step += 1
         if self._t_first is not None:
@@ -406,14 +395,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
         state = super(self.__class__, self).state_dict(*args, **kwargs)
-        residuals, server = {}, {}
-        if self._memory is not None:
-            residuals, server = _plan.save_residuals(self._memory, self._buckets,
-                                                     lambda t: t.detach().clone())
-        state[_STATE_KEY] = {"step": self._step, "codec": self.codec.spec(),
-                             "reduction": self.reduction, "residuals": residuals,
-                             "server_residuals": server,
-                             "auto": None if self._sched.auto is None else self._sched.auto.state_dict()}
+        state[_STATE_KEY] = _backend.save_state(self._step, self.config, self._memory, self._buckets,
+                                                self._sched.auto)
         return state
 
     def load_state_dict(self, state_dict, *args, **kwargs):
@@ -424,23 +407,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sched.clear_step()
         self._synchronized = False
         self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
         super(self.__class__, self).load_state_dict(state_dict, *args, **kwargs)
         if ours is None:
             return
         self._step = int(ours.get("step", 0))
-        if self._sched.auto is not None and ours.get("auto") is not None:
-            self._sched.auto.load_state_dict(ours["auto"])
-        if self._memory is None:
-            return
-        self._memory.clear()
         device = next((ps[0].device for ps in self._bucket_params), torch.device("cpu"))
-        _plan.restore_residuals(
-            self._memory, self._buckets, dict(ours.get("residuals", {})),
-            {k: v for k, v in ours.get("server_residuals", {}).items() if isinstance(k, tuple)},
-            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
-        if self._coll is not None:
+        _backend.load_state(ours, self._memory, self._buckets, self._sched.auto, device)
+        if self._coll is not None and self._memory is not None:
             self._connect()
 
 
