@@ -392,6 +392,7 @@ class Presence:
     and no exchange starts before the count is known (:meth:`known`); below the world size the
     buckets go through Horovod's allreduce (:meth:`absent`). ``one`` makes the host tensor holding 1.
     """
+
     def __init__(self, name, one):
         self.name, self.one = name, one
         self.reset()

@@ -1,20 +1,11 @@
-"""The PyTorch frontend: :data:`FRONTEND`, the one object through which the core reaches torch
-(``hvd_quant.frontend.Frontend``, registered in ``hvd_quant.dispatch``):
-
-* the codecs' array adapters (:meth:`TorchFrontend.adapter`): CPU tensors through ``Tensor.numpy()``
-  (zero-copy); CUDA tensors as raw device pointers and torch's current raw stream handle, which the
-  prepared kernel launches take (a Numba device-array view only for the few dispatcher launches);
-  outputs from torch's caching allocator; float16 / bfloat16 / float64 inputs converted to float32
-  by torch first;
-* the exchange's :class:`~hvd_quant.exchange.ArrayOps` table (:data:`OPS`) and
-  :class:`~hvd_quant.exchange.Collectives` tables over ``horovod.torch`` (imported only when called),
-  whose collectives also take the handles of the payload groups (``payload_group.py``);
-* the stock path's interface (the frontend itself).
-
-Everything runs on the caller's device and on ``torch.cuda.current_stream()``; nothing reads a device
-value on the host except the one-off configuration handshake (``to_bytes``), the status word an
-exchange reads once per bucket name (``read_status``) and ``Codec.check_device_errors``. The
-module's functions below :data:`FRONTEND` are its bound methods, for the optimizer and the tests.
+"""The PyTorch frontend: :data:`FRONTEND` (a ``hvd_quant.frontend.Frontend``), through which the
+core reaches torch: the codecs' array adapters (CPU tensors through ``Tensor.numpy()``, zero-copy;
+CUDA tensors as raw device pointers and torch's current raw stream, which the prepared launches
+take), the exchange's :class:`~hvd_quant.exchange.ArrayOps` (:data:`OPS`) and
+:class:`~hvd_quant.exchange.Collectives` over ``horovod.torch`` (imported only when called; they
+also take the payload groups' handles), the stock path's primitives, and the plan's state in a
+checkpoint. Nothing reads a device value on the host but the handshake (``to_bytes``), a setup's
+status word (``read_status``, once per bucket name) and ``Codec.check_device_errors``.
 """
 import contextlib
 import functools
@@ -37,11 +28,8 @@ __all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op
 
 
 def _flatten(tensors):
-    """A new float32 buffer holding ``tensors`` end to end (never a view of one: the exchange writes
-    into it). torch's ``_flatten_dense_tensors`` makes the views and the cat in one C++ call, far
-    cheaper than a detach, reshape and cast per tensor in Python for models of many small tensors;
-    it returns a lone tensor's own view, so one tensor is copied instead. Mixed dtypes promote (to
-    float32 at least, or float64) before the cast, so each element rounds as it would alone."""
+    """A new float32 buffer holding ``tensors`` end to end (never a view: the exchange writes into
+    it), in one C++ call; mixed dtypes promote before the cast, so each element rounds as alone."""
     if len(tensors) == 1:
         return tensors[0].detach().reshape(-1).to(torch.float32, copy=True)
     flat = _flatten_dense_tensors(tensors).detach()
@@ -53,8 +41,7 @@ def _to_like(t, like):
 
 
 def _mark(like):
-    """Host seconds for CPU tensors; for CUDA tensors an event recorded on the current stream of
-    ``like``'s device (where the payload was written and the result is read), never waited for."""
+    """Host seconds for CPU tensors; for CUDA ones an event on the current stream, never waited for."""
     if not like.is_cuda:
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
@@ -156,10 +143,8 @@ class TorchFrontend(Frontend):
                            levels=(lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None)
 
     def payload_group(self, process_set, device, label, record=None, what=None):
-        """:meth:`PayloadGroup.open <hvd_quant.torch.payload_group.PayloadGroup.open>` for one
-        optimizer's payloads on ``device``; ``record`` (the handshake record of ``what``, where no
-        handshake has compared the ranks yet) is compared first, under a name every rank shares, so
-        that ranks configured differently raise :class:`~hvd_quant.exchange.ConfigMismatchError`."""
+        """:meth:`PayloadGroup.open <hvd_quant.torch.payload_group.PayloadGroup.open>`; ``record`` (the
+        handshake record of ``what``, where none compared the ranks yet) is compared first."""
         check = None if record is None else functools.partial(
             handshake, self.collectives(process_set), OPS, record, what or label,
             name="hvdq.payload_group.handshake")

@@ -39,7 +39,7 @@ from ..codecs import resolve_codec
 from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Exchange, Traffic, handshake
 from ..memory import Memory
 from ..scheduler import StepScheduler, step_metrics
-from ._backend import OPS, load_state, save_state, wait_for
+from ._backend import FRONTEND, OPS, load_state, save_state, wait_for
 
 __all__ = ["ddp_comm_hook", "DDPCommState", "collectives", "shutdown"]
 
@@ -281,7 +281,7 @@ class DDPCommState:
         sched = StepScheduler(
             plan, [(f"{_PREFIX}.plain.{j}", [ordered[i].numel() for i in g]) for j, g in enumerate(groups)],
             ops=OPS, exchange_for=self._exchange_for, traffic=self.traffic,
-            numbering=lambda b: (self.step, None), split=lambda flat, sizes: flat.split(sizes),
+            numbering=lambda b: (self.step, None), split=FRONTEND.split,
             average=False, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
             wait_device=lambda: wait_for(params[0].device))
         sched.bind(self._coll)

@@ -1,33 +1,14 @@
 """``hvd_quant.torch.DistributedOptimizer``: Horovod's optimizer with a compressed gradient exchange.
 
-The wrapper follows ``horovod.torch.DistributedOptimizer`` (same arguments, same dynamic subclass of
-the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / ``step()`` /
-``zero_grad()`` rules) and changes what happens to a gradient once it is ready:
-
-1. At construction the gradients are planned (:func:`hvd_quant.plan.make_plan`): 1-D tensors and
-   those below ``min_compress_numel`` go through plain ``hvd.allreduce`` (float32 ones fused into
-   plain groups, one allreduce of a flat buffer each); the others are fused into buckets of at most
-   ``bucket_bytes`` of float32 in reverse parameter order (the order backward produces them), or as
-   ``groups`` says. One blocking allgather checks that every rank made the same plan with the same
-   codec: ranks configured differently raise :class:`hvd_quant.exchange.ConfigMismatchError`.
-2. A gradient hook hands each ready gradient to the step's
-   :class:`hvd_quant.scheduler.StepScheduler`; a bucket's last gradient starts its exchange
-   (``sra`` or ``allgather``), overlapping with the rest of backward.
-3. ``synchronize()`` starts what is missing, advances every bucket to its last phase, then finishes
-   each and divides by N for ``op=hvd.Average``; each float32 ``p.grad`` becomes a view of its
-   bucket's result (as DDP's ``gradient_as_bucket_view``; the buffer is rewritten by the next
-   step's exchange, after that step's gradients were read), other dtypes get a copy.
-
-For the first ``warmup_steps`` steps every gradient goes through plain full-precision allreduce.
-Error-feedback residuals are saved by ``state_dict()`` under ``"hvd_quant"``, keyed by parameter
-name (SRA's "server" residuals per ``(bucket, rank, size)``), and restored by ``load_state_dict()``,
-so ``hvd.elastic.TorchState`` carries them. Ranks agree on the step counter (the largest) at their
-first gradient, so a rank resumed from a checkpoint and fresh ranks warm up alike.
-
-As in Horovod: a sparse gradient goes through ``hvd.sparse_allreduce_async`` uncompressed unless
-``sparse_as_dense`` (in a compressed bucket its slot carries zeros); ``step()`` called by
-``hvd.broadcast_optimizer_state`` steps the wrapped optimizer only (docs/EXCHANGE.md, "Horovod's
-usage patterns").
+It follows ``horovod.torch.DistributedOptimizer`` (same arguments, dynamic subclass of the user's
+optimizer, hooks, ``synchronize()`` / ``skip_synchronize()`` / ``step()`` / ``zero_grad()`` rules)
+and changes what happens to a ready gradient: at construction the gradients are planned
+(:func:`hvd_quant.plan.make_plan`) and every rank checks that all made the same plan; each hook
+hands its gradient to a :class:`hvd_quant.scheduler.StepScheduler`; ``synchronize()`` finishes every
+bucket and plain group and each float32 ``p.grad`` becomes a view of its group's result (as DDP's
+``gradient_as_bucket_view``; rewritten by the next step's exchange), other dtypes get a copy.
+Warm-up, error feedback in ``state_dict()``, the step counter agreed between ranks, sparse gradients
+and ``broadcast_optimizer_state``: docs/EXCHANGE.md.
 """
 import os
 import sys
@@ -140,8 +121,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                    self.config.bucket_bytes)
         # the scheduler's groups: the buckets, then the plain groups
         self._group_params = self._bucket_params + [[params[i] for i in g] for g in plain]
-        self._group_shapes = [b.shapes for b in self._buckets] + [[tuple(params[i].shape) for i in g]
-                                                                  for g in plain]
+        self._group_shapes = [[tuple(p.shape) for p in ps] for ps in self._group_params]
         self._spots = {p: (k, m) for k, ps in enumerate(self._group_params) for m, p in enumerate(ps)}
         pre, post = self.config.allreduce_factors()
         presence = (Presence(f"{self._prefix}.present", _backend.host_one)
@@ -150,7 +130,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             plan, [(f"{self._prefix}.plain.{j}", [params[i].numel() for i in g])
                    for j, g in enumerate(plain)],
             ops=_backend.OPS, exchange_for=self._exchange_for, traffic=self._traffic,
-            numbering=lambda b: (self._step, None), split=lambda flat, sizes: flat.split(sizes),
+            numbering=lambda b: (self._step, None), split=_backend.FRONTEND.split,
             average=self.op == _plan.AVERAGE, plain_op=(self.op, pre, post), name=self._prefix,
             label="hvd_quant", presence=presence, wait_device=self._wait_device)
 
@@ -167,7 +147,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for ex in self._exchanges.values():
             ex.coll = coll
         self._sched.bind(coll)          # another world: routes and auto start over
-        self._sched.channel = (coll, self._payload_group())
+        # CUDA payloads travel on process groups of this optimizer's own (from a route's second step)
+        self._sched.channel = (coll, _backend.payload_group(
+            self.process_set, self._bucket_params[0][0].device, self._prefix) if self._buckets else None)
 
     def _exchange_for(self, reduction):
         ex = self._exchanges.get(reduction)
@@ -178,16 +160,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 prefix=self._prefix, reuse_result=True)
             ex.traffic = self._traffic
         return ex
-
-    def _payload_group(self):
-        """CUDA buckets' payloads travel on process groups of this optimizer's own, for this world
-        (``payload_group.PayloadGroup``), whose collectives match by order (the scheduler then starts
-        the buckets in plan order), from a route's second step on. None: Horovod's alltoall and
-        allgather."""
-        if not self._buckets:
-            return None
-        return _backend.payload_group(self.process_set, self._bucket_params[0][0].device,
-                                      self._prefix)
 
     # -- hooks --------------------------------------------------------------------------------------
     def _register_hooks(self):
@@ -252,22 +224,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # Horovod's sparse allreduce, uncompressed; the group keeps the layout every rank
             # planned, with zeros in this slot, and its result there is ignored (_hand_out).
             self._launch_plain(p)
-        self._sched.arrive(*spot, self._bucket_grad(p))
-
-    def _bucket_grad(self, q):
-        """What ``q`` puts into its bucket: its gradient, densified if sparse (``sparse_as_dense``), or
-        zeros when the sparse gradient went through Horovod's sparse allreduce."""
-        if q in self._handles:
-            return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        return q.grad.to_dense() if q.grad.is_sparse else q.grad
+            grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        else:
+            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        self._sched.arrive(*spot, grad)
 
     def _hand_out(self, params, shapes, pieces):
-        """Each of ``params`` gets its piece (of a bucket's or plain group's result, in their order)
-        as its gradient: float32 ``p.grad`` become views of it (as DDP's gradient_as_bucket_view),
-        other dtypes copies; sparse gradients reduced by Horovod's sparse allreduce (in ``_handles``)
-        are left to it. The planned ``shapes`` are tuples (``p.shape`` makes a new ``torch.Size``),
-        and a piece that already has its shape is not viewed again: this runs for every parameter
-        at every step."""
+        """Each of ``params`` gets its piece of a group's result as its gradient: float32 ``p.grad``
+        a view, other dtypes a copy; those in ``_handles`` (sparse) are left to Horovod. Runs for
+        every parameter every step: ``shapes`` are planned tuples, and a piece of the right shape is
+        not viewed again."""
         handles = self._handles
         for p, shape, piece in zip(params, shapes, pieces):
             if handles and p in handles:
@@ -436,40 +402,30 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          warmup_steps=0, error_feedback=None, compress_1d=False):
     """Wrap ``optimizer`` so that gradients are averaged across ranks with a compressed exchange.
 
-    Same arguments and behaviour as ``horovod.torch.DistributedOptimizer`` (named_parameters,
-    compression, backward_passes_per_step, op, gradient_predivide_factor, num_groups/groups,
-    sparse_as_dense, process_set), plus:
+    Horovod's arguments (named_parameters, compression, backward_passes_per_step, op,
+    gradient_predivide_factor, num_groups/groups, sparse_as_dense, process_set) mean what they mean
+    in ``horovod.torch.DistributedOptimizer``; ``op=hvd.Adasum`` is refused. Besides:
 
     Arguments:
-        compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``, ...), a
-            spec string (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``.
-            Default: no compression (plain Horovod allreduce).
-        reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"`` or ``"sra"``, and
-            ``"two_level"`` where there are several nodes of several ranks, whichever measured the
-            fastest step in the first steps, the same on every rank, logged once on rank 0;
-            :class:`hvd_quant.scheduler.AutoChoice`), ``"sra"`` (scatter-reduce-allgather with
-            requantization; traffic flat in the number of ranks), ``"allgather"`` (each rank
-            decodes every rank's payload; one quantization) or ``"two_level"`` (several ranks per
-            node: fp32 inside each node, the codec only between nodes; needs
-            ``hvd.init(process_sets="dynamic")`` or the nodes' process sets; docs/EXCHANGE.md).
-        bucket_bytes: compressed gradients are fused into buckets of at most this many float32 bytes,
-            in reverse parameter order (a larger tensor is a bucket alone; the last bucket's last
-            tensors, up to an eighth of this, travel in a bucket of their own); 0: one bucket. Default
-            25 MiB.
-        min_compress_numel: gradients with fewer elements go uncompressed through Horovod's
-            allreduce (float32 ones fused into groups of ``bucket_bytes``), as do 1-D gradients
-            unless ``compress_1d=True``. Default 1024.
+        compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ...), a spec string
+            (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``. Default: none.
+        reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"``, ``"sra"`` or,
+            on several nodes of several ranks, ``"two_level"``, whichever gave the fastest steps
+            at the start, the same on every rank; :class:`hvd_quant.scheduler.AutoChoice`),
+            ``"sra"`` (scatter-reduce-allgather: traffic flat in the number of ranks),
+            ``"allgather"`` (one quantization) or ``"two_level"`` (fp32 inside each node, the
+            codec between nodes; needs ``hvd.init(process_sets="dynamic")`` or the nodes' sets).
+        bucket_bytes: compressed gradients are fused into buckets of at most this many float32
+            bytes, in reverse parameter order (the last bucket's last tensors, up to an eighth of
+            it, travel alone); 0: one bucket. Default 25 MiB.
+        min_compress_numel: smaller gradients go uncompressed through Horovod's allreduce (float32
+            ones fused into groups of ``bucket_bytes``), as do 1-D ones unless ``compress_1d``.
         warmup_steps: full-precision allreduce for this many first steps. Default 0.
         error_feedback: keep each rank's quantization residual and add it to the next gradient.
             Default: what the codec wants (``OneBit``: yes; ``QSGD``: no).
 
-    ``op=hvd.Adasum`` is refused (Adasum needs dot products of full gradients). Every rank must be
-    configured identically; otherwise every rank raises ``ConfigMismatchError`` at construction.
-    The last step's traffic is ``optimizer.bytes_per_step()``.
+    Ranks configured differently raise ``ConfigMismatchError`` at construction. Example::
 
-    Example::
-
-        import horovod.torch as hvd, hvd_quant, hvd_quant.torch
         opt = hvd_quant.torch.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
             compression=hvd_quant.QSGD(bits=4))
