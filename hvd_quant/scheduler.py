@@ -30,17 +30,15 @@ def in_plan_order(complete, next_start):
 class StepScheduler:
     """One plan's buckets and plain groups through each step.
 
-    Groups are indexed together: the plan's buckets first, then plain group ``j`` at
-    ``len(plan.buckets) + j`` (float32 gradients sent uncompressed: one allreduce of the group
-    flattened, ``plain_op = (op, prescale, postscale)``, never scaled again). ``plain``: ``(collective
-    name, member numels)`` of each plain group; ``ops``: the framework's
-    :class:`~hvd_quant.exchange.ArrayOps`; ``exchange_for(route)``: the
+    Groups share one index: the plan's buckets, then plain group ``j`` at ``len(plan.buckets) + j``
+    (``plain``: its ``(collective name, member numels)``; one allreduce of the group flattened with
+    ``plain_op = (op, prescale, postscale)``, not scaled again). ``exchange_for(route)``: the
     :class:`~hvd_quant.exchange.Exchange` of a route; ``traffic``: where allreduces are counted;
     ``numbering(bucket)``: ``(step, handshake record or None)`` of its next exchange; ``split(flat,
-    numels)``: a flat result as its members' pieces; ``average``: buckets are scaled by 1/N;
-    ``name``: prefix of the scheduler's own collectives; ``label``: how ``auto``'s decision is
-    printed; ``presence``: a :class:`Presence` (None: no ``hvd.join()`` to follow);
-    ``wait_device``: waits for the device's queued work (auto's timing).
+    numels)``: a result as its members' pieces; ``average``: buckets are scaled by 1/N; ``name``,
+    ``label``: prefix of the scheduler's collectives, and of ``auto``'s printed decision;
+    ``presence``: a :class:`Presence` (None: no ``hvd.join()``); ``wait_device``: waits for the
+    device's queued work (``auto``'s timing).
     """
 
     def __init__(self, plan, plain, *, ops, exchange_for, traffic, numbering, split, average=True,

@@ -135,7 +135,9 @@ class TorchFrontend(Frontend):
             return out[0] if isinstance(out, tuple) else out      # alltoall: (received, splits)
 
         def poll(handle):
-            return handle.work.is_completed() if type(handle) is GroupWork else hvd.poll(handle)
+            if type(handle) is GroupWork:
+                return handle.work is None or handle.work.is_completed()
+            return hvd.poll(handle)
 
         return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,

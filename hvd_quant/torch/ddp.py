@@ -40,28 +40,13 @@ from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Exchange, Traffic, 
 from ..memory import Memory
 from ..scheduler import StepScheduler, step_metrics
 from ._backend import FRONTEND, OPS, load_state, save_state, wait_for
+from .payload_group import GroupWork
 
 __all__ = ["ddp_comm_hook", "DDPCommState", "collectives", "shutdown"]
 
 _PREFIX = "hvdq.ddp"
 # torch 2.13 renamed all_gather_into_tensor (since deprecated) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class _Work:
-    """A torch.distributed collective in flight: ``wait()`` gives its result, after ``post``."""
-    __slots__ = ("work", "out", "post")
-
-    def __init__(self, work, out, post=None):
-        self.work, self.out, self.post = work, out, post
-
-    def wait(self):
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        if self.post is not None:
-            self.out, self.post = self.post(self.out), None
-        return self.out
 
 
 def collectives(process_group=None):
@@ -100,22 +85,22 @@ def collectives(process_group=None):
         out = t.new_empty(each * size)
         work = _all_gather_single(out, t, group=pg, async_op=True)
         if all(s == each for s in sizes):
-            return _Work(work, out)
-        return _Work(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
+            return GroupWork(work, out)
+        return GroupWork(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
 
     def alltoall_async(t, splits, name):
         mine = int(splits[rank])
         out = t.new_empty(mine * size)
         work = dist.all_to_all_single(out, t, [mine] * size, [int(s) for s in splits], group=pg,
                                       async_op=True)
-        return _Work(work, out)
+        return GroupWork(work, out)
 
     def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
         if prescale_factor != 1.0:
             t.mul_(prescale_factor)
         work = dist.all_reduce(t, group=pg, async_op=True)
         factor = postscale_factor / size if op == AVERAGE else postscale_factor
-        return _Work(work, t, None if factor == 1.0 else lambda o: o.mul_(factor))
+        return GroupWork(work, t, None if factor == 1.0 else lambda o: o.mul_(factor))
 
     return Collectives(rank=rank, size=size, allgather_async=allgather_async,
                        alltoall_async=alltoall_async, allreduce_async=allreduce_async,

@@ -185,16 +185,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._ready(p)
         return hook
 
-    def _in_warmup(self):
-        return self._step < self.warmup_steps
-
     def _agree_step(self, device):
-        """Once per binding to the process set, at the first gradient: every rank takes the largest
-        step counter. A rank resumed from a checkpoint (``load_state_dict`` restores the counter,
-        ``broadcast_optimizer_state`` does not carry it) and ranks that start fresh then agree on
-        warm-up (plain allreduce or exchange: they must match) and on the noise key. Where the
-        counters differed, ``reduction="auto"`` starts measuring again on every rank (a resumed
-        rank's choice is not the fresh ones')."""
+        """Once per binding, at the first gradient: every rank takes the largest step counter, so a
+        rank resumed from a checkpoint (``broadcast_optimizer_state`` does not carry the counter) and
+        fresh ones agree on warm-up and the noise key; where they differed, ``auto`` measures again."""
         self._step_agreed = True
         if self._coll.size > 1:
             t = torch.tensor([self._step, -self._step], dtype=torch.int64, device=device)
@@ -212,7 +206,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._connect()             # the first gradient of a step: the world may have changed
             if not self._step_agreed:
                 self._agree_step(p.device)
-            self._compress_now = self._sched.begin_step(compress=not self._in_warmup())
+            self._compress_now = self._sched.begin_step(compress=self._step >= self.warmup_steps)
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
@@ -288,7 +282,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         self._launched.clear()
         self.set_backward_passes_per_step(self.backward_passes_per_step)
-        sched.end_step(timed=not self._in_warmup())
+        sched.end_step(timed=self._step >= self.warmup_steps)
         self._step += 1
         if self._t_first is not None:
             self._traffic.seconds = time.perf_counter() - self._t_first

@@ -143,14 +143,18 @@ def _store_host():
 
 
 class GroupWork:
-    """A collective of a payload group in flight (the Collectives handle its ``synchronize`` and
-    ``poll`` take)."""
-    __slots__ = ("work", "out")
+    """A torch.distributed collective in flight (of a payload group, or ``ddp.collectives``'): its
+    result ``out``, after ``post(out)`` where given. On CUDA the current stream waits for it, the
+    host does not."""
+    __slots__ = ("work", "out", "post")
 
-    def __init__(self, work, out):
-        self.work, self.out = work, out
+    def __init__(self, work, out, post=None):
+        self.work, self.out, self.post = work, out, post
 
     def wait(self):
-        """The result; on CUDA the current stream waits for the collective, the host does not."""
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.post is not None:
+            self.out, self.post = self.post(self.out), None
         return self.out
