@@ -1,30 +1,21 @@
 """``hvd_quant.torch.ddp_comm_hook``: the codecs for ``torch.nn.parallel.DistributedDataParallel``.
 
-DDP hands each bucket of gradients to a communication hook (``model.register_comm_hook(state,
-hook)``) and waits for the futures the hook returned once backward has ended. This hook runs DDP's
-gradients through the plan, scheduler and exchange of ``hvd_quant.torch.DistributedOptimizer``, with
-``torch.distributed`` collectives (:func:`collectives`, Gloo or NCCL) in place of Horovod's:
+DDP hands each bucket of gradients to a communication hook and waits for the futures it returned
+once backward has ended. This hook runs DDP's gradients through the plan, scheduler and exchange of
+``hvd_quant.torch.DistributedOptimizer``, on ``torch.distributed`` collectives (:func:`collectives`):
 
-1. The first step plans the gradients (``hvd_quant.plan``). Its buckets are held until DDP's last one
-   (``bucket.is_last()``); then each parameter is named by its place in that step's bucket layout
-   (``p0``, ``p1``, ...: DDP's first layout is the same in every run of the same model and DDP
-   arguments), compressible gradients are fused into buckets of at most ``bucket_bytes`` in the order
-   DDP handed them over, the others into plain groups, and every rank checks through one blocking
-   allgather that every rank made the same plan (ranks configured differently raise
-   :class:`~hvd_quant.ConfigMismatchError`). The plan belongs to the parameters, not to DDP's
-   buckets: DDP's rebuild of its buckets after the first step changes nothing here, and residuals,
-   seeded noise and checkpoints keep their keys.
-2. From then on each DDP bucket's gradients arrive at the scheduler
-   (:class:`~hvd_quant.scheduler.StepScheduler`) as views of the bucket's buffer; a planned bucket
-   starts its exchange as soon as its last member has arrived, while backward goes on.
-3. At DDP's last bucket every started exchange is advanced, then finished and averaged, and the
-   results are written into the buffers of the step's DDP buckets, whose futures are then complete.
+1. The first step holds its buckets until DDP's last one, then names each parameter by its place in
+   that step's layout (``p0``, ``p1``, ...: the same in every run), plans them in DDP's order and
+   checks that every rank made the same plan (one blocking allgather). The plan belongs to the
+   parameters: DDP's rebuild of its buckets changes neither buckets nor residuals' keys.
+2. Then each DDP bucket's gradients arrive at the scheduler as views of its buffer; a planned bucket
+   starts its exchange once its last member has arrived, while backward goes on.
+3. At DDP's last bucket every started exchange is advanced, then finished, and the averaged results
+   are written into the step's DDP buffers, whose futures then complete.
 
-``warmup_steps``, and steps where ``reduction="auto"`` runs (or chose) fp32 allreduce, reduce each
-bucket as DDP itself does, to the bit (buffer * (1/N), then a Sum allreduce). While ``auto`` times
-its candidates, such a step waits for its allreduces at DDP's last bucket, as an exchange does, so
-that each step's time holds its own communication and not the step before's. Buckets whose dtype is
-not floating point take that allreduce too; a process group of one rank gets its buffer back as it is.
+Warm-up, and steps where ``auto`` runs or chose fp32 allreduce, reduce each bucket as DDP does, to
+the bit (buffer * (1/N), then a Sum allreduce; waited for at the last bucket while ``auto`` times
+its candidates); so do buckets that are not floating point.
 """
 import gc
 import os
@@ -51,16 +42,11 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def collectives(process_group=None):
     """The exchange's :class:`~hvd_quant.exchange.Collectives` over a ``torch.distributed`` process
-    group (default: the world).
-
-    Its collectives match across ranks by order, not by name, so the caller issues them in one order
-    on every rank: the scheduler does, given hooks that come in DDP's bucket order. It has no
-    ``poll``: an SRA exchange polled while backward runs would start its second phase at a moment,
-    and so in an order, that differs between ranks. ``allgather_async`` pads each payload to the
-    longest, its lengths given by the caller (the exchange) or gathered first (one small blocking
-    allgather); ``alltoall_async`` takes
-    the received lengths to be this rank's split on every rank (the plans are equal: the handshake
-    checks). On NCCL, host tensors (the handshake, auto's record) travel on the current CUDA device.
+    group (default: the world). Its collectives match by order, so the caller issues them in one
+    order on every rank; it has no ``poll`` (a second phase started while backward runs would start
+    in an order that differs between ranks). ``allgather_async`` pads each payload to the longest
+    (lengths from the caller, or gathered first: a blocking allgather); ``alltoall_async`` takes
+    the received lengths to be this rank's split. On NCCL, host tensors travel on the current device.
     """
     pg = process_group if process_group is not None else dist.group.WORLD
     rank, size = dist.get_rank(pg), dist.get_world_size(pg)
