@@ -1,29 +1,21 @@
 """The compressed gradient exchange, written once for every framework.
 
-Horovod sums what it is given, and quantized codes cannot be summed. The reductions here return the
-float32 **sum** over ranks (the caller divides by N afterwards, never on codes), built from
-``alltoall``, ``allgather`` and ``allreduce`` (docs/EXCHANGE.md, "The reductions"):
+Quantized codes cannot be summed, so the reductions here move payloads with ``alltoall`` and
+``allgather`` and return the float32 **sum** over ranks (the caller divides by N): ``"sra"``
+(scatter-reduce-allgather: chunk j to rank j, which sums and requantizes it, then every rank decodes
+the same gathered bytes), ``"allgather"`` (every payload to every rank) and ``"two_level"``
+(:mod:`hvd_quant.two_level`, registered in :data:`LEVELLED`); docs/EXCHANGE.md, "The reductions".
+Frameworks are reached only through :class:`Collectives` and :class:`ArrayOps` (docs/ARCHITECTURE.md).
 
-``reduction="sra"`` (scatter-reduce-allgather): chunk j of the flat buffer (bounds on the codec's
-buckets, header ``<name>#c<j>``) goes to rank j by one ``alltoall``; rank r sums the N payloads of
-chunk r in rank order, requantizes it (``<name>#r<r>``) and ``allgather``s it; every rank decodes
-the same gathered bytes, so replicas stay bit-identical.
-``reduction="allgather"``: every rank's whole payload (``<name>#all``) to every rank, decoded and
-summed in rank order.
-``reduction="two_level"``: the node's fp32 sum, one of the above across nodes on this rank's shard
-of it (:mod:`hvd_quant.two_level`, registered in :data:`LEVELLED`).
-
-The frameworks are reached only through :class:`Collectives` and :class:`ArrayOps`, which each
-frontend fills (docs/ARCHITECTURE.md, "Exchange contract"). An exchange (:class:`Pending`) is
-``start`` (encode, submit the first collective) -> ``advance`` (SRA: reduce, requantize, submit the
-allgather) -> ``finish`` (wait, decode); callers advance every exchange before finishing any, so the
-second phases are in flight together. Collectives match across ranks by name; a ``channel``
-(``start``) matches by order, so the caller starts exchanges on it in one order on every rank.
+An exchange (:class:`Pending`) is ``start`` (encode, submit the first collective) -> ``advance``
+(SRA: reduce, requantize, submit the allgather) -> ``finish`` (wait, decode); callers advance every
+exchange before finishing any, so the second phases are in flight together. Collectives match across
+ranks by name; a ``channel`` (``start``) matches by order, so exchanges start on it in one order.
 
 Several Exchange objects at once (an optimizer per process set): a rank blocked on one set's
-collective would hold back the second phase of another set's SRA exchange that the other set's ranks
-wait for. So while SRA exchanges of *other* Exchange objects are in their first phase, a wait polls
-and advances those whose alltoall has completed (:func:`_wait`).
+collective would hold back another set's SRA second phase that the other set's ranks wait for. So
+while SRA exchanges of *other* Exchange objects are in their first phase, a wait polls and advances
+those whose alltoall has completed (:func:`_wait`).
 """
 import hashlib
 import time
@@ -304,9 +296,7 @@ def handshake(coll, ops, record, what, name=HANDSHAKE_NAME):
 
 class _Chunk:
     """One payload of a setup: elements [a, b) of the flat buffer, ``size`` bytes at byte ``off`` of
-    the buffer it travels in, its header words, layout, expectation and noise base, and its
-    launches, bound once (``encode(x, payload, key, residual)``, ``decode`` / ``accumulate(payload,
-    out)``: writing / adding)."""
+    the buffer it travels in, with its codec launches bound once (``decode`` writes, ``accumulate`` adds)."""
     __slots__ = ("a", "b", "off", "size", "words", "lay", "nh", "expect", "noise", "encode", "decode",
                  "accumulate")
 
@@ -498,9 +488,8 @@ class Exchange:
         return setup
 
     def _payloads(self, setup, chunks, nbytes, flat, step, name, residual=None):
-        """Encode ``flat``'s chunks into one uint8 buffer (each payload at its offset), no copies.
-        With ``residual`` (a (namespace, key) of the memory), the encode also writes
-        ``flat - decode(payload)`` into that residual's buffer, which becomes the new residual."""
+        """Encode ``flat``'s chunks into one uint8 buffer, each payload at its offset; with
+        ``residual`` (a memory's (namespace, key)) the encode also writes the new residual."""
         ops, mem = self.ops, self.memory
         numel = ops.numel(flat)
         buf = setup.buffer(name, lambda: ops.empty_bytes(nbytes, flat))
@@ -521,12 +510,10 @@ class Exchange:
     def start(self, name, flat, step=None, record=None, header=None, channel=None):
         """Encode ``flat`` (a float32 1-D buffer this exchange may overwrite) and submit the first
         collective, named after ``name``. ``header`` (default ``name``) goes into the payload
-        headers: a receiver expecting another raises. ``step`` keys seeded stochastic rounding
-        (default: this name's own count). ``record`` (:func:`handshake_record`): a configuration
-        handshake travels with the exchange, checked before anything is decoded. ``channel``: what
-        carries the payloads instead of the Collectives (a torch ``PayloadGroup``: ``alltoall(t,
-        splits)``, ``allgather(t)``, ``allgather(t, each, total)`` for SRA's reduced chunks padded
-        to chunk 0's length, and ``waiting``, the deque of its SRA exchanges in their first phase)."""
+        headers; ``step`` keys stochastic rounding (default: this name's count); ``record``
+        (:func:`handshake_record`): a handshake that travels with it, checked before decoding.
+        ``channel``: what carries the payloads instead (a torch ``PayloadGroup``: ``alltoall``,
+        ``allgather``, and ``waiting``, the deque of its SRA exchanges in their first phase)."""
         if self._two is not None:
             return self._two.start(name, flat, step, record, header)
         ops, coll, allgather = self.ops, self.coll, self.reduction == "allgather"

@@ -291,8 +291,7 @@ class AutoChoice:
 
     @classmethod
     def candidates_for(cls, coll):
-        """:data:`CANDIDATES`, with ``"two_level"`` where ``coll`` offers two levels of several ranks
-        each (``Collectives.levels(probe=True)``: the same answer on every rank)."""
+        """:data:`CANDIDATES`, and ``"two_level"`` where ``coll.levels(probe=True)`` offers two levels."""
         levels = getattr(coll, "levels", None)
         if levels is not None and all(level is not None for level in levels(probe=True)):
             return cls.CANDIDATES + (TWO_LEVEL,)
@@ -424,13 +423,8 @@ class Presence:
 
 
 def step_metrics(plan, traffic, routes, precision):
-    """What a frontend's last step did, as plain Python values (``step_metrics()`` of the frontends,
-    for logs and TensorBoard): ``sent`` bytes this rank sent and ``fp32`` what an fp32 ring allreduce
-    of the same gradients would have sent, their ``ratio``, ``exchange_s`` (seconds from the first
-    gradient handed to the exchange to the last result; None where not measured), ``reduction`` (how
-    the compressed buckets travelled), ``buckets`` (per bucket: ``name``, ``numel``, ``reduction``,
-    ``precision``: the codec's spec, or ``"fp32"`` when it went through Horovod's allreduce) and
-    ``uncompressed`` (the tensors Horovod allreduced as they are: ``tensors``, ``numel``)."""
+    """What a frontend's last step did, as plain Python values for logs (the keys: docs/EXCHANGE.md,
+    "Traffic"); a bucket's ``precision`` is the codec's spec, or ``"fp32"`` where it went by allreduce."""
     buckets = [{"name": b.header, "numel": b.numel, "reduction": r,
                 "precision": "fp32" if r == ALLREDUCE else precision}
                for b, r in zip(plan.buckets, routes)]

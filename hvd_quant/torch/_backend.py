@@ -261,6 +261,10 @@ class TorchHostAdapter(HostAdapter):
         return t.reshape(shape)
 
 
+def _with_ptr(t):
+    return t, t.data_ptr()
+
+
 _TYPESTR = {torch.float32: "<f4", torch.uint8: "|u1", torch.int32: "<i4"}
 _VIEW_CACHE_MAX = 1024
 
@@ -298,9 +302,6 @@ class TorchCudaAdapter(DeviceAdapter):
             return contextlib.nullcontext()
         return self._cuda.gpus[x.device.index]
 
-    def _dev(self, t):
-        return t.data_ptr()
-
     def numba(self, t):
         ptr = t.data_ptr()
         key = (t.device.index, ptr, t.numel(), t.dtype)
@@ -317,27 +318,23 @@ class TorchCudaAdapter(DeviceAdapter):
         return d
 
     def constant_u32(self, values, like):
-        t = torch.from_numpy(np.asarray(values, np.uint32).view(np.int32)).to(like.device)
-        return t, t.data_ptr()
+        return _with_ptr(torch.from_numpy(np.asarray(values, np.uint32).view(np.int32)).to(like.device))
 
     def input_f32(self, x):
         if x.dtype == torch.float32 and x.is_contiguous():
             t = x
         else:
             t = _flat(x).to(torch.float32).contiguous()
-        return t, self._dev(t)
+        return _with_ptr(t)
 
     def new_bytes(self, nbytes, like):
-        t = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-        return t, self._dev(t)
+        return _with_ptr(torch.empty(nbytes, dtype=torch.uint8, device=like.device))
 
     def new_f32(self, numel, like):
-        t = torch.empty(numel, dtype=torch.float32, device=like.device)
-        return t, self._dev(t)
+        return _with_ptr(torch.empty(numel, dtype=torch.float32, device=like.device))
 
     def new_status(self, like):
-        t = torch.zeros(2, dtype=torch.int32, device=like.device)
-        return t, self._dev(t)
+        return _with_ptr(torch.zeros(2, dtype=torch.int32, device=like.device))
 
     def bytes_dev(self, payload):
         if not _payload(payload).is_contiguous():
@@ -360,7 +357,7 @@ class TorchCudaAdapter(DeviceAdapter):
             raise UnsupportedInputError("decode_into needs a contiguous float32 CUDA tensor; got "
                                         f"{type(out).__name__} {getattr(out, 'dtype', '')} "
                                         f"{getattr(out, 'device', '')}")
-        return self._dev(out), None
+        return out.data_ptr(), None
 
     def read_header(self, payload):
         return payload[:HEADER_NBYTES].cpu().numpy()
@@ -382,7 +379,7 @@ class TorchCudaAdapter(DeviceAdapter):
         vals = _raw_values(payload, HEADER_NBYTES, x.numel(), value_dtype)
         vals.copy_(_flat(x))
         payload[HEADER_NBYTES + vals.nbytes:].zero_()
-        return self._dev(payload)
+        return payload.data_ptr()
 
     def raw_residual(self, x, payload, value_dtype, residual):
         vals = _raw_values(payload, HEADER_NBYTES, x.numel(), value_dtype)

@@ -80,13 +80,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._memory = Memory(_backend.OPS) if self.error_feedback else None
         self._coll = None             # the process set's Collectives, once connected
         self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")
-        self._handles = {}           # param -> per-tensor allreduce handle (or callable for sparse)
+        self._handles = {}           # param -> its own allreduce's handle (a callable for sparse)
         self._launched = set()       # params whose gradient was handed to an exchange or allreduce
         self._grad_accs = []
         self._requires_update = set()
         self._synchronized = False
         self._should_synchronize = True
-        self._step = 0               # completed synchronizations: warmup and the noise key
+        self._step = 0               # completed synchronizations: warm-up and the noise key
         self._step_agreed = False    # ranks take the largest counter at their first exchange
         self._traffic = Traffic()    # this step so far
         self.last_traffic = Traffic()  # the last completed step
@@ -254,8 +254,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pre, post = self.config.allreduce_factors()
         self._traffic.add_allreduce(tensor.numel() * tensor.element_size(), tensor.numel(),
                                     self._coll.size)
-        handle = self._coll.allreduce_async(tensor, name, self.op, pre, post)
-        self._handles[p] = (handle, tensor)
+        self._handles[p] = self._coll.allreduce_async(tensor, name, self.op, pre, post)
 
     # -- synchronize / step ---------------------------------------------------------------------------
     def synchronize(self):
@@ -270,13 +269,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for k, pieces in sched.finish_started():
             self._hand_out(self._group_params[k], self._group_shapes[k], pieces)
         for p, h in self._handles.items():
-            if callable(h):
-                p.grad.zero_().add_(h())
-                continue
-            handle, tensor = h
-            out = hvd.synchronize(handle)
+            out = h() if callable(h) else hvd.synchronize(h)        # callable: a sparse allreduce
             if p.grad.is_sparse:
-                p.grad.zero_().add_(out.to_sparse())
+                p.grad.zero_().add_(out if out.is_sparse else out.to_sparse())
             elif out is not p.grad:
                 p.grad.copy_(out)
         self._handles.clear()
@@ -307,9 +302,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         if _initialising_state():
-            # Horovod's broadcast_optimizer_state() creates the state of a fresh optimizer with one
-            # local step on zero gradients, on the ranks whose state is empty only; for Horovod's own
-            # optimizer it calls the wrapped optimizer's step() directly. Do the same: no exchange.
+            # on the ranks with empty state only: step the wrapped optimizer, as Horovod does
             return super(self.__class__, self).step(closure)
         if self._should_synchronize:
             if self._synchronized:
