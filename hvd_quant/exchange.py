@@ -1,63 +1,26 @@
 """The compressed gradient exchange, written once for every framework.
 
-Horovod sums what it is given, and quantized codes cannot be summed. This module builds
-the two reductions that can, out of Horovod's public ``alltoall``, ``allgather`` and ``allreduce``:
+Quantized codes cannot be summed, so the reductions here move payloads with ``alltoall`` and
+``allgather`` and return the float32 **sum** over ranks (the caller divides by N): ``"sra"``
+(scatter-reduce-allgather: chunk j to rank j, which sums and requantizes it, then every rank decodes
+the same gathered bytes), ``"allgather"`` (every payload to every rank) and ``"two_level"``
+(:mod:`hvd_quant.two_level`, registered in :data:`LEVELLED`); docs/EXCHANGE.md, "The reductions".
+Frameworks are reached only through :class:`Collectives` and :class:`ArrayOps` (docs/ARCHITECTURE.md).
 
-``reduction="sra"`` (scatter-reduce-allgather, the default)
-    1. split the flat float32 buffer into N chunks whose bounds fall on the codec's buckets;
-    2. encode chunk j (header name ``<name>#c<j>``, the same every step) at its offset of one send
-       buffer, ``alltoall``: rank r receives every rank's chunk r;
-    3. decode and sum the N payloads in rank order, in float32;
-    4. requantize the reduced chunk (header ``<name>#r<r>``) and ``allgather`` it;
-    5. every rank, the owner too, decodes the same gathered bytes, so replicas stay bit-identical.
-    Traffic per rank is about 2(N-1)/N * payload(n), flat in N (``docs/EXCHANGE.md``).
+An exchange (:class:`Pending`) is ``start`` (encode, submit the first collective) -> ``advance``
+(SRA: reduce, requantize, submit the allgather) -> ``finish`` (wait, decode); callers advance every
+exchange before finishing any, so the second phases are in flight together. Collectives match across
+ranks by name; a ``channel`` (``start``) matches by order, so exchanges start on it in one order.
 
-``reduction="allgather"``
-    encode the whole buffer, ``allgather`` every rank's payload, decode each in rank order and sum in
-    float32. Traffic per rank is (N-1) * payload(n): pays off for small N or 1-bit codes.
-
-``reduction="two_level"`` (several ranks on each of several nodes; :mod:`hvd_quant.two_level`)
-    1. inside each node, an fp32 Sum ``allreduce`` over the node's L ranks; local rank l keeps shard
-       l of the node's sum (L bucket-aligned shards, as SRA's chunks);
-    2. across nodes, shard l goes through the codec's exchange among the ranks of local rank l (one
-       per node; error feedback as above), so only compressed bytes cross between nodes;
-    3. inside each node, an fp32 Sum ``allreduce`` of each rank's reduced shard in place, zeros
-       elsewhere: every rank gets every shard.
-    Every rank of a cross group decodes the same bytes and every rank of a node gathers the same
-    shards, so replicas stay bit-identical. Bytes crossing between nodes per node are about
-    2(C-1)/C * payload(n) for C nodes, 1/L of flat SRA's (``docs/EXCHANGE.md``). The levels are
-    Horovod process sets made by the frontend (``Collectives.levels``). Steps 1 and 3 are a
-    reduce-scatter and an allgather in effect; they are allreduces because Horovod's allreduce is its
-    fast, fused collective on every controller (docs/EXCHANGE.md, "Two levels").
-
-Both return the **sum** over ranks in float32; the caller divides by N (``Op``) afterwards, never on
-codes. The frameworks are reached only through two small tables, :class:`Collectives` and
-:class:`ArrayOps`, which each frontend fills (``hvd_quant/torch/_backend.py``); see
-"Exchange contract" in docs/ARCHITECTURE.md.
-
-An exchange is a small state machine (:class:`Pending`): ``start`` encodes and submits the first
-collective without waiting, ``advance`` (SRA only) waits for the alltoall, reduces, requantizes and
-submits the allgather, ``finish`` waits and decodes; ``reduce_scatter`` (SRA) instead stops after
-the first phase with the sum of the chunk this rank owns (FSDP's reduce-scatter). Callers with
-several exchanges in flight advance all of them before finishing any, so every rank's second-phase
-collectives are in flight together.
-Exchanges are matched across ranks by name, as Horovod matches its collectives, so the order in which
-a rank starts them does not matter; except on a ``channel`` (``start``), a frontend's own process
-groups, whose collectives match by order: there the caller starts the exchanges in one order on
-every rank, and ``advance`` takes the channel's SRA exchanges in that order.
-
-Several Exchange objects at once (an optimizer per Horovod process set, say) would each wait on its
-own collectives, and SRA's second phase is submitted by the host: a rank blocked on set A's
-collective while its set-B exchange is still in its first phase holds back the set-B allgather that
-B's other members wait for, and they may be the ranks A waits for. So an exchange that must wait
-while SRA exchanges *of other Exchange objects* in this process are still in their first phase
-polls instead (``Collectives.poll``, with sleeps that double up to :data:`_POLL_MAX_S`) and advances
-each of those whose alltoall has completed (:func:`_wait`). With one Exchange in flight it blocks.
+Several Exchange objects at once (an optimizer per process set): a rank blocked on one set's
+collective would hold back another set's SRA second phase that the other set's ranks wait for. So
+while SRA exchanges of *other* Exchange objects are in their first phase, a wait polls and advances
+those whose alltoall has completed (:func:`_wait`).
 """
 import hashlib
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 from numba_kernels._scalar import mix64_py
@@ -94,21 +57,16 @@ class PayloadMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class Collectives:
-    """How the core reaches Horovod's collectives; one instance per framework and process set.
+    """How the core reaches a framework's collectives; one instance per framework and process set.
 
-    ``allgather_async(t, name, sizes=None)``: ``t`` a 1-D uint8 tensor; ranks may contribute
-    different lengths; the result is their concatenation in rank order. ``sizes``: every rank's
-    length, where the caller knows them (the exchange does), so that a collective that needs them
-    (torch.distributed's) need not gather them first.
-    ``alltoall_async(t, splits, name)``: ``t`` 1-D uint8, ``splits`` a list of ``size`` Python ints
-    (bytes for each destination rank, in rank order); the result is the received bytes in rank order.
-    ``allreduce_async(t, name, op, prescale_factor, postscale_factor)``: in place where the framework
-    allows, ``op`` one of :data:`AVERAGE` / :data:`SUM`.
-    ``synchronize(handle)``: waits and returns the result tensor (alltoall: the data, not the splits).
-    ``poll(handle)`` (optional): True once the collective has completed, without waiting.
-    ``levels(probe=False)`` (optional, the global set): ``(local, cross)``, the Collectives of this
-    rank's node and of the ranks with its local rank on every node, None where a level has one rank
-    (``reduction="two_level"``); with ``probe``, ``(None, None)`` where two levels cannot run.
+    ``allgather_async(t, name, sizes=None)``: ``t`` 1-D uint8, lengths may differ between ranks;
+    the result is their concatenation in rank order (``sizes``: every rank's length, where the
+    caller knows them). ``alltoall_async(t, splits, name)``: ``splits`` the bytes for each rank; the
+    result is the received bytes in rank order. ``allreduce_async(t, name, op, prescale_factor,
+    postscale_factor)``: in place where the framework allows. ``synchronize(handle)``: the result.
+    ``poll(handle)`` (optional): True once completed, without waiting. ``levels(probe=False)``
+    (optional): ``(local, cross)`` Collectives of this rank's node and of its local rank across
+    nodes, None where a level has one rank; with ``probe``, ``(None, None)`` where two levels cannot run.
     """
     rank: int
     size: int
@@ -133,11 +91,8 @@ def collectives_for(cache, process_set, make):
 
 @dataclass(frozen=True)
 class ArrayOps:
-    """Array operations the reductions need, on the framework's tensors and device.
-
-    Methods named ``*_`` may work in place; callers always use the value they return, so a
-    framework without in-place ops (TensorFlow eager) can return a new tensor.
-    """
+    """Array operations the reductions need, on the framework's tensors and device. Methods named
+    ``*_`` may work in place; callers always use the value they return."""
     flatten: Callable[[Sequence[Any]], Any]          # tensors -> new flat float32 buffer (cast, concat)
     zeros: Callable[[int, Any], Any]                 # (numel, like) -> float32 zeros on like's device
     empty: Callable[[int, Any], Any]                 # (numel, like) -> float32, contents undefined
@@ -151,9 +106,8 @@ class ArrayOps:
     to_like: Callable[[Any, Any], Any]               # move t to like's device (restored residuals)
     clone: Callable[[Any], Any]
     reusable: bool = False      # buffers may be kept and rewritten across steps (not handed to the framework)
-    # (like) -> a timestamp on like's device, taken without waiting: a float of host seconds, or an
-    # object with query() and elapsed_time(other) in ms recorded on the current stream (a CUDA event).
-    # None: host time.perf_counter(). Traffic.bandwidth reads them.
+    # (like) -> a timestamp taken without waiting: host seconds, or an object with query() and
+    # elapsed_time(other) in ms (a CUDA event on the current stream). None: time.perf_counter().
     mark: Callable[[Any], Any] = None
 
 
@@ -167,11 +121,16 @@ def is_passthrough_codec(codec):
     return codec is None or codec.spec().split(":", 1)[0] in ("none", "nocompression")
 
 
+def _chunk_len(numel, size, align):
+    """The length of :func:`chunk_bounds`' chunks (the last non-empty one may be shorter)."""
+    buckets = -(-numel // align)
+    return -(-buckets // size) * align
+
+
 def chunk_bounds(numel, size, align):
     """N contiguous (start, stop) ranges covering ``numel``, each a whole number of ``align`` buckets
     except the last non-empty one; trailing ranges may be empty when numel < size * align."""
-    buckets = -(-numel // align)
-    per = -(-buckets // size) * align
+    per = _chunk_len(numel, size, align)
     return [(min(j * per, numel), min((j + 1) * per, numel)) for j in range(size)]
 
 
@@ -181,19 +140,13 @@ _FOLD_AT = 4096                       # timed collectives kept unread before the
 
 @dataclass
 class Traffic:
-    """Bytes this rank sends, beside what an fp32 ring allreduce of the same elements would send, and
-    the time of the exchange's collectives that sent them.
+    """Bytes this rank sends beside what an fp32 ring allreduce of the same elements would send
+    (docs/EXCHANGE.md, "Traffic"), and the time of the collectives that sent them.
 
-    Model (docs/EXCHANGE.md): alltoall sends each destination its part; allgather sends the own payload
-    to N-1 ranks; a ring allreduce of b bytes sends 2(N-1)/N * b. ``payload_bytes`` is the encoded size
-    of everything this rank put into a collective (its own chunks included), ``numel`` the elements.
-
-    ``timed`` holds ``(kind, bytes, start, stop)`` for every alltoall and allgather an
-    :class:`Exchange` completed: the bytes this rank sent in it (the same count as ``sent_bytes``)
-    and two marks of ``ArrayOps.mark``, taken at launch and when its result was handed back
-    (appended by the exchange; :meth:`add`, called every start, folds them when they grow long).
-    :meth:`bandwidth` reads them (CUDA events: only once they have completed) and folds them into
-    ``folded``; nothing is read on the hot path.
+    ``payload_bytes``: the encoded size of everything this rank put into a collective, ``numel``
+    its elements. ``timed``: ``(kind, bytes sent, start mark, stop mark)`` of every alltoall and
+    allgather an :class:`Exchange` completed, folded into ``folded`` by :meth:`bandwidth` (and by
+    :meth:`add` when long); nothing is read on the hot path.
     """
     sent_bytes: float = 0.0
     fp32_bytes: float = 0.0
@@ -204,15 +157,10 @@ class Traffic:
     folded: dict = field(default_factory=dict)    # kind or "total" -> [count, bytes, seconds]
 
     def reset(self):
-        self.sent_bytes = self.fp32_bytes = 0.0
-        self.payload_bytes = self.numel = 0
-        self.seconds = None
-        self.timed = []
-        self.folded = {}
+        self.__init__()
 
     def copy(self):
-        return Traffic(self.sent_bytes, self.fp32_bytes, self.payload_bytes, self.numel, self.seconds,
-                       list(self.timed), {k: list(v) for k, v in self.folded.items()})
+        return replace(self, timed=list(self.timed), folded={k: list(v) for k, v in self.folded.items()})
 
     @property
     def ratio(self):
@@ -251,12 +199,10 @@ class Traffic:
             _fold_into(self.folded, "total", spans)
 
     def bandwidth(self):
-        """Effective bandwidth of the timed collectives: ``{kind: {"count", "bytes", "seconds",
-        "gbps"}}`` for ``"alltoall"``, ``"allgather"`` (those that ran) and ``"total"``. ``seconds`` is
-        the time during which at least one collective of the kind was in flight (overlapping
-        collectives count once), ``gbps`` = bytes / seconds / 1e9 (None without time). Collectives
-        whose CUDA events have not completed yet are left for a later call. docs/EXCHANGE.md says
-        what the marks measure on the host and on the GPU."""
+        """``{kind: {"count", "bytes", "seconds", "gbps"}}`` for ``"alltoall"``, ``"allgather"`` (those
+        that ran) and ``"total"``: ``seconds`` while at least one collective of the kind was in
+        flight, ``gbps`` None without time. Collectives whose CUDA events have not completed yet are
+        left for a later call."""
         self.fold()
         out = {}
         for kind in KINDS + ("total",):
@@ -343,27 +289,25 @@ def handshake(coll, ops, record, what, name=HANDSHAKE_NAME):
     check_handshake(coll, ops, record, coll.synchronize(handshake_async(coll, ops, record, name)), what)
 
 
+
 # --------------------------------------------------------------------------------------------------
 # The reductions
 
 
 class _Chunk:
     """One payload of a setup: elements [a, b) of the flat buffer, ``size`` bytes at byte ``off`` of
-    the buffer it travels in, its header words, layout, what a receiver expects of its header, the
-    fixed part of its noise key, and its launches, bound once (``encode(x, payload, key, residual)``,
-    ``decode(payload, out)`` writing, ``accumulate(payload, out)`` adding)."""
+    the buffer it travels in, with its codec launches bound once (``decode`` writes, ``accumulate`` adds)."""
     __slots__ = ("a", "b", "off", "size", "words", "lay", "nh", "expect", "noise", "encode", "decode",
                  "accumulate")
 
     def __init__(self, ex, setup, a, b, off, tag, like):
-        codec = ex.codec
+        codec, arrays = ex.codec, setup.arrays
         self.a, self.b, self.off = a, b, off
         self.nh, self.words, self.lay = codec.header_plan((b - a,), "float32", tag)
         self.size = self.lay.total if b > a else 0      # an empty chunk sends nothing
         self.expect = codec.expectation(b - a, tag)
         seed = setup.fresh if codec.seed is None else codec.seed
         self.noise = noise_base(seed, ex.coll.rank, self.nh) if codec.stochastic else None
-        arrays = setup.arrays
         self.encode = codec.bind_encode(arrays, self.lay, self.words, like)
         self.decode = codec.bind_decode(arrays, b - a, False, self.expect, like, setup.status)
         self.accumulate = codec.bind_decode(arrays, b - a, True, self.expect, like, setup.status)
@@ -374,76 +318,64 @@ class _Chunk:
 
 
 class _Setup:
-    """What one exchange name needs every step, built once (and again when the process set's rank
-    or size changes): chunk bounds and layouts, header words and expectations, the adapter of its
-    tensors, the noise base, the traffic of a step, reusable buffers where the frontend's arrays
-    allow it (``ArrayOps.reusable``), and on a device the status words its decodes report header
-    errors to (``status``: the adapter's ``new_status``; its own, so that exchanges and direct
-    decodes of equal codecs never mix their errors)."""
+    """What one exchange name needs every step, built once per world: its chunks (``send`` in the
+    first collective, ``own``: the payloads of this rank's chunk it receives, ``reduced``: that chunk
+    requantized, ``gather``: every rank's payload in the last collective), the fused launches where
+    the codec has them, the traffic of a step, reusable buffers (``ArrayOps.reusable``) and, on a
+    device, its own status word, which its decodes report header errors to."""
     __slots__ = ("coll", "numel", "arrays", "send", "own", "reduced", "gather", "send_nbytes",
                  "gather_nbytes", "gather_sizes", "fresh", "steps", "traffic", "buffers", "server_key",
                  "decode_sum", "reduce", "decode_chunks", "keep", "sent", "splits", "status")
 
     def __init__(self, ex, name, header, numel, like):
-        codec, coll = ex.codec, ex.coll
+        codec, coll, r, size = ex.codec, ex.coll, ex.coll.rank, ex.coll.size
         self.coll, self.numel = coll, numel
-        self.arrays = adapter_for(like)
-        self.status = self.arrays.new_status(like) if self.arrays.device else None
+        arrays = self.arrays = adapter_for(like)
+        self.status = arrays.new_status(like) if arrays.device else None
         self.fresh = fresh_seed()          # unseeded noise: this setup's base, mixed with the step
-        bounds = ex.bounds(numel)
-        r, size = coll.rank, coll.size
+
+        def chunks(bounds, part):          # payloads back to back, chunk j tagged part.format(j)
+            out, off = [], 0
+            for j, (a, b) in enumerate(bounds):
+                out.append(_Chunk(ex, self, a, b, off, _tag(header, part.format(j)), like))
+                off += out[-1].size
+            return out
+
+        self.decode_sum = self.reduce = self.decode_chunks = self.keep = self.reduced = None
         if ex.reduction == "allgather":
-            self.send = [_Chunk(ex, self, 0, numel, 0, _tag(header, "all"), like)]
+            self.send = chunks([(0, numel)], "all")
             self.own = self.send[0]
-            self.reduced = None
-            each = self.send[0].size
-            self.gather = [_Chunk(ex, self, 0, numel, j * each, _tag(header, "all"), like)
-                           for j in range(size)]
-        else:
-            self.send, off = [], 0
-            for j, (a, b) in enumerate(bounds):
-                self.send.append(_Chunk(ex, self, a, b, off, _tag(header, f"c{j}"), like))
-                off += self.send[-1].size
-            a, b = bounds[r]
-            # the payloads of chunk r that every rank sent this one, in rank order
-            self.own = _Chunk(ex, self, a, b, 0, _tag(header, f"c{r}"), like)
-            self.reduced = _Chunk(ex, self, 0, b - a, 0, _tag(header, f"r{r}"), like)   # its own buffer
-            self.gather, off = [], 0
-            for j, (a, b) in enumerate(bounds):
-                self.gather.append(_Chunk(ex, self, a, b, off, _tag(header, f"r{j}"), like))
-                off += self.gather[-1].size
-        self.send_nbytes = sum(c.size for c in self.send) if ex.reduction == "sra" else self.send[0].size
-        self.splits = [c.size for c in self.send]          # the alltoall's pieces, one per rank
-        self.gather_nbytes = sum(c.size for c in self.gather)
-        self.gather_sizes = [c.size for c in self.gather]  # what each rank sends in the allgather
-        # One launch per phase where the codec has fused kernels (None: the phases loop over payloads)
-        self.decode_sum = self.reduce = self.decode_chunks = self.keep = None
-        arrays = self.arrays
-        if ex.reduction == "allgather":
+            self.gather = chunks([(0, numel)] * size, "all")
             self.decode_sum = codec.bind_decode_sum(arrays, numel, self.own.expect, like, self.status)
         else:
-            red = self.reduced
+            bounds = chunk_bounds(numel, size, ex.align)
+            self.send = chunks(bounds, "c{}")
+            a, b = bounds[r]
+            self.own = _Chunk(ex, self, a, b, 0, _tag(header, f"c{r}"), like)
+            red = self.reduced = _Chunk(ex, self, 0, b - a, 0, _tag(header, f"r{r}"), like)
+            self.gather = chunks(bounds, "r{}")
             self.reduce = codec.bind_reduce_requantize(arrays, red.lay, red.words, self.own.expect, like,
                                                        self.status)
             full = [c for c in self.gather if c.b > c.a]
             if full:
                 self.keep, hashes = arrays.constant_u32([c.nh for c in full], like)
-                per = -(-(-(-numel // ex.align)) // size) * ex.align      # chunk_bounds' chunk length
-                self.decode_chunks = codec.bind_decode_chunks(arrays, numel, per, hashes, full[0].expect, like,
-                                                           self.status)
+                self.decode_chunks = codec.bind_decode_chunks(
+                    arrays, numel, _chunk_len(numel, size, ex.align), hashes, full[0].expect, like,
+                    self.status)
+        self.send_nbytes = sum(c.size for c in self.send)
+        self.splits = [c.size for c in self.send]          # the alltoall's pieces, one per rank
+        self.gather_sizes = [c.size for c in self.gather]  # what each rank sends in the allgather
+        self.gather_nbytes = sum(self.gather_sizes)
         self.steps = 0
         self.server_key = (name, r, size)     # the chunk this rank owns, at this world size
-        t = self.traffic = Traffic()
-        t.numel = numel
-        t.fp32_bytes = (2.0 * (size - 1) / size) * 4 * numel
-        if ex.reduction == "allgather":
-            t.payload_bytes = self.send_nbytes
-            self.sent = (0, (size - 1) * self.send_nbytes)
+        # bytes this rank sends in its (alltoall, allgather), and the step's Traffic
+        if self.reduced is None:
+            self.sent, payload = (0, (size - 1) * self.send_nbytes), self.send_nbytes
         else:
-            each = self.own.size
-            t.payload_bytes = self.send_nbytes + each
-            self.sent = (self.send_nbytes - self.send[r].size, (size - 1) * each)
-        t.sent_bytes = sum(self.sent)       # bytes this rank sends in its (alltoall, allgather)
+            self.sent = (self.send_nbytes - self.send[r].size, (size - 1) * self.own.size)
+            payload = self.send_nbytes + self.own.size
+        self.traffic = Traffic(sent_bytes=sum(self.sent), fp32_bytes=(2.0 * (size - 1) / size) * 4 * numel,
+                               payload_bytes=payload, numel=numel)
         self.buffers = {} if ex.ops.reusable else None
 
     def buffer(self, key, make):
@@ -466,9 +398,8 @@ def _tag(header, part):
     return f"{header}#{part}"
 
 
-# SRA exchanges of this process in their first phase, over every Exchange: id(pending) -> pending,
-# held weakly (a step abandoned by its owner, an elastic reset say, leaves nothing behind). Added by
-# start, removed by advance (module doc: several exchanges at once).
+# SRA exchanges of this process in their first phase, over every Exchange, held weakly (a step its
+# owner abandoned leaves nothing behind): added by start, removed by advance (module doc).
 _FIRST_PHASE = weakref.WeakValueDictionary()
 _POLL_FIRST_S, _POLL_MAX_S = 2e-5, 1e-3     # _wait's sleep between polls: first, longest
 
@@ -509,17 +440,14 @@ class Pending:
 
 
 class Exchange:
-    """The reductions for one codec, one set of collectives and one array-ops table.
+    """The reductions for one codec, one set of collectives and one array-ops table; each exchange
+    name gets a :class:`_Setup` at its first start.
 
-    Each exchange name gets a :class:`_Setup` on its first start, reused every step. ``memory`` (a
-    :class:`hvd_quant.memory.Memory`, optional) turns on error feedback: this rank's own residual is
-    kept under ``(Memory.WORKER, name)`` and, for SRA, the residual of requantizing the chunk this
-    rank owns under ``(Memory.SERVER, (name, r, N))`` (1-bit Adam's "server" error feedback).
-    ``reuse_result``: :meth:`finish` returns the setup's own result buffer, overwritten by the next
-    step of the same name (where ``ArrayOps.reusable``); otherwise a new buffer each step.
-    ``timing`` (default on): each alltoall and allgather is timed from launch to its result
-    (``ArrayOps.mark``) into ``traffic.timed``; ``traffic.bandwidth()`` gives the effective GB/s
-    (docs/EXCHANGE.md, "Measured bandwidth").
+    ``memory`` (a :class:`hvd_quant.memory.Memory`) turns on error feedback: this rank's residual
+    under ``(Memory.WORKER, name)`` and, for SRA, the requantization's under ``(Memory.SERVER,
+    (name, r, N))``. ``reuse_result``: :meth:`finish` returns the setup's own buffer, rewritten by the
+    name's next step (where ``ArrayOps.reusable``). ``timing``: each alltoall and allgather is timed
+    into ``traffic.timed`` (docs/EXCHANGE.md, "Measured bandwidth").
     """
 
     def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq",
@@ -540,7 +468,6 @@ class Exchange:
         self._verified = set()      # exchange names whose first payloads were checked on the device
         self._two = LEVELLED[TWO_LEVEL](self) if reduction == TWO_LEVEL else None
 
-    # -- sizes ------------------------------------------------------------------------------------
     def payload_nbytes(self, numel):
         return self.codec.wire_nbytes(numel) if numel else 0
 
@@ -561,9 +488,8 @@ class Exchange:
         return setup
 
     def _payloads(self, setup, chunks, nbytes, flat, step, name, residual=None):
-        """Encode ``flat``'s chunks into one uint8 buffer (each payload at its offset), no copies.
-        With ``residual`` (error feedback: a (namespace, key) of the memory), the encode also writes
-        ``flat - decode(payload)`` into that residual's buffer, which becomes the new residual."""
+        """Encode ``flat``'s chunks into one uint8 buffer, each payload at its offset; with
+        ``residual`` (a memory's (namespace, key)) the encode also writes the new residual."""
         ops, mem = self.ops, self.memory
         numel = ops.numel(flat)
         buf = setup.buffer(name, lambda: ops.empty_bytes(nbytes, flat))
@@ -583,20 +509,15 @@ class Exchange:
     # -- phase 1 ----------------------------------------------------------------------------------
     def start(self, name, flat, step=None, record=None, header=None, channel=None):
         """Encode ``flat`` (a float32 1-D buffer this exchange may overwrite) and submit the first
-        collective, named after ``name`` (what Horovod matches across ranks). ``header`` (default
-        ``name``) goes into the payload headers, with the chunk: a receiver expecting another header
-        raises. ``step`` keys seeded stochastic rounding (default: this name's own count). With
-        ``record`` (:func:`handshake_record`), a configuration handshake travels with the exchange
-        and is checked before anything is decoded. ``channel`` (module doc): what carries the
-        payloads instead of Horovod's collectives, a torch ``PayloadGroup``: ``alltoall(t, splits)``,
-        ``allgather(t)``, ``allgather(t, each, total)`` for SRA's reduced chunks (padded to chunk 0's
-        length ``each``), handles for the collectives' ``synchronize`` and ``poll``, and
-        ``waiting``, the deque of its SRA exchanges in their first phase."""
+        collective, named after ``name``. ``header`` (default ``name``) goes into the payload
+        headers; ``step`` keys stochastic rounding (default: this name's count); ``record``
+        (:func:`handshake_record`): a handshake that travels with it, checked before decoding.
+        ``channel``: what carries the payloads instead (a torch ``PayloadGroup``: ``alltoall``,
+        ``allgather``, and ``waiting``, the deque of its SRA exchanges in their first phase)."""
         if self._two is not None:
             return self._two.start(name, flat, step, record, header)
-        ops, coll = self.ops, self.coll
-        numel = ops.numel(flat)
-        setup = self.setup(name, numel, flat, header)
+        ops, coll, allgather = self.ops, self.coll, self.reduction == "allgather"
+        setup = self.setup(name, ops.numel(flat), flat, header)
         if step is None:
             step = setup.steps
         setup.steps += 1
@@ -612,26 +533,22 @@ class Exchange:
         self.traffic.add(setup.traffic)
         if self._mark is not None:
             p.t0 = self._mark(flat)
+        p.channel = channel
         if channel is not None:
-            p.channel = channel
-            if self.reduction == "allgather":
-                p.handle = channel.allgather(send)
-                return p
-            p.handle = channel.alltoall(send, setup.splits)
-            channel.waiting.append(p)
-        elif self.reduction == "allgather":
-            p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}",
-                                            sizes=setup.gather_sizes)
-            return p
+            p.handle = channel.allgather(send) if allgather else channel.alltoall(send, setup.splits)
+        elif allgather:
+            p.handle = coll.allgather_async(send, f"{self.prefix}.ag.{name}", sizes=setup.gather_sizes)
         else:
             p.handle = coll.alltoall_async(send, setup.splits, f"{self.prefix}.a2a.{name}")
-        _FIRST_PHASE[id(p)] = p
+        if not allgather:
+            _FIRST_PHASE[id(p)] = p
+            if channel is not None:
+                channel.waiting.append(p)
         return p
 
     def _check_hs(self, p):
-        if p.hs is not None:
-            hs, p.hs = p.hs, None
-            check_handshake(self.coll, self.ops, p.record, self.coll.synchronize(hs), f"tensor {p.name!r}")
+        hs, p.hs = p.hs, None
+        check_handshake(self.coll, self.ops, p.record, self.coll.synchronize(hs), f"tensor {p.name!r}")
 
     def _decode(self, p, src, decode, *args):
         """``decode(*args)`` (a bound decode) of what rank ``src`` sent (None: several ranks)."""
@@ -643,18 +560,22 @@ class Exchange:
                 f"hvd_quant: {who} for {p.name!r} was refused ({e}); ranks "
                 f"disagree on the tensor, its size or the codec ({self.codec.spec()})") from e
 
-    def _received(self, p, data, expected, what):
+    def _received(self, p, kind, handle, sent, expected):
+        """Wait for ``p``'s ``kind`` collective; time it; its data, checked to be ``expected`` bytes."""
+        data = _wait(self, handle)
+        if p.t0 is not None:
+            self.traffic.timed.append((kind, sent, p.t0, self._mark(p.like)))
         n = self.ops.numel(data)
         if n != expected:
             raise PayloadMismatchError(
-                f"hvd_quant: {what} for {p.name!r} received {n} bytes, expected {expected}: ranks "
+                f"hvd_quant: the {kind} for {p.name!r} received {n} bytes, expected {expected}: ranks "
                 f"disagree on the tensor's size or on the codec ({self.codec.spec()})")
+        return data
 
     # -- phase 2 (SRA) ----------------------------------------------------------------------------
     def advance_ready(self, pendings):
         """SRA: :meth:`advance` those of ``pendings`` whose alltoall has already completed (never
-        waits; where the frontend cannot poll, nothing). Callers run it while backward still produces
-        gradients, so the second phase starts then rather than at ``synchronize()``."""
+        waits; nothing where the frontend cannot poll), so that second phases start during backward."""
         if self._two is not None:
             return self._two.advance_ready(pendings)
         poll = self.coll.poll
@@ -666,9 +587,8 @@ class Exchange:
 
     def advance(self, p):
         """SRA: wait for the alltoall, sum the received chunks in float32, requantize the reduced chunk
-        and submit its allgather. A no-op for allgather exchanges and after the first call. On a
-        channel, the exchanges started on it before ``p`` are advanced first (its allgathers match
-        by order)."""
+        and submit its allgather; a no-op otherwise. On a channel, the exchanges started on it
+        before ``p`` are advanced first (its allgathers match by order)."""
         if self._two is not None:
             return self._two.advance(p)
         if p.stage != "first" or self.reduction != "sra":
@@ -686,8 +606,7 @@ class Exchange:
             waiting.popleft()
         ops, coll, setup = self.ops, self.coll, p.setup
         data = self._scattered(p)
-        own, red = setup.own, setup.reduced
-        n = own.b - own.a
+        red, n = setup.reduced, setup.reduced.b
         mem = self.memory
         if n and setup.reduce is not None:
             # one launch: sum the received payloads, add the residual, requantize, new residual
@@ -709,8 +628,7 @@ class Exchange:
         if channel is not None:
             p.handle = channel.allgather(payload, setup.gather[0].size, setup.gather_nbytes)
         else:
-            p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}",
-                                            sizes=setup.gather_sizes)
+            p.handle = coll.allgather_async(payload, f"{self.prefix}.ag.{p.name}", sizes=setup.gather_sizes)
         p.stage = "second"
 
     def _scattered(self, p):
@@ -718,11 +636,7 @@ class Exchange:
         if p.hs is not None:        # the first step's handshake only
             self._check_hs(p)
         setup = p.setup
-        data = _wait(self, p.handle)
-        if p.t0 is not None:        # inline: this runs once per bucket and step
-            self.traffic.timed.append(("alltoall", setup.sent[0], p.t0, self._mark(p.like)))
-        self._received(p, data, self.coll.size * setup.own.size, "the alltoall")
-        return data
+        return self._received(p, "alltoall", p.handle, setup.sent[0], self.coll.size * setup.own.size)
 
     def _sum_own(self, p, data, acc):
         """Decode and sum, in rank order and in float32, the payloads of this rank's chunk into ``acc``."""
@@ -733,9 +647,8 @@ class Exchange:
         return acc
 
     def reduce_scatter(self, p):
-        """SRA's first phase alone, a reduce-scatter: waits for ``p``'s alltoall (``p`` started without
-        a channel) and returns the float32 **sum** over ranks of the chunk this rank owns, elements
-        ``bounds(numel)[rank]``. Nothing is requantized or gathered; ``p`` is done."""
+        """SRA's first phase alone: waits for ``p``'s alltoall (started without a channel) and returns
+        the float32 **sum** over ranks of the chunk this rank owns, ``bounds(numel)[rank]``; ``p`` is done."""
         if p.stage != "first" or self.reduction != "sra" or p.channel is not None:
             raise ValueError("hvd_quant: reduce_scatter takes an SRA exchange in its first phase, "
                              "started without a channel")
@@ -755,33 +668,26 @@ class Exchange:
             return p.result
         if self._two is not None:
             return self._two.finish(p)
-        ops, coll, setup = self.ops, self.coll, p.setup
+        ops, setup = self.ops, p.setup
         if self.reduction == "sra":
             self.advance(p)
-        else:
+        elif p.hs is not None:
             self._check_hs(p)
-        data = _wait(self, p.handle)
-        if p.t0 is not None:
-            self.traffic.timed.append(("allgather", setup.sent[1], p.t0, self._mark(p.like)))
-        self._received(p, data, setup.gather_nbytes, "the allgather")
+        data = self._received(p, "allgather", p.handle, setup.sent[1], setup.gather_nbytes)
         out = (setup.buffer("out", lambda: ops.empty(setup.numel, p.like)) if self.reuse_result
                else ops.empty(setup.numel, p.like))
         if setup.decode_chunks is not None:
             self._decode(p, None, setup.decode_chunks, data, out)
         elif setup.decode_sum is not None:
-            self._decode(p, None, setup.decode_sum, data, coll.size, out)
-        elif self.reduction == "sra":
+            self._decode(p, None, setup.decode_sum, data, self.coll.size, out)
+        else:       # one payload per rank: SRA's chunks each into its place, allgather's summed
             for j, c in enumerate(setup.gather):
                 if c.b > c.a:
-                    self._decode(p, j, c.decode, ops.slice(data, c.off, c.off + c.size),
-                                 ops.slice(out, c.a, c.b))
-        elif setup.numel:
-            for j, c in enumerate(setup.gather):
-                self._decode(p, j, c.accumulate if j else c.decode, ops.slice(data, c.off, c.off + c.size), out)
+                    decode = c.accumulate if j and setup.reduced is None else c.decode
+                    self._decode(p, j, decode, ops.slice(data, c.off, c.off + c.size), ops.slice(out, c.a, c.b))
         if p.name not in self._verified:
             # Device payloads are checked by a kernel that writes NaN on a bad header; read the setup's
-            # status word once per exchange name (one synchronisation, on the first step only) so
-            # that a misconfiguration raises instead of showing up as NaN.
+            # status word once per exchange name (the first step only) so that a misconfiguration raises.
             self._verified.add(p.name)
             bits = setup.arrays.read_status(setup.status[0]) if setup.status is not None else 0
             if bits:

@@ -1,26 +1,12 @@
 """The static plan of a compressed gradient reduction, written once for every frontend (no framework).
 
-The PyTorch optimizer, the TensorFlow reducer and the stock ``compression=`` path describe their
-gradients as :class:`Tensor` records (name, shape, floating or not) and take the rest from here:
-
-1. :func:`configure` -> :class:`Config`: the codec (resolved by the frontend), the reduction, size rules, error feedback (the codec's wish by default)
-   and the core op (:func:`core_op` maps a framework's Horovod op constants); bad arguments raise.
-2. :meth:`Config.compressible`: floating point, static shape, at least ``min_compress_numel``
-   elements, not 1-D unless ``compress_1d``, a codec that is not a passthrough.
-3. :func:`make_plan`: explicit ``groups`` (lists of tensor indices, or a count: split evenly), then
-   greedy fusion (:func:`fuse_buckets`) of the rest in **reverse** order (the order backward produces
-   them) into buckets of at most ``bucket_bytes`` of float32, the last one split so that its tail (the
-   tensors backward produces last) travels alone. A bucket's ``header`` comes from its members'
-   names alone (the same on every rank and in every process: payload headers, seeded noise,
-   checkpoints); its ``name`` (the exchange's) adds the frontend's prefix. :attr:`Plan.record` is the
-   handshake record of the summary and the layout: ranks whose plans differ raise.
-4. :func:`plain_groups`: the float32 tensors left uncompressed, fused as the buckets are.
-5. :func:`save_residuals` / :func:`restore_residuals`: a :class:`~hvd_quant.memory.Memory`'s worker
-   residuals per tensor name (another ``bucket_bytes`` still loads them) and server residuals per
-   ``(bucket header, rank, size)``.
-
-What a plan does in each step (arrivals, ``hvd.join()``, ``reduction="auto"``) is
-:mod:`hvd_quant.scheduler`'s.
+Frontends describe their gradients as :class:`Tensor` records and take the rest from here:
+:func:`configure` (checked arguments -> :class:`Config`), :func:`make_plan` (explicit groups, then
+greedy fusion in reverse order into buckets of at most ``bucket_bytes``; each :class:`Bucket`'s
+``header`` comes from its members' names alone, the same in every process; :attr:`Plan.record` is
+the handshake record), :func:`plain_groups` (the uncompressed float32 tensors, fused alike) and the
+residuals' checkpoint form (:func:`save_residuals`, :func:`restore_residuals`). What a plan does in
+each step is :mod:`hvd_quant.scheduler`'s.
 """
 import math
 import numbers
@@ -43,9 +29,8 @@ ALLREDUCE = "allreduce"
 
 
 def core_op(op, average, sum_, adasum):
-    """A framework's Horovod op constant (``average``, ``sum_``, ``adasum``: its own) or a core op
-    name -> :data:`~hvd_quant.exchange.AVERAGE` / :data:`~hvd_quant.exchange.SUM`; None is Average.
-    Adasum and anything else raise ValueError."""
+    """A framework's Horovod op constant (``average``, ``sum_``, ``adasum``: its own), a core op name
+    or None (Average) -> :data:`~hvd_quant.exchange.AVERAGE` / :data:`~hvd_quant.exchange.SUM`."""
     if op is None:
         return AVERAGE
     if isinstance(op, str):
@@ -84,8 +69,7 @@ def _count(value, name, allow_none=False):
 
 
 def _flag(value, name, allow_none=False):
-    """``value`` as a bool: True, False (NumPy's too) or, where allowed, None; a string or a number
-    would otherwise pass as true."""
+    """``value`` as a bool (NumPy's too) or, where allowed, None; a string or number would pass as true."""
     if value is None and allow_none:
         return None
     if not isinstance(value, (bool, np.bool_)):
@@ -99,9 +83,8 @@ def check_groups(groups, what):
         raise ValueError(f"groups should be a non-negative integer or a list of list of {what}.")
 
 
-# Default fusion bucket: float32 bytes of gradients per compressed bucket (torch DDP's bucket_cap_mb).
-# Each bucket costs Horovod collectives and host work per step whatever its size, so buckets are
-# large (measurements: docs/BENCHMARKS.md).
+# Default fusion bucket: float32 bytes per compressed bucket (torch DDP's bucket_cap_mb). Each bucket
+# costs collectives and host work per step whatever its size (docs/BENCHMARKS.md).
 BUCKET_BYTES = 25 << 20
 
 
@@ -226,11 +209,9 @@ def fuse(idxs, numels, bucket_bytes):
     return groups
 
 
-# The last bucket in backward order is exchanged after backward has ended, with nothing left to
-# overlap it; every other bucket travels while backward still computes. So the greedy fusion's last
-# bucket gives up its last-produced tensors, up to 1/TAIL_SHARE of bucket_bytes, to a bucket of their
-# own: the exchange left after backward is that small one, and the rest of the old last bucket travels
-# while backward computes the tail's layers (docs/RESULTS.md).
+# The last bucket in backward order has nothing left to overlap it, so the greedy fusion's last bucket
+# gives its last-produced tensors, up to 1/TAIL_SHARE of bucket_bytes, a bucket of their own: the
+# rest of it travels while backward computes them.
 TAIL_SHARE = 8
 
 

@@ -1,28 +1,9 @@
 """The step of a compressed gradient reduction, written once (no framework here).
 
-A :class:`StepScheduler` runs the buckets and plain groups of one :class:`hvd_quant.plan.Plan` through
-each step; ``hvd_quant.torch.DistributedOptimizer`` and the stock ``compression=`` path drive it:
-
-1. :meth:`~StepScheduler.bind` follows the process set's world (elastic): another world drops the
-   step under way, forgets which routes ran and measures ``reduction="auto"`` again.
-2. :meth:`~StepScheduler.begin_step`, at a step's first gradient: the step's route (``reduction``,
-   or :class:`AutoChoice`'s current candidate) and, when the buckets take a compressed exchange, the
-   presence count of ``hvd.join()`` (:class:`Presence`) started.
-3. :meth:`~StepScheduler.arrive` / :meth:`~StepScheduler.arrive_plain`: a gradient is kept in its
-   bucket or plain group; the last one to arrive starts the bucket's exchange
-   (:class:`hvd_quant.exchange.Exchange`) or the group's allreduce. Buckets start once the presence
-   count is known (a joined rank takes part in allreduces only: the buckets then go through one Sum
-   allreduce each) and, where their payloads travel on a payload channel (collectives matched by
-   order), in plan order.
-4. :meth:`~StepScheduler.result` (one bucket), :meth:`~StepScheduler.finish_started` (every started
-   bucket) and :meth:`~StepScheduler.plain_result`: start what is still missing (zeros for gradients
-   that never arrived), advance every started exchange before waiting on any (the overlap rule),
-   finish, scale (1/N for Average) and split the flat result into its members' pieces.
-5. :meth:`~StepScheduler.end_step`: note the routes that completed a step in this world (a payload
-   channel carries a route from its second step on) and time the step for ``reduction="auto"``,
-   whose choice is allgathered, the same on every rank, and printed once by rank 0.
-
-Also here: :class:`AutoChoice`, :class:`Presence`, :func:`in_plan_order` and :func:`step_metrics`.
+A :class:`StepScheduler` runs one :class:`hvd_quant.plan.Plan` through each step, for
+``hvd_quant.torch.DistributedOptimizer``, the DDP hook and the stock ``compression=`` path: arrivals,
+the route (:class:`AutoChoice` under ``reduction="auto"``), ``hvd.join()`` (:class:`Presence`), plan
+order on a payload channel, and scaling and splitting the results (docs/ARCHITECTURE.md, "The step").
 """
 import math
 import statistics
@@ -47,27 +28,25 @@ def in_plan_order(complete, next_start):
 
 
 class StepScheduler:
-    """One plan's buckets and plain groups through each step (module doc).
+    """One plan's buckets and plain groups through each step.
 
-    ``plan``: the static :class:`hvd_quant.plan.Plan`; ``plain``: ``(collective name, member numels)``
-    of each plain group (float32 gradients sent uncompressed, one allreduce of the group flattened);
-    ``ops``: the framework's :class:`~hvd_quant.exchange.ArrayOps`; ``exchange_for(route)``: the
-    :class:`~hvd_quant.exchange.Exchange` of a route; ``traffic``: the
-    :class:`~hvd_quant.exchange.Traffic` the allreduces are counted in; ``numbering(bucket)``:
-    ``(step, record)`` of the bucket's next exchange (its noise step, and the handshake record its
-    first exchange carries, or None); ``split(flat, numels)``: a flat result as its members' pieces;
-    ``average``: results are scaled by 1/N (Sum: 1); ``plain_op``: ``(op, prescale, postscale)`` of
-    the plain groups' allreduces; ``name``: prefix of the scheduler's own collectives; ``label``: how
-    ``reduction="auto"``'s decision is printed; ``presence``: a :class:`Presence` (None: no
-    ``hvd.join()`` to follow); ``wait_device``: waits for the device's queued work (auto's timing).
+    Groups share one index: the plan's buckets, then plain group ``j`` at ``len(plan.buckets) + j``
+    (``plain``: its ``(collective name, member numels)``; one allreduce of the group flattened with
+    ``plain_op = (op, prescale, postscale)``, not scaled again). ``exchange_for(route)``: the
+    :class:`~hvd_quant.exchange.Exchange` of a route; ``traffic``: where allreduces are counted;
+    ``numbering(bucket)``: ``(step, handshake record or None)`` of its next exchange; ``split(flat,
+    numels)``: a result as its members' pieces; ``average``: buckets are scaled by 1/N; ``name``,
+    ``label``: prefix of the scheduler's collectives, and of ``auto``'s printed decision;
+    ``presence``: a :class:`Presence` (None: no ``hvd.join()``); ``wait_device``: waits for the
+    device's queued work (``auto``'s timing).
     """
 
     def __init__(self, plan, plain, *, ops, exchange_for, traffic, numbering, split, average=True,
                  plain_op=(SUM, 1.0, 1.0), name="hvdq", label="hvd_quant", presence=None,
                  wait_device=None):
         self.plan, self.buckets = plan, plan.buckets
-        self.plain_names = [n for n, _ in plain]
-        self.plain_sizes = [list(s) for _, s in plain]
+        self.nb = len(plan.buckets)
+        self.groups = [(b.name, b.numels) for b in plan.buckets] + [(n, tuple(s)) for n, s in plain]
         self.ops, self.exchange_for, self.traffic = ops, exchange_for, traffic
         self.numbering, self.split = numbering, split
         self.average, self.plain_op = average, plain_op
@@ -79,33 +58,29 @@ class StepScheduler:
         self.channel = (None, None)     # (collectives, payload carrier) of the current world
         self.next_channel = None        # made during a step, taken up at the next one's start
         self.routes_run = set()         # routes that completed a step in this world
-        self.routes = [ALLREDUCE] * len(self.buckets)   # how each bucket travelled this step
+        self.routes = [ALLREDUCE] * self.nb     # how each bucket travelled this step
         self.clear_step()
 
     def clear_step(self):
         """No step in progress (at creation, in a new world, after a restored state)."""
-        n, m = len(self.buckets), len(self.plain_sizes)
-        self.grads = [[None] * len(b.members) for b in self.buckets]
+        n = len(self.groups)
+        self.grads = [[None] * len(numels) for _, numels in self.groups]
         self.arrived = [0] * n
         self.complete = []              # complete buckets waiting for the presence count
         self.next_start = 0             # with a payload channel: the next bucket to start
         self.pending = [None] * n       # (exchange or None for an allreduce, Pending or handle)
         self.unadvanced = []            # started exchanges not yet advanced
-        self.pieces = [None] * n        # a finished bucket's pieces until handed out
+        self.pieces = [None] * n        # a finished group's pieces until handed out
         self.left = [0] * n             # members still to be handed out
         self.ran = set()                # routes of the buckets finished this step
-        self.plain_grads = [[None] * len(s) for s in self.plain_sizes]
-        self.plain_arrived = [0] * m
-        self.plain_pending = [None] * m
-        self.plain_pieces = [None] * m
-        self.plain_left = [0] * m
         self.like = None                # a gradient of this step (zeros for members not reached)
         if self.presence is not None:
             self.presence.reset()
 
     # -- world and route ------------------------------------------------------------------------
     def bind(self, coll):
-        """Step 1: run on ``coll``, the process set's Collectives; True when it is another world."""
+        """Run on ``coll``, the process set's Collectives; True when it is another world (the step
+        under way is dropped and ``auto`` measures again)."""
         if coll is self.coll:
             return False
         self.coll = coll
@@ -133,10 +108,11 @@ class StepScheduler:
 
     # -- the step -------------------------------------------------------------------------------
     def begin_step(self, compress=True):
-        """Step 2, and the payload channel made in the step before taken up. ``compress``: the driver
-        allows a compressed exchange (after warm-up). Returns whether the buckets take one."""
+        """At a step's first gradient: take up the payload channel made in the step before, start the
+        presence count. ``compress``: the driver allows a compressed exchange (after warm-up).
+        Returns whether the buckets take one."""
         self.next_start = 0
-        self.routes = [ALLREDUCE] * len(self.buckets)
+        self.routes = [ALLREDUCE] * self.nb
         if self.next_channel is not None:
             self.channel, self.next_channel = self.next_channel, None
         compressing = bool(compress and self.buckets) and self.route() != ALLREDUCE
@@ -147,8 +123,9 @@ class StepScheduler:
         return compressing
 
     def end_step(self, timed=True, completed=True):
-        """Step 5. ``completed``: the finished routes count as run; ``timed``: the step counts for
-        ``reduction="auto"`` (not in warm-up; never while a rank is inside ``hvd.join()``)."""
+        """``completed``: the finished routes count as run (a payload channel carries a route from its
+        second step on); ``timed``: the step counts for ``auto`` (not in warm-up, nor under
+        ``hvd.join()``), whose choice is allgathered and printed once by rank 0."""
         joined = self.absent()
         if completed:
             self.routes_run.update(self.ran)
@@ -162,15 +139,27 @@ class StepScheduler:
                 print(f"{self.label}: {self.auto.summary()}", flush=True)
 
     def arrive(self, k, i, grad):
-        """Step 3: member ``i`` of bucket ``k`` arrived; start the complete buckets that may start."""
+        """Member ``i`` of group ``k`` arrived. A complete plain group starts its allreduce; complete
+        buckets start once the presence count is known and, on a payload channel, in plan order."""
         grads = self.grads[k]
-        _keep(grads, i, grad, self.buckets[k].names[i])
+        if grads[i] is not None:
+            name = self.buckets[k].names[i] if k < self.nb else f"{self.groups[k][0]}[{i}]"
+            raise RuntimeError(f"hvd_quant: gradient {name!r} arrived twice before its result "
+                               f"(backward run twice without a step?)")
+        grads[i] = grad
         self.like = grad
         self.arrived[k] += 1
+        if k >= self.nb:
+            if self.arrived[k] == len(grads):
+                self._start(k)
+            return
         if self.arrived[k] == len(grads):
             self.complete.append(k)
         if self.complete:
             self.start_complete(wait=False)
+
+    def arrive_plain(self, j, i, grad):
+        self.arrive(self.nb + j, i, grad)
 
     def start_complete(self, wait):
         """Start the complete buckets once this step's presence count is known (``wait``: block)."""
@@ -184,19 +173,25 @@ class StepScheduler:
         for k in complete:
             self._start(k, route, channel)
 
-    def _start(self, k, route, channel):
-        """Start bucket ``k`` (zeros for members that never arrived, as Horovod allreduces zeros for
-        a parameter without a gradient; one Sum allreduce while a rank is inside ``hvd.join()``)."""
-        b, grads = self.buckets[k], self.grads[k]
-        flat = self._flat(grads, b.numels, self.like)
-        if self.absent():
-            route = ALLREDUCE
-        self.routes[k] = route
-        if route == ALLREDUCE:
-            self.traffic.add_allreduce(4 * b.numel, b.numel, self.coll.size)
-            self.pending[k] = None, self.coll.allreduce_async(flat, f"{b.name}.sum", SUM)
+    def _start(self, k, route=ALLREDUCE, channel=None):
+        """Start group ``k`` (zeros for members that never arrived, as Horovod allreduces zeros for a
+        parameter without a gradient). A bucket takes one Sum allreduce while a rank is inside
+        ``hvd.join()``."""
+        grads, (name, numels) = self.grads[k], self.groups[k]
+        like = next((g for g in grads if g is not None), self.like)
+        flat = self.ops.flatten([g if g is not None else self.ops.zeros(n, like) for g, n in zip(grads, numels)])
+        if k < self.nb:
+            route = ALLREDUCE if self.absent() else route
+            self.routes[k] = route
+            op, pre, post, name = SUM, 1.0, 1.0, f"{name}.sum"
         else:
-            ex = self.exchange_for(route)
+            op, pre, post = self.plain_op
+        if route == ALLREDUCE:
+            numel = sum(numels)
+            self.traffic.add_allreduce(4 * numel, numel, self.coll.size)
+            self.pending[k] = None, self.coll.allreduce_async(flat, name, op, pre, post)
+        else:
+            ex, b = self.exchange_for(route), self.buckets[k]
             step, record = self.numbering(b)
             self.pending[k] = ex, ex.start(b.name, flat, step=step, record=record, header=b.header,
                                            channel=channel)
@@ -206,11 +201,6 @@ class StepScheduler:
         self.left[k] = sum(g is not None for g in grads)
         self.grads[k] = [None] * len(grads)
         self.arrived[k] = 0
-
-    def _flat(self, grads, numels, like):
-        """One flat float32 buffer of ``grads`` (zeros for those that never arrived)."""
-        zeros = self.ops.zeros
-        return self.ops.flatten([g if g is not None else zeros(n, like) for g, n in zip(grads, numels)])
 
     def _start_through(self, k):
         """Start bucket ``k`` (and, on a payload channel, the buckets before it: plan order) though
@@ -233,108 +223,65 @@ class StepScheduler:
         ex, pending = self.pending[k]
         flat = ex.finish(pending) if ex is not None else self.coll.synchronize(pending)
         self.pending[k] = None
-        self.ran.add(self.routes[k])
-        factor = 1.0 / self.coll.size if self.average else 1.0
-        if factor != 1.0:
-            flat = self.ops.scale_(flat, factor)
-        return self.split(flat, self.buckets[k].numels)
+        if k < self.nb:
+            self.ran.add(self.routes[k])
+            if self.average and self.coll.size != 1:
+                flat = self.ops.scale_(flat, 1.0 / self.coll.size)
+        return self.split(flat, self.groups[k][1])
 
     def result(self, k):
-        """Step 4 for bucket ``k``: its members' pieces, kept until :meth:`take` took each."""
-        pieces = self.pieces[k]
-        if pieces is None:
-            if self.pending[k] is None:
-                self.start_complete(wait=True)
-            if self.pending[k] is None:
-                self._start_through(k)
-            self._advance_all()
-            pieces = self.pieces[k] = self._finish(k)
-        return pieces
+        """Group ``k``'s members' pieces, kept until :meth:`take` took each. Every exchange started is
+        advanced before any is waited for; a plain group first finishes the started buckets (a
+        payload channel then queues their second phases without waiting)."""
+        if self.pieces[k] is None:
+            if k >= self.nb:
+                if self.complete:
+                    self.start_complete(wait=True)
+                self._advance_all()
+                for b in range(self.nb):
+                    if self.pending[b] is not None and self.left[b]:
+                        self.pieces[b] = self._finish(b)
+                if self.pending[k] is None:         # a member never arrived on this rank
+                    self._start(k)
+            else:
+                if self.pending[k] is None:
+                    self.start_complete(wait=True)
+                if self.pending[k] is None:
+                    self._start_through(k)
+                self._advance_all()
+            self.pieces[k] = self._finish(k)
+        return self.pieces[k]
+
+    def plain_result(self, j):
+        return self.result(self.nb + j)
 
     def take(self, k, n=1):
-        """``n`` members of bucket ``k`` have their pieces; the pieces go once every one has."""
+        """``n`` members of group ``k`` have their pieces; the pieces go once every one has."""
         self.left[k] -= n
         if self.left[k] <= 0:
             self.pieces[k] = None
 
+    def take_plain(self, j, n=1):
+        self.take(self.nb + j, n)
+
     def finish_started(self):
-        """Step 4 for every bucket: ``[(k, pieces)]`` of each started this step."""
+        """``[(k, pieces)]`` of every group started this step (what never arrived starts first),
+        every exchange advanced before any is finished."""
         self.start_complete(wait=True)
         started = [k for k, p in enumerate(self.pending) if p is not None]
         self._advance_all()
         return [(k, self._finish(k)) for k in started]
 
-    # -- plain groups ---------------------------------------------------------------------------
-    def arrive_plain(self, j, i, grad):
-        """Step 3 for plain group ``j``: the last member to arrive starts its allreduce."""
-        grads = self.plain_grads[j]
-        _keep(grads, i, grad, f"{self.plain_names[j]}[{i}]")
-        self.plain_arrived[j] += 1
-        if self.plain_arrived[j] == len(grads):
-            self._start_plain(j)
-
-    def _start_plain(self, j):
-        grads, sizes = self.plain_grads[j], self.plain_sizes[j]
-        flat = self._flat(grads, sizes, next(g for g in grads if g is not None))
-        n = sum(sizes)
-        self.traffic.add_allreduce(4 * n, n, self.coll.size)
-        op, pre, post = self.plain_op
-        self.plain_pending[j] = self.coll.allreduce_async(flat, self.plain_names[j], op, pre, post)
-        self.plain_left[j] = sum(g is not None for g in grads)
-        self.plain_grads[j] = [None] * len(grads)
-        self.plain_arrived[j] = 0
-
-    def plain_result(self, j):
-        """Step 4 for plain group ``j``. The complete buckets start and the started ones finish
-        first (a payload channel then queues their second phases without waiting)."""
-        pieces = self.plain_pieces[j]
-        if pieces is None:
-            if self.complete:
-                self.start_complete(wait=True)
-            self._advance_all()
-            for k, pending in enumerate(self.pending):
-                if pending is not None and self.left[k]:
-                    self.pieces[k] = self._finish(k)
-            if self.plain_pending[j] is None:       # a member never arrived on this rank
-                self._start_plain(j)
-            flat = self.coll.synchronize(self.plain_pending[j])
-            pieces = self.plain_pieces[j] = self.split(flat, self.plain_sizes[j])
-            self.plain_pending[j] = None
-        return pieces
-
-    def take_plain(self, j, n=1):
-        """As :meth:`take`, for plain group ``j``."""
-        self.plain_left[j] -= n
-        if self.plain_left[j] <= 0:
-            self.plain_pieces[j] = None
-
-    def plain_started(self):
-        """Indices of the plain groups whose allreduce is in flight."""
-        return [j for j, h in enumerate(self.plain_pending) if h is not None]
-
-
-def _keep(grads, i, grad, name):
-    if grads[i] is not None:
-        raise RuntimeError(f"hvd_quant: gradient {name!r} arrived twice before its result "
-                           f"(backward run twice without a step?)")
-    grads[i] = grad
-
 
 class AutoChoice:
     """``reduction="auto"``: which way a plan's compressed buckets travel, from measured step times.
 
-    The first steps follow a fixed schedule, the same on every rank: each candidate once to warm up
-    (plans, kernel compilation; not timed), then each candidate ``trials`` times, interleaved. A step's
-    time is the time from the end of the previous step to the end of this one (:meth:`end_step`, which
-    on CUDA first waits for the device), so it includes everything the reduction costs the step,
-    overlap included. Then every rank allgathers its median per candidate (:meth:`decide`, blocking,
-    once), and all take the candidate with the lowest mean over ranks, but a compressed way only where
-    it measured at least ``margin`` (10%) faster than Horovod's allreduce: step times on a busy host
-    vary by several percent (docs/EXCHANGE.md), so medians of five can put a way that is slower in the
-    steady state a few percent ahead. Ties go to the earlier candidate, Horovod's allreduce first. The
-    choice holds for every bucket of the plan until :meth:`reset` (the world size changed).
-    ``candidates``: :data:`CANDIDATES`, and ``"two_level"`` last where the ranks sit on several nodes
-    of several ranks each (:meth:`candidates_for`); the warm-up runs them in reverse order.
+    A fixed schedule, the same on every rank: each candidate once untimed (plans, compilation; in
+    reverse order), then each ``trials`` times interleaved, a step timed from the end of the one
+    before (:meth:`end_step`). Then every rank's medians are allgathered (:meth:`decide`) and all
+    take the lowest mean over ranks, a compressed way only where it measured at least ``margin``
+    faster than Horovod's allreduce (busy hosts vary by several percent; docs/EXCHANGE.md); ties go
+    to the earlier candidate. The choice holds until :meth:`reset` (another world).
     """
     CANDIDATES = (ALLREDUCE, "allgather", "sra")
 
@@ -344,8 +291,7 @@ class AutoChoice:
 
     @classmethod
     def candidates_for(cls, coll):
-        """:data:`CANDIDATES`, with ``"two_level"`` where ``coll`` offers two levels of several ranks
-        each (``Collectives.levels(probe=True)``: the same answer on every rank)."""
+        """:data:`CANDIDATES`, and ``"two_level"`` where ``coll.levels(probe=True)`` offers two levels."""
         levels = getattr(coll, "levels", None)
         if levels is not None and all(level is not None for level in levels(probe=True)):
             return cls.CANDIDATES + (TWO_LEVEL,)
@@ -369,12 +315,9 @@ class AutoChoice:
         return self.schedule[min(self.step, len(self.schedule) - 1)]
 
     def end_step(self, wait=None):
-        """Record the end of a step. True when the schedule is over and :meth:`decide` is due.
-
+        """Record the end of a step; True when the schedule is over and :meth:`decide` is due.
         ``wait``, called first while steps are timed, waits for the device's queued work (CUDA):
-        without it a way whose collectives leave the host free (a payload channel) is timed by its
-        launches, and the host running steps ahead of the GPU charges its work to the next
-        candidate."""
+        else the host, running ahead, charges a step's work to the next candidate."""
         if self.choice is not None:
             return False
         if wait is not None:
@@ -440,16 +383,11 @@ class AutoChoice:
 
 
 class Presence:
-    """Which ranks step this time, for Horovod's ``hvd.join()``.
-
-    A rank inside ``hvd.join()`` takes part in allreduces only (it contributes zeros); an alltoall or
-    allgather started while a rank has joined fails in Horovod 0.28.1, or crashes it. So in every step
-    that would exchange compressed buckets, each stepping rank adds 1 to a one-element Sum allreduce
-    (:meth:`start`, at its first gradient) and no compressed exchange starts before its result is
-    known (:meth:`known`). When it is less than the world size, some rank has joined, and this
-    step's buckets go through Horovod's allreduce instead (``absent``), as Horovod's own optimizer
-    does under ``hvd.join()``. ``one`` makes the host tensor holding 1 (a host tensor, so reading the
-    count never waits on a device stream).
+    """Which ranks step this time, for Horovod's ``hvd.join()``: a joined rank takes part in
+    allreduces only (Horovod 0.28.1 fails an alltoall or allgather then). In a step that would
+    exchange compressed buckets each stepping rank adds 1 to a one-element Sum allreduce (:meth:`start`)
+    and no exchange starts before the count is known (:meth:`known`); below the world size the
+    buckets go through Horovod's allreduce (:meth:`absent`). ``one`` makes the host tensor holding 1.
     """
 
     def __init__(self, name, one):
@@ -485,13 +423,8 @@ class Presence:
 
 
 def step_metrics(plan, traffic, routes, precision):
-    """What a frontend's last step did, as plain Python values (``step_metrics()`` of the frontends,
-    for logs and TensorBoard): ``sent`` bytes this rank sent and ``fp32`` what an fp32 ring allreduce
-    of the same gradients would have sent, their ``ratio``, ``exchange_s`` (seconds from the first
-    gradient handed to the exchange to the last result; None where not measured), ``reduction`` (how
-    the compressed buckets travelled), ``buckets`` (per bucket: ``name``, ``numel``, ``reduction``,
-    ``precision``: the codec's spec, or ``"fp32"`` when it went through Horovod's allreduce) and
-    ``uncompressed`` (the tensors Horovod allreduced as they are: ``tensors``, ``numel``)."""
+    """What a frontend's last step did, as plain Python values for logs (the keys: docs/EXCHANGE.md,
+    "Traffic"); a bucket's ``precision`` is the codec's spec, or ``"fp32"`` where it went by allreduce."""
     buckets = [{"name": b.header, "numel": b.numel, "reduction": r,
                 "precision": "fp32" if r == ALLREDUCE else precision}
                for b, r in zip(plan.buckets, routes)]

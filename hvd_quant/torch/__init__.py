@@ -1,11 +1,7 @@
 """PyTorch frontend: ``hvd_quant.torch.DistributedOptimizer``, ``ddp_comm_hook``, ``fsdp_reduce_scatter``
-and the torch side of the exchange.
-
-Attributes are imported on first use: ``DistributedOptimizer`` and ``OneBitAdam`` import
-``horovod.torch`` (without Horovod they raise an ImportError that says so), while ``ddp_comm_hook``
-and ``fsdp_reduce_scatter`` (torch.distributed) and the codecs (``hvd_quant.torch._backend.FRONTEND``:
-array adapters, ArrayOps) need no Horovod. Codecs passed to stock ``hvd.DistributedOptimizer(compression=...)``
-reach it through ``hvd_quant._stock``.
+and the torch side of the exchange. Attributes are imported on first use: ``DistributedOptimizer``
+and ``OneBitAdam`` need ``horovod.torch``; ``ddp_comm_hook``, ``fsdp_reduce_scatter`` and the codecs
+(``_backend.FRONTEND``) do not.
 """
 from .._lazy import lazy_exports
 from .. import _stock

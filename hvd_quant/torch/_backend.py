@@ -1,20 +1,11 @@
-"""The PyTorch frontend: :data:`FRONTEND`, the one object through which the core reaches torch
-(``hvd_quant.frontend.Frontend``, registered in ``hvd_quant.dispatch``):
-
-* the codecs' array adapters (:meth:`TorchFrontend.adapter`): CPU tensors through ``Tensor.numpy()``
-  (zero-copy); CUDA tensors as raw device pointers and torch's current raw stream handle, which the
-  prepared kernel launches take (a Numba device-array view only for the few dispatcher launches);
-  outputs from torch's caching allocator; float16 / bfloat16 / float64 inputs converted to float32
-  by torch first;
-* the exchange's :class:`~hvd_quant.exchange.ArrayOps` table (:data:`OPS`) and
-  :class:`~hvd_quant.exchange.Collectives` tables over ``horovod.torch`` (imported only when called),
-  whose collectives also take the handles of the payload groups (``payload_group.py``);
-* the stock path's interface (the frontend itself).
-
-Everything runs on the caller's device and on ``torch.cuda.current_stream()``; nothing reads a device
-value on the host except the one-off configuration handshake (``to_bytes``), the status word an
-exchange reads once per bucket name (``read_status``) and ``Codec.check_device_errors``. The
-module's functions below :data:`FRONTEND` are its bound methods, for the optimizer and the tests.
+"""The PyTorch frontend: :data:`FRONTEND` (a ``hvd_quant.frontend.Frontend``), through which the
+core reaches torch: the codecs' array adapters (CPU tensors through ``Tensor.numpy()``, zero-copy;
+CUDA tensors as raw device pointers and torch's current raw stream, which the prepared launches
+take), the exchange's :class:`~hvd_quant.exchange.ArrayOps` (:data:`OPS`) and
+:class:`~hvd_quant.exchange.Collectives` over ``horovod.torch`` (imported only when called; they
+also take the payload groups' handles), the stock path's primitives, and the plan's state in a
+checkpoint. Nothing reads a device value on the host but the handshake (``to_bytes``), a setup's
+status word (``read_status``, once per bucket name) and ``Codec.check_device_errors``.
 """
 import contextlib
 import functools
@@ -29,18 +20,16 @@ from numba_kernels.wire import HEADER_NBYTES, PayloadError
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
 from ..exchange import AVERAGE, ArrayOps, Collectives, handshake
 from ..frontend import Frontend, TensorInfo
+from ..plan import restore_residuals, save_residuals
 from .payload_group import GroupWork, PayloadGroup
 
 __all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec",
-           "sendable_dtype", "host_one", "wait_for", "payload_group"]
+           "sendable_dtype", "host_one", "wait_for", "payload_group", "save_state", "load_state"]
 
 
 def _flatten(tensors):
-    """A new float32 buffer holding ``tensors`` end to end (never a view of one: the exchange writes
-    into it). torch's ``_flatten_dense_tensors`` makes the views and the cat in one C++ call, far
-    cheaper than a detach, reshape and cast per tensor in Python for models of many small tensors;
-    it returns a lone tensor's own view, so one tensor is copied instead. Mixed dtypes promote (to
-    float32 at least, or float64) before the cast, so each element rounds as it would alone."""
+    """A new float32 buffer holding ``tensors`` end to end (never a view: the exchange writes into
+    it), in one C++ call; mixed dtypes promote before the cast, so each element rounds as alone."""
     if len(tensors) == 1:
         return tensors[0].detach().reshape(-1).to(torch.float32, copy=True)
     flat = _flatten_dense_tensors(tensors).detach()
@@ -52,13 +41,33 @@ def _to_like(t, like):
 
 
 def _mark(like):
-    """Host seconds for CPU tensors; for CUDA tensors an event recorded on the current stream of
-    ``like``'s device (where the payload was written and the result is read), never waited for."""
+    """Host seconds for CPU tensors; for CUDA ones an event on the current stream, never waited for."""
     if not like.is_cuda:
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(like.device))
     return event
+
+
+def save_state(step, config, memory, buckets, auto):
+    """The state of a PyTorch path's plan: step counter, codec, reduction, this rank's worker residuals
+    by tensor name, its server residuals by ``(bucket header, rank, size)``, ``auto``'s state."""
+    residuals, server = save_residuals(memory, buckets, OPS.clone) if memory is not None else ({}, {})
+    return {"step": step, "codec": config.codec.spec(), "reduction": config.reduction,
+            "residuals": residuals, "server_residuals": server,
+            "auto": None if auto is None else auto.state_dict()}
+
+
+def load_state(state, memory, buckets, auto, device):
+    """Restore :func:`save_state`'s ``auto`` and residuals (moved to ``device``); the step is the caller's."""
+    if auto is not None and state.get("auto") is not None:
+        auto.load_state_dict(state["auto"])
+    if memory is not None:
+        memory.clear()
+        restore_residuals(
+            memory, buckets, dict(state.get("residuals", {})),
+            {k: v for k, v in state.get("server_residuals", {}).items() if isinstance(k, tuple)},
+            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
 
 
 OPS = ArrayOps(
@@ -126,7 +135,9 @@ class TorchFrontend(Frontend):
             return out[0] if isinstance(out, tuple) else out      # alltoall: (received, splits)
 
         def poll(handle):
-            return handle.work.is_completed() if type(handle) is GroupWork else hvd.poll(handle)
+            if type(handle) is GroupWork:
+                return handle.work is None or handle.work.is_completed()
+            return hvd.poll(handle)
 
         return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
@@ -134,10 +145,8 @@ class TorchFrontend(Frontend):
                            levels=(lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None)
 
     def payload_group(self, process_set, device, label, record=None, what=None):
-        """:meth:`PayloadGroup.open <hvd_quant.torch.payload_group.PayloadGroup.open>` for one
-        optimizer's payloads on ``device``; ``record`` (the handshake record of ``what``, where no
-        handshake has compared the ranks yet) is compared first, under a name every rank shares, so
-        that ranks configured differently raise :class:`~hvd_quant.exchange.ConfigMismatchError`."""
+        """:meth:`PayloadGroup.open <hvd_quant.torch.payload_group.PayloadGroup.open>`; ``record`` (the
+        handshake record of ``what``, where none compared the ranks yet) is compared first."""
         check = None if record is None else functools.partial(
             handshake, self.collectives(process_set), OPS, record, what or label,
             name="hvdq.payload_group.handshake")
@@ -252,6 +261,10 @@ class TorchHostAdapter(HostAdapter):
         return t.reshape(shape)
 
 
+def _with_ptr(t):
+    return t, t.data_ptr()
+
+
 _TYPESTR = {torch.float32: "<f4", torch.uint8: "|u1", torch.int32: "<i4"}
 _VIEW_CACHE_MAX = 1024
 
@@ -289,9 +302,6 @@ class TorchCudaAdapter(DeviceAdapter):
             return contextlib.nullcontext()
         return self._cuda.gpus[x.device.index]
 
-    def _dev(self, t):
-        return t.data_ptr()
-
     def numba(self, t):
         ptr = t.data_ptr()
         key = (t.device.index, ptr, t.numel(), t.dtype)
@@ -308,27 +318,23 @@ class TorchCudaAdapter(DeviceAdapter):
         return d
 
     def constant_u32(self, values, like):
-        t = torch.from_numpy(np.asarray(values, np.uint32).view(np.int32)).to(like.device)
-        return t, t.data_ptr()
+        return _with_ptr(torch.from_numpy(np.asarray(values, np.uint32).view(np.int32)).to(like.device))
 
     def input_f32(self, x):
         if x.dtype == torch.float32 and x.is_contiguous():
             t = x
         else:
             t = _flat(x).to(torch.float32).contiguous()
-        return t, self._dev(t)
+        return _with_ptr(t)
 
     def new_bytes(self, nbytes, like):
-        t = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-        return t, self._dev(t)
+        return _with_ptr(torch.empty(nbytes, dtype=torch.uint8, device=like.device))
 
     def new_f32(self, numel, like):
-        t = torch.empty(numel, dtype=torch.float32, device=like.device)
-        return t, self._dev(t)
+        return _with_ptr(torch.empty(numel, dtype=torch.float32, device=like.device))
 
     def new_status(self, like):
-        t = torch.zeros(2, dtype=torch.int32, device=like.device)
-        return t, self._dev(t)
+        return _with_ptr(torch.zeros(2, dtype=torch.int32, device=like.device))
 
     def bytes_dev(self, payload):
         if not _payload(payload).is_contiguous():
@@ -351,7 +357,7 @@ class TorchCudaAdapter(DeviceAdapter):
             raise UnsupportedInputError("decode_into needs a contiguous float32 CUDA tensor; got "
                                         f"{type(out).__name__} {getattr(out, 'dtype', '')} "
                                         f"{getattr(out, 'device', '')}")
-        return self._dev(out), None
+        return out.data_ptr(), None
 
     def read_header(self, payload):
         return payload[:HEADER_NBYTES].cpu().numpy()
@@ -373,7 +379,7 @@ class TorchCudaAdapter(DeviceAdapter):
         vals = _raw_values(payload, HEADER_NBYTES, x.numel(), value_dtype)
         vals.copy_(_flat(x))
         payload[HEADER_NBYTES + vals.nbytes:].zero_()
-        return self._dev(payload)
+        return payload.data_ptr()
 
     def raw_residual(self, x, payload, value_dtype, residual):
         vals = _raw_values(payload, HEADER_NBYTES, x.numel(), value_dtype)

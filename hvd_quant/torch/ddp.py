@@ -1,30 +1,21 @@
 """``hvd_quant.torch.ddp_comm_hook``: the codecs for ``torch.nn.parallel.DistributedDataParallel``.
 
-DDP hands each bucket of gradients to a communication hook (``model.register_comm_hook(state,
-hook)``) and waits for the futures the hook returned once backward has ended. This hook runs DDP's
-gradients through the plan, scheduler and exchange of ``hvd_quant.torch.DistributedOptimizer``, with
-``torch.distributed`` collectives (:func:`collectives`, Gloo or NCCL) in place of Horovod's:
+DDP hands each bucket of gradients to a communication hook and waits for the futures it returned
+once backward has ended. This hook runs DDP's gradients through the plan, scheduler and exchange of
+``hvd_quant.torch.DistributedOptimizer``, on ``torch.distributed`` collectives (:func:`collectives`):
 
-1. The first step plans the gradients (``hvd_quant.plan``). Its buckets are held until DDP's last one
-   (``bucket.is_last()``); then each parameter is named by its place in that step's bucket layout
-   (``p0``, ``p1``, ...: DDP's first layout is the same in every run of the same model and DDP
-   arguments), compressible gradients are fused into buckets of at most ``bucket_bytes`` in the order
-   DDP handed them over, the others into plain groups, and every rank checks through one blocking
-   allgather that every rank made the same plan (ranks configured differently raise
-   :class:`~hvd_quant.ConfigMismatchError`). The plan belongs to the parameters, not to DDP's
-   buckets: DDP's rebuild of its buckets after the first step changes nothing here, and residuals,
-   seeded noise and checkpoints keep their keys.
-2. From then on each DDP bucket's gradients arrive at the scheduler
-   (:class:`~hvd_quant.scheduler.StepScheduler`) as views of the bucket's buffer; a planned bucket
-   starts its exchange as soon as its last member has arrived, while backward goes on.
-3. At DDP's last bucket every started exchange is advanced, then finished and averaged, and the
-   results are written into the buffers of the step's DDP buckets, whose futures are then complete.
+1. The first step holds its buckets until DDP's last one, then names each parameter by its place in
+   that step's layout (``p0``, ``p1``, ...: the same in every run), plans them in DDP's order and
+   checks that every rank made the same plan (one blocking allgather). The plan belongs to the
+   parameters: DDP's rebuild of its buckets changes neither buckets nor residuals' keys.
+2. Then each DDP bucket's gradients arrive at the scheduler as views of its buffer; a planned bucket
+   starts its exchange once its last member has arrived, while backward goes on.
+3. At DDP's last bucket every started exchange is advanced, then finished, and the averaged results
+   are written into the step's DDP buffers, whose futures then complete.
 
-``warmup_steps``, and steps where ``reduction="auto"`` runs (or chose) fp32 allreduce, reduce each
-bucket as DDP itself does, to the bit (buffer * (1/N), then a Sum allreduce). While ``auto`` times
-its candidates, such a step waits for its allreduces at DDP's last bucket, as an exchange does, so
-that each step's time holds its own communication and not the step before's. Buckets whose dtype is
-not floating point take that allreduce too; a process group of one rank gets its buffer back as it is.
+Warm-up, and steps where ``auto`` runs or chose fp32 allreduce, reduce each bucket as DDP does, to
+the bit (buffer * (1/N), then a Sum allreduce; waited for at the last bucket while ``auto`` times
+its candidates); so do buckets that are not floating point.
 """
 import gc
 import os
@@ -39,7 +30,8 @@ from ..codecs import resolve_codec
 from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Exchange, Traffic, handshake
 from ..memory import Memory
 from ..scheduler import StepScheduler, step_metrics
-from ._backend import OPS, wait_for
+from ._backend import FRONTEND, OPS, load_state, save_state, wait_for
+from .payload_group import GroupWork
 
 __all__ = ["ddp_comm_hook", "DDPCommState", "collectives", "shutdown"]
 
@@ -48,34 +40,13 @@ _PREFIX = "hvdq.ddp"
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class _Work:
-    """A torch.distributed collective in flight: ``wait()`` gives its result, after ``post``."""
-    __slots__ = ("work", "out", "post")
-
-    def __init__(self, work, out, post=None):
-        self.work, self.out, self.post = work, out, post
-
-    def wait(self):
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        if self.post is not None:
-            self.out, self.post = self.post(self.out), None
-        return self.out
-
-
 def collectives(process_group=None):
     """The exchange's :class:`~hvd_quant.exchange.Collectives` over a ``torch.distributed`` process
-    group (default: the world).
-
-    Its collectives match across ranks by order, not by name, so the caller issues them in one order
-    on every rank: the scheduler does, given hooks that come in DDP's bucket order. It has no
-    ``poll``: an SRA exchange polled while backward runs would start its second phase at a moment,
-    and so in an order, that differs between ranks. ``allgather_async`` pads each payload to the
-    longest, its lengths given by the caller (the exchange) or gathered first (one small blocking
-    allgather); ``alltoall_async`` takes
-    the received lengths to be this rank's split on every rank (the plans are equal: the handshake
-    checks). On NCCL, host tensors (the handshake, auto's record) travel on the current CUDA device.
+    group (default: the world). Its collectives match by order, so the caller issues them in one
+    order on every rank; it has no ``poll`` (a second phase started while backward runs would start
+    in an order that differs between ranks). ``allgather_async`` pads each payload to the longest
+    (lengths from the caller, or gathered first: a blocking allgather); ``alltoall_async`` takes
+    the received lengths to be this rank's split. On NCCL, host tensors travel on the current device.
     """
     pg = process_group if process_group is not None else dist.group.WORLD
     rank, size = dist.get_rank(pg), dist.get_world_size(pg)
@@ -100,22 +71,22 @@ def collectives(process_group=None):
         out = t.new_empty(each * size)
         work = _all_gather_single(out, t, group=pg, async_op=True)
         if all(s == each for s in sizes):
-            return _Work(work, out)
-        return _Work(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
+            return GroupWork(work, out)
+        return GroupWork(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
 
     def alltoall_async(t, splits, name):
         mine = int(splits[rank])
         out = t.new_empty(mine * size)
         work = dist.all_to_all_single(out, t, [mine] * size, [int(s) for s in splits], group=pg,
                                       async_op=True)
-        return _Work(work, out)
+        return GroupWork(work, out)
 
     def allreduce_async(t, name, op=AVERAGE, prescale_factor=1.0, postscale_factor=1.0):
         if prescale_factor != 1.0:
             t.mul_(prescale_factor)
         work = dist.all_reduce(t, group=pg, async_op=True)
         factor = postscale_factor / size if op == AVERAGE else postscale_factor
-        return _Work(work, t, None if factor == 1.0 else lambda o: o.mul_(factor))
+        return GroupWork(work, t, None if factor == 1.0 else lambda o: o.mul_(factor))
 
     return Collectives(rank=rank, size=size, allgather_async=allgather_async,
                        alltoall_async=alltoall_async, allreduce_async=allreduce_async,
@@ -149,7 +120,7 @@ class DDPCommState:
         self._coll = None
         self._plan = self._sched = None
         self._exchanges = {}            # route -> Exchange
-        self._spots = {}                # id(parameter) -> (plain?, bucket or group, member)
+        self._spots = {}                # id(parameter) -> (the scheduler's group, member)
         self._params = ()               # the planned parameters (their ids key _spots)
         self._layout = []               # the first step's DDP buckets' parameters, until planned
         self._held = []                 # this step's (future, buffer, parameters) for the scheduler
@@ -214,8 +185,7 @@ class DDPCommState:
             if spot is None:
                 raise RuntimeError("hvd_quant: DDP handed ddp_comm_hook a parameter it did not hand over "
                                    "in the first step; make a new hook state for another model")
-            plain, k, i = spot
-            (sched.arrive_plain if plain else sched.arrive)(k, i, buf[off:off + n])
+            sched.arrive(*spot, buf[off:off + n])
             off += n
         if off != buf.numel():
             raise RuntimeError(f"hvd_quant: a DDP bucket of {buf.numel()} elements holds parameters of "
@@ -250,14 +220,10 @@ class DDPCommState:
             for fut, buf, _ in held:
                 fut.set_result(self._allreduce(buf).wait())
             return
-        sched, out = self._sched, {}
+        out, nb = {}, len(self._plan.buckets)
         scale = 1.0 / self._coll.size   # the buckets' sums, averaged as they are written back
-        for k, pieces in sched.finish_started():
-            out.update((i, (piece, scale)) for i, piece in zip(self._bucket_ids[k], pieces))
-        for j in sched.plain_started():
-            pieces = sched.plain_result(j)
-            out.update((i, (piece, None)) for i, piece in zip(self._plain_ids[j], pieces))
-            sched.take_plain(j, len(pieces))
+        for k, pieces in self._sched.finish_started():
+            out.update((i, (piece, scale if k < nb else None)) for i, piece in zip(self._group_ids[k], pieces))
         for fut, buf, params in held:
             off = 0
             for p in params:
@@ -281,14 +247,12 @@ class DDPCommState:
         groups = _plan.plain_groups(plan, [True] * len(ordered), self.config.bucket_bytes)
         handshake(self._coll, OPS, plan.record, "hvd_quant.torch.ddp_comm_hook", name=HANDSHAKE_NAME)
         self._params = tuple(params)
-        self._bucket_ids = [[id(ordered[i]) for i in b.members] for b in plan.buckets]
-        self._plain_ids = [[id(ordered[i]) for i in g] for g in groups]
-        self._spots = {pid: (False, k, i) for k, ids in enumerate(self._bucket_ids) for i, pid in enumerate(ids)}
-        self._spots.update({pid: (True, j, i) for j, ids in enumerate(self._plain_ids) for i, pid in enumerate(ids)})
+        self._group_ids = [[id(ordered[i]) for i in m] for m in [b.members for b in plan.buckets] + groups]
+        self._spots = {pid: (k, i) for k, ids in enumerate(self._group_ids) for i, pid in enumerate(ids)}
         sched = StepScheduler(
             plan, [(f"{_PREFIX}.plain.{j}", [ordered[i].numel() for i in g]) for j, g in enumerate(groups)],
             ops=OPS, exchange_for=self._exchange_for, traffic=self.traffic,
-            numbering=lambda b: (self.step, None), split=lambda flat, sizes: flat.split(sizes),
+            numbering=lambda b: (self.step, None), split=FRONTEND.split,
             average=False, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
             wait_device=lambda: wait_for(params[0].device))
         sched.bind(self._coll)
@@ -323,14 +287,8 @@ class DDPCommState:
     def state_dict(self):
         if self._plan is None and self._loaded is not None:
             return dict(self._loaded, step=self.step)
-        residuals, server = {}, {}
-        if self.memory is not None and self._plan is not None:
-            residuals, server = _plan.save_residuals(self.memory, self._plan.buckets,
-                                                     lambda t: t.detach().clone())
-        auto = self._sched.auto if self._sched is not None else None
-        return {"step": self.step, "codec": self.codec.spec(), "reduction": self.config.reduction,
-                "residuals": residuals, "server_residuals": server,
-                "auto": None if auto is None else auto.state_dict()}
+        return save_state(self.step, self.config, self.memory, () if self._plan is None else self._plan.buckets,
+                          None if self._sched is None else self._sched.auto)
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict`'s output; before the first step it is kept until the plan is
@@ -343,16 +301,7 @@ class DDPCommState:
         if self._plan is None:
             self._loaded = state
             return
-        if self._sched.auto is not None and state.get("auto") is not None:
-            self._sched.auto.load_state_dict(state["auto"])
-        if self.memory is None:
-            return
-        self.memory.clear()
-        device = self._params[0].device
-        _plan.restore_residuals(
-            self.memory, self._plan.buckets, dict(state.get("residuals", {})),
-            {k: v for k, v in state.get("server_residuals", {}).items() if isinstance(k, tuple)},
-            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
+        load_state(state, self.memory, self._plan.buckets, self._sched.auto, self._params[0].device)
 
 
 def _hook(state, bucket):

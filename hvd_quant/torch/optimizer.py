@@ -1,33 +1,14 @@
 """``hvd_quant.torch.DistributedOptimizer``: Horovod's optimizer with a compressed gradient exchange.
 
-The wrapper follows ``horovod.torch.DistributedOptimizer`` (same arguments, same dynamic subclass of
-the user's optimizer, same hooks, ``synchronize()`` / ``skip_synchronize()`` / ``step()`` /
-``zero_grad()`` rules) and changes what happens to a gradient once it is ready:
-
-1. At construction the gradients are planned (:func:`hvd_quant.plan.make_plan`): 1-D tensors and
-   those below ``min_compress_numel`` go through plain ``hvd.allreduce`` (float32 ones fused into
-   plain groups, one allreduce of a flat buffer each); the others are fused into buckets of at most
-   ``bucket_bytes`` of float32 in reverse parameter order (the order backward produces them), or as
-   ``groups`` says. One blocking allgather checks that every rank made the same plan with the same
-   codec: ranks configured differently raise :class:`hvd_quant.exchange.ConfigMismatchError`.
-2. A gradient hook hands each ready gradient to the step's
-   :class:`hvd_quant.scheduler.StepScheduler`; a bucket's last gradient starts its exchange
-   (``sra`` or ``allgather``), overlapping with the rest of backward.
-3. ``synchronize()`` starts what is missing, advances every bucket to its last phase, then finishes
-   each and divides by N for ``op=hvd.Average``; each float32 ``p.grad`` becomes a view of its
-   bucket's result (as DDP's ``gradient_as_bucket_view``; the buffer is rewritten by the next
-   step's exchange, after that step's gradients were read), other dtypes get a copy.
-
-For the first ``warmup_steps`` steps every gradient goes through plain full-precision allreduce.
-Error-feedback residuals are saved by ``state_dict()`` under ``"hvd_quant"``, keyed by parameter
-name (SRA's "server" residuals per ``(bucket, rank, size)``), and restored by ``load_state_dict()``,
-so ``hvd.elastic.TorchState`` carries them. Ranks agree on the step counter (the largest) at their
-first gradient, so a rank resumed from a checkpoint and fresh ranks warm up alike.
-
-As in Horovod: a sparse gradient goes through ``hvd.sparse_allreduce_async`` uncompressed unless
-``sparse_as_dense`` (in a compressed bucket its slot carries zeros); ``step()`` called by
-``hvd.broadcast_optimizer_state`` steps the wrapped optimizer only (docs/EXCHANGE.md, "Horovod's
-usage patterns").
+It follows ``horovod.torch.DistributedOptimizer`` (same arguments, dynamic subclass of the user's
+optimizer, hooks, ``synchronize()`` / ``skip_synchronize()`` / ``step()`` / ``zero_grad()`` rules)
+and changes what happens to a ready gradient: at construction the gradients are planned
+(:func:`hvd_quant.plan.make_plan`) and every rank checks that all made the same plan; each hook
+hands its gradient to a :class:`hvd_quant.scheduler.StepScheduler`; ``synchronize()`` finishes every
+bucket and plain group and each float32 ``p.grad`` becomes a view of its group's result (as DDP's
+``gradient_as_bucket_view``; rewritten by the next step's exchange), other dtypes get a copy.
+Warm-up, error feedback in ``state_dict()``, the step counter agreed between ranks, sparse gradients
+and ``broadcast_optimizer_state``: docs/EXCHANGE.md.
 """
 import os
 import sys
@@ -99,13 +80,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._memory = Memory(_backend.OPS) if self.error_feedback else None
         self._coll = None             # the process set's Collectives, once connected
         self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")
-        self._handles = {}           # param -> per-tensor allreduce handle (or callable for sparse)
+        self._handles = {}           # param -> its own allreduce's handle (a callable for sparse)
         self._launched = set()       # params whose gradient was handed to an exchange or allreduce
         self._grad_accs = []
         self._requires_update = set()
         self._synchronized = False
         self._should_synchronize = True
-        self._step = 0               # completed synchronizations: warmup and the noise key
+        self._step = 0               # completed synchronizations: warm-up and the noise key
         self._step_agreed = False    # ranks take the largest counter at their first exchange
         self._traffic = Traffic()    # this step so far
         self.last_traffic = Traffic()  # the last completed step
@@ -133,24 +114,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         plan = self._grad_plan = _plan.make_plan(self.config, tensors, groups, prefix=self._prefix)
         self._buckets = plan.buckets
         self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
-        self._p_bucket = {p: (k, m) for k, ps in enumerate(self._bucket_params) for m, p in enumerate(ps)}
         # The float32 gradients left uncompressed (1-D and small) are fused as well, into plain
         # groups of the same size in reverse order: one Horovod allreduce of a flat buffer per group,
         # whose views become their .grad, instead of one call per tensor.
         plain = _plan.plain_groups(plan, [p.dtype == torch.float32 for p in params],
                                    self.config.bucket_bytes)
-        self._plain = [[params[i] for i in g] for g in plain]
-        self._p_plain = {p: (j, m) for j, ps in enumerate(self._plain) for m, p in enumerate(ps)}
-        self._bucket_shapes = [b.shapes for b in self._buckets]
-        self._plain_shapes = [[tuple(p.shape) for p in ps] for ps in self._plain]
+        # the scheduler's groups: the buckets, then the plain groups
+        self._group_params = self._bucket_params + [[params[i] for i in g] for g in plain]
+        self._group_shapes = [[tuple(p.shape) for p in ps] for ps in self._group_params]
+        self._spots = {p: (k, m) for k, ps in enumerate(self._group_params) for m, p in enumerate(ps)}
         pre, post = self.config.allreduce_factors()
         presence = (Presence(f"{self._prefix}.present", _backend.host_one)
                     if self.process_set.process_set_id == 0 else None)   # hvd.join() is global
         self._sched = StepScheduler(
-            plan, [(f"{self._prefix}.plain.{j}", [p.numel() for p in ps])
-                   for j, ps in enumerate(self._plain)],
+            plan, [(f"{self._prefix}.plain.{j}", [params[i].numel() for i in g])
+                   for j, g in enumerate(plain)],
             ops=_backend.OPS, exchange_for=self._exchange_for, traffic=self._traffic,
-            numbering=lambda b: (self._step, None), split=lambda flat, sizes: flat.split(sizes),
+            numbering=lambda b: (self._step, None), split=_backend.FRONTEND.split,
             average=self.op == _plan.AVERAGE, plain_op=(self.op, pre, post), name=self._prefix,
             label="hvd_quant", presence=presence, wait_device=self._wait_device)
 
@@ -167,7 +147,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for ex in self._exchanges.values():
             ex.coll = coll
         self._sched.bind(coll)          # another world: routes and auto start over
-        self._sched.channel = (coll, self._payload_group())
+        # CUDA payloads travel on process groups of this optimizer's own (from a route's second step)
+        self._sched.channel = (coll, _backend.payload_group(
+            self.process_set, self._bucket_params[0][0].device, self._prefix) if self._buckets else None)
 
     def _exchange_for(self, reduction):
         ex = self._exchanges.get(reduction)
@@ -178,16 +160,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 prefix=self._prefix, reuse_result=True)
             ex.traffic = self._traffic
         return ex
-
-    def _payload_group(self):
-        """CUDA buckets' payloads travel on process groups of this optimizer's own, for this world
-        (``payload_group.PayloadGroup``), whose collectives match by order (the scheduler then starts
-        the buckets in plan order), from a route's second step on. None: Horovod's alltoall and
-        allgather."""
-        if not self._buckets:
-            return None
-        return _backend.payload_group(self.process_set, self._bucket_params[0][0].device,
-                                      self._prefix)
 
     # -- hooks --------------------------------------------------------------------------------------
     def _register_hooks(self):
@@ -213,16 +185,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._ready(p)
         return hook
 
-    def _in_warmup(self):
-        return self._step < self.warmup_steps
-
     def _agree_step(self, device):
-        """Once per binding to the process set, at the first gradient: every rank takes the largest
-        step counter. A rank resumed from a checkpoint (``load_state_dict`` restores the counter,
-        ``broadcast_optimizer_state`` does not carry it) and ranks that start fresh then agree on
-        warm-up (plain allreduce or exchange: they must match) and on the noise key. Where the
-        counters differed, ``reduction="auto"`` starts measuring again on every rank (a resumed
-        rank's choice is not the fresh ones')."""
+        """Once per binding, at the first gradient: every rank takes the largest step counter, so a
+        rank resumed from a checkpoint (``broadcast_optimizer_state`` does not carry the counter) and
+        fresh ones agree on warm-up and the noise key; where they differed, ``auto`` measures again."""
         self._step_agreed = True
         if self._coll.size > 1:
             t = torch.tensor([self._step, -self._step], dtype=torch.int64, device=device)
@@ -240,41 +206,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._connect()             # the first gradient of a step: the world may have changed
             if not self._step_agreed:
                 self._agree_step(p.device)
-            self._compress_now = self._sched.begin_step(compress=not self._in_warmup())
+            self._compress_now = self._sched.begin_step(compress=self._step >= self.warmup_steps)
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
-        spot = self._p_plain.get(p)
-        if spot is not None:
-            if p.grad.is_sparse and not self.sparse_as_dense:
-                self._launch_plain(p)       # its slot in the group carries zeros (_bucket_grad)
-            self._sched.arrive_plain(*spot, self._bucket_grad(p))
-            return
-        spot = self._p_bucket.get(p)
-        if spot is None or not self._compress_now:
-            self._launch_plain(p)
+        spot = self._spots.get(p)
+        if spot is None or not (self._compress_now or spot[0] >= len(self._buckets)):
+            self._launch_plain(p)       # not float32, or its bucket goes by allreduce this step
             return
         if p.grad.is_sparse and not self.sparse_as_dense:
-            # Horovod's sparse allreduce, uncompressed, as for a tensor outside the buckets; the bucket
-            # keeps the layout every rank planned, with zeros in this slot, and its result there is
-            # ignored (synchronize skips parameters that have a handle).
+            # Horovod's sparse allreduce, uncompressed; the group keeps the layout every rank
+            # planned, with zeros in this slot, and its result there is ignored (_hand_out).
             self._launch_plain(p)
-        self._sched.arrive(*spot, self._bucket_grad(p))
-
-    def _bucket_grad(self, q):
-        """What ``q`` puts into its bucket: its gradient, densified if sparse (``sparse_as_dense``), or
-        zeros when the sparse gradient went through Horovod's sparse allreduce."""
-        if q in self._handles:
-            return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        return q.grad.to_dense() if q.grad.is_sparse else q.grad
+            grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        else:
+            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        self._sched.arrive(*spot, grad)
 
     def _hand_out(self, params, shapes, pieces):
-        """Each of ``params`` gets its piece (of a bucket's or plain group's result, in their order)
-        as its gradient: float32 ``p.grad`` become views of it (as DDP's gradient_as_bucket_view),
-        other dtypes copies; sparse gradients reduced by Horovod's sparse allreduce (in ``_handles``)
-        are left to it. The planned ``shapes`` are tuples (``p.shape`` makes a new ``torch.Size``),
-        and a piece that already has its shape is not viewed again: this runs for every parameter
-        at every step."""
+        """Each of ``params`` gets its piece of a group's result as its gradient: float32 ``p.grad``
+        a view, other dtypes a copy; those in ``_handles`` (sparse) are left to Horovod. Runs for
+        every parameter every step: ``shapes`` are planned tuples, and a piece of the right shape is
+        not viewed again."""
         handles = self._handles
         for p, shape, piece in zip(params, shapes, pieces):
             if handles and p in handles:
@@ -301,8 +254,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pre, post = self.config.allreduce_factors()
         self._traffic.add_allreduce(tensor.numel() * tensor.element_size(), tensor.numel(),
                                     self._coll.size)
-        handle = self._coll.allreduce_async(tensor, name, self.op, pre, post)
-        self._handles[p] = (handle, tensor)
+        self._handles[p] = self._coll.allreduce_async(tensor, name, self.op, pre, post)
 
     # -- synchronize / step ---------------------------------------------------------------------------
     def synchronize(self):
@@ -315,25 +267,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._ready(p)
         sched = self._sched
         for k, pieces in sched.finish_started():
-            self._hand_out(self._bucket_params[k], self._bucket_shapes[k], pieces)
-        for j in sched.plain_started():
-            self._hand_out(self._plain[j], self._plain_shapes[j], sched.plain_result(j))
-            sched.take_plain(j, len(self._plain[j]))
+            self._hand_out(self._group_params[k], self._group_shapes[k], pieces)
         for p, h in self._handles.items():
-            if callable(h):
-                p.grad.zero_().add_(h())
-                continue
-            handle, tensor = h
-            out = hvd.synchronize(handle)
+            out = h() if callable(h) else hvd.synchronize(h)        # callable: a sparse allreduce
             if p.grad.is_sparse:
-                p.grad.zero_().add_(out.to_sparse())
+                p.grad.zero_().add_(out if out.is_sparse else out.to_sparse())
             elif out is not p.grad:
                 p.grad.copy_(out)
         self._handles.clear()
         self._launched.clear()
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-        sched.end_step(timed=not self._in_warmup())
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
+        sched.end_step(timed=self._step >= self.warmup_steps)
         self._step += 1
         if self._t_first is not None:
             self._traffic.seconds = time.perf_counter() - self._t_first
@@ -358,9 +302,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         if _initialising_state():
-            # Horovod's broadcast_optimizer_state() creates the state of a fresh optimizer with one
-            # local step on zero gradients, on the ranks whose state is empty only; for Horovod's own
-            # optimizer it calls the wrapped optimizer's step() directly. Do the same: no exchange.
+            # on the ranks with empty state only: step the wrapped optimizer, as Horovod does
             return super(self.__class__, self).step(closure)
         if self._should_synchronize:
             if self._synchronized:
@@ -406,14 +348,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
         state = super(self.__class__, self).state_dict(*args, **kwargs)
-        residuals, server = {}, {}
-        if self._memory is not None:
-            residuals, server = _plan.save_residuals(self._memory, self._buckets,
-                                                     lambda t: t.detach().clone())
-        state[_STATE_KEY] = {"step": self._step, "codec": self.codec.spec(),
-                             "reduction": self.reduction, "residuals": residuals,
-                             "server_residuals": server,
-                             "auto": None if self._sched.auto is None else self._sched.auto.state_dict()}
+        state[_STATE_KEY] = _backend.save_state(self._step, self.config, self._memory, self._buckets,
+                                                self._sched.auto)
         return state
 
     def load_state_dict(self, state_dict, *args, **kwargs):
@@ -424,23 +360,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sched.clear_step()
         self._synchronized = False
         self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
         super(self.__class__, self).load_state_dict(state_dict, *args, **kwargs)
         if ours is None:
             return
         self._step = int(ours.get("step", 0))
-        if self._sched.auto is not None and ours.get("auto") is not None:
-            self._sched.auto.load_state_dict(ours["auto"])
-        if self._memory is None:
-            return
-        self._memory.clear()
         device = next((ps[0].device for ps in self._bucket_params), torch.device("cpu"))
-        _plan.restore_residuals(
-            self._memory, self._buckets, dict(ours.get("residuals", {})),
-            {k: v for k, v in ours.get("server_residuals", {}).items() if isinstance(k, tuple)},
-            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
-        if self._coll is not None:
+        _backend.load_state(ours, self._memory, self._buckets, self._sched.auto, device)
+        if self._coll is not None and self._memory is not None:
             self._connect()
 
 
@@ -462,40 +389,30 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          warmup_steps=0, error_feedback=None, compress_1d=False):
     """Wrap ``optimizer`` so that gradients are averaged across ranks with a compressed exchange.
 
-    Same arguments and behaviour as ``horovod.torch.DistributedOptimizer`` (named_parameters,
-    compression, backward_passes_per_step, op, gradient_predivide_factor, num_groups/groups,
-    sparse_as_dense, process_set), plus:
+    Horovod's arguments (named_parameters, compression, backward_passes_per_step, op,
+    gradient_predivide_factor, num_groups/groups, sparse_as_dense, process_set) mean what they mean
+    in ``horovod.torch.DistributedOptimizer``; ``op=hvd.Adasum`` is refused. Besides:
 
     Arguments:
-        compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ``hvd_quant.OneBit()``, ...), a
-            spec string (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``.
-            Default: no compression (plain Horovod allreduce).
-        reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"`` or ``"sra"``, and
-            ``"two_level"`` where there are several nodes of several ranks, whichever measured the
-            fastest step in the first steps, the same on every rank, logged once on rank 0;
-            :class:`hvd_quant.scheduler.AutoChoice`), ``"sra"`` (scatter-reduce-allgather with
-            requantization; traffic flat in the number of ranks), ``"allgather"`` (each rank
-            decodes every rank's payload; one quantization) or ``"two_level"`` (several ranks per
-            node: fp32 inside each node, the codec only between nodes; needs
-            ``hvd.init(process_sets="dynamic")`` or the nodes' process sets; docs/EXCHANGE.md).
-        bucket_bytes: compressed gradients are fused into buckets of at most this many float32 bytes,
-            in reverse parameter order (a larger tensor is a bucket alone; the last bucket's last
-            tensors, up to an eighth of this, travel in a bucket of their own); 0: one bucket. Default
-            25 MiB.
-        min_compress_numel: gradients with fewer elements go uncompressed through Horovod's
-            allreduce (float32 ones fused into groups of ``bucket_bytes``), as do 1-D gradients
-            unless ``compress_1d=True``. Default 1024.
+        compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ...), a spec string
+            (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``. Default: none.
+        reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"``, ``"sra"`` or,
+            on several nodes of several ranks, ``"two_level"``, whichever gave the fastest steps
+            at the start, the same on every rank; :class:`hvd_quant.scheduler.AutoChoice`),
+            ``"sra"`` (scatter-reduce-allgather: traffic flat in the number of ranks),
+            ``"allgather"`` (one quantization) or ``"two_level"`` (fp32 inside each node, the
+            codec between nodes; needs ``hvd.init(process_sets="dynamic")`` or the nodes' sets).
+        bucket_bytes: compressed gradients are fused into buckets of at most this many float32
+            bytes, in reverse parameter order (the last bucket's last tensors, up to an eighth of
+            it, travel alone); 0: one bucket. Default 25 MiB.
+        min_compress_numel: smaller gradients go uncompressed through Horovod's allreduce (float32
+            ones fused into groups of ``bucket_bytes``), as do 1-D ones unless ``compress_1d``.
         warmup_steps: full-precision allreduce for this many first steps. Default 0.
         error_feedback: keep each rank's quantization residual and add it to the next gradient.
             Default: what the codec wants (``OneBit``: yes; ``QSGD``: no).
 
-    ``op=hvd.Adasum`` is refused (Adasum needs dot products of full gradients). Every rank must be
-    configured identically; otherwise every rank raises ``ConfigMismatchError`` at construction.
-    The last step's traffic is ``optimizer.bytes_per_step()``.
+    Ranks configured differently raise ``ConfigMismatchError`` at construction. Example::
 
-    Example::
-
-        import horovod.torch as hvd, hvd_quant, hvd_quant.torch
         opt = hvd_quant.torch.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
             compression=hvd_quant.QSGD(bits=4))

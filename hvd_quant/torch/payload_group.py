@@ -21,29 +21,14 @@ class PayloadGroup:
     optimizer's compressed payloads (:meth:`open`): the channel an
     :class:`~hvd_quant.exchange.Exchange` takes instead of Horovod's alltoall and allgather.
 
-    Why: Horovod 0.28.1 allocates an allgather's output on its background thread and orders its GPU
-    stream after an event recorded there on the device's default stream, the one training runs on
-    (``TorchOpContext::AllocateOutput``); as the host runs ahead of the GPU, each allgather starts when
-    backward reaches what the host had queued by then, not when its bucket is encoded. And a Horovod
-    collective that depends on another waits for Horovod's next cycle, which SRA's second phase does
-    at every bucket (docs/RESULTS.md, "Two GPUs, fourth session"). A collective of these groups, on an
-    output allocated here on the caller's stream, is ordered after the bucket's encode and nothing
-    else, and the stream, not the host, waits for its result. Made collectively (a TCP store on the
-    set's rank 0, whose address, :func:`_store_host`, travels by Horovod broadcast). Two groups,
-    because their collectives match by order: ``first`` carries each bucket's first collective (SRA's
-    alltoall, the allgather reduction's allgather), which the caller starts in plan order on every
-    rank; ``second`` carries SRA's allgathers of the reduced chunks, which the exchange starts in the
-    order of the alltoalls (:meth:`~hvd_quant.exchange.Exchange.advance`), whenever each rank gets to
-    them.
-
-    A route's first step in a world goes through Horovod's collectives, not the groups (the
-    optimizers' payload channel): with CUDA's lazy module loading (the default) a kernel's first
-    launch may wait for every kernel running on the device, while a collective of these groups,
-    started as soon as its bucket is encoded, spins until the peers start theirs; the two groups and
-    Horovod's communicator start their collectives in orders that differ between ranks, so two ranks
-    each loading a kernel, each with a collective spinning for the other, would wait forever
-    (docs/RESULTS.md, "ResNet-50 with SRA hung on the payload groups"). Horovod's collectives start
-    only when every rank has asked, in one order; after a route's first step its kernels are loaded.
+    Horovod 0.28.1 orders an allgather after what the host had queued on the default stream when its
+    background thread allocated the output, and a dependent collective waits for its next cycle; a
+    collective here is ordered after the bucket's encode alone, and the stream, not the host, waits
+    for it (docs/EXCHANGE.md, "The reductions"). Their collectives match by order: ``first`` carries
+    each bucket's first collective (started in plan order), ``second`` SRA's allgathers of the
+    reduced chunks (in the order of the alltoalls, :meth:`~hvd_quant.exchange.Exchange.advance`).
+    A route's first step in a world goes through Horovod instead: a kernel's first (lazy) load may
+    wait for a collective spinning on the device, and ranks would wait for each other for ever.
     """
 
     def __init__(self, store, process_set, backend, device):
@@ -72,19 +57,12 @@ class PayloadGroup:
 
     @classmethod
     def open(cls, process_set, device, label, handshake=None):
-        """The channel of an :class:`~hvd_quant.exchange.Exchange` for one optimizer's payloads on
-        ``device`` (``label``: the optimizer's collective prefix), made now, its NCCL communicators
-        included; None where :data:`PAYLOAD_GROUP` has no backend for the device type, or on every
-        rank where rank 0's ``HVD_QUANT_PAYLOAD_GROUP`` is ``0`` (rank 0 decides, so the ranks
-        cannot disagree). A collective (Horovod broadcast, the store, the groups' first
-        allgathers): call it where every rank comes to the same point with nothing of its step left
-        waiting on this rank (the optimizer's connection, beside its handshake; the stock path's
-        first result of a taken-over step, after launching its complete buckets); made inside a
-        gradient hook, it could wait for a rank that waits for this rank's next Horovod op. At world
-        size 1 the exchange runs only where forced (``HOROVOD_ELASTIC=1``, the benchmarks' way to
-        time it), and there it runs on the group as it does at size N. ``handshake``: called first,
-        where no handshake has compared the ranks yet, so that ranks configured differently raise
-        instead of waiting for each other under different labels. A store that cannot be made or
+        """The payload channel of one optimizer (``label``: its collective prefix) on ``device``, made
+        now, NCCL communicators included; None where :data:`PAYLOAD_GROUP` has no backend for the
+        device type or rank 0's ``HVD_QUANT_PAYLOAD_GROUP`` is ``0``. A blocking collective: call it
+        where every rank comes to the same point with nothing of its step left waiting on this rank,
+        never in a gradient hook. At world size 1 the store lives in this process. ``handshake``:
+        called first, where no handshake has compared the ranks yet. A store that cannot be made or
         reached raises on every rank, naming both variables."""
         backend = PAYLOAD_GROUP.get(device.type)
         if backend is None:
@@ -165,14 +143,18 @@ def _store_host():
 
 
 class GroupWork:
-    """A collective of a payload group in flight (the Collectives handle its ``synchronize`` and
-    ``poll`` take)."""
-    __slots__ = ("work", "out")
+    """A torch.distributed collective in flight (of a payload group, or ``ddp.collectives``'): its
+    result ``out``, after ``post(out)`` where given. On CUDA the current stream waits for it, the
+    host does not."""
+    __slots__ = ("work", "out", "post")
 
-    def __init__(self, work, out):
-        self.work, self.out = work, out
+    def __init__(self, work, out, post=None):
+        self.work, self.out, self.post = work, out, post
 
     def wait(self):
-        """The result; on CUDA the current stream waits for the collective, the host does not."""
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.post is not None:
+            self.out, self.post = self.post(self.out), None
         return self.out
