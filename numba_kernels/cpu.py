@@ -196,12 +196,12 @@ class _Decode(_Prepared):
     decode_sum: a decode template of ``_cpu_base``, tasks of :func:`task_span` elements."""
     __slots__ = ()
 
-    def __init__(self, kernel, geometry, param, *accumulate):
+    def __init__(self, kernel, geometry, param, accumulate=None):
         lay, bs = geometry
         k = task_span(bs, lay.numel)
         super().__init__(kernel, lay, k, -(-lay.numel // k),
                          (lay.codes_offset, lay.scales_offset, lay.nscales, bs, int(param))
-                         + tuple(bool(a) for a in accumulate))
+                         + (() if accumulate is None else (bool(accumulate),)))     # (None: decode_sum)
 
     def __call__(self, payload, out, stream=None, status=None, expect=None):
         out = _sized(out, self.numel, "out")

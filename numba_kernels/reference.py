@@ -108,27 +108,30 @@ def uniform24_ref(key, idx):
     return np.where((i & np.uint64(32)) != 0, z >> U40, (z >> np.uint64(8)) & np.uint64(0xFFFFFF))
 
 
-def _qsgd_codes(x, scales, bits, bucket_size, stochastic, key):
-    s = levels(bits)
-    sf = np.float32(s)
-    n = x.size
-    idx = np.arange(n, dtype=np.int64)
-    b = idx // bucket_size
-    sc = scales[b]
-    unit = (scales / sf).astype(np.float32)[b]
-    ok = (sc > F0) & (sc < FINF)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        v = (np.abs(x) / unit).astype(np.float32)
-    v = np.where(v <= sf, v, sf).astype(np.float32)
+def _round(v, top, stochastic, key, idx):
+    """The levels of ``v`` (float32, >= 0 or NaN) clamped to ``top`` (a float32 integer): floor(v)
+    plus, stochastic, (r < frac * 2**24) with r the 24 random bits of the elements ``idx``, else
+    (frac >= 1/2); at most ``top``."""
+    v = np.where(v <= top, v, top).astype(np.float32)
     q = v.astype(np.int64)
     frac = (v - q.astype(np.float32)).astype(np.float32)
     if stochastic:
-        r = uniform24_ref(key, idx).astype(np.float32)
-        q = q + (r < frac * F2_24)
+        q = q + (uniform24_ref(key, idx).astype(np.float32) < frac * F2_24)
     else:
         q = q + (frac >= FHALF)
-    q = np.minimum(q, s)
-    q = np.where(ok, q, 0)
+    return np.minimum(q, int(top))
+
+
+def _qsgd_codes(x, scales, bits, bucket_size, stochastic, key):
+    s = levels(bits)
+    sf = np.float32(s)
+    idx = np.arange(x.size, dtype=np.int64)
+    b = idx // bucket_size
+    sc = scales[b]
+    unit = (scales / sf).astype(np.float32)[b]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        v = (np.abs(x) / unit).astype(np.float32)
+    q = np.where((sc > F0) & (sc < FINF), _round(v, sf, stochastic, key, idx), 0)
     return np.where(x < F0, s - q, s + q).astype(np.int64)
 
 
@@ -248,15 +251,7 @@ def _sortquant_bucket(xb, idx, split_bits, lb, stochastic, key):
         if unit > F0:
             with np.errstate(over="ignore"):
                 v = ((xb[members] - lo) / unit).astype(np.float32)
-            v = np.where(v <= Lf, v, Lf).astype(np.float32)
-            q = v.astype(np.int64)
-            frac = (v - q.astype(np.float32)).astype(np.float32)
-            if stochastic:
-                r = uniform24_ref(key, idx[members]).astype(np.float32)
-                q = q + (r < frac * F2_24)
-            else:
-                q = q + (frac >= FHALF)
-            q = np.minimum(q, L)
+            q = _round(v, Lf, stochastic, key, idx[members])
         else:                   # every value of the group equals lo
             q = np.zeros(p1 - p0, np.int64)
         codes[members] = (g << lb) | q
@@ -419,31 +414,16 @@ def header_errors_ref(payload, method, bits, mode, param, bucket_size, numel, na
 
     The reference of the CUDA check kernel, which cannot raise and reports these bits instead."""
     h = bytes(np.asarray(payload[:wire.HEADER_NBYTES], np.uint8))
-    err = 0
-    if h[0:4] != wire.MAGIC:
-        err |= 1
-    if h[4] != wire.VERSION:
-        err |= 2
-    if h[5] != method:
-        err |= 4
-    if h[6] != bits:
-        err |= 8
-    if h[7] != mode:
-        err |= 16
-    if h[8] != param:
-        err |= 32
-    if int.from_bytes(h[12:16], "little") != bucket_size:
-        err |= 64
-    if int.from_bytes(h[16:24], "little") != numel:
-        err |= 128
-    if check_name and int.from_bytes(h[56:60], "little") != name_hash:
-        err |= 256
-    if int.from_bytes(h[62:64], "little") != wire.fold16(wire.fnv1a32(h[0:62])):
-        err |= 512
-    cfg = h[4:9] + h[12:16]
-    if int.from_bytes(h[60:62], "little") != wire.fold16(wire.fnv1a32(cfg)):
-        err |= 1024
-    return err
+
+    def field(a, b):
+        return int.from_bytes(h[a:b], "little")
+
+    bad = [h[0:4] != wire.MAGIC, h[4] != wire.VERSION, h[5] != method, h[6] != bits, h[7] != mode,
+           h[8] != param, field(12, 16) != bucket_size, field(16, 24) != numel,
+           check_name and field(56, 60) != name_hash,
+           field(62, 64) != wire.fold16(wire.fnv1a32(h[0:62])),
+           field(60, 62) != wire.fold16(wire.fnv1a32(h[4:9] + h[12:16]))]
+    return sum(1 << k for k, b in enumerate(bad) if b)     # bit k: the k-th of wire.ERROR_BITS
 
 
 # ---- fused operations: several payloads in one launch ------------------------------------------------
