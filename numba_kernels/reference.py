@@ -464,25 +464,21 @@ def chunk_expects(numel, bucket_size, chunk, method, bits, mode, expect=None, na
 
 
 class _Fused:
-    """What the fused references need of QSGD (``two_mean`` None) or 1-bit payloads: the layout of
-    ``m`` elements, a decode and an encode."""
+    """The fused references over QSGD (``two_mean`` None) or 1-bit payloads, from their layout and
+    their decode."""
 
     def __init__(self, bits, bucket_size, two_mean=None):
-        self.bits, self.bucket_size, self.two_mean = bits, bucket_size, two_mean
+        self.bits, self.bucket_size = bits, bucket_size
         if two_mean is None:
             self.method, self.mode = wire.METHODS["qsgd"], 0
+            self.decode = lambda p, out, acc: qsgd_decode_ref(p, out, bits, bucket_size, acc)
         else:
             self.method = wire.METHODS["onebit"]
             self.mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+            self.decode = lambda p, out, acc: onebit_decode_ref(p, out, bucket_size, two_mean, acc)
 
     def layout(self, m):
         return wire.layout(self.method, m, self.bits, self.bucket_size, self.mode)
-
-    def decode(self, payload, out, accumulate):
-        if self.two_mean is None:
-            qsgd_decode_ref(payload, out, self.bits, self.bucket_size, accumulate)
-        else:
-            onebit_decode_ref(payload, out, self.bucket_size, self.two_mean, accumulate)
 
     def decode_sum(self, payloads, n, out, expect):
         """out = decode(p_0) + decode(p_1) + ... (a float32 left fold in payload order) of the ``n``
