@@ -22,21 +22,17 @@
   and float32 values, bit for bit (tests/test_kernels.py, tests/test_fused_kernels.py). A prepared op
   belongs to its caller: it writes its parameter buffer (and, on a device, its scratch) on every call,
   so one op serves one thread.
-* :mod:`numba_kernels.cpu` -- the CPU ops over ``njit(parallel=True, cache=True)`` kernels, one module
-  per codec (``_cpu_qsgd``, ``_cpu_onebit``, ``_cpu_sortquant``, ``_cpu_kmeans``, ``_cpu_half``) on
-  shared parts (``_cpu_base``).
-* :mod:`numba_kernels.cuda` -- the CUDA ops over ``numba.cuda`` kernels (also run in the CUDA
-  simulator): the launch layer and the prepared launches of QSGD and 1-bit (``_cuda_prepared``), the
-  kernels per path and codec (``_cuda_warp``, ``_cuda_block``, ``_cuda_sortquant``, ``_cuda_kmeans``).
-  It is imported on first use, so that ``numba.cuda`` is not imported (and ``NUMBA_ENABLE_CUDASIM``
-  may still be set) until someone asks for a CUDA op.
+* :mod:`numba_kernels.cpu` and :mod:`numba_kernels.cuda` -- the ops (modules per codec: see
+  docs/ARCHITECTURE.md). ``cuda`` is imported on first use, so that ``numba.cuda`` is not imported
+  (and ``NUMBA_ENABLE_CUDASIM`` may still be set) until someone asks for a CUDA op.
 * ``_scalar`` -- the scalar math, written once and compiled for both.
 
 No torch, TensorFlow or Horovod imports here.
 
 CPU threads: Numba's pool takes every core by default, in every process, so several Horovod ranks
-on one host oversubscribe it (every step slows down, even one that runs no kernel). Unless ``NUMBA_NUM_THREADS`` is set, importing this package before Numba sets it to this
-process's cores divided by the ranks on the host (``HOROVOD_LOCAL_SIZE`` from horovodrun,
+on one host oversubscribe it (every step slows down, even one that runs no kernel). Unless
+``NUMBA_NUM_THREADS`` is set, importing this package before Numba sets it to this process's cores
+divided by the ranks on the host (``HOROVOD_LOCAL_SIZE`` from horovodrun,
 ``OMPI_COMM_WORLD_LOCAL_SIZE`` from Open MPI's mpirun; nothing when neither is there).
 """
 import importlib

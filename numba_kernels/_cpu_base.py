@@ -9,22 +9,28 @@ import types
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
-from ._scalar import F0, SEGMENT, U8, UFF, build
+from ._scalar import F0, FNAN, SEGMENT, U8, UFF, build
 
 
-def _scalar_stamp():
-    """A short hash of ``_scalar.py``, folded into every cached kernel's qualified name: Numba's on-disk
-    cache only watches this file's timestamp, and the kernels inline ``_scalar.py``, so a change there
-    must select other cache entries (nothing is written here; Numba's cache honours NUMBA_CACHE_DIR)."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_scalar.py"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:12]
+def _source_stamp():
+    """A short hash of the kernels' sources (``_scalar.py``, ``_cpu_*.py``), folded into every cached
+    kernel's qualified name: Numba's on-disk cache watches only the file a kernel is defined in, and
+    the kernels inline code from the others (nothing is written here; the cache honours
+    NUMBA_CACHE_DIR)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(here)):
+        if name == "_scalar.py" or (name.startswith("_cpu_") and name.endswith(".py")):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:12]
 
 
-_STAMP = _scalar_stamp()
+_STAMP = _source_stamp()
 
 _inline = njit(inline="always", error_model="numpy")
 
@@ -90,38 +96,38 @@ def _renamed(fn, suffix, glob=None):
 
 class _Kernel:
     """A kernel compiled twice from one Python function: ``parallel=True`` for inputs of several
-    chunks, serial for one chunk. Both carry the hash of ``_scalar.py`` in their qualified names, so
-    their on-disk caches never mix with each other or with a build from another ``_scalar.py``.
+    chunks, serial for one chunk, both named with :data:`_STAMP` so their on-disk caches never mix.
 
-    ``bits`` (QSGD kernels) is compiled in: the function reads the global ``_BITS``, which its copy of
-    the module's globals fixes, so shifts and masks are constants and the pack and unpack loops
-    vectorise. Each width is compiled (or loaded from the cache) on its first use."""
+    ``glob`` replaces module globals the function reads: ``_BITS`` (a width compiled in, so shifts and
+    masks are constants and the pack and unpack loops vectorise) and ``_DEC`` (the range decoder the
+    decode templates below call); ``tag`` names the instance."""
 
-    def __init__(self, fn, bits=None):
-        tag = _STAMP if bits is None else f"b{bits}_{_STAMP}"
-        glob = None if bits is None else dict(fn.__globals__, _BITS=bits)
-        self.parallel = njit(parallel=True, **_KERNEL)(_renamed(fn, "_par_" + tag, glob))
-        self.serial = njit(parallel=False, **_KERNEL)(_renamed(fn, "_ser_" + tag, glob))
+    def __init__(self, fn, tag="", **glob):
+        tag = f"{tag}_{_STAMP}"
+        glob = dict(fn.__globals__, **glob) if glob else None
+        self.parallel = njit(parallel=True, **_KERNEL)(_renamed(fn, "_par" + tag, glob))
+        self.serial = njit(parallel=False, **_KERNEL)(_renamed(fn, "_ser" + tag, glob))
 
     def pick(self, nchunks):
         return self.parallel if nchunks > 1 and numba.get_num_threads() > 1 else self.serial
 
 
 class _Widths:
-    """A QSGD kernel per bit width (``kernel[bits]``), made on first use."""
+    """``_Kernel`` per bit width (``kernel[bits]``), made on first use."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, tag="", **glob):
+        self.fn, self.tag, self.glob = fn, tag, glob
         self.made = {}
 
     def __getitem__(self, bits):
         k = self.made.get(bits)
         if k is None:
-            k = self.made[bits] = _Kernel(self.fn, bits)
+            k = self.made[bits] = _Kernel(self.fn, f"{self.tag}_b{bits}", _BITS=bits, **self.glob)
         return k
 
 
-_BITS = 0       # replaced in each width's globals (see _Kernel)
+_BITS = 0       # replaced in each instance's globals (see _Kernel)
+_DEC = None
 
 
 def chunk_buckets(bucket_size, numel):
@@ -132,10 +138,10 @@ def chunk_buckets(bucket_size, numel):
 
 
 def task_span(bucket_size, numel):
-    """Elements per parallel task of the 1-bit kernels, a multiple of 8 (no byte of codes shared
-    between tasks): whole buckets (:func:`chunk_buckets`) for buckets of at most SEGMENT elements,
-    whole segments for longer ones, so that one long bucket (``OneBit()``'s default, one per tensor)
-    still spreads over the threads."""
+    """Elements per parallel task of the decodes and the 1-bit encode, a multiple of 8 (no byte of
+    codes shared between tasks): whole buckets (:func:`chunk_buckets`) for buckets of at most SEGMENT
+    elements, whole segments for longer ones, so that one long bucket (one per tensor) still spreads
+    over the threads."""
     if bucket_size <= SEGMENT:
         return chunk_buckets(bucket_size, numel) * bucket_size
     return SEGMENT * max(1, _TARGET_CHUNK // SEGMENT)
@@ -268,6 +274,17 @@ def _extremes(x, st, en):
         kmin = min(kmin, k)
         kmax = max(kmax, k)
     return a, _as_float(_int_order(kmin)), _as_float(_int_order(kmax))
+
+
+@_inline
+def _nan_bucket(scales, codes, x, st, residual, has_res):
+    """A bucket (from element ``st``) holding NaN or Inf: NaN scales, codes 0, residual x - NaN."""
+    for k in range(scales.size):
+        scales[k] = FNAN
+    for j in range(codes.size):
+        codes[j] = 0
+        if has_res:
+            residual[st + j] = x[st + j] - FNAN
 
 
 @_inline
@@ -520,3 +537,62 @@ def _lookup(payload, codes_off, ob, st, book, accumulate, BITS):
     for j in range(j0, n):
         bp = sh + j * BITS
         _put(ob, j, book[_field(payload, cb + (bp >> 3), bp & 7, BITS)], accumulate)
+
+
+# ---- decode templates: one per kind, instantiated per codec with its range decoder -------------------
+# ``_DEC(payload, out, codes_off, scales, bs, param, e0, e1, accumulate, BITS)``: out[i] (+)= the value
+# of element i of the payload for i in [e0, e1); ``param`` is the codec's (1-bit: two_mean; SortQuant:
+# split_bits). Tasks split by elements, ``span`` each (:func:`task_span`).
+
+def _decode(payload, out, codes_off, scales_off, nscales, bs, param, accumulate, span):
+    numel = out.size
+    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
+    for t in prange((numel + span - 1) // span):
+        _wide()
+        _DEC(payload, out, codes_off, scales, bs, param, t * span, min(numel, t * span + span), accumulate,
+             _BITS)
+
+
+def _decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, param, span, addend, has_add):
+    """out = the float32 sum of the npay payloads' decodes, in payload order (+ addend[i] last)."""
+    numel = out.size
+    for t in prange((numel + span - 1) // span):
+        _wide()
+        e0 = t * span
+        e1 = min(numel, e0 + span)
+        for k in range(npay):
+            p = payloads[k * total:(k + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+            _DEC(p, out, codes_off, scales, bs, param, e0, e1, k > 0, _BITS)
+        if has_add:
+            for i in range(e0, e1):
+                out[i] = out[i] + addend[i]
+
+
+def _decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
+                   last_nscales, codes_off, bs, param, span):
+    """Chunk j's payload (at j*total in gathered) decoded into out[j*chunk:(j+1)*chunk]; the last
+    chunk has its own layout (last_*)."""
+    numel = out.size
+    nch = (numel + chunk - 1) // chunk
+    per = (chunk + span - 1) // span          # tasks per chunk
+    for t in prange(nch * per):
+        _wide()
+        j = t // per
+        e0 = (t - j * per) * span
+        o = out[j * chunk:min(numel, j * chunk + chunk)]
+        if j == nch - 1:
+            p = gathered[j * total:j * total + last_total]
+            scales = p[last_scales_off:last_scales_off + 4 * last_nscales].view(np.float32)
+        else:
+            p = gathered[j * total:(j + 1) * total]
+            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
+        if e0 < o.size:
+            _DEC(p, o, codes_off, scales, bs, param, e0, min(o.size, e0 + span), False, _BITS)
+
+
+def decoders(dec, tag, widths=True):
+    """The decode, decode_sum and decode_chunks kernels of a codec whose range decoder is ``dec``:
+    :class:`_Widths` (``widths``) or :class:`_Kernel`."""
+    make = _Widths if widths else _Kernel
+    return tuple(make(fn, "_" + tag, _DEC=dec) for fn in (_decode, _decode_sum, _decode_chunks))

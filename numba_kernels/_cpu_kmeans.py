@@ -6,9 +6,9 @@ from numba import prange
 
 from ._cpu_base import (INF_BITS, _BITS, _Widths, _chunk_codes, _extremes, _inline, _km_draw, _km_fixed,
                         _km_index, _km_mean, _km_mids, _km_scale, _km_starts, _lookup, _pack, _wide,
-                        _encode_preamble)
+                        _encode_preamble, _nan_bucket, decoders)
 from ._cpu_sortquant import _sort_key, _sort_values
-from ._scalar import F0, FNAN, KMEANS_SAMPLE
+from ._scalar import F0, KMEANS_SAMPLE
 
 
 @_inline
@@ -149,12 +149,7 @@ def _kmeans_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
             cent = scales[K * b:K * (b + 1)]
             a, lo, hi = _extremes(x, st, st + n)
             if a >= INF_BITS:
-                for j in range(K):
-                    cent[j] = FNAN
-                for j in range(n):
-                    cb[j] = 0
-                    if has_res:
-                        residual[st + j] = x[st + j] - FNAN
+                _nan_bucket(cent, cb, x, st, residual, has_res)
                 continue
             _kmeans_fit(x, st, n, b, iters, key, np.uint32(a), lo, hi, cent, mids, sample, comp, keys, keys2, pre, cnt, K)
             _km_mids(cent, mids)
@@ -166,19 +161,17 @@ def _kmeans_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
         _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)
 
 
-@_Widths
-def _kmeans_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, span):
-    """Split by elements (:func:`task_span`), so that one codebook per tensor (the default) decodes
-    on every thread: each task looks its elements up in their buckets' codebooks."""
-    numel = out.size
-    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
-    K = 1 << _BITS
-    for t in prange((numel + span - 1) // span):
-        _wide()
-        a = t * span
-        e = min(numel, a + span)
-        while a < e:
-            b = a // bs
-            z = min(e, (b + 1) * bs)
-            _lookup(payload, codes_off, out[a:z], a, scales[K * b:K * (b + 1)], accumulate, _BITS)
-            a = z
+@_inline
+def _kmeans_dec(payload, out, codes_off, scales, bs, param, e0, e1, accumulate, BITS):
+    """out[i] (+)= the centroid of element i, for i in [e0, e1) (the range decoder of ``_cpu_base``'s
+    templates): a lookup in its bucket's codebook."""
+    K = 1 << BITS
+    a = e0
+    while a < e1:
+        b = a // bs
+        z = min(e1, (b + 1) * bs)
+        _lookup(payload, codes_off, out[a:z], a, scales[K * b:K * (b + 1)], accumulate, BITS)
+        a = z
+
+
+_kmeans_decode = decoders(_kmeans_dec, "kmeans")[0]

@@ -4,8 +4,8 @@ fused decode_sum and decode_chunks (``reference.onebit_*_ref``).
 import numpy as np
 from numba import prange
 
-from ._cpu_base import (_Kernel, _inline, _lane_segment, _lane_sums, _lanes, _onebit_scales, _put,
-                        _segment_lanes, _tree, _wide, _encode_preamble)
+from ._cpu_base import (_Kernel, _encode_preamble, _inline, _lane_segment, _lane_sums, _lanes, _onebit_scales,
+                        _put, _segment_lanes, _tree, _wide, decoders)
 from ._scalar import F0, SEGMENT, UFF
 
 
@@ -75,10 +75,11 @@ def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, 
 
 
 @_Kernel
-def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean, span,
+def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean, key, span,
                    residual, has_res):
     """Buckets of at most SEGMENT elements: each task (``span`` elements, whole buckets) takes its
-    buckets' sums, then their bits, while they are in cache."""
+    buckets' sums, then their bits, while they are in cache. (``key``, unused, keeps the encode
+    kernels' signature.)"""
     numel = x.size
     scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     per = span // bs
@@ -93,7 +94,7 @@ def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
 
 @_Kernel
 def _onebit_encode_long(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean,
-                        span, residual, has_res):
+                        key, span, residual, has_res):
     """Buckets of more than SEGMENT elements (``OneBit()``'s one bucket per tensor): every segment's
     sums in parallel, each bucket's scales from them in the canonical order (:func:`_lane_sums`),
     then the bits, ``span`` elements (whole segments) per task."""
@@ -148,8 +149,9 @@ def _onebit_unpack(payload, codes_off, st, ob, hi, lo, accumulate):
 
 
 @_inline
-def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, e0, e1, accumulate):
-    """out[i] (+)= the value of element i of a 1-bit payload, for i in [e0, e1)."""
+def _onebit_dec(payload, out, codes_off, scales, bs, two_mean, e0, e1, accumulate, BITS):
+    """out[i] (+)= the value of element i of a 1-bit payload, for i in [e0, e1) (the range decoder of
+    ``_cpu_base``'s templates)."""
     st = e0
     while st < e1:
         b = st // bs
@@ -162,56 +164,4 @@ def _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, e0, e1, acc
         st = en
 
 
-@_Kernel
-def _onebit_decode(payload, out, codes_off, scales_off, nscales, bs, two_mean, accumulate, span):
-    numel = out.size
-    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
-    for c in prange((numel + span - 1) // span):
-        _wide()
-        _onebit_dec_range(payload, out, codes_off, scales, bs, two_mean, c * span,
-                          min(numel, c * span + span), accumulate)
-
-
-@_Kernel
-def _onebit_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, two_mean, span,
-                       addend, has_add):
-    numel = out.size
-    for c in prange((numel + span - 1) // span):
-        _wide()
-        e0 = c * span
-        e1 = min(numel, e0 + span)
-        for k in range(npay):
-            p = payloads[k * total:(k + 1) * total]
-            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
-            _onebit_dec_range(p, out, codes_off, scales, bs, two_mean, e0, e1, k > 0)
-        if has_add:
-            for i in range(e0, e1):
-                out[i] = out[i] + addend[i]
-
-
-@_Kernel
-def _onebit_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
-                          last_nscales, codes_off, bs, two_mean, span):
-    numel = out.size
-    nch = (numel + chunk - 1) // chunk
-    per = (chunk + span - 1) // span
-    for t in prange(nch * per):
-        _wide()
-        j = t // per
-        e0 = (t - j * per) * span
-        a = j * chunk
-        o = out[a:min(numel, a + chunk)]
-        if j == nch - 1:
-            p = gathered[j * total:j * total + last_total]
-            scales = p[last_scales_off:last_scales_off + 4 * last_nscales].view(np.float32)
-        else:
-            p = gathered[j * total:(j + 1) * total]
-            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
-        if e0 < o.size:
-            _onebit_dec_range(p, o, codes_off, scales, bs, two_mean, e0, min(o.size, e0 + span), False)
-
-
-# ---- half precision (the fp16 codec) ----------------------------------------------------------------
-# NumPy converts float32 <-> float16 one element at a time through branches (about 2.5 ns an element
-# on this project's CPU VM, 11x a copy); these are the same conversions, bit for bit (NumPy's
-# npy_floatbits_to_halfbits / npy_halfbits_to_floatbits), written as selects the compiler vectorises.
+_onebit_decode, _onebit_decode_sum, _onebit_decode_chunks = decoders(_onebit_dec, "onebit", widths=False)

@@ -4,9 +4,9 @@ decode_chunks (``reference.qsgd_*_ref``).
 import numpy as np
 from numba import prange
 
-from ._cpu_base import (_BITS, _DEC_BLOCK, _Widths, _abs_max_bits, _chunk_codes, _inline, _lane_sums, _lanes,
-                        _lookup, _mix64, _pack, _put, _qsgd_round, _sqrt32, _tree, _uniform24, _unpack, _wide,
-                        _encode_preamble)
+from ._cpu_base import (_BITS, _DEC_BLOCK, _Widths, _abs_max_bits, _chunk_codes, _encode_preamble,
+                        _inline, _lane_sums, _lanes, _lookup, _mix64, _pack, _put, _qsgd_round, _sqrt32, _tree,
+                        _uniform24, _unpack, _wide, decoders)
 from ._scalar import F0, FINF, GAMMA, U8, U24M, U40
 
 
@@ -86,92 +86,40 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
 
 
 @_inline
-def _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, b1, accumulate, BITS):
-    """out[i] (+)= the value of element i of a QSGD payload, for the elements of buckets [b0, b1).
-    At 8 bits each value comes from its byte in one loop that vectorises whole; up to 7 bits (and
-    buckets of at least half as many elements as codes) each code's value is computed once per
-    bucket and looked up (:func:`_lookup`). Both are faster than unpacking the codes into an array and
-    computing each element's value from its code, which the other widths do (docs/BENCHMARKS.md)."""
-    numel = out.size
+def _qsgd_dec(payload, out, codes_off, scales, bs, param, e0, e1, accumulate, BITS):
+    """out[i] (+)= the value of element i of a QSGD payload, for i in [e0, e1) (the range decoder of
+    ``_cpu_base``'s templates). At 8 bits each value comes from its byte in one loop that vectorises
+    whole; up to 7 bits (and buckets of at least half as many elements as codes) each code's value is
+    computed once per bucket and looked up (:func:`_lookup`). Both are faster than unpacking the
+    codes into an array and computing each element's value from its code, which the other widths do
+    (docs/BENCHMARKS.md)."""
     s = np.int32((1 << (BITS - 1)) - 1)
     sf = np.float32(s)
     K = 1 << BITS
     table = K <= 128 and K <= 2 * bs
     book = np.empty(K if table else 1, np.float32)
     codes = np.empty(1 if table or BITS == 8 else _DEC_BLOCK, np.int32)
-    for b in range(b0, b1):
+    b = e0 // bs
+    st = e0
+    while st < e1:
+        en = min(e1, (b + 1) * bs)
         unit = scales[b] / sf
-        en = min(numel, (b + 1) * bs)
         if BITS == 8:
-            ob = out[b * bs:en]
-            pb = payload[codes_off + b * bs:codes_off + en]
+            ob = out[st:en]
+            pb = payload[codes_off + st:codes_off + en]
             for j in range(ob.size):
                 _put(ob, j, np.float32(np.int32(pb[j]) - s) * unit, accumulate)
-            continue
-        if table:
+        elif table:
             for c in range(K):
                 book[c] = np.float32(np.int32(c) - s) * unit
-            _lookup(payload, codes_off, out[b * bs:en], b * bs, book, accumulate, BITS)
-            continue
-        for st in range(b * bs, en, _DEC_BLOCK):
-            ob = _unpack(payload, codes_off, out, st, en, codes, BITS)
-            for j in range(ob.size):
-                _put(ob, j, np.float32(codes[j] - s) * unit, accumulate)
-
-
-@_Widths
-def _qsgd_decode(payload, out, codes_off, scales_off, nscales, bs, accumulate, kchunk):
-    numel = out.size
-    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
-    nb = (numel + bs - 1) // bs
-    nchunks = (nb + kchunk - 1) // kchunk
-    for c in prange(nchunks):
-        _wide()
-        b0 = c * kchunk
-        _qsgd_dec_range(payload, out, codes_off, scales, bs, b0, min(nb, b0 + kchunk), accumulate, _BITS)
-
-
-@_Widths
-def _qsgd_decode_sum(payloads, npay, total, out, codes_off, scales_off, nscales, bs, kchunk,
-                     addend, has_add):
-    """out = the float32 sum of the npay payloads' decodes, in payload order (+ addend[i] last)."""
-    numel = out.size
-    nb = (numel + bs - 1) // bs
-    nchunks = (nb + kchunk - 1) // kchunk
-    for c in prange(nchunks):
-        _wide()
-        b0 = c * kchunk
-        b1 = min(nb, b0 + kchunk)
-        for k in range(npay):
-            p = payloads[k * total:(k + 1) * total]
-            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
-            _qsgd_dec_range(p, out, codes_off, scales, bs, b0, b1, k > 0, _BITS)
-        if has_add:
-            for i in range(b0 * bs, min(numel, b1 * bs)):
-                out[i] = out[i] + addend[i]
-
-
-@_Widths
-def _qsgd_decode_chunks(gathered, out, chunk, total, scales_off, nscales, last_total, last_scales_off,
-                        last_nscales, codes_off, bs, kchunk):
-    """Chunk j's payload (at j*total in gathered) decoded into out[j*chunk:(j+1)*chunk]; the last
-    chunk has its own layout (last_*)."""
-    numel = out.size
-    nch = (numel + chunk - 1) // chunk
-    per = (chunk // bs + kchunk - 1) // kchunk          # tasks per full chunk
-    for t in prange(nch * per):
-        _wide()
-        j = t // per
-        c = t - j * per
-        a = j * chunk
-        o = out[a:min(numel, a + chunk)]
-        if j == nch - 1:
-            p = gathered[j * total:j * total + last_total]
-            scales = p[last_scales_off:last_scales_off + 4 * last_nscales].view(np.float32)
+            _lookup(payload, codes_off, out[st:en], st, book, accumulate, BITS)
         else:
-            p = gathered[j * total:(j + 1) * total]
-            scales = p[scales_off:scales_off + 4 * nscales].view(np.float32)
-        nb = (o.size + bs - 1) // bs
-        b0 = c * kchunk
-        if b0 < nb:
-            _qsgd_dec_range(p, o, codes_off, scales, bs, b0, min(nb, b0 + kchunk), False, _BITS)
+            for s0 in range(st, en, _DEC_BLOCK):
+                ob = _unpack(payload, codes_off, out, s0, en, codes, BITS)
+                for j in range(ob.size):
+                    _put(ob, j, np.float32(codes[j] - s) * unit, accumulate)
+        st = en
+        b += 1
+
+
+_qsgd_decode, _qsgd_decode_sum, _qsgd_decode_chunks = decoders(_qsgd_dec, "qsgd")

@@ -5,8 +5,9 @@ import numpy as np
 from numba import prange
 
 from ._cpu_base import (INF_BITS, _BITS, _DEC_BLOCK, _Widths, _chunk_codes, _extremes, _inline, _lookup,
-                        _mix64, _pack, _put, _sq_level, _sq_value, _uniform24, _unpack, _wide, _encode_preamble)
-from ._scalar import F0, FINF, FNAN, GAMMA, U8, U24M, U32, U40
+                        _mix64, _pack, _put, _sq_level, _sq_value, _uniform24, _unpack, _wide, _encode_preamble,
+                        _nan_bucket, decoders)
+from ._scalar import F0, FINF, GAMMA, U8, U24M, U32, U40
 
 
 @_inline
@@ -88,15 +89,14 @@ _SQ_BIN = 64               # ... unless a bin holding a group bound has more val
 
 
 @_inline
-def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, ends, tw):
+def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, tw):
     """Each element's group of ranks in the bucket xb[:n] (finite, extremes ``mn``, ``mx``) without a
     full sort: the elements are spread over n bins of equal width by value (a monotone map, so the
     bins in order hold the values in order), and only the bins holding a group's first or last rank
     (the target bins) are gathered and sorted (insertion sort by (sort key, index), the stable sort's
     order). An element outside them is in the group of its bin: the count of groups whose first rank
-    lies in a lower bin. Fills ``grp`` and ``ends[2g]``, ``ends[2g + 1]`` (the indices of the
-    elements of ranks p0 and p1 - 1 of group g, -1 for an empty group); ``srt`` holds the target
-    bins' elements at their ranks. Returns False, having decided nothing, where the values all share
+    lies in a lower bin. Fills ``grp``, and ``srt`` with the target bins' elements at their ranks
+    (every group's first and last rank among them). Returns False, having decided nothing, where the values all share
     one bin or a target bin holds more than _SQ_BIN of them (a sort is then cheaper). Scratch:
     ``tgt`` (n flags, zero between calls), ``tw`` (4 rows of 2G: the target bins, their first ranks,
     their counts; the bin of each group's first rank)."""
@@ -167,11 +167,6 @@ def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, ends, tw):
             v = np.int32(tmp[i] & np.uint64(0xFFFFFFFF))
             srt[s0 + i] = v
             grp[v] = np.int32(((s0 + i) * G) // n)
-    for g in range(G):
-        p0 = _first_rank(g, n, G)
-        p1 = _first_rank(g + 1, n, G)
-        ends[2 * g] = srt[p0] if p0 < p1 else -1
-        ends[2 * g + 1] = srt[p1 - 1] if p0 < p1 else -1
     return True
 
 
@@ -202,7 +197,6 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
         tgt = np.zeros(m, np.uint8)
         tw = np.empty((4, 2 * G), np.int64)
         tmp = np.empty(_SQ_BIN, np.uint64)
-        ends = np.empty(2 * G, np.int64)
         grp = np.empty(m, np.int32)
         r24 = np.empty(m, np.uint32)
         qj = np.empty(m, np.int32)
@@ -219,28 +213,18 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
             sc = scales[2 * G * b:2 * G * (b + 1)]
             a, mn, mx = _extremes(x, st, en)
             if a >= INF_BITS or (n > 0 and not abs(mx - mn) < FINF):
-                for k in range(2 * G):
-                    sc[k] = FNAN
-                for j in range(n):
-                    cb[j] = 0
-                    if has_res:
-                        residual[st + j] = xb[j] - FNAN
+                _nan_bucket(sc, cb, x, st, residual, has_res)
                 continue
-            if not (G <= _SQ_SELECT_GROUPS and _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, ends, tw)):
+            if not (G <= _SQ_SELECT_GROUPS and _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, tw)):
                 keys, order = _sort_values(xb, n, keys, keys2, order, order2, cnt, 0, 8, True)
-                for g in range(G):
-                    p0 = _first_rank(g, n, G)
-                    p1 = _first_rank(g + 1, n, G)
-                    ends[2 * g] = order[p0] if p0 < p1 else -1
-                    ends[2 * g + 1] = order[p1 - 1] if p0 < p1 else -1
-                    for p in range(p0, p1):
-                        grp[order[p]] = g
-            for g in range(G):
-                lo = F0
-                hi = F0
-                if ends[2 * g] >= 0:
-                    lo = xb[ends[2 * g]]
-                    hi = xb[ends[2 * g + 1]]
+                for p in range(n):
+                    srt[p] = order[p]
+                    grp[order[p]] = np.int32((p * G) // n)
+            for g in range(G):      # a group's (min, max): the values of its first and last rank
+                p0 = _first_rank(g, n, G)
+                p1 = _first_rank(g + 1, n, G)
+                lo = xb[srt[p0]] if p0 < p1 else F0
+                hi = xb[srt[p1 - 1]] if p0 < p1 else F0
                 sc[2 * g] = lo
                 sc[2 * g + 1] = hi
                 los[g] = lo
@@ -265,39 +249,41 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
         _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)
 
 
-@_Widths
-def _sortquant_decode(payload, out, codes_off, scales_off, nscales, bs, split_bits, accumulate, kchunk):
-    numel = out.size
-    scales = payload[scales_off:scales_off + 4 * nscales].view(np.float32)
-    nb = (numel + bs - 1) // bs
-    nchunks = (nb + kchunk - 1) // kchunk
+@_inline
+def _sortquant_dec(payload, out, codes_off, scales, bs, split_bits, e0, e1, accumulate, BITS):
+    """out[i] (+)= the value of element i of a SortQuant payload, for i in [e0, e1) (the range decoder
+    of ``_cpu_base``'s templates). Up to 8 bits every code's value once per bucket, then a lookup."""
     G = 1 << split_bits
-    lb = _BITS - split_bits
+    lb = BITS - split_bits
     L = (1 << lb) - 1
     Lf = np.float32(L)
-    K = 1 << _BITS
-    for c in prange(nchunks):
-        _wide()
-        lo = np.empty(G, np.float32)
-        unit = np.empty(G, np.float32)
-        book = np.empty(K if K <= 256 else 1, np.float32)
-        codes = np.empty(1 if K <= 256 else _DEC_BLOCK, np.int32)
-        b0 = c * kchunk
-        for b in range(b0, min(nb, b0 + kchunk)):
-            sc = scales[2 * G * b:2 * G * (b + 1)]
+    K = 1 << BITS
+    lo = np.empty(G, np.float32)
+    unit = np.empty(G, np.float32)
+    book = np.empty(K if K <= 256 else 1, np.float32)
+    codes = np.empty(1 if K <= 256 else _DEC_BLOCK, np.int32)
+    b = e0 // bs
+    st = e0
+    while st < e1:
+        en = min(e1, (b + 1) * bs)
+        sc = scales[2 * G * b:2 * G * (b + 1)]
+        for g in range(G):
+            lo[g] = sc[2 * g]
+            unit[g] = np.float32(sc[2 * g + 1] - sc[2 * g]) / Lf
+        if K <= 256:
             for g in range(G):
-                lo[g] = sc[2 * g]
-                unit[g] = np.float32(sc[2 * g + 1] - sc[2 * g]) / Lf
-            en = min(numel, (b + 1) * bs)
-            if K <= 256:        # up to 8 bits: every code's value once per bucket, then a lookup
-                for g in range(G):
-                    bg = book[g << lb:(g + 1) << lb]
-                    for q in range(L + 1):
-                        bg[q] = _sq_value(lo[g], q, unit[g])
-                _lookup(payload, codes_off, out[b * bs:en], b * bs, book, accumulate, _BITS)
-                continue
-            for st in range(b * bs, en, _DEC_BLOCK):
-                ob = _unpack(payload, codes_off, out, st, en, codes, _BITS)
+                bg = book[g << lb:(g + 1) << lb]
+                for q in range(L + 1):
+                    bg[q] = _sq_value(lo[g], q, unit[g])
+            _lookup(payload, codes_off, out[st:en], st, book, accumulate, BITS)
+        else:
+            for s0 in range(st, en, _DEC_BLOCK):
+                ob = _unpack(payload, codes_off, out, s0, en, codes, BITS)
                 for j in range(ob.size):
                     g = codes[j] >> lb
                     _put(ob, j, _sq_value(lo[g], codes[j] & L, unit[g]), accumulate)
+        st = en
+        b += 1
+
+
+_sortquant_decode = decoders(_sortquant_dec, "sortquant")[0]

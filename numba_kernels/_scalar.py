@@ -46,22 +46,17 @@ FINF = np.float32(np.inf)
 FNAN = np.float32(np.nan)
 
 
-# The encode divides |x| by the bucket's unit with IEEE rounding (the reference's ``abs(x) / unit``).
-# Per element that is a reciprocal approximation, its refinement, a range check (FCHK) and a branch on
-# the GPU. Where the bucket allows it (unit in [2**-60, 2**60]), v3 instead computes ``y = 1 / unit``
-# (IEEE-rounded) once per bucket and per element
+# The encode divides |x| by the bucket's unit with IEEE rounding (the reference's ``abs(x) / unit``);
+# on the GPU that is a reciprocal, its refinement, a range check and a branch per element. Where the
+# unit lies in [2**-60, 2**60] the CUDA encode instead computes ``y = 1 / unit`` (IEEE-rounded) once
+# per bucket and per element
 #     q0 = RN(a * y);  r = fma(-q0, unit, a);  q = fma(r, y, q0)
-# (one correction step in the manner of Markstein, from the correctly rounded reciprocal), which gives
-# the IEEE-rounded a / unit wherever nothing underflows: a / unit >= 2**-40 (then ulp(q) * ulp(unit)
-# >= 2**-146, so the remainder r is representable; the identity itself is checked, not assumed, by the
-# test named below, over every float32 significand of the unit). Below that only
-# whether the quotient is positive matters: stochastic rounding draws a level of 1 from q < 2**-24 iff
-# the 24 random bits are 0 and q > 0 (rounding to nearest gives 0 either way), and a / unit rounds to a
-# positive float32 iff
-# a > unit * 2**-150, i.e. iff a > thr = RD(unit * 2**-150) (a is a float32). So each element takes
-# ``max(q, 2**-41)`` if a > thr, else 0: equal codes, three instructions instead of the branch.
-# tests/test_kernels.py holds both facts over every float32 significand of the unit and
-# random quotients; the GPU tests hold the kernels equal to the reference, tiny elements included.
+# (one Markstein correction step), which is the IEEE-rounded a / unit wherever a / unit >= 2**-40 (the
+# remainder r is then representable). Below that only whether the quotient is positive matters (a
+# level of 1 comes from q < 2**-24 only under stochastic rounding with 24 zero bits), and a / unit
+# rounds to a positive float32 iff a > thr = RD(unit * 2**-150); so each element takes
+# ``max(q, 2**-41)`` if a > thr, else 0: equal codes, without the branch. tests/test_kernels.py
+# holds both facts over every float32 significand of the unit.
 DIV_UNIT_MIN = np.float32(2.0 ** -60)
 DIV_UNIT_MAX = np.float32(2.0 ** 60)
 DIV_POS = np.float32(2.0 ** -41)      # any quotient in (0, 2**-24) gives the same code
@@ -106,36 +101,38 @@ def build(jit, fmul):
         r = np.uint32(0)
         if stochastic:
             r = np.uint32(uniform24(key, i))
-        return qsgd_code_r(xv, scale, unit, sf, s, stochastic, r)
-
-    @jit
-    def qsgd_code_r(xv, scale, unit, sf, s, stochastic, r):
-        """:func:`qsgd_code` with the element's 24 random bits ``r`` given (uint32)."""
         if not (scale > F0 and scale < FINF):
             return s
         return qsgd_level(xv, unit, sf, s, stochastic, r)
 
     @jit
     def qsgd_level(xv, unit, sf, s, stochastic, r):
-        """:func:`qsgd_code_r` for a bucket whose scale is known to be positive and finite."""
+        """:func:`qsgd_code` for a bucket whose scale is known to be positive and finite, with the
+        element's 24 random bits ``r`` (uint32)."""
         return qsgd_round(abs(xv) / unit, xv < F0, sf, s, stochastic, r)
+
+    @jit
+    def round_level(v, top, stochastic, r):
+        """The level of ``v`` (float32, >= 0 or NaN) clamped to ``top``: floor(v) plus, stochastic,
+        (r < frac * 2**24) with ``r`` 24 random bits (P = ceil(frac * 2**24) / 2**24), else (frac >= 1/2)
+        (round half up, decided on the exact fraction). Branch-free: the outcomes are unpredictable."""
+        if not (v <= top):           # rounding put v above top, or a unit underflowed to 0
+            v = top
+        # 32-bit integers (v < 2**16): on a GPU, 64-bit conversions cost several times more
+        q = np.int32(v)              # v >= 0: truncation is floor
+        frac = v - np.float32(q)     # exact
+        if stochastic:
+            q = np.int32(q + np.int32(np.float32(r) < frac * F2_24))
+        else:
+            q = np.int32(q + np.int32(frac >= FHALF))
+        return q
 
     @jit
     def qsgd_round(v, negative, sf, s, stochastic, r):
         """:func:`qsgd_level` from ``v = |x| / unit`` (float32, IEEE-rounded) and the sign of x."""
-        if not (v <= sf):            # rounding put |x|/unit above s, or unit underflowed to 0
-            v = sf
-        # 32-bit integers from here on (0 <= v <= s < 2**15): on a GPU, 64-bit conversions cost several
-        # times more than 32-bit ones; the values are the same
-        q = np.int32(v)              # v >= 0: truncation is floor
-        frac = v - np.float32(q)     # exact
-        # branch-free (the outcomes are unpredictable; mispredictions would dominate the CPU time)
-        if stochastic:
-            q = np.int32(q + np.int32(np.float32(r) < frac * F2_24))  # P = ceil(frac * 2**24) / 2**24
-        else:
-            q = np.int32(q + np.int32(frac >= FHALF))     # round half up, decided on the exact fraction
-        # q <= s here: v <= s, and v == s has no fraction to round up (the reference's min(q, s) is a
-        # no-op; it is left out of the kernels)
+        # the level is at most s: v <= s, and v == s has no fraction to round up (so the reference's
+        # min(q, s) is left out of the kernels)
+        q = round_level(v, sf, stochastic, r)
         sign = np.int32(1) - np.int32(2) * np.int32(negative)     # (a select and a multiply-add on a GPU)
         return np.int64(s + q * sign)
 
@@ -172,15 +169,7 @@ def build(jit, fmul):
         clamped to L; stochastic: floor(v) + (r < frac * 2**24) with ``r`` the element's 24 random bits;
         else half up. 0 where unit is 0 (every value of the group is lo), by a select at the end, so that
         a loop of it has no branch and vectorises."""
-        v = (xv - lo) / unit
-        if not v <= Lf:
-            v = Lf
-        q = np.int32(v)
-        frac = v - np.float32(q)
-        if stochastic:
-            q = np.int32(q + np.int32(np.float32(r) < frac * F2_24))
-        else:
-            q = np.int32(q + np.int32(frac >= FHALF))
+        q = round_level((xv - lo) / unit, Lf, stochastic, r)
         return min(q, np.int32(L)) if unit > F0 else np.int32(0)
 
     @jit
@@ -323,14 +312,7 @@ def build(jit, fmul):
         m = p / np.float32(ln)
         return m, -m
 
-    return SimpleNamespace(header_errors=header_errors, fnv=fnv, mix64=mix64, draw=draw, uniform24=uniform24, qsgd_code=qsgd_code,
-                           qsgd_code_r=qsgd_code_r, qsgd_level=qsgd_level, qsgd_round=qsgd_round,
-                           max_nan=max_nan,
-                           finite=finite, bucket_of=bucket_of, mul=mul, sqrt32=sqrt32,
-                           onebit_scales=onebit_scales, sortquant_level=sortquant_level,
-                           sortquant_value=sortquant_value, kmeans_draw=kmeans_draw,
-                           kmeans_scale=kmeans_scale, kmeans_fixed=kmeans_fixed, kmeans_mean=kmeans_mean,
-                           kmeans_mids=kmeans_mids, kmeans_starts=kmeans_starts, kmeans_index=kmeans_index)
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("jit", "fmul")})   # all above
 
 
 def mix64_py(z):

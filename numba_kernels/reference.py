@@ -9,13 +9,8 @@ payload just encoded (float32 subtraction). Decoders take ``expect`` (a ``wire.E
 a header that fails the check raises ``PayloadError`` (``wire.describe_error_bits``) before anything
 is written.
 
-Canonical float32 summation (every sum: l2, two_mean, mean_abs), in two levels. The lane sum of a
-sequence of terms: 32 lanes; lane ``l`` adds terms ``l, l+32, l+64, ...`` sequentially in float32
-starting from +0.0; then for stride in 16, 8, 4, 2, 1: ``p[l] += p[l + stride]`` for ``l < stride``;
-the result is ``p[0]``. A bucket's sum is the lane sum of its segments' lane sums, segments being
-its consecutive runs of ``SEGMENT`` (8192) elements, so that a long bucket's sum can be taken by many
-threads at once. A bucket of at most ``SEGMENT`` elements is one segment, and its sum is its lane sum
-(a lane sum is never -0.0, so adding +0.0 to it changes nothing). (Max is order-free.)
+Every float32 sum (l2, two_mean, mean_abs) is taken in the canonical order of docs/CODECS.md
+("Canonical summation order"): :func:`lane_sum_ref`.
 """
 import numpy as np
 
@@ -27,8 +22,8 @@ __all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_
            "header_errors_ref", "check_expect_ref", "levels", "qsgd_decode_sum_ref",
            "onebit_decode_sum_ref", "qsgd_reduce_requantize_ref", "onebit_reduce_requantize_ref",
            "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref", "chunk_ranges", "chunk_expects",
-           "split_payloads", "header_numel", "sortquant_encode_ref", "sortquant_decode_ref",
-           "sortquant_groups", "kmeans_encode_ref", "kmeans_decode_ref", "KMEANS_SAMPLE"]
+           "sortquant_encode_ref", "sortquant_decode_ref", "sortquant_groups", "kmeans_encode_ref",
+           "kmeans_decode_ref", "KMEANS_SAMPLE"]
 
 
 def levels(bits):
@@ -36,19 +31,16 @@ def levels(bits):
     return (1 << (bits - 1)) - 1
 
 
-def _buckets(a, bs, fill=0):
-    """(nb, R*32) zero-padded view of the buckets of ``a`` (R = ceil(bs/32)) and the validity mask."""
+def _buckets(a, bs):
+    """(nb, R*32) zero-padded copy of the buckets of ``a`` (R = ceil(bs/32)) and the validity mask."""
     n = a.size
     nb = -(-n // bs)
-    width = -(-bs // 32) * 32
-    out = np.full((nb, width), fill, dtype=a.dtype)
-    valid = np.zeros((nb, width), dtype=bool)
-    flat = np.full(nb * bs, fill, dtype=a.dtype)
+    out = np.zeros((nb, -(-bs // 32) * 32), dtype=a.dtype)
+    valid = np.zeros(out.shape, dtype=bool)
+    flat = np.zeros(nb * bs, dtype=a.dtype)
     flat[:n] = a
     out[:, :bs] = flat.reshape(nb, bs)
-    vflat = np.zeros(nb * bs, dtype=bool)
-    vflat[:n] = True
-    valid[:, :bs] = vflat.reshape(nb, bs)
+    valid[:, :bs] = (np.arange(nb * bs) < n).reshape(nb, bs)
     return out, valid
 
 
@@ -92,14 +84,13 @@ def bucket_scales_ref(x, bucket_size, kind):
         if kind == "mean_abs":
             return (lane_sum_ref(np.abs(X)) / lengths.astype(np.float32)).astype(np.float32)
         if kind == "two_mean":
-            pos = valid & (X >= 0)
-            neg = valid & ~(X >= 0)          # NaN counts as negative, as its bit (x >= 0) is 0
-            spos = lane_sum_ref(np.where(pos, X, F0))
-            sneg = lane_sum_ref(np.where(neg, X, F0))
-            npos = pos.sum(axis=1)
-            nneg = neg.sum(axis=1)
-            mpos = np.where(npos > 0, spos / np.maximum(npos, 1).astype(np.float32), F0).astype(np.float32)
-            mneg = np.where(nneg > 0, sneg / np.maximum(nneg, 1).astype(np.float32), F0).astype(np.float32)
+            means = []
+            for side in (valid & (X >= 0), valid & ~(X >= 0)):     # NaN is negative: its bit (x >= 0) is 0
+                cnt = side.sum(axis=1)
+                total = lane_sum_ref(np.where(side, X, F0))
+                mean = np.where(cnt > 0, total / np.maximum(cnt, 1).astype(np.float32), F0)
+                means.append(mean.astype(np.float32))
+            mpos, mneg = means
             bad = ~((np.abs(mpos) < FINF) & (np.abs(mneg) < FINF))
             mpos[bad] = np.nan
             mneg[bad] = np.nan
@@ -117,27 +108,30 @@ def uniform24_ref(key, idx):
     return np.where((i & np.uint64(32)) != 0, z >> U40, (z >> np.uint64(8)) & np.uint64(0xFFFFFF))
 
 
-def _qsgd_codes(x, scales, bits, bucket_size, stochastic, key):
-    s = levels(bits)
-    sf = np.float32(s)
-    n = x.size
-    idx = np.arange(n, dtype=np.int64)
-    b = idx // bucket_size
-    sc = scales[b]
-    unit = (scales / sf).astype(np.float32)[b]
-    ok = (sc > F0) & (sc < FINF)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        v = (np.abs(x) / unit).astype(np.float32)
-    v = np.where(v <= sf, v, sf).astype(np.float32)
+def _round(v, top, stochastic, key, idx):
+    """The levels of ``v`` (float32, >= 0 or NaN) clamped to ``top`` (a float32 integer): floor(v)
+    plus, stochastic, (r < frac * 2**24) with r the 24 random bits of the elements ``idx``, else
+    (frac >= 1/2); at most ``top``."""
+    v = np.where(v <= top, v, top).astype(np.float32)
     q = v.astype(np.int64)
     frac = (v - q.astype(np.float32)).astype(np.float32)
     if stochastic:
-        r = uniform24_ref(key, idx).astype(np.float32)
-        q = q + (r < frac * F2_24)
+        q = q + (uniform24_ref(key, idx).astype(np.float32) < frac * F2_24)
     else:
         q = q + (frac >= FHALF)
-    q = np.minimum(q, s)
-    q = np.where(ok, q, 0)
+    return np.minimum(q, int(top))
+
+
+def _qsgd_codes(x, scales, bits, bucket_size, stochastic, key):
+    s = levels(bits)
+    sf = np.float32(s)
+    idx = np.arange(x.size, dtype=np.int64)
+    b = idx // bucket_size
+    sc = scales[b]
+    unit = (scales / sf).astype(np.float32)[b]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        v = (np.abs(x) / unit).astype(np.float32)
+    q = np.where((sc > F0) & (sc < FINF), _round(v, sf, stochastic, key, idx), 0)
     return np.where(x < F0, s - q, s + q).astype(np.int64)
 
 
@@ -163,11 +157,27 @@ def write_header_ref(payload, header, stream=None):
     payload[:wire.HEADER_NBYTES] = np.array([int(w) for w in header], dtype="<u8").view(np.uint8)
 
 
-def _write_body(payload, lay, codes_bytes, scales):
-    payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes] = codes_bytes
+def _write(payload, header, lay, codes, bits, scales, x, residual, decode):
+    """The payload of an encode: header, ``codes`` packed at ``bits``, padding, ``scales``; then the
+    residual: ``residual = x - (what decode(payload, d) writes)``, float32 (``residual`` may be ``x``)."""
+    assert payload.size == lay.total, (payload.size, lay)
+    write_header_ref(payload, header)
+    payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes] = _pack(codes, bits)
     payload[lay.codes_offset + lay.codes_nbytes:lay.scales_offset] = 0
     payload[lay.scales_offset:lay.scales_offset + 4 * lay.nscales] = \
         np.ascontiguousarray(scales, dtype="<f4").reshape(-1).view(np.uint8)
+    if residual is not None:
+        d = np.empty(x.size, np.float32)
+        decode(payload, d)
+        with np.errstate(invalid="ignore", over="ignore"):
+            residual.reshape(-1)[...] = (x - d).astype(np.float32)
+
+
+def _store(out, val, accumulate):
+    if accumulate:
+        out += val
+    else:
+        out[...] = val
 
 
 def _scales_of(payload, lay):
@@ -184,28 +194,14 @@ def check_expect_ref(payload, expect):
             raise wire.PayloadError(wire.describe_error_bits(err))
 
 
-def _residual(x, payload, residual, decode):
-    """residual = x - (what ``decode(payload, d)`` writes), float32; ``residual`` may be ``x``."""
-    if residual is None:
-        return
-    d = np.empty(x.size, np.float32)
-    decode(payload, d)
-    with np.errstate(invalid="ignore", over="ignore"):
-        r = (x - d).astype(np.float32)
-    residual.reshape(-1)[...] = r
-
-
 def qsgd_encode_ref(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=None,
                     residual=None):
     """Bucketed QSGD of float32 ``x`` into ``payload`` (header words, codes, padding, scales)."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     lay = wire.layout(wire.METHODS["qsgd"], x.size, bits, bucket_size)
-    assert payload.size == lay.total, (payload.size, lay)
     scales = bucket_scales_ref(x, bucket_size, "l2" if norm_l2 else "max")
-    codes = _qsgd_codes(x, scales, bits, bucket_size, stochastic, key)
-    write_header_ref(payload, header)
-    _write_body(payload, lay, _pack(codes, bits), scales)
-    _residual(x, payload, residual, lambda p, d: qsgd_decode_ref(p, d, bits, bucket_size, False))
+    _write(payload, header, lay, _qsgd_codes(x, scales, bits, bucket_size, stochastic, key), bits, scales,
+           x, residual, lambda p, d: qsgd_decode_ref(p, d, bits, bucket_size, False))
 
 
 def qsgd_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
@@ -217,11 +213,8 @@ def qsgd_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, st
     codes = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, bits)
     unit = (_scales_of(payload, lay) / np.float32(s)).astype(np.float32)
     with np.errstate(invalid="ignore"):
-        val = ((codes - s).astype(np.float32) * unit[np.arange(n) // bucket_size]).astype(np.float32)
-    if accumulate:
-        out += val
-    else:
-        out[...] = val
+        _store(out, ((codes - s).astype(np.float32) * unit[np.arange(n) // bucket_size]).astype(np.float32),
+               accumulate)
 
 
 def sortquant_groups(n, split_bits):
@@ -258,15 +251,7 @@ def _sortquant_bucket(xb, idx, split_bits, lb, stochastic, key):
         if unit > F0:
             with np.errstate(over="ignore"):
                 v = ((xb[members] - lo) / unit).astype(np.float32)
-            v = np.where(v <= Lf, v, Lf).astype(np.float32)
-            q = v.astype(np.int64)
-            frac = (v - q.astype(np.float32)).astype(np.float32)
-            if stochastic:
-                r = uniform24_ref(key, idx[members]).astype(np.float32)
-                q = q + (r < frac * F2_24)
-            else:
-                q = q + (frac >= FHALF)
-            q = np.minimum(q, L)
+            q = _round(v, Lf, stochastic, key, idx[members])
         else:                   # every value of the group equals lo
             q = np.zeros(p1 - p0, np.int64)
         codes[members] = (g << lb) | q
@@ -278,17 +263,14 @@ def sortquant_encode_ref(x, payload, header, bits, split_bits, bucket_size, stoc
     """Sort quantization of float32 ``x`` into ``payload`` (header words, codes, padding, scales)."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     lay = wire.layout(wire.METHODS["sortquant"], x.size, bits, bucket_size, 0, split_bits)
-    assert payload.size == lay.total, (payload.size, lay)
     codes = np.zeros(x.size, np.int64)
     scales = np.zeros((lay.nbuckets, 2 << split_bits), np.float32)
     for b in range(lay.nbuckets):
         st, en = b * bucket_size, min(x.size, (b + 1) * bucket_size)
         codes[st:en], scales[b] = _sortquant_bucket(x[st:en], np.arange(st, en), split_bits,
                                                     bits - split_bits, stochastic, key)
-    write_header_ref(payload, header)
-    _write_body(payload, lay, _pack(codes, bits), scales)
-    _residual(x, payload, residual,
-              lambda p, d: sortquant_decode_ref(p, d, bits, split_bits, bucket_size, False))
+    _write(payload, header, lay, codes, bits, scales, x, residual,
+           lambda p, d: sortquant_decode_ref(p, d, bits, split_bits, bucket_size, False))
 
 
 def sortquant_decode_ref(payload, out, bits, split_bits, bucket_size, accumulate, stream=None, status=None,
@@ -307,11 +289,8 @@ def sortquant_decode_ref(payload, out, bits, split_bits, bucket_size, accumulate
     hi = sc[b, 2 * g + 1]
     with np.errstate(invalid="ignore", over="ignore"):
         unit = ((hi - lo).astype(np.float32) / np.float32(L)).astype(np.float32)
-        val = (lo + ((codes & L).astype(np.float32) * unit).astype(np.float32)).astype(np.float32)
-    if accumulate:
-        out += val
-    else:
-        out[...] = val
+        _store(out, (lo + ((codes & L).astype(np.float32) * unit).astype(np.float32)).astype(np.float32),
+               accumulate)
 
 
 def _kmeans_mids(c):
@@ -379,16 +358,14 @@ def kmeans_encode_ref(x, payload, header, bits, bucket_size, iters, key, stream=
     a codebook of 2**bits centroids (:func:`_kmeans_bucket`) and each element's centroid index."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     lay = wire.layout(wire.METHODS["kmeans"], x.size, bits, bucket_size)
-    assert payload.size == lay.total, (payload.size, lay)
     bs = bucket_size or max(x.size, 1)
     codes = np.zeros(x.size, np.int64)
     book = np.zeros((lay.nbuckets, 1 << bits), np.float32)
     for b in range(lay.nbuckets):
         st, en = b * bs, min(x.size, (b + 1) * bs)
         book[b], codes[st:en] = _kmeans_bucket(x[st:en], b, bits, iters, key)
-    write_header_ref(payload, header)
-    _write_body(payload, lay, _pack(codes, bits), book)
-    _residual(x, payload, residual, lambda p, d: kmeans_decode_ref(p, d, bits, bucket_size, False))
+    _write(payload, header, lay, codes, bits, book, x, residual,
+           lambda p, d: kmeans_decode_ref(p, d, bits, bucket_size, False))
 
 
 def kmeans_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
@@ -398,11 +375,12 @@ def kmeans_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, 
     lay = wire.layout(wire.METHODS["kmeans"], n, bits, bucket_size)
     codes = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, bits)
     book = _scales_of(payload, lay).reshape(-1, 1 << bits)
-    val = book[np.arange(n) // (bucket_size or max(n, 1)), codes]
-    if accumulate:
-        out += val
-    else:
-        out[...] = val
+    _store(out, book[np.arange(n) // (bucket_size or max(n, 1)), codes], accumulate)
+
+
+def _onebit_layout(numel, bucket_size, two_mean):
+    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+    return wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode)
 
 
 def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None, residual=None):
@@ -410,14 +388,9 @@ def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None, re
 
     ``bucket_size`` 0: one bucket for the whole tensor."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    lay = wire.layout(wire.METHODS["onebit"], x.size, 1, bucket_size, mode)
-    assert payload.size == lay.total, (payload.size, lay)
-    bs = bucket_size or max(x.size, 1)
-    scales = bucket_scales_ref(x, bs, "two_mean" if two_mean else "mean_abs")
-    write_header_ref(payload, header)
-    _write_body(payload, lay, _pack((x >= F0).astype(np.int64), 1), scales)
-    _residual(x, payload, residual, lambda p, d: onebit_decode_ref(p, d, bucket_size, two_mean, False))
+    scales = bucket_scales_ref(x, bucket_size or max(x.size, 1), "two_mean" if two_mean else "mean_abs")
+    _write(payload, header, _onebit_layout(x.size, bucket_size, two_mean), (x >= F0).astype(np.int64), 1,
+           scales, x, residual, lambda p, d: onebit_decode_ref(p, d, bucket_size, two_mean, False))
 
 
 def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None,
@@ -425,21 +398,15 @@ def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=No
     """out (+)= 1-bit decoded values (header checked against ``expect`` if given)."""
     check_expect_ref(payload, expect)
     n = out.size
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    lay = wire.layout(wire.METHODS["onebit"], n, 1, bucket_size, mode)
-    bs = bucket_size or max(n, 1)
+    lay = _onebit_layout(n, bucket_size, two_mean)
     bits = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, 1).astype(bool)
     sc = _scales_of(payload, lay)
-    b = np.arange(n) // bs
+    b = np.arange(n) // (bucket_size or max(n, 1))
     if two_mean:
         sc = sc.reshape(-1, 2)
-        val = np.where(bits, sc[b, 0], sc[b, 1]).astype(np.float32)
+        _store(out, np.where(bits, sc[b, 0], sc[b, 1]).astype(np.float32), accumulate)
     else:
-        val = np.where(bits, sc[b], -sc[b]).astype(np.float32)
-    if accumulate:
-        out += val
-    else:
-        out[...] = val
+        _store(out, np.where(bits, sc[b], -sc[b]).astype(np.float32), accumulate)
 
 
 def header_errors_ref(payload, method, bits, mode, param, bucket_size, numel, name_hash, check_name):
@@ -447,31 +414,16 @@ def header_errors_ref(payload, method, bits, mode, param, bucket_size, numel, na
 
     The reference of the CUDA check kernel, which cannot raise and reports these bits instead."""
     h = bytes(np.asarray(payload[:wire.HEADER_NBYTES], np.uint8))
-    err = 0
-    if h[0:4] != wire.MAGIC:
-        err |= 1
-    if h[4] != wire.VERSION:
-        err |= 2
-    if h[5] != method:
-        err |= 4
-    if h[6] != bits:
-        err |= 8
-    if h[7] != mode:
-        err |= 16
-    if h[8] != param:
-        err |= 32
-    if int.from_bytes(h[12:16], "little") != bucket_size:
-        err |= 64
-    if int.from_bytes(h[16:24], "little") != numel:
-        err |= 128
-    if check_name and int.from_bytes(h[56:60], "little") != name_hash:
-        err |= 256
-    if int.from_bytes(h[62:64], "little") != wire.fold16(wire.fnv1a32(h[0:62])):
-        err |= 512
-    cfg = h[4:9] + h[12:16]
-    if int.from_bytes(h[60:62], "little") != wire.fold16(wire.fnv1a32(cfg)):
-        err |= 1024
-    return err
+
+    def field(a, b):
+        return int.from_bytes(h[a:b], "little")
+
+    bad = [h[0:4] != wire.MAGIC, h[4] != wire.VERSION, h[5] != method, h[6] != bits, h[7] != mode,
+           h[8] != param, field(12, 16) != bucket_size, field(16, 24) != numel,
+           check_name and field(56, 60) != name_hash,
+           field(62, 64) != wire.fold16(wire.fnv1a32(h[0:62])),
+           field(60, 62) != wire.fold16(wire.fnv1a32(h[4:9] + h[12:16]))]
+    return sum(1 << k for k, b in enumerate(bad) if b)     # bit k: the k-th of wire.ERROR_BITS
 
 
 # ---- fused operations: several payloads in one launch ------------------------------------------------
@@ -479,15 +431,6 @@ def header_errors_ref(payload, method, bits, mode, param, bucket_size, numel, na
 # Each is *defined* by composing the single-payload references above; the kernels are held equal to
 # these bit for bit. ``payloads`` is one uint8 buffer holding ``n`` payloads of the same layout back
 # to back; the decode-sum is a float32 left fold in payload order, starting from decode(p_0).
-
-
-def split_payloads(payloads, n, total):
-    """The ``n`` payloads of ``total`` bytes each held back to back in ``payloads``."""
-    if n < 1:
-        raise ValueError(f"n must be at least 1; got {n}")
-    if payloads.size != n * total:
-        raise wire.PayloadError(f"payloads has {payloads.size} bytes, {n} payloads of {total} need {n * total}")
-    return [payloads[k * total:(k + 1) * total] for k in range(n)]
 
 
 def chunk_ranges(numel, bucket_size, chunk):
@@ -498,70 +441,6 @@ def chunk_ranges(numel, bucket_size, chunk):
         raise ValueError(f"chunk {chunk} must be a positive multiple of bucket_size {bucket_size} "
                          f"(bucket_size 0: at least numel {numel})")
     return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
-
-
-def _sum_payloads(decode, payloads, n, out, total, expect):
-    ps = split_payloads(payloads, n, total)
-    for p in ps:                         # every header before anything is written
-        check_expect_ref(p, expect)
-    decode(ps[0], out, False)
-    for p in ps[1:]:
-        decode(p, out, True)
-
-
-def qsgd_decode_sum_ref(payloads, n, out, bits, bucket_size, stream=None, status=None, expect=None):
-    """out = decode(p_0) + decode(p_1) + ... + decode(p_{n-1}) (float32, in that order) of the ``n``
-    QSGD payloads held back to back in ``payloads``; every header checked against ``expect`` first."""
-    total = wire.layout(wire.METHODS["qsgd"], out.size, bits, bucket_size).total
-    _sum_payloads(lambda p, o, acc: qsgd_decode_ref(p, o, bits, bucket_size, acc),
-                  payloads, n, out.reshape(-1), total, expect)
-
-
-def onebit_decode_sum_ref(payloads, n, out, bucket_size, two_mean, stream=None, status=None,
-                          expect=None):
-    """out = the float32 sum, in payload order, of the ``n`` 1-bit payloads' decodes."""
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    total = wire.layout(wire.METHODS["onebit"], out.size, 1, bucket_size, mode).total
-    _sum_payloads(lambda p, o, acc: onebit_decode_ref(p, o, bucket_size, two_mean, acc),
-                  payloads, n, out.reshape(-1), total, expect)
-
-
-def header_numel(header):
-    """The numel field of header words (word 2)."""
-    return int(header[2])
-
-
-def _reduce_requantize(decode_sum, encode, numel, residual):
-    s = np.empty(numel, np.float32)
-    decode_sum(s)
-    if residual is not None:
-        r = residual.reshape(-1)
-        with np.errstate(invalid="ignore", over="ignore"):
-            s = (s + r).astype(np.float32)
-        encode(s, r)
-    else:
-        encode(s, None)
-
-
-def qsgd_reduce_requantize_ref(payloads, n, residual, out_payload, header, bits, bucket_size, stochastic,
-                               norm_l2, key, stream=None, status=None, expect=None):
-    """SRA's phase 2: ``c = decode_sum(payloads) (+ residual)``, ``out_payload = encode(c, header, key)``
-    and, with ``residual``, ``residual = c - decode(out_payload)``. ``numel`` is the header's."""
-    numel = header_numel(header)
-    _reduce_requantize(
-        lambda s: qsgd_decode_sum_ref(payloads, n, s, bits, bucket_size, expect=expect),
-        lambda c, r: qsgd_encode_ref(c, out_payload, header, bits, bucket_size, stochastic, norm_l2,
-                                     key, residual=r), numel, residual)
-
-
-def onebit_reduce_requantize_ref(payloads, n, residual, out_payload, header, bucket_size, two_mean,
-                                 stream=None, status=None, expect=None):
-    """:func:`qsgd_reduce_requantize_ref` for 1-bit payloads."""
-    numel = header_numel(header)
-    _reduce_requantize(
-        lambda s: onebit_decode_sum_ref(payloads, n, s, bucket_size, two_mean, expect=expect),
-        lambda c, r: onebit_encode_ref(c, out_payload, header, bucket_size, two_mean, residual=r),
-        numel, residual)
 
 
 def chunk_expects(numel, bucket_size, chunk, method, bits, mode, expect=None, name_hashes=None):
@@ -584,17 +463,93 @@ def chunk_expects(numel, bucket_size, chunk, method, bits, mode, expect=None, na
     return [expect._replace(numel=b - a) for a, b in ranges]
 
 
-def _decode_chunks(decode, gathered, out, lay_of, ranges, expects):
-    out = out.reshape(-1)
-    offs = [0]
-    for a, b in ranges:
-        offs.append(offs[-1] + lay_of(b - a).total)
-    if gathered.size != offs[-1]:
-        raise wire.PayloadError(f"gathered has {gathered.size} bytes, the {len(ranges)} chunks need {offs[-1]}")
-    for j in range(len(ranges)):          # every header before anything is written
-        check_expect_ref(gathered[offs[j]:offs[j + 1]], expects[j])
-    for j, (a, b) in enumerate(ranges):
-        decode(gathered[offs[j]:offs[j + 1]], out[a:b])
+class _Fused:
+    """The fused references over QSGD (``two_mean`` None) or 1-bit payloads, from their layout and
+    their decode."""
+
+    def __init__(self, bits, bucket_size, two_mean=None):
+        self.bits, self.bucket_size = bits, bucket_size
+        if two_mean is None:
+            self.method, self.mode = wire.METHODS["qsgd"], 0
+            self.decode = lambda p, out, acc: qsgd_decode_ref(p, out, bits, bucket_size, acc)
+        else:
+            self.method = wire.METHODS["onebit"]
+            self.mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+            self.decode = lambda p, out, acc: onebit_decode_ref(p, out, bucket_size, two_mean, acc)
+
+    def layout(self, m):
+        return wire.layout(self.method, m, self.bits, self.bucket_size, self.mode)
+
+    def decode_sum(self, payloads, n, out, expect):
+        """out = decode(p_0) + decode(p_1) + ... (a float32 left fold in payload order) of the ``n``
+        payloads held back to back in ``payloads``; every header checked before anything is written."""
+        out = out.reshape(-1)
+        total = self.layout(out.size).total
+        if n < 1:
+            raise ValueError(f"n must be at least 1; got {n}")
+        if payloads.size != n * total:
+            raise wire.PayloadError(f"payloads has {payloads.size} bytes, {n} payloads of {total} need "
+                                    f"{n * total}")
+        ps = [payloads[k * total:(k + 1) * total] for k in range(n)]
+        for p in ps:
+            check_expect_ref(p, expect)
+        for k, p in enumerate(ps):
+            self.decode(p, out, k > 0)
+
+    def reduce_requantize(self, payloads, n, residual, encode, numel, expect):
+        """``c = decode_sum(payloads) (+ residual)``, then ``encode(c, residual)``."""
+        c = np.empty(numel, np.float32)
+        self.decode_sum(payloads, n, c, expect)
+        if residual is not None:
+            residual = residual.reshape(-1)
+            with np.errstate(invalid="ignore", over="ignore"):
+                c = (c + residual).astype(np.float32)
+        encode(c, residual)
+
+    def decode_chunks(self, gathered, out, chunk, name_hashes, expect):
+        out = out.reshape(-1)
+        ranges = chunk_ranges(out.size, self.bucket_size, chunk)
+        expects = chunk_expects(out.size, self.bucket_size, chunk, self.method, self.bits, self.mode, expect,
+                                name_hashes)
+        offs = np.cumsum([0] + [self.layout(b - a).total for a, b in ranges])
+        if gathered.size != offs[-1]:
+            raise wire.PayloadError(f"gathered has {gathered.size} bytes, the {len(ranges)} chunks need "
+                                    f"{offs[-1]}")
+        for j in range(len(ranges)):          # every header before anything is written
+            check_expect_ref(gathered[offs[j]:offs[j + 1]], expects[j])
+        for j, (a, b) in enumerate(ranges):
+            self.decode(gathered[offs[j]:offs[j + 1]], out[a:b], False)
+
+
+def qsgd_decode_sum_ref(payloads, n, out, bits, bucket_size, stream=None, status=None, expect=None):
+    """out = decode(p_0) + decode(p_1) + ... + decode(p_{n-1}) (float32, in that order) of the ``n``
+    QSGD payloads held back to back in ``payloads``; every header checked against ``expect`` first."""
+    _Fused(bits, bucket_size).decode_sum(payloads, n, out, expect)
+
+
+def onebit_decode_sum_ref(payloads, n, out, bucket_size, two_mean, stream=None, status=None,
+                          expect=None):
+    """:func:`qsgd_decode_sum_ref` for 1-bit payloads."""
+    _Fused(1, bucket_size, two_mean).decode_sum(payloads, n, out, expect)
+
+
+def qsgd_reduce_requantize_ref(payloads, n, residual, out_payload, header, bits, bucket_size, stochastic,
+                               norm_l2, key, stream=None, status=None, expect=None):
+    """SRA's phase 2: ``c = decode_sum(payloads) (+ residual)``, ``out_payload = encode(c, header, key)``
+    and, with ``residual``, ``residual = c - decode(out_payload)``. ``numel`` is the header's (word 2)."""
+    _Fused(bits, bucket_size).reduce_requantize(
+        payloads, n, residual, lambda c, r: qsgd_encode_ref(c, out_payload, header, bits, bucket_size,
+                                                            stochastic, norm_l2, key, residual=r),
+        int(header[2]), expect)
+
+
+def onebit_reduce_requantize_ref(payloads, n, residual, out_payload, header, bucket_size, two_mean,
+                                 stream=None, status=None, expect=None):
+    """:func:`qsgd_reduce_requantize_ref` for 1-bit payloads."""
+    _Fused(1, bucket_size, two_mean).reduce_requantize(
+        payloads, n, residual, lambda c, r: onebit_encode_ref(c, out_payload, header, bucket_size, two_mean,
+                                                              residual=r),
+        int(header[2]), expect)
 
 
 def qsgd_decode_chunks_ref(gathered, out, bits, bucket_size, chunk, stream=None, status=None,
@@ -602,19 +557,10 @@ def qsgd_decode_chunks_ref(gathered, out, bits, bucket_size, chunk, stream=None,
     """Decode chunk j's payload (held back to back in ``gathered``) into ``out[j*chunk:(j+1)*chunk]``
     (the last chunk may be shorter). Headers are checked (see :func:`chunk_expects`) when ``expect``
     is given; ``name_hashes`` adds each chunk's name."""
-    q = wire.METHODS["qsgd"]
-    ranges = chunk_ranges(out.size, bucket_size, chunk)
-    exps = chunk_expects(out.size, bucket_size, chunk, q, bits, 0, expect, name_hashes)
-    _decode_chunks(lambda p, o: qsgd_decode_ref(p, o, bits, bucket_size, False), gathered, out,
-                   lambda m: wire.layout(q, m, bits, bucket_size), ranges, exps)
+    _Fused(bits, bucket_size).decode_chunks(gathered, out, chunk, name_hashes, expect)
 
 
 def onebit_decode_chunks_ref(gathered, out, bucket_size, two_mean, chunk, stream=None, status=None,
                              name_hashes=None, expect=None):
     """:func:`qsgd_decode_chunks_ref` for 1-bit payloads (``bucket_size`` 0: one chunk)."""
-    ob = wire.METHODS["onebit"]
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    ranges = chunk_ranges(out.size, bucket_size, chunk)
-    exps = chunk_expects(out.size, bucket_size, chunk, ob, 1, mode, expect, name_hashes)
-    _decode_chunks(lambda p, o: onebit_decode_ref(p, o, bucket_size, two_mean, False), gathered, out,
-                   lambda m: wire.layout(ob, m, 1, bucket_size, mode), ranges, exps)
+    _Fused(1, bucket_size, two_mean).decode_chunks(gathered, out, chunk, name_hashes, expect)

@@ -43,6 +43,7 @@ size is a multiple of 4, so payloads concatenated back to back stay 4-byte align
 * none: numel float32 values at 64.
 """
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -140,8 +141,7 @@ def config_crc(version, method, bits, mode, param, bucket_size):
 
 class Layout:
     """Byte offsets of one payload. ``total`` is the payload size (== the codec's wire_nbytes)."""
-    __slots__ = ("numel", "nbuckets", "codes_offset", "codes_nbytes", "scales_offset", "nscales",
-                 "values_offset", "total")
+    __slots__ = ("numel", "nbuckets", "codes_offset", "codes_nbytes", "scales_offset", "nscales", "total")
 
     def __init__(self, numel, nbuckets=0, codes_nbytes=0, nscales=0, values_nbytes=0):
         self.numel = numel
@@ -150,7 +150,6 @@ class Layout:
         self.codes_nbytes = codes_nbytes
         self.scales_offset = HEADER_NBYTES + _align4(codes_nbytes)
         self.nscales = nscales
-        self.values_offset = HEADER_NBYTES
         self.total = self.scales_offset + 4 * nscales + _align4(values_nbytes)
 
     def __repr__(self):
@@ -168,19 +167,17 @@ def layout(method, numel, bits=0, bucket_size=0, mode=0, param=0):
     ``bucket_size`` 0 (onebit, kmeans) means one bucket for the whole tensor; ``param`` is sortquant's
     split_bits."""
     numel = int(numel)
+    nb = (1 if numel else 0) if bucket_size == 0 else -(-numel // bucket_size)
+    codes = (numel * bits + 7) // 8
     if method == METHODS["kmeans"]:
-        nb = (1 if numel else 0) if bucket_size == 0 else -(-numel // bucket_size)
-        return Layout(numel, nb, (numel * bits + 7) // 8, (1 << bits) * nb)
+        return Layout(numel, nb, codes, (1 << bits) * nb)
     if method == METHODS["sortquant"]:
-        nb = -(-numel // bucket_size)
-        return Layout(numel, nb, (numel * bits + 7) // 8, 2 * (1 << param) * nb)
+        return Layout(numel, nb, codes, 2 * (1 << param) * nb)
     if method == METHODS["qsgd"]:
         if mode == MODES["fake"]:
             return Layout(numel, values_nbytes=4 * numel)
-        nb = -(-numel // bucket_size)
-        return Layout(numel, nb, (numel * bits + 7) // 8, nb)
+        return Layout(numel, nb, codes, nb)
     if method == METHODS["onebit"]:
-        nb = (1 if numel else 0) if bucket_size == 0 else -(-numel // bucket_size)
         per = 2 if mode == ONEBIT_SCALES["two_mean"] else 1
         return Layout(numel, nb, (numel + 7) // 8, per * nb)
     if method == METHODS["fp16"]:
@@ -205,10 +202,7 @@ class Header:
         self.bucket_size = bucket_size
         self.dtype = dtype
         self.shape = tuple(int(d) for d in shape)
-        n = 1
-        for d in self.shape:
-            n *= d
-        self.numel = n if numel is None else int(numel)
+        self.numel = math.prod(self.shape) if numel is None else int(numel)
         self.name_hash = name_hash
         self.flags = 1 if name_hash else 0
 
@@ -288,9 +282,7 @@ def parse_header(buf, nbytes):
         raise PayloadError(f"corrupt header: unknown method code {method}")
     if dtype not in _DTYPE_NAMES:
         raise PayloadError(f"corrupt header: unknown dtype code {dtype}")
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     if n != numel:
         raise PayloadError(f"corrupt header: shape {shape} has {n} elements but numel says {numel}")
     if method == METHODS["qsgd"] and not (2 <= bits <= 16 and bucket_size >= 1 and mode in (0, 1, 2)
