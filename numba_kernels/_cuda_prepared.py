@@ -391,14 +391,20 @@ class _Encode(_Op):
 
     def __call__(self, x, payload, header, key, stream=None, residual=None):
         raw = self._raw.get(residual is not None) or self._prepare_raw(residual is not None)
-        s = raw.slots
+        s = raw.slots                       # (set_payload and set_tuple inlined: the tiny call's cost)
         px = s[0].value = _ptr(x)
-        pp = raw.set_payload(1, payload, self)
-        raw.set_tuple(4, header)
+        pp = s[1].value = _ptr(payload)
+        s[2].value = pp + self.codes_off
+        ps = s[3].value = pp + self.scales_off
+        if raw._tuples.get(4) is not header:
+            raw.set_tuple(4, header)
         nargs = len(self.args)
         s[5 + nargs].value = int(key)
         s[6 + nargs].value = px if residual is None else _ptr(residual)
-        self._launch(raw, px, pp + self.scales_off, _stream(stream))
+        if self._reduce is None:
+            raw.launch(self.grid, BLOCK, _stream(stream))
+        else:
+            self._launch(raw, px, ps, _stream(stream))
 
 
 class _ReduceRequantize(_Encode):
@@ -456,10 +462,16 @@ class _Decode(_Op):
             if expect is not None and status is not None:
                 check_header_cuda(payload, status, expect, stream)
             return
-        raw = self._prepared()
-        raw.set_payload(0, payload, self)
-        raw.slots[3].value = _ptr(out)
-        raw.set_check(4, status, expect)
+        raw = self._raw or self._prepared()
+        s = raw.slots                       # (set_payload and set_check inlined: the tiny call's cost)
+        pp = s[0].value = _ptr(payload)
+        s[1].value = pp + self.codes_off
+        s[2].value = pp + self.scales_off
+        s[3].value = _ptr(out)
+        if status is not None and expect is raw._expect:
+            s[4].value = _ptr(status)
+        else:
+            raw.set_check(4, status, expect)
         raw.launch(self.grid, BLOCK, _stream(stream))
 
 
