@@ -112,6 +112,18 @@ def _direct_count(codec, nh):
     return k
 
 
+def _thread_bound(key, make, *args):
+    """This thread's ``make(*args)`` under ``key`` (a direct call's bound launch), built once; the
+    table is emptied when it holds 4096."""
+    table = _THREAD.ops
+    f = table.get(key, table)           # (the table itself: not built yet; None is a result)
+    if f is table:
+        if len(table) >= 4096:
+            table.clear()
+        f = table[key] = make(*args)
+    return f
+
+
 def _thread_op(codec, kind, device, numel, accumulate=None):
     """This thread's prepared op ``kind`` of ``codec`` for ``numel`` elements on a CUDA device or the
     CPU (``Codec._op``), built once; the table is emptied when it holds 4096."""
@@ -301,14 +313,17 @@ class Codec:
         k is this codec object's count of encodes of ``name`` on this thread unless ``step`` is given, rank the
         process's Horovod rank (environment) unless ``rank`` is given. ``step=s, rank=r`` gives the
         payload the exchange sends for that name at step s from rank r."""
-        name = _name_arg(name)
+        if name is not None and type(name) is not str:
+            name = _name_arg(name)
         arrays = adapter_for(x)
-        nh, words, lay = self.header_plan(*arrays.describe(x), name)
+        shape, dtype_name = arrays.describe(x)
+        nh, words, lay = self.header_plan(shape, dtype_name, name)
         key = self._direct_key(nh, step, rank)
-        if arrays.device:
-            with arrays.context(x):
-                payload = arrays.new_bytes(lay.total, x)[0]
-                self._encode_dev(arrays, x, payload, words, lay, key)
+        if arrays.device:               # the exchange's bound launch, this thread's (the host cost)
+            encode = _thread_bound(("encode", self, arrays, shape, dtype_name, name), self.bind_encode,
+                                   arrays, lay, words, x)
+            payload = arrays.new_bytes(lay.total, x)[0]
+            encode(x, payload, key)
             return payload
         pay = np.empty(lay.total, np.uint8)
         self._encode_host(arrays, x, pay, words, lay, key)
@@ -372,13 +387,19 @@ class Codec:
         :meth:`check_device_errors` raises (docs/CODECS.md, "Errors"). ``expect`` (from
         :meth:`expectation`, instead of ``name``) and ``arrays`` (the payload's adapter) spare a
         caller that decodes the same layout every step the per-call preparation."""
-        name = _name_arg(name)
+        if name is not None and type(name) is not str:
+            name = _name_arg(name)
         arrays = arrays or adapter_for(payload)
-        if arrays.device:
-            if expect is None:
-                expect = self.expectation(arrays.numel(out), name)
-            return self._decode_into_dev(arrays, payload, out, accumulate, expect,
-                                         status_for(self, arrays, payload))
+        if arrays.device:               # the exchange's bound launch, this thread's (the host cost)
+            numel = arrays.numel(out)
+            nbytes, decode = _thread_bound(
+                ("decode", self, arrays, arrays.device_key(payload), numel, bool(accumulate), name, expect),
+                self._direct_decode, arrays, payload, numel, accumulate, name, expect)
+            if arrays.payload_nbytes(payload) != nbytes:
+                raise PayloadError(f"payload has {arrays.payload_nbytes(payload)} bytes; out has {numel} "
+                                   f"elements, which take {nbytes}")
+            decode(payload, out)
+            return out
         pay = arrays.payload_np(payload)
         h = self._parse(pay, name)
         if expect is not None and expect.check_name and h.name_hash != expect.name_hash:
@@ -391,6 +412,12 @@ class Codec:
         if commit is not None:
             commit()
         return out
+
+    def _direct_decode(self, arrays, payload, numel, accumulate, name, expect):
+        """(payload bytes, bound decode) of a direct device :meth:`decode_into`, reporting to this
+        codec's status word on the payload's device."""
+        expect = self.expectation(numel, name) if expect is None else expect
+        return self.wire_nbytes(numel), self.bind_decode(arrays, numel, accumulate, expect, payload)
 
     def check_device_errors(self):
         """Raise PayloadError if any device payload decoded by this codec since the last call failed
