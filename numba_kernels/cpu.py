@@ -60,8 +60,9 @@ def _flat(a):
 
 
 def _sized(a, numel, what):
-    """``a`` flat, refused unless it has ``numel`` elements."""
-    a = _flat(a)
+    """``a`` flat, refused unless it has ``numel`` elements (no call of _flat: the step's budget)."""
+    if a.ndim != 1:
+        a = a.reshape(-1)
     if a.size != numel:
         raise ValueError(f"{what} has {a.size} elements, this op was prepared for {numel}")
     return a
