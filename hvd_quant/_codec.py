@@ -112,9 +112,9 @@ def _direct_count(codec, nh):
     return k
 
 
-def _thread_bound(key, make, *args):
-    """This thread's ``make(*args)`` under ``key`` (a direct call's bound launch), built once; the
-    table is emptied when it holds 4096."""
+def _per_thread(key, make, *args):
+    """This thread's ``make(*args)`` under ``key`` (a prepared op, a direct call's bound launch),
+    built once; the table is emptied when it holds 4096."""
     table = _THREAD.ops
     f = table.get(key, table)           # (the table itself: not built yet; None is a result)
     if f is table:
@@ -126,14 +126,8 @@ def _thread_bound(key, make, *args):
 
 def _thread_op(codec, kind, device, numel, accumulate=None):
     """This thread's prepared op ``kind`` of ``codec`` for ``numel`` elements on a CUDA device or the
-    CPU (``Codec._op``), built once; the table is emptied when it holds 4096."""
-    table, key = _THREAD.ops, (kind, codec, device, numel, accumulate)
-    op = table.get(key)
-    if op is None:
-        if len(table) >= 4096:
-            table.clear()
-        op = table[key] = codec._op(kind, device, numel, accumulate)
-    return op
+    CPU (``Codec._op``)."""
+    return _per_thread((kind, codec, device, numel, accumulate), codec._op, kind, device, numel, accumulate)
 
 
 def _handles(arrays, status=(None, None)):
@@ -320,7 +314,7 @@ class Codec:
         nh, words, lay = self.header_plan(shape, dtype_name, name)
         key = self._direct_key(nh, step, rank)
         if arrays.device:               # the exchange's bound launch, this thread's (the host cost)
-            encode = _thread_bound(("encode", self, arrays, shape, dtype_name, name), self.bind_encode,
+            encode = _per_thread(("direct encode", self, arrays, shape, dtype_name, name), self.bind_encode,
                                    arrays, lay, words, x)
             payload = arrays.new_bytes(lay.total, x)[0]
             encode(x, payload, key)
@@ -392,8 +386,8 @@ class Codec:
         arrays = arrays or adapter_for(payload)
         if arrays.device:               # the exchange's bound launch, this thread's (the host cost)
             numel = arrays.numel(out)
-            nbytes, decode = _thread_bound(
-                ("decode", self, arrays, arrays.device_key(payload), numel, bool(accumulate), name, expect),
+            nbytes, decode = _per_thread(
+                ("direct decode", self, arrays, arrays.device_key(payload), numel, bool(accumulate), name, expect),
                 self._direct_decode, arrays, payload, numel, accumulate, name, expect)
             if arrays.payload_nbytes(payload) != nbytes:
                 raise PayloadError(f"payload has {arrays.payload_nbytes(payload)} bytes; out has {numel} "
