@@ -186,7 +186,8 @@ class _Group:
         infos = [session.adapter.describe(q) for q in params]
         fused = _plan.plain_groups(plan, [x.is_float and x.itemsize == 4 for x in infos],
                                    sc.config.bucket_bytes)
-        self.plain_where = {params[i]: (j, m) for j, g in enumerate(fused) for m, i in enumerate(g)}
+        nb = len(plan.buckets)         # (plain group j is the scheduler's group nb + j)
+        self.plain_where = {params[i]: (nb + j, m) for j, g in enumerate(fused) for m, i in enumerate(g)}
         self.device = getattr(params[0], "device", None) if params else None
         # Horovod's factor on the sum: 1/N for Average, 1 for Sum; its pre/post-scale split.
         op = getattr(owner, "op", None)
@@ -413,12 +414,12 @@ class StockCompression:
             spot = group.plain_where.get(param) if direct else None
             if spot is None:
                 return self._uncompressed(session, tensor, info)
-            sched.arrive_plain(*spot, tensor)
-            return None, functools.partial(_finish, group, True, *spot, info)
+            sched.arrive(*spot, tensor)
+            return None, functools.partial(_finish, group, *spot, info)
         if not direct and (sched.route() == _plan.ALLREDUCE or sched.absent()):
             return self._uncompressed(session, tensor, info)    # (the bucket's route: allreduce)
         sched.arrive(*where, tensor)
-        finish = functools.partial(_finish, group, False, *where, info)
+        finish = functools.partial(_finish, group, *where, info)
         return (None, finish) if direct else (group.placeholder(param, tensor), _Ctx(finish))
 
     @staticmethod
@@ -586,18 +587,14 @@ def _go_direct(group):
     group.direct = True
 
 
-def _finish(group, plain, k, i, info, summed=None):
-    """Member ``i``'s result: its piece of bucket ``k`` (``plain``: of plain group ``k``), cast back
-    to its dtype and shape (Horovod's ``summed`` placeholder is not read)."""
+def _finish(group, k, i, info, summed=None):
+    """Member ``i``'s result: its piece of the scheduler's group ``k`` (a bucket or a plain group),
+    cast back to its dtype and shape (Horovod's ``summed`` placeholder is not read)."""
     sched = group.sched
-    if plain:
-        pieces = sched.plain_result(k)
-        sched.take_plain(k)
-    else:
-        if group.taken_over and not group.direct:
-            _go_direct(group)
-        pieces = sched.result(k)
-        sched.take(k)
+    if k < sched.nb and group.taken_over and not group.direct:
+        _go_direct(group)
+    pieces = sched.result(k)
+    sched.take(k)
     return group.session.adapter.restore(pieces[i], info)
 
 

@@ -158,9 +158,6 @@ class StepScheduler:
         if self.complete:
             self.start_complete(wait=False)
 
-    def arrive_plain(self, j, i, grad):
-        self.arrive(self.nb + j, i, grad)
-
     def start_complete(self, wait):
         """Start the complete buckets once this step's presence count is known (``wait``: block)."""
         if self.presence is not None and not self.presence.known(self.coll, wait):
@@ -252,17 +249,11 @@ class StepScheduler:
             self.pieces[k] = self._finish(k)
         return self.pieces[k]
 
-    def plain_result(self, j):
-        return self.result(self.nb + j)
-
     def take(self, k, n=1):
         """``n`` members of group ``k`` have their pieces; the pieces go once every one has."""
         self.left[k] -= n
         if self.left[k] <= 0:
             self.pieces[k] = None
-
-    def take_plain(self, j, n=1):
-        self.take(self.nb + j, n)
 
     def finish_started(self):
         """``[(k, pieces)]`` of every group started this step (what never arrived starts first),

@@ -503,8 +503,8 @@ def test_scheduler_starts_complete_buckets_in_plan_order_on_a_channel(channel):
     want = [("hvdq.a", None), ("hvdq.d..b(2,1253ae5c)", None)] if channel is None else \
         [("hvdq.d..b(2,1253ae5c)", channel), ("hvdq.a", channel)]
     assert started == want and s.routes == ["sra", "sra"]
-    s.arrive_plain(0, 0, g["c"])
-    assert [float(x[0]) for x in s.plain_result(0)] == [6.0]      # plain_op: a Sum by default
+    s.arrive(2, 0, g["c"])                                          # plain group 0: group 2
+    assert [float(x[0]) for x in s.result(2)] == [6.0]            # plain_op: a Sum by default
 
 
 def test_scheduler_sends_buckets_through_allreduce_while_a_rank_joined():
