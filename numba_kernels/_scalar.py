@@ -244,6 +244,14 @@ def build(jit, fmul):
         return h
 
     @jit
+    def le_word(payload, a, b):
+        """The little-endian unsigned integer held in payload[a:b] (at most 8 bytes)."""
+        v = np.uint64(0)
+        for k in range(a, b):
+            v |= np.uint64(payload[k]) << (U8 * np.uint64(k - a))
+        return v
+
+    @jit
     def header_errors(payload, method, bits, mode, param, bucket_size, numel, name_hash, check_name):
         """Error bits (``wire.ERROR_BITS``) of the 64-byte header at the start of ``payload`` against
         the expected fields: ``reference.header_errors_ref``, compiled."""
@@ -260,30 +268,18 @@ def build(jit, fmul):
             err |= 16
         if payload[8] != param:
             err |= 32
-        bsz = 0
-        for k in range(4):
-            bsz |= np.int64(payload[12 + k]) << (8 * k)
-        if bsz != bucket_size:
+        if le_word(payload, 12, 16) != np.uint64(bucket_size):
             err |= 64
-        n = np.uint64(0)
-        for k in range(8):
-            n |= np.uint64(payload[16 + k]) << (U8 * np.uint64(k))
-        if n != np.uint64(numel):
+        if le_word(payload, 16, 24) != np.uint64(numel):
             err |= 128
         if check_name:
-            nh = 0
-            for k in range(4):
-                nh |= np.int64(payload[56 + k]) << (8 * k)
-            if nh != name_hash:
+            if le_word(payload, 56, 60) != np.uint64(name_hash):
                 err |= 256
         h = fnv(payload, 0, 62, FNV_OFFSET)
-        h = ((h >> U16) ^ h) & U16M
-        if h != (np.uint64(payload[62]) | (np.uint64(payload[63]) << U8)):
+        if ((h >> U16) ^ h) & U16M != le_word(payload, 62, 64):
             err |= 512
-        h = fnv(payload, 4, 9, FNV_OFFSET)
-        h = fnv(payload, 12, 16, h)
-        h = ((h >> U16) ^ h) & U16M
-        if h != (np.uint64(payload[60]) | (np.uint64(payload[61]) << U8)):
+        h = fnv(payload, 12, 16, fnv(payload, 4, 9, FNV_OFFSET))
+        if ((h >> U16) ^ h) & U16M != le_word(payload, 60, 62):
             err |= 1024
         return err
 
