@@ -109,9 +109,8 @@ def uniform24_ref(key, idx):
 
 
 def _round(v, top, stochastic, key, idx):
-    """The levels of ``v`` (float32, >= 0 or NaN) clamped to ``top`` (a float32 integer): floor(v)
-    plus, stochastic, (r < frac * 2**24) with r the 24 random bits of the elements ``idx``, else
-    (frac >= 1/2); at most ``top``."""
+    """``_scalar.round_level`` of ``v`` (float32, >= 0 or NaN) with the random bits of the elements
+    ``idx``; at most ``top``."""
     v = np.where(v <= top, v, top).astype(np.float32)
     q = v.astype(np.int64)
     frac = (v - q.astype(np.float32)).astype(np.float32)
@@ -227,8 +226,7 @@ def sortquant_groups(n, split_bits):
 
 
 def _sortquant_bucket(xb, idx, split_bits, lb, stochastic, key):
-    """(codes, scales) of one bucket: float32 values ``xb`` at element indices ``idx``; ``lb`` level
-    bits."""
+    """(codes, scales) of one bucket: float32 values ``xb`` at indices ``idx``, ``lb`` level bits."""
     n = xb.size
     G = 1 << split_bits
     L = (1 << lb) - 1
@@ -382,7 +380,8 @@ def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None, re
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     scales = bucket_scales_ref(x, bucket_size or max(x.size, 1), "two_mean" if two_mean else "mean_abs")
     lay = wire.layout(wire.METHODS["onebit"], x.size, 1, bucket_size, _onebit_mode(two_mean))
-    _write(payload, header, lay, (x >= F0).astype(np.int64), 1, scales, x, residual, lambda p, d: onebit_decode_ref(p, d, bucket_size, two_mean, False))
+    _write(payload, header, lay, (x >= F0).astype(np.int64), 1, scales, x, residual,
+           lambda p, d: onebit_decode_ref(p, d, bucket_size, two_mean, False))
 
 
 def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None,
@@ -402,18 +401,15 @@ def header_errors_ref(payload, method, bits, mode, param, bucket_size, numel, na
 
     The reference of the CUDA check kernel, which cannot raise and reports these bits instead."""
     h = bytes(np.asarray(payload[:wire.HEADER_NBYTES], np.uint8))
-    magic, ver, m, b, mo, pa, _, _, _, bs, n, *_, nh, cfg, crc = wire.HEADER_STRUCT.unpack(h)
-    bad = [magic != wire.MAGIC, ver != wire.VERSION, m != method, b != bits, mo != mode, pa != param,
+    magic, ver, m, bi, mo, pa, _, _, _, bs, n, *_, nh, cfg, crc = wire.HEADER_STRUCT.unpack(h)
+    bad = [magic != wire.MAGIC, ver != wire.VERSION, m != method, bi != bits, mo != mode, pa != param,
            bs != bucket_size, n != numel, check_name and nh != name_hash,
            crc != wire.fold16(wire.fnv1a32(h[0:62])), cfg != wire.fold16(wire.fnv1a32(h[4:9] + h[12:16]))]
     return sum(1 << k for k, b in enumerate(bad) if b)     # bit k: the k-th of wire.ERROR_BITS
 
 
-# ---- fused operations: several payloads in one launch ------------------------------------------------
-#
-# Each is *defined* by composing the single-payload references above; the kernels are held equal to
-# these bit for bit. ``payloads`` is one uint8 buffer holding ``n`` payloads of the same layout back
-# to back; the decode-sum is a float32 left fold in payload order, starting from decode(p_0).
+# ---- fused operations: several payloads in one launch, defined by the single-payload references ------
+# ``payloads``: one uint8 buffer of ``n`` payloads of one layout back to back.
 
 
 def check_payloads(payloads, n, total, expect, check=None):
@@ -459,8 +455,7 @@ def chunk_expects(numel, bucket_size, chunk, method, bits, mode, expect=None, na
 
 
 class _Fused:
-    """The fused references over QSGD (``two_mean`` None) or 1-bit payloads, from their layout and
-    their decode."""
+    """The fused references over QSGD (``two_mean`` None) or 1-bit payloads."""
 
     def __init__(self, bits, bucket_size, two_mean=None):
         self.bits, self.bucket_size = bits, bucket_size
@@ -542,9 +537,8 @@ def onebit_reduce_requantize_ref(payloads, n, residual, out_payload, header, buc
 
 def qsgd_decode_chunks_ref(gathered, out, bits, bucket_size, chunk, stream=None, status=None,
                            name_hashes=None, expect=None):
-    """Decode chunk j's payload (held back to back in ``gathered``) into ``out[j*chunk:(j+1)*chunk]``
-    (the last chunk may be shorter). Headers are checked (see :func:`chunk_expects`) when ``expect``
-    is given; ``name_hashes`` adds each chunk's name."""
+    """Decode chunk j's payload (back to back in ``gathered``) into ``out[j*chunk:(j+1)*chunk]``, the
+    last chunk maybe shorter; headers checked as :func:`chunk_expects` says."""
     _Fused(bits, bucket_size).decode_chunks(gathered, out, chunk, name_hashes, expect)
 
 

@@ -178,24 +178,15 @@ def layout(method, numel, bits=0, bucket_size=0, mode=0, param=0):
     ``bucket_size`` 0 (onebit, kmeans) means one bucket for the whole tensor; ``param`` is sortquant's
     split_bits."""
     numel = int(numel)
+    if method in (METHODS["none"], METHODS["fp16"]) or (method == METHODS["qsgd"] and mode == MODES["fake"]):
+        return Layout(numel, values_nbytes=(2 if method == METHODS["fp16"] else 4) * numel)
     nb = (1 if numel else 0) if bucket_size == 0 else -(-numel // bucket_size)
-    codes = (numel * bits + 7) // 8
-    if method == METHODS["kmeans"]:
-        return Layout(numel, nb, codes, (1 << bits) * nb)
-    if method == METHODS["sortquant"]:
-        return Layout(numel, nb, codes, 2 * (1 << param) * nb)
-    if method == METHODS["qsgd"]:
-        if mode == MODES["fake"]:
-            return Layout(numel, values_nbytes=4 * numel)
-        return Layout(numel, nb, codes, nb)
     if method == METHODS["onebit"]:
-        per = 2 if mode == ONEBIT_SCALES["two_mean"] else 1
-        return Layout(numel, nb, (numel + 7) // 8, per * nb)
-    if method == METHODS["fp16"]:
-        return Layout(numel, values_nbytes=2 * numel)
-    if method == METHODS["none"]:
-        return Layout(numel, values_nbytes=4 * numel)
-    raise ValueError(f"unknown method code {method}")
+        return Layout(numel, nb, (numel + 7) // 8, (2 if mode == ONEBIT_SCALES["two_mean"] else 1) * nb)
+    per_bucket = {METHODS["qsgd"]: 1, METHODS["sortquant"]: 2 << param, METHODS["kmeans"]: 1 << bits}.get(method)
+    if per_bucket is None:
+        raise ValueError(f"unknown method code {method}")
+    return Layout(numel, nb, (numel * bits + 7) // 8, per_bucket * nb)
 
 
 class Header:
