@@ -88,13 +88,10 @@ def bucket_scales_ref(x, bucket_size, kind):
             for side in (valid & (X >= 0), valid & ~(X >= 0)):     # NaN is negative: its bit (x >= 0) is 0
                 cnt = side.sum(axis=1)
                 total = lane_sum_ref(np.where(side, X, F0))
-                mean = np.where(cnt > 0, total / np.maximum(cnt, 1).astype(np.float32), F0)
-                means.append(mean.astype(np.float32))
-            mpos, mneg = means
-            bad = ~((np.abs(mpos) < FINF) & (np.abs(mneg) < FINF))
-            mpos[bad] = np.nan
-            mneg[bad] = np.nan
-            return np.stack([mpos, mneg], axis=1).reshape(-1, 2)
+                means.append(np.where(cnt > 0, total / np.maximum(cnt, 1).astype(np.float32), F0).astype(np.float32))
+            means = np.stack(means, axis=1)
+            means[~np.all(np.abs(means) < FINF, axis=1)] = np.nan     # a non-finite mean: both NaN
+            return means
     raise ValueError(f"unknown scale kind {kind!r}")
 
 

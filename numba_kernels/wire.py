@@ -100,10 +100,9 @@ ERROR_BITS = {
 
 
 class Expect(NamedTuple):
-    """What a receiver expects in a payload header: the decoders' ``expect`` argument.
-
-    The fields are compared with the header's (``ERROR_BITS`` names each mismatch); ``name_hash`` only
-    when ``check_name``. Magic, version and both checksums are always checked."""
+    """What a receiver expects in a payload header (the decoders' ``expect``): ``ERROR_BITS`` names each
+    field that differs; ``name_hash`` is compared only with ``check_name``; magic, version and both
+    checksums always."""
     method: int
     bits: int
     mode: int
@@ -173,10 +172,8 @@ def _align4(n):
 
 
 def layout(method, numel, bits=0, bucket_size=0, mode=0, param=0):
-    """Where everything sits in a payload of ``numel`` elements.
-
-    ``bucket_size`` 0 (onebit, kmeans) means one bucket for the whole tensor; ``param`` is sortquant's
-    split_bits."""
+    """Where everything sits in a payload of ``numel`` elements; ``bucket_size`` 0 (onebit, kmeans) is one
+    bucket for the whole tensor, ``param`` sortquant's split_bits."""
     numel = int(numel)
     if method in (METHODS["none"], METHODS["fp16"]) or (method == METHODS["qsgd"] and mode == MODES["fake"]):
         return Layout(numel, values_nbytes=(2 if method == METHODS["fp16"] else 4) * numel)
@@ -242,12 +239,10 @@ class Header:
 
 
 def parse_header(buf, nbytes):
-    """Parse and integrity-check the first 64 bytes of a payload of ``nbytes`` bytes.
-
-    ``buf``: bytes-like or uint8 array holding at least the header (it may be just the header).
-    Checks magic, version, header checksum, configuration checksum, shape/numel consistency and that
-    ``nbytes`` equals the size this header implies. Configuration *values* are compared by the codec,
-    which knows what it expects. Raises :class:`PayloadError` naming what is wrong."""
+    """The :class:`Header` of a payload of ``nbytes`` bytes whose first 64 (at least) ``buf`` holds
+    (bytes-like or uint8 array), after checking magic, version, both checksums, the fields' ranges,
+    shape against numel and ``nbytes`` against the layout; raises :class:`PayloadError` naming what is
+    wrong. The configuration's values are compared by the codec, which knows what it expects."""
     if nbytes < HEADER_NBYTES:
         raise PayloadError(f"payload truncated: {nbytes} bytes, shorter than the {HEADER_NBYTES}-byte header")
     b = bytes(np.asarray(buf, dtype=np.uint8).reshape(-1)[:HEADER_NBYTES]) if not isinstance(
