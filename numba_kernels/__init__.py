@@ -3,19 +3,13 @@
 * :mod:`numba_kernels.wire` -- the payload format (header, layout), pure Python.
 * :mod:`numba_kernels.reference` -- ``*_ref``: the NumPy specification.
 * :func:`prepare` -- one prepared op per codec and kind, on the CPU or a CUDA device, with the same
-  signature on both:
+  signature on both::
 
-  ================================  ====================================================================
-  kind                              the op's call
-  ================================  ====================================================================
-  ``encode``                        ``(x, payload, header, key, stream=None, residual=None)``
-  ``decode``                        ``(payload, out, stream=None, status=None, expect=None)``
-  ``decode_sum``                    ``(payloads, n, out, stream=None, status=None, expect=None)``
-  ``reduce_requantize``             ``(payloads, n, residual, out_payload, header, key, stream=None,
-                                    status=None, expect=None)``
-  ``decode_chunks``                 ``(gathered, out, stream=None, status=None, name_hashes=None,
-                                    expect=None)``
-  ================================  ====================================================================
+      encode             (x, payload, header, key, stream=None, residual=None)
+      decode             (payload, out, stream=None, status=None, expect=None)
+      decode_sum         (payloads, n, out, stream=None, status=None, expect=None)
+      reduce_requantize  (payloads, n, residual, out_payload, header, key, stream=None, status=None, expect=None)
+      decode_chunks      (gathered, out, stream=None, status=None, name_hashes=None, expect=None)
 
   QSGD and 1-bit have all five (the fused three: SRA's phases 2 and 3, the allgather's sum), SortQuant
   and KMeans encode and decode. Each op has the semantics of its ``*_ref`` twin and gives the same bytes
@@ -55,15 +49,8 @@ _share_cores()
 
 from . import wire
 from .wire import PayloadError
-from .reference import (qsgd_encode_ref, qsgd_decode_ref, onebit_encode_ref, onebit_decode_ref,
-                        write_header_ref, bucket_scales_ref, lane_sum_ref, header_errors_ref, levels,
-                        qsgd_decode_sum_ref, onebit_decode_sum_ref, qsgd_reduce_requantize_ref,
-                        onebit_reduce_requantize_ref, qsgd_decode_chunks_ref, onebit_decode_chunks_ref)
 
-__all__ = ["prepare", "wire", "PayloadError", "levels", "bucket_scales_ref", "lane_sum_ref",
-           "header_errors_ref", "write_header_ref", "qsgd_encode_ref", "qsgd_decode_ref", "onebit_encode_ref",
-           "onebit_decode_ref", "qsgd_decode_sum_ref", "onebit_decode_sum_ref", "qsgd_reduce_requantize_ref",
-           "onebit_reduce_requantize_ref", "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref"]
+__all__ = ["prepare", "wire", "PayloadError"]
 
 
 def prepare(method, kind, device, numel, **params):

@@ -17,10 +17,8 @@ from ._scalar import F0, FNAN, SEGMENT, U8, UFF, build
 
 
 def _source_stamp():
-    """A short hash of the kernels' sources (``_scalar.py``, ``_cpu_*.py``), folded into every cached
-    kernel's qualified name: Numba's on-disk cache watches only the file a kernel is defined in, and
-    the kernels inline code from the others (nothing is written here; the cache honours
-    NUMBA_CACHE_DIR)."""
+    """A hash of ``_scalar.py`` and ``_cpu_*.py``, put in every cached kernel's name: Numba's disk cache
+    watches only the file a kernel is defined in, and the kernels inline code from the others."""
     here = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
     for name in sorted(os.listdir(here)):
@@ -42,12 +40,10 @@ def _fmul(a, b):
 
 @intrinsic
 def _wide(typingctx):
-    """Asks LLVM to vectorise the function that calls it with 512-bit registers where the CPU has them
-    (the ``prefer-vector-width`` attribute; on Intel CPUs with AVX-512 LLVM otherwise prefers 256-bit).
-    Emits no code. Called first in each parallel task's body (the function the loops end up in)."""
+    """Asks LLVM for 512-bit vectors in the calling function (``prefer-vector-width``; on AVX-512 Intel
+    CPUs it prefers 256-bit otherwise). Emits no code; called first in each parallel task's body."""
     def codegen(context, builder, sig, args):
-        # llvmlite validates attribute names against a fixed list; LLVM's string attributes are
-        # written into the IR as they are, so the set's own add puts this one in
+        # llvmlite checks attribute names against a fixed list; set.add writes this string one as it is
         set.add(builder.function.attributes, '"prefer-vector-width"="512"')
         return context.get_dummy_value()
     return nbtypes.none(), codegen
@@ -62,21 +58,10 @@ def _as_float(typingctx, v):
 
 
 _ops = build(_inline, _fmul)
-_qsgd_round = _ops.qsgd_round
-_uniform24 = _ops.uniform24
-_mix64 = _ops.mix64
-_onebit_scales = _ops.onebit_scales
-_sqrt32 = _ops.sqrt32
-_hdr_err = _ops.header_errors
-_sq_level = _ops.sortquant_level
-_sq_value = _ops.sortquant_value
-_km_draw = _ops.kmeans_draw
-_km_scale = _ops.kmeans_scale
-_km_fixed = _ops.kmeans_fixed
-_km_mean = _ops.kmeans_mean
-_km_mids = _ops.kmeans_mids
-_km_index = _ops.kmeans_index
-_km_starts = _ops.kmeans_starts
+(_mix64, _uniform24, _qsgd_round, _sqrt32, _onebit_scales, _hdr_err, _sq_level, _sq_value, _km_draw, _km_scale,
+ _km_fixed, _km_mean, _km_mids, _km_index, _km_starts) = (getattr(_ops, name) for name in (
+    "mix64 uniform24 qsgd_round sqrt32 onebit_scales header_errors sortquant_level sortquant_value kmeans_draw "
+    "kmeans_scale kmeans_fixed kmeans_mean kmeans_mids kmeans_index kmeans_starts").split())
 
 _KERNEL = dict(cache=True, error_model="numpy", nogil=True)
 _TARGET_CHUNK = 16384       # elements per parallel task
@@ -85,8 +70,7 @@ INF_BITS = np.int32(0x7F800000)     # +inf's bits: |x|'s bits reach them only wh
 
 
 def _renamed(fn, suffix, glob=None):
-    """``fn`` under another qualified name (Numba's cache files are named after it), reading
-    ``glob`` for its globals if given."""
+    """``fn`` under another qualified name (Numba names its cache files after it), with globals ``glob``."""
     twin = types.FunctionType(fn.__code__, fn.__globals__ if glob is None else glob, fn.__name__ + suffix,
                               fn.__defaults__, fn.__closure__)
     twin.__qualname__ = fn.__qualname__ + suffix
@@ -95,12 +79,10 @@ def _renamed(fn, suffix, glob=None):
 
 
 class _Kernel:
-    """A kernel compiled twice from one Python function: ``parallel=True`` for inputs of several
-    chunks, serial for one chunk, both named with :data:`_STAMP` so their on-disk caches never mix.
-
-    ``glob`` replaces module globals the function reads: ``_BITS`` (a width compiled in, so shifts and
-    masks are constants and the pack and unpack loops vectorise) and ``_DEC`` (the range decoder the
-    decode templates below call); ``tag`` names the instance."""
+    """A kernel compiled twice from one function, ``parallel=True`` for several chunks and serial for one,
+    both named with :data:`_STAMP`. ``glob`` replaces globals the function reads: ``_BITS`` (the code
+    width, a constant in shifts and masks) and ``_DEC`` (the decode templates' range decoder); ``tag``
+    names the instance."""
 
     def __init__(self, fn, tag="", **glob):
         tag = f"{tag}_{_STAMP}"
@@ -138,10 +120,9 @@ def chunk_buckets(bucket_size, numel):
 
 
 def task_span(bucket_size, numel):
-    """Elements per parallel task of the decodes and the 1-bit encode, a multiple of 8 (no byte of
-    codes shared between tasks): whole buckets (:func:`chunk_buckets`) for buckets of at most SEGMENT
-    elements, whole segments for longer ones, so that one long bucket (one per tensor) still spreads
-    over the threads."""
+    """Elements per parallel task of the decodes and the 1-bit encode, a multiple of 8: whole buckets
+    (:func:`chunk_buckets`) up to SEGMENT elements a bucket, else whole segments (one long bucket still
+    spreads over the threads)."""
     if bucket_size <= SEGMENT:
         return chunk_buckets(bucket_size, numel) * bucket_size
     return SEGMENT * max(1, _TARGET_CHUNK // SEGMENT)
@@ -183,9 +164,8 @@ def _lane_add(p, q, c, l, v, kind):
 @_inline
 def _lane_segment(x, st, en, kind, p, q, c):
     """The lanes of x[st:en] (one segment) into p (and q), by :func:`_lane_add`; returns the count of
-    x >= 0 for kind 2 (counted per lane: one count summed across the lanes in the loop kept it from
-    vectorising). Whole rows of 32 are sliced out so the compiler sees 32 independent
-    lanes."""
+    x >= 0 for kind 2 (counted per lane, so the loop vectorises). Rows of 32 are sliced out so the
+    compiler sees 32 independent lanes."""
     for l in range(32):
         p[l] = F0
         q[l] = F0
@@ -222,9 +202,8 @@ def _segment_lanes(sp, sq, sn, p, q):
 @_inline
 def _lane_sums(x, st, en, kind, p, q, c):
     """Canonical lane sums (``reference.lane_sum_ref``) of the bucket x[st:en] into p (and q), whose
-    :func:`_tree` is the bucket's sum: one segment's lanes, or, for a bucket of more than SEGMENT
-    elements, the lanes of its segments' sums (:func:`_segment_lanes`). Returns the count of x >= 0
-    for kind 2."""
+    :func:`_tree` is its sum: one segment's lanes, or the lanes of its segments' sums. Returns the
+    count of x >= 0 for kind 2."""
     if en - st <= SEGMENT:
         return _lane_segment(x, st, en, kind, p, q, c)
     n = (en - st + SEGMENT - 1) // SEGMENT
@@ -240,9 +219,8 @@ def _lane_sums(x, st, en, kind, p, q, c):
 
 @_inline
 def _abs_max_bits(xi, st, en):
-    """The bits of max |x| over the bucket (``xi``: x viewed as int32). Non-negative floats order as
-    their bits do and every NaN's bits lie above +inf's, so an integer max (which vectorises; a float
-    max that propagates NaN does not) gives the max, or a NaN when there is one."""
+    """The bits of max |x| over the bucket (``xi``: x as int32): an integer max, which vectorises, gives
+    the max, or a NaN when there is one (NaN's bits lie above +inf's)."""
     m = np.int32(0)
     xb = xi[st:en]
     for j in range(xb.size):
@@ -259,10 +237,9 @@ def _int_order(v):
 
 @_inline
 def _extremes(x, st, en):
-    """(bits of max |x|, min, max) of x[st:en]: the first at or above +inf's bits where a value is not
-    finite (as :func:`_abs_max_bits`); the min and max mean something only where all are (-0.0 counts
-    below +0.0). Integer maxima and minima of :func:`_int_order`, which vectorise; a float min and max
-    does not (a chain of selects that may meet NaN)."""
+    """(bits of max |x|, min, max) of x[st:en]; the first is at least +inf's bits where a value is not
+    finite, and only then are min and max meaningless (-0.0 counts below +0.0). Integer extremes of
+    :func:`_int_order`, which vectorise where float ones do not."""
     xi = x.view(np.int32)
     a = np.int32(0)
     kmin = I31
@@ -314,8 +291,7 @@ def _byte_of(lo, hi, j):
 @_inline
 def _pack_groups(codes, g0, g1, payload, base, BITS):
     """Groups [g0, g1) of eight codes, each into its BITS bytes at payload[base + g*BITS:], a byte at
-    a time from the codes that overlap its bits: with BITS a constant, which codes and shifts is
-    decided at compile time."""
+    a time from the codes that overlap it (decided at compile time)."""
     for g in range(g0, g1):
         cg = codes[8 * g:8 * g + 8]
         pg = payload[base + g * BITS:base + g * BITS + BITS]
@@ -473,13 +449,10 @@ _DEC_BLOCK = 1024       # codes unpacked at a time before their values are writt
 
 @_inline
 def _unpack(payload, codes_off, out, st, en, codes, BITS):
-    """The codes of elements st .. min(en, st + _DEC_BLOCK) - 1 into ``codes`` (codes[j]: element st + j,
-    whose BITS-bit field starts at bit (st + j) * BITS of the codes); returns that slice of ``out``, for
-    their values. ``BITS`` is a compile-time constant, so shifts and masks are constants. When the
-    block starts on a byte, each group of eight fields is read from the 64-bit words of its BITS bytes
-    (the compiler merges the byte loads; about twice as fast as field by field); the rest field by
-    field, from the 1 to 3 bytes a field spans (BITS <= 16, shift <= 7). Reading past the codes stays
-    inside the payload (the scales follow them), and the words are read only where they fit in it."""
+    """The codes of elements st .. min(en, st + _DEC_BLOCK) - 1 into ``codes`` (codes[j]: element st + j);
+    returns that slice of ``out``, for their values. From a block starting on a byte, groups of eight
+    fields come from the 64-bit words of their BITS bytes (merged loads), where those fit in the
+    payload; the rest field by field (:func:`_field`)."""
     n = min(_DEC_BLOCK, en - st)
     mask = np.uint64((1 << BITS) - 1)
     first = st * BITS
@@ -515,10 +488,9 @@ def _unpack(payload, codes_off, out, st, en, codes, BITS):
 
 @_inline
 def _lookup(payload, codes_off, ob, st, book, accumulate, BITS):
-    """ob[j] (+)= book[code of element st + j] for every j of ``ob`` (BITS <= 8; ``book`` holds a value
-    per code). Where element st starts on a byte, eight codes at a time from the BITS bytes that hold
-    them, each value read from the book as its code is cut out (no array of codes between: unpacking
-    first made the table reads gathers; docs/BENCHMARKS.md); the rest field by field."""
+    """ob[j] (+)= book[code of element st + j] for every j of ``ob`` (BITS <= 8). From element st on a
+    byte, eight codes at a time from their BITS bytes, each looked up as it is cut out (no code array
+    between: that made the reads gathers); the rest field by field."""
     n = ob.size
     first = st * BITS
     cb = codes_off + (first >> 3)

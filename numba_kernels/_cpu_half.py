@@ -13,8 +13,7 @@ _F16_CHUNK = 65536          # elements per parallel task
 @_inline
 def _half_bits(v):
     """float32 ``v`` -> its float16 bits: round to nearest even, overflow to inf, a NaN keeps its top
-    ten significand bits (one if that would leave none). (Numba widens uint32 arithmetic to 64 bits:
-    the results are cast back.)"""
+    ten significand bits (one if none). Numba widens uint32 arithmetic: results are cast back."""
     f = np.float32(v).view(np.uint32)
     sign = _H((f >> _H(16)) & _H(0x8000))
     a = _H(f & _H(0x7FFFFFFF))

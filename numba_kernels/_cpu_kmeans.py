@@ -13,10 +13,8 @@ from ._scalar import F0, KMEANS_SAMPLE
 
 @_inline
 def _kmeans_assign(mids, xb, q, K):
-    """q[j] = the centroid of xb[j] (``q``: the bucket's codes): the count of boundaries below it. Up
-    to 32 centroids, K - 1 compares that the compiler vectorises across elements (a search and a sum
-    per element does not vectorise); above, the binary search (K is a compile-time constant
-    either way)."""
+    """q[j] = the centroid of xb[j]: the count of boundaries below it; up to 32 centroids by K - 1
+    compares that vectorise across elements, above by binary search."""
     if K <= 32:
         for j in range(xb.size):
             xv = xb[j]
@@ -35,8 +33,7 @@ _KM_LOW = 14        # the low key bits a KMeans bucket is not ordered by (three 
 
 @_inline
 def _km_first(bits, lo, hi, kt):
-    """The first index in [lo, hi) whose value's top key bits (:func:`_sort_key` above _KM_LOW) reach
-    ``kt``, ``bits`` ordered by them."""
+    """The first index in [lo, hi) of ``bits`` whose top key bits (above _KM_LOW) reach ``kt``."""
     while lo < hi:
         m = (lo + hi) >> 1
         if (_sort_key(bits[m]) >> np.uint32(_KM_LOW)) < kt:
@@ -48,10 +45,9 @@ def _km_first(bits, lo, hi, kt):
 
 @_inline
 def _km_below(bits, n, pre, t, tb, scale):
-    """(count, fixed-point sum) of the values at or below ``t`` (float32 bits ``tb``) among the float32
-    bits ``bits[:n]`` ordered by their top key bits, whose fixed-point sums before every _KM_RUN-th
-    value are ``pre``: binary searches for the run of values whose top key bits are t's, then a
-    count of it that vectorises."""
+    """(count, fixed-point sum) of the values at or below ``t`` (bits ``tb``) among ``bits[:n]``
+    (ordered by top key bits; ``pre``: the sums before every _KM_RUN-th value): binary searches for
+    the run sharing t's top bits, then a vectorised count of it."""
     vals = bits.view(np.float32)
     kt = _sort_key(tb) >> np.uint32(_KM_LOW)
     a = _km_first(bits, 0, n, kt)
@@ -70,13 +66,10 @@ def _km_below(bits, n, pre, t, tb, scale):
 
 @_inline
 def _kmeans_fit(x, st, n, b, iters, key, amax, lo, hi, cent, mids, sample, comp, keys, keys2, pre, cnt, K):
-    """The codebook ``cent`` (K centroids) of the bucket x[st:st + n], whose extremes are ``lo`` and
-    ``hi`` (``_kmeans_bucket`` in the reference). The bucket is ordered once, by the top 18 bits of its
-    values' sort keys; a centroid's members are then a run of it between two boundaries (binary
-    searches and a count of the values sharing the boundary's top bits: :func:`_km_below`), their
-    fixed-point sum a difference of partial sums, so a Lloyd step costs K searches instead of a pass
-    over the bucket. Stops early once a step leaves every centroid where it was: the later steps
-    would repeat it exactly."""
+    """The codebook ``cent`` (K centroids) of the bucket x[st:st + n] with extremes ``lo``, ``hi``
+    (``reference._kmeans_bucket``). The bucket is ordered once by the top 18 bits of its sort keys, so
+    a centroid's members are a run between two boundaries (:func:`_km_below`) and a Lloyd step costs K
+    searches, not a pass. Stops once a step moves no centroid (later ones would repeat it)."""
     if n <= KMEANS_SAMPLE:
         m = n
         for k in range(n):
@@ -125,8 +118,7 @@ def _kmeans_fit(x, st, n, b, iters, key, amax, lo, hi, cent, mids, sample, comp,
 @_Widths
 def _kmeans_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, iters, key, kchunk,
                    residual, has_res):
-    """KMeans (``kmeans_encode_ref``): per bucket the codebook (:func:`_kmeans_fit`), then each
-    element's centroid index."""
+    """KMeans (``kmeans_encode_ref``): per bucket the codebook, then each element's centroid index."""
     numel = x.size
     scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     nchunks = (nb + kchunk - 1) // kchunk
@@ -163,8 +155,7 @@ def _kmeans_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
 
 @_inline
 def _kmeans_dec(payload, out, codes_off, scales, bs, param, e0, e1, accumulate, BITS):
-    """out[i] (+)= the centroid of element i, for i in [e0, e1) (the range decoder of ``_cpu_base``'s
-    templates): a lookup in its bucket's codebook."""
+    """out[i] (+)= the centroid of element i, for i in [e0, e1) (a range decoder)."""
     K = 1 << BITS
     a = e0
     while a < e1:

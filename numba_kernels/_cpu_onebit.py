@@ -11,7 +11,6 @@ from ._scalar import F0, SEGMENT, UFF
 
 @_inline
 def _onebit_store(scales, b, two_mean, sp, sq, npos, n):
-    """Stores bucket b's scales (:func:`_onebit_scales`) from its sums and count of x >= 0."""
     hi, lo = _onebit_scales(two_mean, sp, sq, npos, n)
     if two_mean:
         scales[2 * b] = hi
@@ -59,8 +58,7 @@ def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, 
         for k in range(min(8, xs.size - 8 * j)):
             u |= np.int32(xs[8 * j + k] >= F0) << k
         pb[j] = np.uint8(u)
-    if has_res:
-        # what the decode writes for the bit (x >= 0) of each element
+    if has_res:     # x - what the decode writes for its bit
         st = e0
         while st < e1:
             b = st // bs
@@ -78,8 +76,7 @@ def _onebit_bits(x, payload, codes_off, scales, bs, two_mean, e0, e1, residual, 
 def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, two_mean, key, span,
                    residual, has_res):
     """Buckets of at most SEGMENT elements: each task (``span`` elements, whole buckets) takes its
-    buckets' sums, then their bits, while they are in cache. (``key``, unused, keeps the encode
-    kernels' signature.)"""
+    buckets' sums, then their bits, while in cache. ``key`` (unused) keeps the encodes' signature."""
     numel = x.size
     scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     per = span // bs
@@ -132,8 +129,7 @@ def _onebit_encode_long(x, payload, header, codes_off, codes_end, scales_off, ns
 
 @_inline
 def _onebit_unpack(payload, codes_off, st, ob, hi, lo, accumulate):
-    """ob[j] (+)= hi or lo, as bit st + j of the codes is 1 or 0: eight at a time from each byte when
-    the bucket starts on one, the rest bit by bit."""
+    """ob[j] (+)= hi or lo, as bit st + j of the codes is 1 or 0 (a byte at a time from st on a byte)."""
     j0 = 0
     if (st & 7) == 0:
         pb = payload[codes_off + (st >> 3):codes_off + ((st + ob.size) >> 3)]
@@ -150,8 +146,7 @@ def _onebit_unpack(payload, codes_off, st, ob, hi, lo, accumulate):
 
 @_inline
 def _onebit_dec(payload, out, codes_off, scales, bs, two_mean, e0, e1, accumulate, BITS):
-    """out[i] (+)= the value of element i of a 1-bit payload, for i in [e0, e1) (the range decoder of
-    ``_cpu_base``'s templates)."""
+    """out[i] (+)= the value of element i of a 1-bit payload, for i in [e0, e1) (a range decoder)."""
     st = e0
     while st < e1:
         b = st // bs

@@ -17,10 +17,9 @@ def _level(xv, unit, sf, s, stochastic, r):
 
 @_inline
 def _qsgd_levels(x, st, en, codes, c0, unit, sf, s, stochastic, key):
-    """codes[i - c0] = the code of x[i] for the elements [st, en) of a bucket whose scale is positive
-    and finite. Stochastic: each aligned group of 64 elements takes its 32 splitmix64 draws in one loop
-    the compiler vectorises (``_scalar.uniform24``: draw l serves elements l and l + 32); elements of
-    partial groups draw one at a time."""
+    """codes[i - c0] = the code of x[i] for the elements [st, en) of a bucket of positive finite scale.
+    Stochastic: an aligned group of 64 elements takes its 32 draws in one vectorised loop (draw l
+    serves elements l and l + 32); the rest draw one at a time."""
     if not stochastic:
         xb = x[st:en]
         cb = codes[st - c0:en - c0]
@@ -74,9 +73,7 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
             else:                       # zero or non-finite scale: level 0 (decodes to 0 or NaN)
                 for j in range(st - e0, en - e0):
                     codes[j] = s
-            if has_res:
-                # what the decode writes: float32(code - s) * unit (x[i] is read before residual[i]
-                # is written: residual may be x)
+            if has_res:     # x - the decode's float32(code - s) * unit (residual may be x)
                 xb = x[st:en]
                 rb = residual[st:en]
                 cb = codes[st - e0:en - e0]
@@ -87,12 +84,9 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
 
 @_inline
 def _qsgd_dec(payload, out, codes_off, scales, bs, param, e0, e1, accumulate, BITS):
-    """out[i] (+)= the value of element i of a QSGD payload, for i in [e0, e1) (the range decoder of
-    ``_cpu_base``'s templates). At 8 bits each value comes from its byte in one loop that vectorises
-    whole; up to 7 bits (and buckets of at least half as many elements as codes) each code's value is
-    computed once per bucket and looked up (:func:`_lookup`). Both are faster than unpacking the
-    codes into an array and computing each element's value from its code, which the other widths do
-    (docs/BENCHMARKS.md)."""
+    """out[i] (+)= the value of element i of a QSGD payload, for i in [e0, e1) (``_cpu_base``'s range
+    decoder). 8 bits: a value per byte in one vectorised loop; up to 7 bits (buckets of at least K/2
+    elements): each code's value once per bucket, then :func:`_lookup`; else unpacked codes."""
     s = np.int32((1 << (BITS - 1)) - 1)
     sf = np.float32(s)
     K = 1 << BITS

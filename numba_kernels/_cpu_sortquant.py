@@ -20,11 +20,10 @@ def _sort_key(u):
 
 @_inline
 def _sort_values(xb, n, keys, keys2, order, order2, cnt, lo, w, with_order):
-    """The :func:`_sort_key` of xb[:n]'s values sorted by their bits ``lo``..31 (0: a full sort), and
-    with ``with_order`` their indices, ties in index order (a stable sort): an LSD radix sort, a pass
-    per ``w`` bits (``32 - lo`` a multiple of it). Returns the arrays holding the result, (keys,
-    order) or (keys2, order2). (Faster than Numba's own sort at bucket sizes; digits of 6 bits keep
-    64 output streams, which stay in cache where 256 would not.)"""
+    """The :func:`_sort_key` of xb[:n]'s values sorted by their bits ``lo``..31, and with ``with_order``
+    their indices (ties in index order): an LSD radix sort, a pass per ``w`` bits (``32 - lo`` a
+    multiple of it), faster than Numba's sort at bucket sizes. Returns (keys, order) or (keys2, order2),
+    whichever hold the result."""
     D = 1 << w
     mask = np.uint32(D - 1)
     xu = xb.view(np.uint32)
@@ -57,9 +56,8 @@ def _sort_values(xb, n, keys, keys2, order, order2, cnt, lo, w, with_order):
 
 @_inline
 def _draws24(key, st, en, r):
-    """r[j] = the 24 random bits of element st + j (``_scalar.uniform24``) for the elements [st, en):
-    each aligned group of 64 takes its 32 splitmix64 draws in one loop the compiler vectorises, as in
-    :func:`_qsgd_levels`; elements of partial groups draw one at a time."""
+    """r[j] = the 24 random bits of element st + j (``_scalar.uniform24``) for the elements [st, en),
+    drawn as in ``_cpu_qsgd._qsgd_levels``."""
     i = st
     while i < en:
         if (i & 63) == 0 and i + 64 <= en:
@@ -91,15 +89,12 @@ _SQ_BIN = 64               # ... unless a bin holding a group bound has more val
 @_inline
 def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, tw):
     """Each element's group of ranks in the bucket xb[:n] (finite, extremes ``mn``, ``mx``) without a
-    full sort: the elements are spread over n bins of equal width by value (a monotone map, so the
-    bins in order hold the values in order), and only the bins holding a group's first or last rank
-    (the target bins) are gathered and sorted (insertion sort by (sort key, index), the stable sort's
-    order). An element outside them is in the group of its bin: the count of groups whose first rank
-    lies in a lower bin. Fills ``grp``, and ``srt`` with the target bins' elements at their ranks
-    (every group's first and last rank among them). Returns False, having decided nothing, where the values all share
-    one bin or a target bin holds more than _SQ_BIN of them (a sort is then cheaper). Scratch:
-    ``tgt`` (n flags, zero between calls), ``tw`` (4 rows of 2G: the target bins, their first ranks,
-    their counts; the bin of each group's first rank)."""
+    full sort: the values go to n bins of equal width (a monotone map), and only the bins holding a
+    group's first or last rank are gathered and insertion-sorted by (sort key, index); any other
+    element is in the group of its bin. Fills ``grp``, and ``srt`` at the ranks of those bins. Returns
+    False, deciding nothing, where all values share one bin or such a bin holds more than _SQ_BIN
+    (a sort is then cheaper). Scratch: ``tgt`` (n flags, zero between calls), ``tw`` (4 rows of 2G:
+    the target bins, their first ranks, their counts; the bin of each group's first rank)."""
     lo = np.float64(mn)
     width = np.float64(mx) - lo
     if not width > 0.0:
@@ -173,9 +168,8 @@ def _sq_by_bins(xb, n, G, mn, mx, srt, bn, cnt, tgt, tmp, grp, tw):
 @_Widths
 def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, split_bits,
                       stochastic, key, kchunk, residual, has_res):
-    """Sort quantization (``sortquant_encode_ref``): per bucket, each element's group of ranks and the
-    groups' (min, max), from the bounds' ranks (:func:`_sq_by_bins`) or the stable order of the
-    values (:func:`_sort_values`), then each element's level within its group, in index order."""
+    """Sort quantization (``sortquant_encode_ref``): per bucket each element's group and the groups'
+    (min, max) (:func:`_sq_by_bins`, else :func:`_sort_values`), then the levels in index order."""
     numel = x.size
     scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     nchunks = (nb + kchunk - 1) // kchunk
@@ -251,8 +245,8 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
 
 @_inline
 def _sortquant_dec(payload, out, codes_off, scales, bs, split_bits, e0, e1, accumulate, BITS):
-    """out[i] (+)= the value of element i of a SortQuant payload, for i in [e0, e1) (the range decoder
-    of ``_cpu_base``'s templates). Up to 8 bits every code's value once per bucket, then a lookup."""
+    """out[i] (+)= the value of element i of a SortQuant payload, for i in [e0, e1) (a range decoder);
+    up to 8 bits every code's value once per bucket, then a lookup."""
     G = 1 << split_bits
     lb = BITS - split_bits
     L = (1 << lb) - 1

@@ -94,10 +94,9 @@ def build(jit, fmul):
 
     @jit
     def qsgd_code(xv, scale, unit, sf, s, stochastic, key, i):
-        """Offset-binary code (level + s, level in [-s, s]) of element ``xv`` (index ``i``).
-
-        ``scale`` is the bucket's norm, ``unit = scale / sf`` with ``sf = float32(s)``. A zero or
-        non-finite scale gives level 0 (no 0/0); decoding then gives 0 (zero scale) or NaN."""
+        """Offset-binary code (level + s, level in [-s, s]) of element ``xv`` (index ``i``) in a bucket of
+        norm ``scale``, ``unit = scale / sf``, ``sf = float32(s)``. A zero or non-finite scale gives
+        level 0 (no 0/0), which decodes to 0 or NaN."""
         r = np.uint32(0)
         if stochastic:
             r = np.uint32(uniform24(key, i))
@@ -114,8 +113,7 @@ def build(jit, fmul):
     @jit
     def round_level(v, top, stochastic, r):
         """The level of ``v`` (float32, >= 0 or NaN) clamped to ``top``: floor(v) plus, stochastic,
-        (r < frac * 2**24) with ``r`` 24 random bits (P = ceil(frac * 2**24) / 2**24), else (frac >= 1/2)
-        (round half up, decided on the exact fraction). Branch-free: the outcomes are unpredictable."""
+        (r < frac * 2**24) with ``r`` 24 random bits, else (frac >= 1/2). Branch-free."""
         if not (v <= top):           # rounding put v above top, or a unit underflowed to 0
             v = top
         # 32-bit integers (v < 2**16): on a GPU, 64-bit conversions cost several times more
@@ -130,8 +128,7 @@ def build(jit, fmul):
     @jit
     def qsgd_round(v, negative, sf, s, stochastic, r):
         """:func:`qsgd_level` from ``v = |x| / unit`` (float32, IEEE-rounded) and the sign of x."""
-        # the level is at most s: v <= s, and v == s has no fraction to round up (so the reference's
-        # min(q, s) is left out of the kernels)
+        # v <= s, and v == s has no fraction to round up: the reference's min(q, s) is not needed
         q = round_level(v, sf, stochastic, r)
         sign = np.int32(1) - np.int32(2) * np.int32(negative)     # (a select and a multiply-add on a GPU)
         return np.int64(s + q * sign)
@@ -164,11 +161,9 @@ def build(jit, fmul):
 
     @jit
     def sortquant_level(xv, lo, unit, Lf, L, stochastic, r):
-        """The level in [0, L] of ``xv`` in the SortQuant group starting at ``lo`` with step ``unit``
-        (``numba_kernels.reference.sortquant_encode_ref``): v = (xv - lo) / unit, IEEE-rounded,
-        clamped to L; stochastic: floor(v) + (r < frac * 2**24) with ``r`` the element's 24 random bits;
-        else half up. 0 where unit is 0 (every value of the group is lo), by a select at the end, so that
-        a loop of it has no branch and vectorises."""
+        """The level in [0, L] of ``xv`` in the SortQuant group starting at ``lo`` with step ``unit``:
+        :func:`round_level` of (xv - lo) / unit, clamped to L; 0 where unit is 0 (every value is lo),
+        by a select, so that a loop of it vectorises."""
         q = round_level((xv - lo) / unit, Lf, stochastic, r)
         return min(q, np.int32(L)) if unit > F0 else np.int32(0)
 
@@ -184,16 +179,14 @@ def build(jit, fmul):
 
     @jit
     def kmeans_scale(amax_bits):
-        """The fixed-point scale of a KMeans bucket whose largest |x| has the float32 bits
-        ``amax_bits``: 2**(157 - e), e the biased exponent (0 for zero and subnormals), so every
-        |x| * scale < 2**31 and a sum of up to 2**32 such terms fits an int64."""
+        """The fixed-point scale of a KMeans bucket whose largest |x| has the bits ``amax_bits``:
+        2**(157 - biased exponent), so every |x| * scale < 2**31 and 2**32 such terms fit an int64."""
         e = np.int32(amax_bits >> np.uint32(23))
         return math.ldexp(np.float64(1.0), int(np.int32(157) - e))
 
     @jit
     def kmeans_fixed(xv, scale):
-        """``xv`` in the bucket's fixed point: float64(xv) * scale, truncated to an int64. Sums of these
-        are exact, so they do not depend on the order of the additions (threads, atomics)."""
+        """``xv`` in the bucket's fixed point, truncated to an int64: sums of these are exact, in any order."""
         return np.int64(np.float64(xv) * scale)
 
     @jit
@@ -218,9 +211,8 @@ def build(jit, fmul):
 
     @jit
     def kmeans_mids(cent, mids):
-        """The boundaries between neighbouring centroids, a/2 + b/2 in float32 (uncontracted), made
-        non-decreasing by a running max (the centroids are sorted but for rounding in corner cases),
-        so that an element's centroid is the count of boundaries below it."""
+        """The boundaries a/2 + b/2 (float32, uncontracted) between neighbouring centroids, made
+        non-decreasing by a running max, so an element's centroid is the count of boundaries below it."""
         m = -FINF
         for j in range(cent.size - 1):
             m = max(m, fmul(FHALF, cent[j]) + fmul(FHALF, cent[j + 1]))
@@ -244,9 +236,16 @@ def build(jit, fmul):
         return h
 
     @jit
+    def le_word(payload, a, b):
+        """The little-endian unsigned integer held in payload[a:b] (at most 8 bytes)."""
+        v = np.uint64(0)
+        for k in range(a, b):
+            v |= np.uint64(payload[k]) << (U8 * np.uint64(k - a))
+        return v
+
+    @jit
     def header_errors(payload, method, bits, mode, param, bucket_size, numel, name_hash, check_name):
-        """Error bits (``wire.ERROR_BITS``) of the 64-byte header at the start of ``payload`` against
-        the expected fields: ``reference.header_errors_ref``, compiled."""
+        """``reference.header_errors_ref``, compiled."""
         err = 0
         if payload[0] != 72 or payload[1] != 86 or payload[2] != 68 or payload[3] != 81:   # b"HVDQ"
             err |= 1
@@ -260,30 +259,18 @@ def build(jit, fmul):
             err |= 16
         if payload[8] != param:
             err |= 32
-        bsz = 0
-        for k in range(4):
-            bsz |= np.int64(payload[12 + k]) << (8 * k)
-        if bsz != bucket_size:
+        if le_word(payload, 12, 16) != np.uint64(bucket_size):
             err |= 64
-        n = np.uint64(0)
-        for k in range(8):
-            n |= np.uint64(payload[16 + k]) << (U8 * np.uint64(k))
-        if n != np.uint64(numel):
+        if le_word(payload, 16, 24) != np.uint64(numel):
             err |= 128
         if check_name:
-            nh = 0
-            for k in range(4):
-                nh |= np.int64(payload[56 + k]) << (8 * k)
-            if nh != name_hash:
+            if le_word(payload, 56, 60) != np.uint64(name_hash):
                 err |= 256
         h = fnv(payload, 0, 62, FNV_OFFSET)
-        h = ((h >> U16) ^ h) & U16M
-        if h != (np.uint64(payload[62]) | (np.uint64(payload[63]) << U8)):
+        if ((h >> U16) ^ h) & U16M != le_word(payload, 62, 64):
             err |= 512
-        h = fnv(payload, 4, 9, FNV_OFFSET)
-        h = fnv(payload, 12, 16, h)
-        h = ((h >> U16) ^ h) & U16M
-        if h != (np.uint64(payload[60]) | (np.uint64(payload[61]) << U8)):
+        h = fnv(payload, 12, 16, fnv(payload, 4, 9, FNV_OFFSET))
+        if ((h >> U16) ^ h) & U16M != le_word(payload, 60, 62):
             err |= 1024
         return err
 
@@ -293,10 +280,9 @@ def build(jit, fmul):
 
     @jit
     def onebit_scales(two_mean, p, q, cnt, ln):
-        """(hi, lo): the values a 1-bit bucket of ``ln`` elements decodes to for bits 1 and 0, from its
-        canonical sums: two_mean (p: sum of the non-negatives, q: sum of the negatives, cnt: count of
-        the non-negatives; a non-finite mean makes both NaN) stores (hi, lo); mean_abs (p: sum of
-        |x|) stores hi, and lo = -hi."""
+        """(hi, lo): what bits 1 and 0 of a 1-bit bucket of ``ln`` elements decode to, from its canonical
+        sums. two_mean: p and q the sums of the non-negatives and negatives, cnt the count of the
+        non-negatives (a non-finite mean makes both NaN); mean_abs: p the sum of |x|, lo = -hi."""
         if two_mean:
             nneg = ln - cnt
             mp = F0

@@ -1,26 +1,17 @@
 """Numba CPU kernels: ``njit(parallel=True, cache=True)``, bit-identical to ``*_ref``, behind one
 prepared op per codec and kind (:data:`PREPARE`, reached through :func:`numba_kernels.prepare`).
 
-Each kernel also has a serial twin, used when the input is a single task or Numba has one thread (a
-parallel region is slow to start). Kernels that pack codes are compiled per bit width (on first use),
-so every shift and mask is a constant. An op is prepared once per configuration (layout, tasks and
-kernel choice), so a call costs little more than Numba's dispatch.
+Each kernel has a serial twin for inputs of one task or one Numba thread (a parallel region is slow
+to start); kernels that pack codes are compiled per bit width on first use (``_cpu_base``). An op is
+prepared once per configuration (layout, tasks, kernel), so a call costs little more than Numba's
+dispatch.
 
-Encodes split the work into chunks of whole buckets whose first element is a multiple of 8 (so every
-chunk writes whole code bytes and no two threads touch one byte); ``prange`` runs over the chunks.
-Within a chunk each bucket's scale is computed, then its elements are quantized into a small code
-array while they are still in cache; the chunk's codes are then packed: one pass over ``x`` from
-memory. Decodes, and the 1-bit encode, split by elements (:func:`task_span`): whole buckets as above
-for buckets of at most SEGMENT elements, whole segments for longer ones, so that a tensor of one
-bucket (``OneBit()``, ``KMeans()``) uses every thread; the 1-bit encode takes every segment's sums in
-parallel first, then each bucket's scales from them in the canonical order.
-
-Every inner loop is written so the compiler vectorises it: loops run over slices with indices from
-zero (a negative index would need a wrap-around check per element), the max scale is an integer max
-of the bits, the random draws of a group of 64 elements come from one loop of 32 splitmix64 hashes,
-codes are packed and unpacked eight at a time through 64-bit words, and the 1-bit encode builds the
-bits of 64 elements in one word. Each parallel task's body asks for 512-bit vectors (``_wide``),
-which LLVM does not use by default on Intel CPUs with AVX-512.
+Encodes run ``prange`` over chunks of whole buckets starting on a multiple of 8 elements
+(:func:`chunk_buckets`: no two threads write one code byte), quantizing each bucket into a small code
+array while it is in cache, then packing the chunk: one pass over ``x``. Decodes and the 1-bit encode
+split by elements (:func:`task_span`), so that one long bucket still uses every thread. Inner loops
+are written to vectorise (slices indexed from zero, integer maxima, 32 splitmix64 draws per 64
+elements, codes packed through 64-bit words); each parallel task asks for 512-bit vectors (``_wide``).
 """
 import numpy as np
 from numba import njit
@@ -34,10 +25,9 @@ from ._cpu_onebit import (_onebit_decode, _onebit_decode_chunks, _onebit_decode_
 from ._cpu_qsgd import _qsgd_decode, _qsgd_decode_chunks, _qsgd_decode_sum, _qsgd_encode
 from ._cpu_sortquant import _sortquant_decode, _sortquant_encode
 from ._scalar import SEGMENT
-from .reference import chunk_expects, chunk_ranges
+from .reference import check_payloads, chunk_expects, chunk_ranges
 
-__all__ = ["PREPARE", "half_encode_cpu", "half_decode_cpu", "write_header_cpu", "header_errors_cpu",
-           "chunk_buckets"]
+__all__ = ["PREPARE", "half_encode_cpu", "half_decode_cpu", "write_header_cpu", "chunk_buckets"]
 
 
 def _cached(fn):
@@ -60,7 +50,7 @@ def _flat(a):
 
 
 def _sized(a, numel, what):
-    """``a`` flat, refused unless it has ``numel`` elements (no call of _flat: the step's budget)."""
+    """``a`` flat, refused unless it has ``numel`` elements (_flat written out: the step's call budget)."""
     if a.ndim != 1:
         a = a.reshape(-1)
     if a.size != numel:
@@ -93,9 +83,9 @@ _WORD_ARRAYS = {}       # id(header tuple) -> (the tuple, its words as a uint64 
 
 
 def _words(header):
-    """The 8 header words as a uint64 array (Numba types an array faster than a tuple of 8 scalars).
-    Callers keep their tuples (memoised per configuration), so each is converted once; the table
-    holds them, so an id is never reused while it is in there."""
+    """The 8 header words as a uint64 array (Numba types it faster than a tuple of 8 scalars). Callers
+    memoise their tuples per configuration, so each is converted once; the table holds the tuples, so
+    an id is never reused while it is in there."""
     hit = _WORD_ARRAYS.get(id(header))
     if hit is not None and hit[0] is header:
         return hit[1]
@@ -112,32 +102,16 @@ def _words(header):
     return arr
 
 
-def header_errors_cpu(payload, expect):
-    """Error bits (``wire.ERROR_BITS``) of ``payload``'s header against ``expect`` (a ``wire.Expect``)."""
-    m, b, mo, no, bs, n, nh, cn = expect
-    return int(_header_errors(payload, m, b, mo, no, bs, n, nh, bool(cn)))
-
-
 def _check_expect(payload, expect):
-    if expect is not None:
-        err = header_errors_cpu(payload, expect)
-        if err:
-            raise wire.PayloadError(wire.describe_error_bits(err))
+    """Raises PayloadError naming what in ``payload``'s header differs from ``expect`` (a ``wire.Expect``)."""
+    m, b, mo, no, bs, n, nh, cn = expect
+    err = _header_errors(payload, m, b, mo, no, bs, n, nh, bool(cn))
+    if err:
+        raise wire.PayloadError(wire.describe_error_bits(int(err)))
 
 
 def _bad_size(payload, total):
     return wire.PayloadError(f"payload has {payload.size} bytes, the layout needs {total}")
-
-
-def _check_payloads(payloads, n, total, expect):
-    if n < 1:
-        raise ValueError(f"n must be at least 1; got {n}")
-    if payloads.size != n * total:
-        raise wire.PayloadError(f"payloads has {payloads.size} bytes, {n} payloads of {total} need "
-                                f"{n * total}")
-    if expect is not None:
-        for k in range(n):
-            _check_expect(payloads[k * total:(k + 1) * total], expect)
 
 
 _NO_RESIDUAL = np.empty(0, np.float32)     # the kernels write a residual only when told to
@@ -162,8 +136,8 @@ class _Prepared:
     """``kernel`` with its arguments ``args`` (those between the arrays and the task size ``k``)."""
     __slots__ = ("numel", "total", "k", "nchunks", "_serial", "_kernel", "args")
 
-    def __init__(self, kernel, lay, k, ntasks, args):
-        self.numel, self.total, self.k, self.nchunks = lay.numel, lay.total, k, ntasks
+    def __init__(self, kernel, numel, total, k, ntasks, args):
+        self.numel, self.total, self.k, self.nchunks = numel, total, k, ntasks
         self._kernel = kernel
         self._serial = kernel.serial if ntasks <= 1 else None
         self.args = args
@@ -178,7 +152,7 @@ class _Encode(_Prepared):
     def __init__(self, kernel, geometry, *params, span=False):
         lay, bs = geometry
         k = (task_span if span else chunk_buckets)(bs, lay.numel)
-        super().__init__(kernel, lay, k, -(-(lay.numel if span else lay.nbuckets) // k),
+        super().__init__(kernel, lay.numel, lay.total, k, -(-(lay.numel if span else lay.nbuckets) // k),
                          (lay.codes_offset, lay.codes_offset + lay.codes_nbytes, lay.scales_offset,
                           lay.nscales, bs) + params)
 
@@ -200,7 +174,7 @@ class _Decode(_Prepared):
     def __init__(self, kernel, geometry, param, accumulate=None):
         lay, bs = geometry
         k = task_span(bs, lay.numel)
-        super().__init__(kernel, lay, k, -(-lay.numel // k),
+        super().__init__(kernel, lay.numel, lay.total, k, -(-lay.numel // k),
                          (lay.codes_offset, lay.scales_offset, lay.nscales, bs, int(param))
                          + (() if accumulate is None else (bool(accumulate),)))     # (None: decode_sum)
 
@@ -229,7 +203,7 @@ class _DecodeSum(_Decode):
 
     def __call__(self, payloads, n, out, stream=None, status=None, expect=None):
         out = _sized(out, self.numel, "out")
-        _check_payloads(payloads, n, self.total, expect)
+        check_payloads(payloads, n, self.total, expect, _check_expect)
         self.run(payloads, n, out, None)
 
 
@@ -244,7 +218,7 @@ class _ReduceRequantize:
 
     def __call__(self, payloads, n, residual, out_payload, header, key=0, stream=None, status=None,
                  expect=None):
-        _check_payloads(payloads, n, self.sum.total, expect)
+        check_payloads(payloads, n, self.sum.total, expect, _check_expect)
         if out_payload.size != self.sum.total:
             raise _bad_size(out_payload, self.sum.total)
         if residual is not None:
@@ -254,31 +228,26 @@ class _ReduceRequantize:
         self.encode(c, out_payload, header, key, stream, residual)
 
 
-class _DecodeChunks:
+class _DecodeChunks(_Prepared):
     """``(gathered, out, stream=None, status=None, name_hashes=None, expect=None)``: chunk j's payload
     decoded into ``out[j*chunk:(j+1)*chunk]``."""
-    __slots__ = ("numel", "total", "offsets", "expects_of", "args", "_kernel", "_serial", "ntasks",
-                 "span", "_exps")
+    __slots__ = ("offsets", "expects_of", "_exps")
 
     def __init__(self, kernel, method, numel, bits, bucket_size, chunk, two_mean=False):
         ranges = chunk_ranges(numel, bucket_size, chunk)
         (full, bs), (last, _) = (_layout(method, m, bits, bucket_size, two_mean)
                                  for m in (min(chunk, numel), ranges[-1][1] - ranges[-1][0] if ranges else 0))
-        self.numel = numel
         self.offsets = [j * full.total for j in range(len(ranges))] + [
             (len(ranges) - 1) * full.total + last.total if ranges else 0]
-        self.total = self.offsets[-1]
         mode = _mode(method, two_mean)
         self.expects_of = lambda expect, name_hashes: chunk_expects(
             numel, bucket_size, chunk, wire.METHODS[method], bits, mode, expect, name_hashes)
         self._exps = None
         chunk = chunk if bucket_size else bs            # (no bucket size: one chunk of one bucket)
-        self.span = task_span(bs, numel)
-        self.ntasks = len(ranges) * -(-chunk // self.span)
-        self.args = (chunk, full.total, full.scales_offset, full.nscales, last.total, last.scales_offset,
-                     last.nscales, full.codes_offset, bs, int(two_mean))
-        self._kernel = kernel
-        self._serial = kernel.serial if self.ntasks <= 1 else None
+        span = task_span(bs, numel)
+        super().__init__(kernel, numel, self.offsets[-1], span, len(ranges) * -(-chunk // span),
+                         (chunk, full.total, full.scales_offset, full.nscales, last.total, last.scales_offset,
+                          last.nscales, full.codes_offset, bs, int(two_mean)))
 
     def __call__(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
         out = _sized(out, self.numel, "out")
@@ -292,8 +261,8 @@ class _DecodeChunks:
             for j, e in enumerate(exps[2]):
                 _check_expect(gathered[self.offsets[j]:self.offsets[j + 1]], e)
         if self.numel:
-            k = self._serial if self._serial is not None else self._kernel.pick(self.ntasks)
-            k(gathered, out, *self.args, self.span)
+            kernel = self._serial or self._kernel.pick(self.nchunks)
+            kernel(gathered, out, *self.args, self.k)
 
 
 def _onebit_encode_op(numel, bucket_size, two_mean):

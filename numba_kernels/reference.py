@@ -21,7 +21,7 @@ __all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_
            "onebit_encode_ref", "onebit_decode_ref", "write_header_ref", "uniform24_ref",
            "header_errors_ref", "check_expect_ref", "levels", "qsgd_decode_sum_ref",
            "onebit_decode_sum_ref", "qsgd_reduce_requantize_ref", "onebit_reduce_requantize_ref",
-           "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref", "chunk_ranges", "chunk_expects",
+           "qsgd_decode_chunks_ref", "onebit_decode_chunks_ref", "chunk_ranges", "chunk_expects", "check_payloads",
            "sortquant_encode_ref", "sortquant_decode_ref", "sortquant_groups", "kmeans_encode_ref",
            "kmeans_decode_ref", "KMEANS_SAMPLE"]
 
@@ -88,13 +88,10 @@ def bucket_scales_ref(x, bucket_size, kind):
             for side in (valid & (X >= 0), valid & ~(X >= 0)):     # NaN is negative: its bit (x >= 0) is 0
                 cnt = side.sum(axis=1)
                 total = lane_sum_ref(np.where(side, X, F0))
-                mean = np.where(cnt > 0, total / np.maximum(cnt, 1).astype(np.float32), F0)
-                means.append(mean.astype(np.float32))
-            mpos, mneg = means
-            bad = ~((np.abs(mpos) < FINF) & (np.abs(mneg) < FINF))
-            mpos[bad] = np.nan
-            mneg[bad] = np.nan
-            return np.stack([mpos, mneg], axis=1).reshape(-1, 2)
+                means.append(np.where(cnt > 0, total / np.maximum(cnt, 1).astype(np.float32), F0).astype(np.float32))
+            means = np.stack(means, axis=1)
+            means[~np.all(np.abs(means) < FINF, axis=1)] = np.nan     # a non-finite mean: both NaN
+            return means
     raise ValueError(f"unknown scale kind {kind!r}")
 
 
@@ -109,9 +106,8 @@ def uniform24_ref(key, idx):
 
 
 def _round(v, top, stochastic, key, idx):
-    """The levels of ``v`` (float32, >= 0 or NaN) clamped to ``top`` (a float32 integer): floor(v)
-    plus, stochastic, (r < frac * 2**24) with r the 24 random bits of the elements ``idx``, else
-    (frac >= 1/2); at most ``top``."""
+    """``_scalar.round_level`` of ``v`` (float32, >= 0 or NaN) with the random bits of the elements
+    ``idx``; at most ``top``."""
     v = np.where(v <= top, v, top).astype(np.float32)
     q = v.astype(np.int64)
     frac = (v - q.astype(np.float32)).astype(np.float32)
@@ -180,9 +176,14 @@ def _store(out, val, accumulate):
         out[...] = val
 
 
-def _scales_of(payload, lay):
+def _read(payload, n, expect, method, bits, bucket_size, mode=0, param=0):
+    """(codes, scales, each element's bucket) of a payload of ``n`` elements, its header checked against
+    ``expect`` first (:func:`check_expect_ref`)."""
+    check_expect_ref(payload, expect)
+    lay = wire.layout(wire.METHODS[method], n, bits, bucket_size, mode, param)
+    codes = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, bits)
     raw = np.ascontiguousarray(payload[lay.scales_offset:lay.scales_offset + 4 * lay.nscales])
-    return raw.view("<f4").astype(np.float32)
+    return codes, raw.view("<f4").astype(np.float32), np.arange(n) // (bucket_size or max(n, 1))
 
 
 def check_expect_ref(payload, expect):
@@ -206,15 +207,11 @@ def qsgd_encode_ref(x, payload, header, bits, bucket_size, stochastic, norm_l2, 
 
 def qsgd_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
     """out (+)= dequantized values of a QSGD payload (header checked against ``expect`` if given)."""
-    check_expect_ref(payload, expect)
-    n = out.size
-    lay = wire.layout(wire.METHODS["qsgd"], n, bits, bucket_size)
+    codes, sc, b = _read(payload, out.size, expect, "qsgd", bits, bucket_size)
     s = levels(bits)
-    codes = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, bits)
-    unit = (_scales_of(payload, lay) / np.float32(s)).astype(np.float32)
+    unit = (sc / np.float32(s)).astype(np.float32)
     with np.errstate(invalid="ignore"):
-        _store(out, ((codes - s).astype(np.float32) * unit[np.arange(n) // bucket_size]).astype(np.float32),
-               accumulate)
+        _store(out, ((codes - s).astype(np.float32) * unit[b]).astype(np.float32), accumulate)
 
 
 def sortquant_groups(n, split_bits):
@@ -226,8 +223,7 @@ def sortquant_groups(n, split_bits):
 
 
 def _sortquant_bucket(xb, idx, split_bits, lb, stochastic, key):
-    """(codes, scales) of one bucket: float32 values ``xb`` at element indices ``idx``; ``lb`` level
-    bits."""
+    """(codes, scales) of one bucket: float32 values ``xb`` at indices ``idx``, ``lb`` level bits."""
     n = xb.size
     G = 1 << split_bits
     L = (1 << lb) - 1
@@ -276,14 +272,10 @@ def sortquant_encode_ref(x, payload, header, bits, split_bits, bucket_size, stoc
 def sortquant_decode_ref(payload, out, bits, split_bits, bucket_size, accumulate, stream=None, status=None,
                          expect=None):
     """out (+)= lo + level * (hi - lo) / L of each element's group (header checked against ``expect``)."""
-    check_expect_ref(payload, expect)
-    n = out.size
-    lay = wire.layout(wire.METHODS["sortquant"], n, bits, bucket_size, 0, split_bits)
+    codes, sc, b = _read(payload, out.size, expect, "sortquant", bits, bucket_size, 0, split_bits)
+    sc = sc.reshape(-1, 2 << split_bits)
     lb = bits - split_bits
     L = (1 << lb) - 1
-    codes = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, bits)
-    sc = _scales_of(payload, lay).reshape(-1, 2 << split_bits)
-    b = np.arange(n) // bucket_size
     g = codes >> lb
     lo = sc[b, 2 * g]
     hi = sc[b, 2 * g + 1]
@@ -370,17 +362,12 @@ def kmeans_encode_ref(x, payload, header, bits, bucket_size, iters, key, stream=
 
 def kmeans_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, status=None, expect=None):
     """out (+)= the codebook entry of each element's code (header checked against ``expect``)."""
-    check_expect_ref(payload, expect)
-    n = out.size
-    lay = wire.layout(wire.METHODS["kmeans"], n, bits, bucket_size)
-    codes = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, bits)
-    book = _scales_of(payload, lay).reshape(-1, 1 << bits)
-    _store(out, book[np.arange(n) // (bucket_size or max(n, 1)), codes], accumulate)
+    codes, book, b = _read(payload, out.size, expect, "kmeans", bits, bucket_size)
+    _store(out, book.reshape(-1, 1 << bits)[b, codes], accumulate)
 
 
-def _onebit_layout(numel, bucket_size, two_mean):
-    mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-    return wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, mode)
+def _onebit_mode(two_mean):
+    return wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
 
 
 def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None, residual=None):
@@ -389,19 +376,16 @@ def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None, re
     ``bucket_size`` 0: one bucket for the whole tensor."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     scales = bucket_scales_ref(x, bucket_size or max(x.size, 1), "two_mean" if two_mean else "mean_abs")
-    _write(payload, header, _onebit_layout(x.size, bucket_size, two_mean), (x >= F0).astype(np.int64), 1,
-           scales, x, residual, lambda p, d: onebit_decode_ref(p, d, bucket_size, two_mean, False))
+    lay = wire.layout(wire.METHODS["onebit"], x.size, 1, bucket_size, _onebit_mode(two_mean))
+    _write(payload, header, lay, (x >= F0).astype(np.int64), 1, scales, x, residual,
+           lambda p, d: onebit_decode_ref(p, d, bucket_size, two_mean, False))
 
 
 def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None,
                       expect=None):
     """out (+)= 1-bit decoded values (header checked against ``expect`` if given)."""
-    check_expect_ref(payload, expect)
-    n = out.size
-    lay = _onebit_layout(n, bucket_size, two_mean)
-    bits = _unpack(payload[lay.codes_offset:lay.codes_offset + lay.codes_nbytes], n, 1).astype(bool)
-    sc = _scales_of(payload, lay)
-    b = np.arange(n) // (bucket_size or max(n, 1))
+    bits, sc, b = _read(payload, out.size, expect, "onebit", 1, bucket_size, _onebit_mode(two_mean))
+    bits = bits.astype(bool)
     if two_mean:
         sc = sc.reshape(-1, 2)
         _store(out, np.where(bits, sc[b, 0], sc[b, 1]).astype(np.float32), accumulate)
@@ -414,23 +398,27 @@ def header_errors_ref(payload, method, bits, mode, param, bucket_size, numel, na
 
     The reference of the CUDA check kernel, which cannot raise and reports these bits instead."""
     h = bytes(np.asarray(payload[:wire.HEADER_NBYTES], np.uint8))
-
-    def field(a, b):
-        return int.from_bytes(h[a:b], "little")
-
-    bad = [h[0:4] != wire.MAGIC, h[4] != wire.VERSION, h[5] != method, h[6] != bits, h[7] != mode,
-           h[8] != param, field(12, 16) != bucket_size, field(16, 24) != numel,
-           check_name and field(56, 60) != name_hash,
-           field(62, 64) != wire.fold16(wire.fnv1a32(h[0:62])),
-           field(60, 62) != wire.fold16(wire.fnv1a32(h[4:9] + h[12:16]))]
+    magic, ver, m, bi, mo, pa, _, _, _, bs, n, *_, nh, cfg, crc = wire.HEADER_STRUCT.unpack(h)
+    bad = [magic != wire.MAGIC, ver != wire.VERSION, m != method, bi != bits, mo != mode, pa != param,
+           bs != bucket_size, n != numel, check_name and nh != name_hash,
+           crc != wire.fold16(wire.fnv1a32(h[0:62])), cfg != wire.fold16(wire.fnv1a32(h[4:9] + h[12:16]))]
     return sum(1 << k for k, b in enumerate(bad) if b)     # bit k: the k-th of wire.ERROR_BITS
 
 
-# ---- fused operations: several payloads in one launch ------------------------------------------------
-#
-# Each is *defined* by composing the single-payload references above; the kernels are held equal to
-# these bit for bit. ``payloads`` is one uint8 buffer holding ``n`` payloads of the same layout back
-# to back; the decode-sum is a float32 left fold in payload order, starting from decode(p_0).
+# ---- fused operations: several payloads in one launch, defined by the single-payload references ------
+# ``payloads``: one uint8 buffer of ``n`` payloads of one layout back to back.
+
+
+def check_payloads(payloads, n, total, expect, check=None):
+    """Refuses ``n`` < 1 or a ``payloads`` of other than ``n`` payloads of ``total`` bytes, then checks
+    each payload's header against ``expect`` with ``check`` (default :func:`check_expect_ref`)."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1; got {n}")
+    if payloads.size != n * total:
+        raise wire.PayloadError(f"payloads has {payloads.size} bytes, {n} payloads of {total} need {n * total}")
+    if expect is not None:
+        for k in range(n):
+            (check or check_expect_ref)(payloads[k * total:(k + 1) * total], expect)
 
 
 def chunk_ranges(numel, bucket_size, chunk):
@@ -464,8 +452,7 @@ def chunk_expects(numel, bucket_size, chunk, method, bits, mode, expect=None, na
 
 
 class _Fused:
-    """The fused references over QSGD (``two_mean`` None) or 1-bit payloads, from their layout and
-    their decode."""
+    """The fused references over QSGD (``two_mean`` None) or 1-bit payloads."""
 
     def __init__(self, bits, bucket_size, two_mean=None):
         self.bits, self.bucket_size = bits, bucket_size
@@ -474,7 +461,7 @@ class _Fused:
             self.decode = lambda p, out, acc: qsgd_decode_ref(p, out, bits, bucket_size, acc)
         else:
             self.method = wire.METHODS["onebit"]
-            self.mode = wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+            self.mode = _onebit_mode(two_mean)
             self.decode = lambda p, out, acc: onebit_decode_ref(p, out, bucket_size, two_mean, acc)
 
     def layout(self, m):
@@ -485,16 +472,9 @@ class _Fused:
         payloads held back to back in ``payloads``; every header checked before anything is written."""
         out = out.reshape(-1)
         total = self.layout(out.size).total
-        if n < 1:
-            raise ValueError(f"n must be at least 1; got {n}")
-        if payloads.size != n * total:
-            raise wire.PayloadError(f"payloads has {payloads.size} bytes, {n} payloads of {total} need "
-                                    f"{n * total}")
-        ps = [payloads[k * total:(k + 1) * total] for k in range(n)]
-        for p in ps:
-            check_expect_ref(p, expect)
-        for k, p in enumerate(ps):
-            self.decode(p, out, k > 0)
+        check_payloads(payloads, n, total, expect)
+        for k in range(n):
+            self.decode(payloads[k * total:(k + 1) * total], out, k > 0)
 
     def reduce_requantize(self, payloads, n, residual, encode, numel, expect):
         """``c = decode_sum(payloads) (+ residual)``, then ``encode(c, residual)``."""
@@ -554,9 +534,8 @@ def onebit_reduce_requantize_ref(payloads, n, residual, out_payload, header, buc
 
 def qsgd_decode_chunks_ref(gathered, out, bits, bucket_size, chunk, stream=None, status=None,
                            name_hashes=None, expect=None):
-    """Decode chunk j's payload (held back to back in ``gathered``) into ``out[j*chunk:(j+1)*chunk]``
-    (the last chunk may be shorter). Headers are checked (see :func:`chunk_expects`) when ``expect``
-    is given; ``name_hashes`` adds each chunk's name."""
+    """Decode chunk j's payload (back to back in ``gathered``) into ``out[j*chunk:(j+1)*chunk]``, the
+    last chunk maybe shorter; headers checked as :func:`chunk_expects` says."""
     _Fused(bits, bucket_size).decode_chunks(gathered, out, chunk, name_hashes, expect)
 
 

@@ -44,12 +44,13 @@ size is a multiple of 4, so payloads concatenated back to back stay 4-byte align
 """
 import functools
 import math
+import struct
 from typing import NamedTuple
 
 import numpy as np
 
 __all__ = [
-    "PayloadError", "HEADER_NBYTES", "MAGIC", "VERSION", "MAX_NDIM", "METHODS", "DTYPES", "MODES",
+    "PayloadError", "HEADER_NBYTES", "HEADER_STRUCT", "MAGIC", "VERSION", "MAX_NDIM", "METHODS", "DTYPES", "MODES",
     "NORMS", "ONEBIT_SCALES", "Header", "Layout", "layout", "fnv1a32", "fold16", "name_hash",
     "config_crc", "parse_header", "ERROR_BITS", "describe_error_bits", "Expect",
 ]
@@ -68,6 +69,16 @@ ONEBIT_SCALES = {"two_mean": 0, "mean_abs": 1}
 
 _METHOD_NAMES = {v: k for k, v in METHODS.items()}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# the header's fields in order (see the table above); bytes 62..63 are the header checksum
+HEADER_STRUCT = struct.Struct("<4s8BIQ8IIHH")
+# (bits, bucket_size, mode, param) a method allows
+_VALID_FIELDS = {
+    METHODS["qsgd"]: lambda b, bs, m, p: 2 <= b <= 16 and bs >= 1 and m in (0, 1, 2) and p in (0, 1),
+    METHODS["onebit"]: lambda b, bs, m, p: m in (0, 1),
+    METHODS["sortquant"]: lambda b, bs, m, p: 2 <= b <= 16 and bs >= 1 and m in (0, 1) and 1 <= p < b,
+    METHODS["kmeans"]: lambda b, bs, m, p: 1 <= b <= 8 and m == 0 and p == 0,
+}
 
 _FNV_OFFSET = 0x811C9DC5
 _FNV_PRIME = 0x01000193
@@ -89,10 +100,9 @@ ERROR_BITS = {
 
 
 class Expect(NamedTuple):
-    """What a receiver expects in a payload header: the decoders' ``expect`` argument.
-
-    The fields are compared with the header's (``ERROR_BITS`` names each mismatch); ``name_hash`` only
-    when ``check_name``. Magic, version and both checksums are always checked."""
+    """What a receiver expects in a payload header (the decoders' ``expect``): ``ERROR_BITS`` names each
+    field that differs; ``name_hash`` is compared only with ``check_name``; magic, version and both
+    checksums always."""
     method: int
     bits: int
     mode: int
@@ -162,29 +172,18 @@ def _align4(n):
 
 
 def layout(method, numel, bits=0, bucket_size=0, mode=0, param=0):
-    """Where everything sits in a payload of ``numel`` elements.
-
-    ``bucket_size`` 0 (onebit, kmeans) means one bucket for the whole tensor; ``param`` is sortquant's
-    split_bits."""
+    """Where everything sits in a payload of ``numel`` elements; ``bucket_size`` 0 (onebit, kmeans) is one
+    bucket for the whole tensor, ``param`` sortquant's split_bits."""
     numel = int(numel)
+    if method in (METHODS["none"], METHODS["fp16"]) or (method == METHODS["qsgd"] and mode == MODES["fake"]):
+        return Layout(numel, values_nbytes=(2 if method == METHODS["fp16"] else 4) * numel)
     nb = (1 if numel else 0) if bucket_size == 0 else -(-numel // bucket_size)
-    codes = (numel * bits + 7) // 8
-    if method == METHODS["kmeans"]:
-        return Layout(numel, nb, codes, (1 << bits) * nb)
-    if method == METHODS["sortquant"]:
-        return Layout(numel, nb, codes, 2 * (1 << param) * nb)
-    if method == METHODS["qsgd"]:
-        if mode == MODES["fake"]:
-            return Layout(numel, values_nbytes=4 * numel)
-        return Layout(numel, nb, codes, nb)
     if method == METHODS["onebit"]:
-        per = 2 if mode == ONEBIT_SCALES["two_mean"] else 1
-        return Layout(numel, nb, (numel + 7) // 8, per * nb)
-    if method == METHODS["fp16"]:
-        return Layout(numel, values_nbytes=2 * numel)
-    if method == METHODS["none"]:
-        return Layout(numel, values_nbytes=4 * numel)
-    raise ValueError(f"unknown method code {method}")
+        return Layout(numel, nb, (numel + 7) // 8, (2 if mode == ONEBIT_SCALES["two_mean"] else 1) * nb)
+    per_bucket = {METHODS["qsgd"]: 1, METHODS["sortquant"]: 2 << param, METHODS["kmeans"]: 1 << bits}.get(method)
+    if per_bucket is None:
+        raise ValueError(f"unknown method code {method}")
+    return Layout(numel, nb, (numel * bits + 7) // 8, per_bucket * nb)
 
 
 class Header:
@@ -220,23 +219,14 @@ class Header:
     def to_bytes(self):
         if len(self.shape) > MAX_NDIM:
             raise ValueError(f"tensors of rank {len(self.shape)} are not supported (at most {MAX_NDIM} dims)")
-        for d in self.shape:
-            if not 0 <= d < 2 ** 32:
-                raise ValueError(f"dimension {d} of shape {self.shape} does not fit the header (< 2**32)")
-        if not 0 <= self.bucket_size < 2 ** 32:
-            raise ValueError(f"bucket_size {self.bucket_size} does not fit the header (< 2**32)")
-        b = bytearray(HEADER_NBYTES)
-        b[0:4] = MAGIC
-        b[4:12] = bytes([self.version, self.method, self.bits, self.mode, self.param, self.dtype,
-                         len(self.shape), self.flags])
-        b[12:16] = int(self.bucket_size).to_bytes(4, "little")
-        b[16:24] = int(self.numel).to_bytes(8, "little")
-        for k, d in enumerate(self.shape):
-            b[24 + 4 * k:28 + 4 * k] = int(d).to_bytes(4, "little")
-        b[56:60] = int(self.name_hash).to_bytes(4, "little")
-        b[60:62] = self.config_crc().to_bytes(2, "little")
-        b[62:64] = fold16(fnv1a32(b[0:62])).to_bytes(2, "little")
-        return bytes(b)
+        if not all(0 <= v < 2 ** 32 for v in self.shape + (self.bucket_size,)):
+            raise ValueError(f"shape {self.shape} or bucket_size {self.bucket_size} does not fit the header "
+                             f"(each < 2**32)")
+        b = HEADER_STRUCT.pack(MAGIC, self.version, self.method, self.bits, self.mode, self.param, self.dtype,
+                               len(self.shape), self.flags, self.bucket_size, self.numel,
+                               *self.shape, *(0,) * (MAX_NDIM - len(self.shape)), self.name_hash,
+                               self.config_crc(), 0)
+        return b[:62] + fold16(fnv1a32(b[:62])).to_bytes(2, "little")
 
     def words(self):
         """The header as 8 little-endian uint64 words: how kernels receive it."""
@@ -249,34 +239,30 @@ class Header:
 
 
 def parse_header(buf, nbytes):
-    """Parse and integrity-check the first 64 bytes of a payload of ``nbytes`` bytes.
-
-    ``buf``: bytes-like or uint8 array holding at least the header (it may be just the header).
-    Checks magic, version, header checksum, configuration checksum, shape/numel consistency and that
-    ``nbytes`` equals the size this header implies. Configuration *values* are compared by the codec,
-    which knows what it expects. Raises :class:`PayloadError` naming what is wrong."""
+    """The :class:`Header` of a payload of ``nbytes`` bytes whose first 64 (at least) ``buf`` holds
+    (bytes-like or uint8 array), after checking magic, version, both checksums, the fields' ranges,
+    shape against numel and ``nbytes`` against the layout; raises :class:`PayloadError` naming what is
+    wrong. The configuration's values are compared by the codec, which knows what it expects."""
     if nbytes < HEADER_NBYTES:
         raise PayloadError(f"payload truncated: {nbytes} bytes, shorter than the {HEADER_NBYTES}-byte header")
     b = bytes(np.asarray(buf, dtype=np.uint8).reshape(-1)[:HEADER_NBYTES]) if not isinstance(
         buf, (bytes, bytearray)) else bytes(buf[:HEADER_NBYTES])
     if len(b) < HEADER_NBYTES:
         raise PayloadError(f"payload truncated: header has {len(b)} of {HEADER_NBYTES} bytes")
-    if b[0:4] != MAGIC:
-        raise PayloadError(f"bad magic {b[0:4]!r} (expected {MAGIC!r}): not an hvd_quant payload")
-    if b[4] != VERSION:
-        raise PayloadError(f"unsupported payload format version {b[4]} (this hvd_quant reads version {VERSION})")
-    crc = int.from_bytes(b[62:64], "little")
+    (magic, version, method, bits, mode, param, dtype, ndim, flags, bucket_size, numel, *dims, name_hash, cfg,
+     crc) = HEADER_STRUCT.unpack(b)
+    if magic != MAGIC:
+        raise PayloadError(f"bad magic {magic!r} (expected {MAGIC!r}): not an hvd_quant payload")
+    if version != VERSION:
+        raise PayloadError(f"unsupported payload format version {version} (this hvd_quant reads version {VERSION})")
     if crc != fold16(fnv1a32(b[0:62])):
         raise PayloadError("bad header checksum: the payload header is corrupt")
-    version, method, bits, mode, param, dtype, ndim, flags = b[4:12]
-    bucket_size = int.from_bytes(b[12:16], "little")
-    numel = int.from_bytes(b[16:24], "little")
     if ndim > MAX_NDIM:
         raise PayloadError(f"corrupt header: ndim {ndim} > {MAX_NDIM}")
-    shape = tuple(int.from_bytes(b[24 + 4 * k:28 + 4 * k], "little") for k in range(ndim))
-    h = Header(method, bits, mode, param, bucket_size, dtype, shape,
-               name_hash=int.from_bytes(b[56:60], "little"), version=version, numel=numel)
-    if int.from_bytes(b[60:62], "little") != h.config_crc():
+    shape = tuple(dims[:ndim])
+    h = Header(method, bits, mode, param, bucket_size, dtype, shape, name_hash=name_hash, version=version,
+               numel=numel)
+    if cfg != h.config_crc():
         raise PayloadError("bad configuration checksum: the payload header is corrupt")
     if method not in _METHOD_NAMES:
         raise PayloadError(f"corrupt header: unknown method code {method}")
@@ -285,18 +271,9 @@ def parse_header(buf, nbytes):
     n = math.prod(shape)
     if n != numel:
         raise PayloadError(f"corrupt header: shape {shape} has {n} elements but numel says {numel}")
-    if method == METHODS["qsgd"] and not (2 <= bits <= 16 and bucket_size >= 1 and mode in (0, 1, 2)
-                                          and param in (0, 1)):
-        raise PayloadError(f"corrupt header: invalid qsgd fields bits={bits} bucket_size={bucket_size} "
-                           f"mode={mode} norm={param}")
-    if method == METHODS["onebit"] and mode not in (0, 1):
-        raise PayloadError(f"corrupt header: invalid onebit scale code {mode}")
-    if method == METHODS["sortquant"] and not (2 <= bits <= 16 and bucket_size >= 1 and mode in (0, 1)
-                                               and 1 <= param < bits):
-        raise PayloadError(f"corrupt header: invalid sortquant fields bits={bits} bucket_size={bucket_size} "
-                           f"mode={mode} split_bits={param}")
-    if method == METHODS["kmeans"] and not (1 <= bits <= 8 and mode == 0 and param == 0):
-        raise PayloadError(f"corrupt header: invalid kmeans fields bits={bits} mode={mode} param={param}")
+    if not _VALID_FIELDS.get(method, lambda *fields: True)(bits, bucket_size, mode, param):
+        raise PayloadError(f"corrupt header: invalid {_METHOD_NAMES[method]} fields bits={bits} "
+                           f"bucket_size={bucket_size} mode={mode} param={param}")
     expected = layout(method, numel, bits, bucket_size, mode, param).total
     if nbytes != expected:
         what = "truncated" if nbytes < expected else "too long"
