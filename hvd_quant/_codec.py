@@ -216,7 +216,8 @@ class Codec:
     def decompress(self, tensor, ctx):
         """Horovod's ``decompress``: the ctx finishes itself (``ctx.stock_decompress(summed)``); a
         ctx without one (a tensor Horovod reduced itself) gives back what Horovod reduced."""
-        return stock_decompress(tensor, ctx)
+        finish = getattr(ctx, "stock_decompress", None)
+        return tensor if finish is None else finish(tensor)
 
     @property
     def wants_error_feedback(self):
@@ -612,12 +613,6 @@ class Codec:
             if commit is not None:
                 commit(accumulate)
         return out
-
-
-def stock_decompress(tensor, ctx):
-    """Horovod's ``decompress`` of every compressor here (see :meth:`Codec.decompress`)."""
-    finish = getattr(ctx, "stock_decompress", None)
-    return tensor if finish is None else finish(tensor)
 
 
 def _dtype_text(dtype):

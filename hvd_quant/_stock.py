@@ -1,39 +1,16 @@
-"""Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler.
+"""Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler
+(docs/EXCHANGE.md: "Stock Horovod", "The placeholder trick", "Names and error detection").
 
-Horovod's optimizers call ``compress(grad) -> (t, ctx)``, **sum** ``t`` across ranks with allreduce
-(applying ``op``, ``prescale_factor`` and ``postscale_factor``), then ``decompress(summed_t, ctx)``.
-Summing quantized codes is wrong (their scales differ per rank), so ``compress`` starts hvd_quant's
-own exchange of the tensor (named after it) and hands Horovod a 1-element placeholder holding 1.0.
-Horovod's allreduce of it is exactly the factor Horovod would have applied to (sum of gradients) *
-N, and ``decompress`` finishes the exchange and returns ``decoded_sum * (placeholder / N)``, on the
-device, cast back to the gradient's dtype and shape.
-
-Fusion. The gradients of a Horovod PyTorch optimizer (the frame of its ``_allreduce_grad_async`` /
-``_grouped_allreduce_grad_async`` holds ``self`` and the parameter) are planned once and run by a
-:class:`hvd_quant.scheduler.StepScheduler` as in ``hvd_quant.torch.DistributedOptimizer``, scaled by
-the optimizer's ``op`` (the placeholder is not read); from its second step its
-``_allreduce_grad_async`` (not the grouped one) is taken over (:meth:`StockCompression._take_over`).
-Elsewhere (``hvd.allreduce(t, compression=...)``, TensorFlow) each tensor is its own exchange.
-
-This module is the adapter: Horovod's context (read from the calling frame), the placeholders, the
-step boundaries (a gradient seen again starts the next step) and who owns the state: a codec is an
-immutable value, the state of its exchanges (a :class:`StockCompression`) belongs to the Horovod
-optimizer that called (kept on it) or, without one, to the process set; a
-:class:`StockCompression` passed by the user is its own state.
-
-Tensors below ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and non-floating
-tensors pass through to Horovod's allreduce. ``op=hvd.Adasum`` raises.
-
-Names. ``compress`` is not told the tensor's name: it reads the ``name`` local of Horovod 0.28.1's
-``_allreduce_grad_async`` (torch) or ``allreduce`` (TensorFlow, torch), or in the grouped path the
-parameter's name from ``self._parameter_names``; failing that, the call order within the step. The
-name and shape go into every payload header; exchanges match across ranks by name.
-
-Frameworks. ``compress`` dispatches on the tensor's type to its frontend (``hvd_quant.dispatch``;
-the interface is listed in :mod:`hvd_quant.frontend`). A framework's hook
-(``hvd_quant.dispatch.STOCK_HOOKS``) may take ``compress`` over, returning a ctx whose
-``stock_decompress(summed)`` finishes in ``decompress`` (TensorFlow's builds symbolic tensors'
-exchanges into the graph).
+``compress`` starts hvd_quant's own exchange of the tensor and hands Horovod a placeholder of ones;
+``decompress`` finishes the exchange and scales by what Horovod's allreduce made of the placeholder.
+A Horovod PyTorch optimizer's gradients (its ``_allreduce_grad_async`` frame holds ``self`` and the
+parameter) are planned once and run by a :class:`hvd_quant.scheduler.StepScheduler`, and from its
+second step its ``_allreduce_grad_async`` is taken over (:meth:`StockCompression._take_over`);
+elsewhere each tensor is its own exchange. This module is the adapter: Horovod's context (read from
+the calling frame), the placeholders, the step boundaries (a gradient seen again starts the next
+step) and who owns the state (:func:`state_of`). Frameworks are reached through
+``hvd_quant.dispatch``; a framework's hook (``STOCK_HOOKS``, TensorFlow's graphs) may take
+``compress`` over, returning a ctx whose ``stock_decompress(summed)`` finishes in ``decompress``.
 """
 import collections
 import functools
@@ -43,7 +20,7 @@ import weakref
 
 from . import _codec
 from . import plan as _plan
-from ._codec import stock_decompress
+from ._codec import Codec
 from .codecs import resolve_codec
 from .dispatch import frontend_for, stock_hook_for
 from .exchange import AVERAGE, SUM, Exchange, Traffic, handshake_record
@@ -70,12 +47,8 @@ _USED = []              # the frontends the stock path has served, each once
 PASSTHROUGH = None      # the ctx of a tensor Horovod allreduces itself: decompress gives it back
 
 
-class _Ctx:
-    """A ctx Horovod hands back to ``decompress``: ``stock_decompress(summed)`` finishes the tensor."""
-    __slots__ = ("stock_decompress",)
-
-    def __init__(self, finish):
-        self.stock_decompress = finish
+# A ctx Horovod hands back to ``decompress``: ``stock_decompress(summed)`` finishes the tensor.
+_Ctx = collections.namedtuple("_Ctx", "stock_decompress")
 
 
 def uncompressed(adapter, tensor, info):
@@ -98,13 +71,12 @@ class _Session:
     backend and process set. ``exchange`` is the configured reduction's; with ``"auto"``, SRA's for
     what is not planned (unfused tensors, TensorFlow's stock path)."""
 
-    def __init__(self, backend, process_set, codec, reduction, error_feedback):
-        coll, ops = backend.stock_backend(process_set)
-        self.adapter = backend.stock_adapter()
-        self.ops, self.codec, self.coll = ops, codec, coll
-        self.memory = Memory(ops) if error_feedback else None
+    def __init__(self, backend, process_set, config):
+        self.coll, self.ops = backend.stock_backend(process_set)
+        self.adapter, self.codec = backend.stock_adapter(), config.codec
+        self.memory = Memory(self.ops) if config.error_feedback else None
         self.exchanges = {}
-        self.exchange = self.exchange_for("sra" if reduction == _plan.AUTO else reduction)
+        self.exchange = self.exchange_for("sra" if config.reduction == _plan.AUTO else config.reduction)
 
     def exchange_for(self, reduction):
         ex = self.exchanges.get(reduction)
@@ -151,18 +123,15 @@ def _frame_context(tensor):
     return _Caller()
 
 
-def _refuse_adasum(backend, owner):
-    """Adasum combines gradients pairwise with dot products, which quantized payloads do not give:
-    Horovod's Adasum optimizer, or ``op=hvd.Adasum``, raises on every rank at the first gradient."""
+def _refuse_adasum(owner):
+    """Horovod's Adasum optimizer raises on every rank at the first gradient (``op=hvd.Adasum``:
+    ``backend.core_op`` in :class:`_Group`)."""
     # Horovod copies its class's methods into a subclass of the user's optimizer; their names stay
     method = getattr(type(owner), "_allreduce_grad_async", None)
     if getattr(method, "__qualname__", "").startswith("_DistributedAdasumOptimizer."):
         raise ValueError("hvd_quant: op=hvd.Adasum is not supported with an hvd_quant codec as "
                          "compression=: Adasum combines gradients pairwise with dot products, which "
                          "quantized payloads do not provide. Use op=hvd.Average or op=hvd.Sum.")
-    op = getattr(owner, "op", None)
-    if op is not None and hasattr(backend, "core_op"):
-        backend.core_op(op)
 
 
 class _Group:
@@ -181,8 +150,7 @@ class _Group:
         plan = self.plan = _plan.make_plan(sc.config, tensors, prefix="hvdq.stock")
         self.where = {params[m]: (k, i) for k, b in enumerate(plan.buckets) for i, m in enumerate(b.members)}
         self.index = {p: i for i, p in enumerate(params)}
-        # Taken over (StockCompression._take_over), the float32 gradients left uncompressed go into
-        # plain groups as in hvd_quant's optimizer.
+        # taken over, the float32 gradients left uncompressed go into plain groups
         infos = [session.adapter.describe(q) for q in params]
         fused = _plan.plain_groups(plan, [x.is_float and x.itemsize == 4 for x in infos],
                                    sc.config.bucket_bytes)
@@ -282,10 +250,7 @@ class StockCompression:
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
                                       predivide=None)
-        c = self.config
-        self.codec, self.reduction, self.error_feedback = c.codec, c.reduction, c.error_feedback
-        self.min_compress_numel, self.compress_1d = c.min_compress_numel, c.compress_1d
-        self.bucket_bytes = c.bucket_bytes
+        self.codec, self.reduction = self.config.codec, self.config.reduction
         self._sessions = {}
         self._groups = {}       # id(optimizer) -> its _Group (dropped with the optimizer)
         self._pending = {}      # exchange name -> (session, Pending) of unfused tensors in flight
@@ -297,12 +262,9 @@ class StockCompression:
         self._graph_autos = {}      # plan key -> AutoChoice of a TensorFlow graph (_graph.GraphAuto)
 
     # -- configuration ----------------------------------------------------------------------------
-    def summary(self):
-        return self.config.summary()
-
     def record(self, name, shape):
         """The handshake record of the first exchange of tensor ``name``."""
-        return handshake_record(self.summary(), (name, tuple(shape)))
+        return handshake_record(self.config.summary(), (name, tuple(shape)))
 
     def number(self, name, record):
         """``(step, record)`` of the next exchange named ``name``: how many started before (the noise
@@ -317,8 +279,7 @@ class StockCompression:
         key = (backend, getattr(process_set, "process_set_id", 0))
         s = self._sessions.get(key)
         if s is None:
-            s = self._sessions[key] = _Session(backend, process_set, self.codec, self.reduction,
-                                               self.error_feedback)
+            s = self._sessions[key] = _Session(backend, process_set, self.config)
             saved = self._restored.pop(_key_str(key), None)
             if saved is not None and s.memory is not None:
                 s.memory.load_state_dict(saved)
@@ -366,11 +327,8 @@ class StockCompression:
         return None if group is None else group.sched.route()
 
     # -- Horovod's Compressor protocol ------------------------------------------------------------
-    def compress(self, tensor):
-        return _compress(self, tensor)
-
-    def decompress(self, tensor, ctx):
-        return stock_decompress(tensor, ctx)
+    compress = _compress
+    decompress = Codec.decompress
 
     def compress_on(self, backend, tensor, caller=None):
         """``compress`` through ``backend`` (a frontend, or another object with the stock path's
@@ -454,7 +412,7 @@ class StockCompression:
         group = self._group_of(owner)
         if group is not None:
             return group
-        _refuse_adasum(backend, owner)
+        _refuse_adasum(owner)
         group = _Group(self, self.session(backend, caller.process_set), owner, backend,
                        caller.process_set)
         if group.sched.auto is not None:
@@ -467,15 +425,13 @@ class StockCompression:
 
     def _take_over(self, owner, group):
         """Give ``owner`` (a Horovod optimizer, one allreduce per parameter) an
-        ``_allreduce_grad_async`` of hvd_quant's own. While ``group.direct``, a planned gradient goes
-        straight into its bucket or plain group, and Horovod's ``synchronize`` gets the result from a
-        callable handle (as for Horovod's own sparse path): no placeholder, no Horovod op per tensor,
-        no frame lookup. ``direct`` turns on once every rank has handed out a bucket (the first
-        :func:`_finish` of one), and off at a step's first gradient in a new world (elastic), for one
-        step: the ranks that joined start with Horovod's per-tensor path, so every rank does. A plan
-        with no bucket (every gradient too small or 1-D) turns direct at its second step's first
-        gradient instead, and again after a new world's first step. Other gradients (sparse,
-        outside the plan) take Horovod's own path."""
+        ``_allreduce_grad_async`` of hvd_quant's own (docs/EXCHANGE.md, "Stock Horovod"). While
+        ``group.direct``, a planned gradient goes straight into its bucket or plain group and
+        Horovod's ``synchronize`` gets the result from a callable handle. ``direct`` turns on once
+        every rank has handed out a bucket (:func:`_go_direct`; a plan with no bucket: at its second
+        step's first gradient), and off for one step in a new world (elastic), where the ranks that
+        joined start with Horovod's per-tensor path. Sparse gradients and others outside the plan
+        take Horovod's own path."""
         horovod_async = owner._allreduce_grad_async
         always = not group.plan.buckets
 
@@ -530,9 +486,8 @@ class StockCompression:
 
     def state_dict(self):
         """``{"residuals": {session key: {name: tensor}}, "server_residuals": {session key:
-        {(name, rank, size): tensor}}, "steps": {name: count}, "auto": {plan key: state}}`` (worker
-        and server residuals as in :class:`hvd_quant.memory.Memory`, keyed by exchange name: the
-        bucket's or, unfused, the tensor's; ``reduction="auto"``'s schedule per optimizer plan)."""
+        {(name, rank, size): tensor}}, "steps": {name: count}, "auto": {plan key: state}}``
+        (residuals as in :class:`hvd_quant.memory.Memory`, by exchange name)."""
         states = dict(self._restored)
         states.update({_key_str(k): s.memory.state_dict()
                        for k, s in self._sessions.items() if s.memory is not None})
@@ -572,11 +527,10 @@ class StockCompression:
 
 
 def _go_direct(group):
-    """A taken-over optimizer's first bucket result in this world: every hook of the step has run on
-    this rank and nothing of the step has been waited for, so every rank comes to this point. Start
-    the complete buckets (other ranks may wait for them), make the payload channel (a collective;
-    used from the next step, so that a bucket of this step does not go one way on one rank and the
-    other way on another), and from the next step on hand the gradients straight to their buckets."""
+    """A taken-over optimizer's first bucket result in this world, a point every rank reaches (every
+    hook of the step has run, nothing waited for): start the complete buckets, make the payload
+    channel (a collective; used from the next step, so that no bucket of this step goes two ways),
+    and from the next step on hand the gradients straight to their buckets."""
     sched = group.sched
     sched.start_complete(wait=True)
     make = getattr(group.backend, "payload_group", None)
