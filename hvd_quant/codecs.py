@@ -1,27 +1,7 @@
-"""Gradient codecs: QSGD, 1-bit SGD, sort and k-means quantization, fp16 and none, on one wire format.
-
-Every codec turns a float tensor into a 1-D uint8 *payload* of the same kind (NumPy array, torch
-tensor on the same device, TensorFlow tensor) and back::
-
-    c = hvd_quant.QSGD(bits=4, bucket_size=512)
-    payload = c.encode(grad, name="layer1.weight")     # 1-D uint8, c.wire_nbytes(grad.numel()) bytes
-    g = c.decode(payload, name="layer1.weight")        # grad's shape and dtype (quantized values)
-    c.decode_into(payload, acc, accumulate=True)       # acc (flat float32) += decoded values
-
-A payload is a 64-byte header (format version, method, bits, mode, param (norm or split_bits),
-bucket size, numel, dtype, shape, name hash, checksums), the bit-packed codes and the float32 per-bucket scales
-(``numba_kernels/wire.py``, ``docs/CODECS.md``). Any instance of an equal configuration decodes it
-(that is what a receiving rank does); a payload of another configuration, a truncated or corrupt one,
-or (when ``decode`` is given a ``name``) another tensor's, raises :class:`PayloadError` saying what is
-wrong.
-
-Codecs are picked from the :class:`Compression` namespace (``Compression.qsgd(bits=4)``) or from a
-string spec through the registry (``from_spec("qsgd:bits=4,bucket_size=512")``);
-``from_spec(c.spec()) == c`` and codecs compare equal by configuration.
-
-Host arrays (NumPy, torch CPU, TensorFlow CPU) run the Numba CPU kernels; CUDA tensors run the Numba
-CUDA kernels on the framework's current stream without synchronising with the host (see
-:meth:`Codec.decode_into` for how errors in device payloads surface).
+"""Gradient codecs: QSGD, 1-bit SGD, sort and k-means quantization, fp16 and none, on one wire format
+(docs/CODECS.md). Each turns a float tensor into a self-describing 1-D uint8 payload of the same kind
+and device and back; they are picked from :class:`Compression` or from a string spec through the
+registry (``from_spec("qsgd:bits=4,bucket_size=512")``, ``from_spec(c.spec()) == c``).
 """
 import numpy as np
 
@@ -42,9 +22,8 @@ REGISTRY = {}
 
 
 def register(name, *aliases):
-    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``).
-    Names are matched without regard to case, as :func:`from_spec` reads them; a name holding
-    ``:``, ``,``, ``=`` or white space could not be read back from a spec and is refused."""
+    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``),
+    matched without regard to case; a name :func:`from_spec` could not read back is refused."""
     for key in (name,) + aliases:
         if not isinstance(key, str) or not key or any(c in key for c in ":,=") or key != "".join(key.split()):
             raise ValueError(f"a codec name is a non-empty str without ':', ',', '=' or white space; got {key!r}")
@@ -86,11 +65,9 @@ def _p_str(key, text):
 
 
 def from_spec(spec):
-    """Build a codec from a string spec: ``"name"`` or ``"name:key=value,key=value"``.
-
-    Examples: ``"none"``, ``"fp16"``, ``"qsgd:bits=4,bucket_size=512,mode=deterministic"``,
-    ``"onebit:bucket_size=64,scale=mean_abs"``. A codec instance is returned as it is. Unknown names,
-    unknown keys, malformed items and bad values raise ``ValueError`` naming the bad part."""
+    """Build a codec from a string spec, ``"name"`` or ``"name:key=value,key=value"`` (``"fp16"``,
+    ``"onebit:bucket_size=64,scale=mean_abs"``); a codec is returned as it is. Unknown names and keys,
+    malformed items and bad values raise ``ValueError`` naming the bad part."""
     if isinstance(spec, Codec):
         return spec
     if not isinstance(spec, str):
@@ -145,11 +122,8 @@ class QSGD(Codec):
     most half a level); ``"fake"`` quantizes and dequantizes locally and sends float32 (the numerics
     of "stochastic", **no savings**: for accuracy studies only). bits 2..16, bucket_size >= 1.
 
-    Noise: ``seed=None`` draws fresh noise on every call; with a ``seed`` the uniforms are keyed by
-    :func:`noise_key` (seed, k, rank, name hash): for a direct :meth:`encode` k counts this codec
-    object's encodes of that name on the calling thread and rank is ``HOROVOD_RANK`` (or
-    ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0); inside the exchange k is the training step and
-    rank the process set rank. Wire format, error bounds and edge cases: docs/CODECS.md, "QSGD".
+    ``seed=None`` draws fresh noise on every call; a ``seed`` keys it by :func:`noise_key`
+    (docs/CODECS.md, "Noise and seeds"). Wire format, error bounds, edge cases: docs/CODECS.md, "QSGD".
     """
 
     PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
@@ -234,11 +208,8 @@ class OneBit(Codec):
         if not isinstance(error_feedback, (bool, np.bool_)):
             raise ValueError(f"error_feedback must be True or False; got {error_feedback!r}")
         self._freeze(bucket_size=_bucket_size(bucket_size), error_feedback=bool(error_feedback),
-                     scale=_check_choice("scale", scale, tuple(wire.ONEBIT_SCALES)))
-
-    @property
-    def wants_error_feedback(self):
-        return self.error_feedback
+                     scale=_check_choice("scale", scale, tuple(wire.ONEBIT_SCALES)),
+                     wants_error_feedback=bool(error_feedback))
 
     def _fields(self):
         return (self._method, 1, wire.ONEBIT_SCALES[self.scale], 0, self.bucket_size or 0)
@@ -258,8 +229,7 @@ class SortQuant(Codec):
     Each element sends its group in ``split_bits`` bits and its level in the remaining ``bits -
     split_bits``; ``mode="stochastic"`` rounds **unbiased** within the group, ``"deterministic"`` to
     nearest. bits 2..16, split_bits 1..bits-1, bucket_size >= 1 (at most 4096 on CUDA). Noise and
-    ``seed`` as :class:`QSGD`. No fused reduce kernels: SRA and allgather decode and sum payload by
-    payload. docs/CODECS.md, "Sort quantization".
+    ``seed`` as :class:`QSGD`. No fused reduce kernels. docs/CODECS.md, "Sort quantization".
     """
 
     PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,
@@ -370,9 +340,8 @@ class NoCompression(_Raw):
 
 
 class Compression:
-    """Horovod-style namespace: ``Compression.none``, ``Compression.fp16`` (instances),
-    ``Compression.qsgd(...)``, ``Compression.onebit(...)``, ``Compression.sortquant(...)``,
-    ``Compression.kmeans(...)`` (factories)."""
+    """Horovod-style namespace: ``Compression.none``, ``Compression.fp16`` (instances), and the
+    factories ``Compression.qsgd(...)``, ``.onebit(...)``, ``.sortquant(...)``, ``.kmeans(...)``."""
     none = NoCompression()
     fp16 = FP16()
     qsgd = QSGD              # Compression.qsgd(bits=4) is QSGD(bits=4), and so on
