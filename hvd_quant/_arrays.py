@@ -1,12 +1,8 @@
-"""Zero-copy adapters between the caller's arrays and what the kernels take.
-
-The codecs never import a framework: :func:`adapter_for` gives the ``adapter(obj)`` of the object's
-frontend (``hvd_quant.dispatch``; NumPy's is at the end of this module). A host adapter
-(:class:`HostAdapter`: NumPy arrays, torch and TensorFlow CPU tensors) converts at the edges to
-NumPy arrays for the Numba CPU kernels; a device adapter (:class:`DeviceAdapter`: torch CUDA
-tensors) hands the Numba CUDA kernels the framework's own memory and current stream (TensorFlow GPU
-tensors are refused: docs/TENSORFLOW.md, "GPU"). float32 input is used in place; float16, bfloat16
-and float64 are converted to float32 first; anything else raises :class:`UnsupportedInputError`.
+"""Zero-copy adapters between the caller's arrays and what the kernels take (docs/CODECS.md,
+"Frameworks and devices"). :func:`adapter_for` gives the adapter of an object's frontend
+(``hvd_quant.dispatch``; NumPy's is at the end of this module): a :class:`HostAdapter` hands the Numba
+CPU kernels NumPy arrays, a :class:`DeviceAdapter` (torch CUDA) hands the CUDA kernels the framework's
+own memory and current stream. float32 input is used in place, other floats converted first.
 """
 import threading
 
@@ -25,8 +21,7 @@ class UnsupportedInputError(TypeError, ValueError):
 
 
 def adapter_for(obj):
-    """The adapter for ``obj`` (NumPy array, torch tensor, TF tensor/Variable): a dict lookup of its
-    type's frontend, then the frontend's own dispatch (host or device)."""
+    """The adapter for ``obj`` (NumPy array, torch tensor, TF tensor/Variable) from its frontend."""
     frontend = frontend_for(obj)
     if frontend is None:
         raise UnsupportedInputError(
@@ -36,11 +31,10 @@ def adapter_for(obj):
 
 
 # ---- device status words ---------------------------------------------------------------------------
-# A device decode checks its payload's header on the device and records what was wrong in an int32[2]
-# status array (wire.ERROR_BITS): [0] for the payload just decoded, [1] sticky until read. They belong
-# to the run, not to the (immutable) codec: here one per (codec configuration, device) for direct
-# ``decode_into`` calls, read by ``Codec.check_device_errors``; each exchange plan makes its own
-# (``new_status``) and reads it itself.
+# A device decode records what was wrong with its payload's header in an int32[2] status array
+# (wire.ERROR_BITS): [0] for the payload just decoded, [1] sticky until read. Here one per (codec
+# configuration, device) for direct ``decode_into`` calls (``Codec.check_device_errors``); each
+# exchange plan makes its own (``new_status``).
 
 _STATUS = {}            # (codec, device key) -> (adapter, status tensor, device array)
 _status_lock = threading.Lock()
@@ -65,7 +59,7 @@ def device_statuses(codec):
 
 
 def numpy_dtype(name):
-    """NumPy dtype for a header dtype name (bfloat16 needs ml_dtypes, which TensorFlow and JAX bring)."""
+    """NumPy dtype for a header dtype name (bfloat16 needs ml_dtypes)."""
     if name == "bfloat16":
         try:
             import ml_dtypes
@@ -84,9 +78,7 @@ def check_float(dtype_name, what="input"):
 
 
 class HostAdapter:
-    """Host memory: the codec works on NumPy arrays; a subclass converts to and from its framework.
-
-    A subclass provides:
+    """Host memory: the codec works on NumPy arrays; a subclass converts to and from its framework:
 
     * ``describe(x)`` -> ``(shape tuple, dtype name)`` of an input;
     * ``input_f32(x)``: ``x`` as a flat C-contiguous float32 NumPy array (no copy when it is one);
@@ -116,9 +108,8 @@ class HostAdapter:
 
 
 class DeviceAdapter:
-    """Device memory: kernels on the framework's own memory and stream; outputs allocated by the
-    framework. A device handle is what the prepared kernel launches take: a device pointer (int) or
-    a Numba device array. A subclass provides:
+    """Device memory: kernels on the framework's memory and stream, outputs allocated by it. A device
+    handle (what prepared launches take) is a pointer (int) or a Numba device array. A subclass has:
 
     * ``describe(x)`` as the host's; ``device_key(x)``: a hashable id of ``x``'s device (per-device
       state such as the status word); ``stream(x)``: the stream to launch on; ``context(x)``: a
@@ -156,8 +147,7 @@ class DeviceAdapter:
 
 _DTYPE_NAMES = {}
 # NumPy's built-in dtypes are singletons: ``a.dtype is _F32`` is a pointer test, where ``a.dtype !=
-# np.float32`` converts the type on every call (a measurable part of a small encode or decode); an
-# equal dtype that is another object (with metadata, say) takes the full comparison.
+# np.float32`` converts the type on every call; an equal dtype of another object takes the full test.
 _F32, _U8 = np.dtype(np.float32), np.dtype(np.uint8)
 
 

@@ -1,13 +1,8 @@
 """One object per framework (``hvd_quant.torch._backend.FRONTEND``,
 ``hvd_quant.tensorflow._backend.FRONTEND``, registered in :mod:`hvd_quant.dispatch`): what the core
-asks of PyTorch or TensorFlow, the glue both share written once here. A subclass fills in the
-framework's primitives (``make_collectives``, ``is_floating``, ``describe``, ``ones``, ``cast``,
-``split``, ``as_float``, ``restore``, ``adapter``).
-
-The stock path's interface (``hvd_quant._stock``): ``stock_backend(process_set)`` ->
-``(Collectives, ArrayOps)`` and ``stock_adapter()``, the frontend itself, with ``describe(t)`` ->
-:class:`TensorInfo`, ``placeholder(t, n=1)``, ``as_float(t)``, ``split(flat, sizes)``,
-``restore(flat, info)``, ``sendable(t)`` and ``cast_back(t, info)``; a frontend may add
+asks of PyTorch or TensorFlow, the glue both share written once here. A subclass fills in
+``make_collectives``, ``adapter`` and the stock path's primitives (``is_floating``, ``describe`` ->
+:class:`TensorInfo`, ``ones``, ``cast``, ``split``, ``as_float``, ``restore``); a frontend may add
 ``host_one``, ``wait_for`` and ``payload_group`` (PyTorch).
 """
 import importlib
@@ -35,11 +30,10 @@ class TensorInfo:
 
 
 class Frontend:
-    """One framework as the core sees it (module doc), made with its ArrayOps table (``ops``) and
-    the codecs' adapter for its host tensors (``host_adapter``). Class attributes a subclass sets:
-    ``name`` (the top-level module of its tensor types), ``horovod`` (its Horovod module),
-    ``float32`` and ``horovod_floats`` (its dtypes: float32, and the floating dtypes Horovod's
-    allreduce takes)."""
+    """One framework as the core sees it (module doc), made with its ArrayOps table and the codecs'
+    adapter for its host tensors. A subclass sets ``name`` (the top-level module of its tensor
+    types), ``horovod`` (its Horovod module), ``float32`` and ``horovod_floats`` (the floating
+    dtypes Horovod's allreduce takes)."""
     name = horovod = None
     float32 = None
     horovod_floats = ()
@@ -75,15 +69,9 @@ class Frontend:
         ps = self.hvd().global_process_set if process_set is None else process_set
         return collectives_for(self._collectives, ps, self.make_collectives)
 
-    def make_collectives(self, process_set):
-        raise NotImplementedError
-
     node_levels = node_levels           # reduction="two_level"'s levels (hvd_quant.two_level)
 
     # -- dtypes ---------------------------------------------------------------------------------------
-    def is_floating(self, dtype):
-        raise NotImplementedError
-
     def sendable_dtype(self, dtype):
         """``dtype`` if Horovod can allreduce it, else float32 (hvd_quant sums those in float32)."""
         if dtype in self.horovod_floats or not self.is_floating(dtype):
@@ -98,10 +86,8 @@ class Frontend:
         return self
 
     def placeholder(self, t, n=1):
-        """``n`` ones in the dtype ``t`` travels in, on ``t``'s device: what Horovod allreduces in place
-        of a compressed tensor. 1.0 is exact in fp16, and Horovod's allreduce of it (op, prescale,
-        postscale) gives N times the factor it would apply to the sum; in ``t``'s own dtype where
-        Horovod can reduce it, since Horovod's grouped allreduce wants one dtype per group."""
+        """``n`` ones on ``t``'s device, in ``t``'s dtype where Horovod can reduce it (its grouped
+        allreduce wants one dtype per group): docs/EXCHANGE.md, "The placeholder trick"."""
         return self.ones(n, self.sendable_dtype(t.dtype), t)
 
     def sendable(self, t):
@@ -115,12 +101,10 @@ class Frontend:
 
 def bytes_sent_per_step(obj):
     """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent, "gbps": GB/s}`` of ``obj``'s last step: what
-    this rank sent, beside what an fp32 ring allreduce of the same gradients would have sent, and the
-    effective bandwidth of the exchange's collectives (``Traffic.bandwidth()``'s total; None where no
-    exchange collective was timed). ``obj``: an hvd_quant optimizer, tape or reducer (anything with
-    ``bytes_per_step()``, or an ``hvd_quant_reducer`` that has one); for a stock Horovod optimizer
-    whose ``compression=`` is an hvd_quant codec or :class:`hvd_quant.StockCompression`, the optimizer
-    or the codec: the bytes since the last call."""
+    this rank sent, what an fp32 ring allreduce would have sent, and the exchange's effective
+    bandwidth (None where untimed). ``obj``: anything with ``bytes_per_step()`` (or an
+    ``hvd_quant_reducer`` that has one); a stock Horovod optimizer whose ``compression=`` is ours, or
+    that codec: the bytes since the last call."""
     own = getattr(obj, "hvd_quant_reducer", obj)
     t = own.bytes_per_step() if hasattr(own, "bytes_per_step") else None
     if t is None:
