@@ -258,10 +258,6 @@ class Codec:
                                    "it belongs to another tensor")
         return h
 
-    def _parse(self, pay, name):
-        """The validated header of host payload ``pay`` (a NumPy uint8 array), for ``name``."""
-        return self._header(pay[:_HDR].tobytes(), pay.size, name)
-
     # -- noise ---------------------------------------------------------------------------------------
     def _direct_key(self, nh, step, rank):
         """The noise key of a direct :meth:`encode` call (see the codec's docstring on seeds). ``step``
@@ -365,7 +361,7 @@ class Codec:
             decode(payload, out)
             return out
         pay = arrays.payload_np(payload)
-        h = self._parse(pay, name)
+        h = self._header(pay[:_HDR].tobytes(), pay.size, name)
         if expect is not None and expect.check_name and h.name_hash != expect.name_hash:
             raise PayloadError(f"name mismatch: payload has name hash {h.name_hash:#010x}, expected "
                                f"{expect.name_hash:#010x}: it belongs to another tensor")

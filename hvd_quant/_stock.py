@@ -1,16 +1,12 @@
 """Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler
 (docs/EXCHANGE.md: "Stock Horovod", "The placeholder trick", "Names and error detection").
 
-``compress`` starts hvd_quant's own exchange of the tensor and hands Horovod a placeholder of ones;
-``decompress`` finishes the exchange and scales by what Horovod's allreduce made of the placeholder.
-A Horovod PyTorch optimizer's gradients (its ``_allreduce_grad_async`` frame holds ``self`` and the
-parameter) are planned once and run by a :class:`hvd_quant.scheduler.StepScheduler`, and from its
-second step its ``_allreduce_grad_async`` is taken over (:meth:`StockCompression._take_over`);
-elsewhere each tensor is its own exchange. This module is the adapter: Horovod's context (read from
-the calling frame), the placeholders, the step boundaries (a gradient seen again starts the next
-step) and who owns the state (:func:`state_of`). Frameworks are reached through
-``hvd_quant.dispatch``; a framework's hook (``STOCK_HOOKS``, TensorFlow's graphs) may take
-``compress`` over, returning a ctx whose ``stock_decompress(summed)`` finishes in ``decompress``.
+The adapter reads Horovod's context from the calling frame, hands Horovod placeholders, finds step
+boundaries (a gradient seen again starts the next step) and gives the state an owner
+(:func:`state_of`). A Horovod PyTorch optimizer's gradients are planned once and run by a
+:class:`hvd_quant.scheduler.StepScheduler` (from its second step on through its taken-over
+``_allreduce_grad_async``); elsewhere each tensor is its own exchange. A framework's hook
+(``hvd_quant.dispatch.STOCK_HOOKS``: TensorFlow's graphs) may take ``compress`` over.
 """
 import collections
 import functools
@@ -20,7 +16,6 @@ import weakref
 
 from . import _codec
 from . import plan as _plan
-from ._codec import Codec
 from .codecs import resolve_codec
 from .dispatch import frontend_for, stock_hook_for
 from .exchange import AVERAGE, SUM, Exchange, Traffic, handshake_record
@@ -67,9 +62,8 @@ def header(name, shape):
 
 
 class _Session:
-    """The exchanges (one per reduction in use, sharing one error-feedback memory) of one framework
-    backend and process set. ``exchange`` is the configured reduction's; with ``"auto"``, SRA's for
-    what is not planned (unfused tensors, TensorFlow's stock path)."""
+    """The exchanges of one backend and process set (one per reduction, sharing one memory);
+    ``exchange``: the configured reduction's (SRA's under ``"auto"``) for what is not planned."""
 
     def __init__(self, backend, process_set, config):
         self.coll, self.ops = backend.stock_backend(process_set)
@@ -135,9 +129,8 @@ def _refuse_adasum(owner):
 
 
 class _Group:
-    """One Horovod optimizer's gradients on this path: the plan made at its first ``compress``, where
-    each parameter goes, its placeholders, and the :class:`~hvd_quant.scheduler.StepScheduler` that
-    runs its steps."""
+    """One Horovod optimizer's gradients: its plan (made at its first ``compress``), where each
+    parameter goes, its placeholders and the :class:`~hvd_quant.scheduler.StepScheduler` of its steps."""
 
     def __init__(self, sc, session, owner, backend, process_set):
         self.session, self.backend, self.process_set = session, backend, process_set
@@ -193,10 +186,8 @@ class _Group:
         return known[2]
 
     def placeholder(self, param, tensor):
-        """``param``'s placeholder where Horovod still allreduces one (its grouped path; a taken-over
-        optimizer's first step): a view of one buffer per dtype and device, refilled with ones at
-        each step's first gradient, instead of a new tensor per gradient. Its value is not read: the
-        scheduler scales the bucket by the optimizer's op."""
+        """``param``'s placeholder (not read: the scheduler scales by the optimizer's op), a view of one
+        buffer per dtype and device refilled with ones at each step's first gradient."""
         key = (tensor.dtype, tensor.device)
         ones = self.ones.get(key)
         if ones is None:
@@ -215,8 +206,7 @@ _DECIDED = threading.local()
 
 
 def _compress(codec, tensor):
-    """Horovod's ``compress`` of ``codec`` (a codec or a :class:`StockCompression`): the state of
-    its exchanges belongs to the caller (:func:`state_of`)."""
+    """Horovod's ``compress`` of ``codec`` (a codec or a :class:`StockCompression`)."""
     decided = getattr(_DECIDED, "value", None)
     if decided is not None and decided[0] is tensor:
         return decided[1]
@@ -231,15 +221,12 @@ _codec.STOCK_COMPRESS = _compress       # a codec's compress (hvd_quant._codec)
 
 
 class StockCompression:
-    """A codec wrapped for stock Horovod's ``compression=`` argument (module doc).
-
-    ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_quant.QSGD(bits=4))`` keeps
-    a ``StockCompression`` of the codec on that optimizer; build one yourself to change the defaults::
+    """A codec wrapped for stock Horovod's ``compression=`` argument, to change the defaults::
 
         compression = hvd_quant.StockCompression(hvd_quant.QSGD(bits=4), reduction="allgather")
 
-    ``error_feedback`` defaults to ``codec.wants_error_feedback``; residuals are kept per tensor name
-    and exposed by :meth:`state_dict` / :meth:`load_state_dict`.
+    (a Horovod optimizer given a codec keeps one of its own). ``error_feedback`` defaults to
+    ``codec.wants_error_feedback``; residuals: :meth:`state_dict` / :meth:`load_state_dict`.
     """
 
     def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
@@ -274,8 +261,7 @@ class StockCompression:
         return (0, record) if step is None else (step, None)
 
     def session(self, backend, process_set):
-        """The session (``.exchange``, ``.memory``, ``.ops``, ``.adapter``) of ``backend`` and
-        ``process_set``, created on first use and rebound when the process set's rank or size changed."""
+        """The :class:`_Session` of ``backend`` and ``process_set`` (made once, following its world)."""
         key = (backend, getattr(process_set, "process_set_id", 0))
         s = self._sessions.get(key)
         if s is None:
@@ -312,9 +298,8 @@ class StockCompression:
         return None if entry is None or entry[0]() is not optimizer else entry[1]
 
     def step_metrics(self, optimizer):
-        """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step on this path (bytes:
-        since the last call, as :func:`take_traffic`; ``exchange_s`` is not measured here: None), or
-        None before its first gradient."""
+        """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step (bytes since the last
+        call; ``exchange_s`` None), or None before its first gradient."""
         group = self._group_of(optimizer)
         if group is None:
             return None
@@ -328,7 +313,7 @@ class StockCompression:
 
     # -- Horovod's Compressor protocol ------------------------------------------------------------
     compress = _compress
-    decompress = Codec.decompress
+    decompress = _codec.Codec.decompress
 
     def compress_on(self, backend, tensor, caller=None):
         """``compress`` through ``backend`` (a frontend, or another object with the stock path's
@@ -361,9 +346,8 @@ class StockCompression:
                                                                   ex.coll.size))
 
     def _member(self, group, param, tensor, direct=False):
-        """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters:
-        ``(what Horovod allreduces, ctx)``; ``direct``: ``(None, a callable giving the result)`` when
-        it went to its bucket or plain group."""
+        """``compress`` of ``param``'s gradient: ``(what Horovod allreduces, ctx)``, or where ``direct``
+        took it to its bucket or plain group ``(None, a callable giving the result)``."""
         self._arrived(group, param)
         session, sched = group.session, group.sched
         info = group.describe(param, tensor)
@@ -388,9 +372,8 @@ class StockCompression:
         return out
 
     def _arrived(self, group, param):
-        """Note a gradient of ``group``; one seen before in this step starts the next step, which
-        ends the step before (``reduction="auto"`` may take its decision then, the same on every
-        rank). A step's first gradient follows the world's changes (elastic), once per step."""
+        """Note a gradient of ``group``; one seen before in this step ends it and begins the next (where
+        ``auto`` may decide, alike on every rank), following the world's changes (elastic)."""
         repeat = param in group.seen
         if not repeat:
             group.seen.add(param)
@@ -458,8 +441,7 @@ class StockCompression:
         group.taken_over = True
 
     def _finish_alone(self, session, pending, info, size, summed):
-        """``decompress`` of a tensor exchanged alone: every such exchange still in its first phase
-        is advanced first (the overlap rule), once per step, not once per tensor."""
+        """``decompress`` of a tensor exchanged alone, after advancing every such exchange started."""
         started, self._unadvanced = self._unadvanced, []
         for exchange, started_one in started:
             exchange.advance(started_one)
@@ -498,8 +480,7 @@ class StockCompression:
                 "steps": dict(self._steps), "auto": auto}
 
     def adopt_auto(self, key, choice):
-        """Keep ``choice``, the :class:`hvd_quant.scheduler.AutoChoice` of plan ``key`` made by a
-        framework's graph path, in :meth:`state_dict`, restored from a loaded state if one waits."""
+        """Keep a graph path's :class:`hvd_quant.scheduler.AutoChoice` of plan ``key`` in the state."""
         self._restore_auto(key, choice)
         self._graph_autos[key] = choice
 
@@ -557,9 +538,8 @@ _STATE_ATTR = "_hvd_quant_stock"
 
 
 def _owned_state(codec, caller, backend):
-    """The :class:`StockCompression` of ``codec`` for this call: the calling Horovod optimizer's
-    (kept on it, made at its first gradient), else the process set's (one per codec value); a
-    StockCompression is its own."""
+    """The :class:`StockCompression` of ``codec`` for this call: itself, the calling Horovod
+    optimizer's (kept on it), else the process set's (one per codec value)."""
     if isinstance(codec, StockCompression):
         return codec
     if caller.owner is not None:
@@ -590,10 +570,8 @@ def state_of(obj):
 
 
 def take_traffic(obj):
-    """:class:`~hvd_quant.exchange.Traffic` since the last call of the stock state of ``obj``: a
-    StockCompression, a Horovod optimizer whose ``compression=`` is a codec or StockCompression, or a
-    codec (its states on the global process set of each framework in use, as ``hvd.allreduce`` and
-    TensorFlow keep them)."""
+    """:class:`~hvd_quant.exchange.Traffic` since the last call of ``obj``'s stock state (:func:`state_of`;
+    of a codec, its states on each framework's global process set)."""
     states = [state_of(obj)]
     if states[0] is None:
         codec = getattr(obj, "_compression", obj)

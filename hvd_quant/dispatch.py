@@ -37,14 +37,6 @@ def register_frontend(top_module, frontend):
     _HOOK_BY_TYPE.clear()
 
 
-def _load(entry):
-    if not isinstance(entry, str):
-        return entry
-    module, _, attribute = entry.partition(":")
-    found = importlib.import_module(module)
-    return getattr(found, attribute) if attribute else found
-
-
 def _resolve(table, cache, obj):
     """``table``'s entry for ``obj``'s framework, loaded; None where it has none. Once per type."""
     try:
@@ -52,8 +44,12 @@ def _resolve(table, cache, obj):
     except KeyError:
         top = type(obj).__module__.split(".", 1)[0]
         entry = table.get(_SAME_AS.get(top, top))
-        found = cache[type(obj)] = None if entry is None else _load(entry)
-        return found
+        if isinstance(entry, str):
+            module, _, attribute = entry.partition(":")
+            entry = importlib.import_module(module)
+            entry = getattr(entry, attribute) if attribute else entry
+        cache[type(obj)] = entry
+        return entry
 
 
 def frontend_for(obj):
