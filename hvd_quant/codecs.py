@@ -30,6 +30,7 @@ def register(name, *aliases):
 
     def deco(cls):
         cls.name = name
+        cls._method = wire.METHODS.get(name, cls._method)      # the header's method code of a codec
         for key in (k.lower() for k in (name,) + aliases):
             if key in REGISTRY:
                 raise ValueError(f"codec name {key!r} is already registered to {REGISTRY[key].__name__}")
@@ -127,7 +128,6 @@ class QSGD(Codec):
     """
 
     PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
-    _method = wire.METHODS["qsgd"]
     _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("norm", _NORM_NAMES)}
 
     def __init__(self, bits=4, bucket_size=512, mode="stochastic", norm="max", seed=None):
@@ -201,7 +201,6 @@ class OneBit(Codec):
     """
 
     PARAMS = {"bucket_size": _p_opt_int, "scale": _p_str, "error_feedback": _p_bool}
-    _method = wire.METHODS["onebit"]
     _FIELD_TEXT = {"mode": ("scale", _SCALE_NAMES), "bucket_size": ("bucket_size", {0: None})}
 
     def __init__(self, bucket_size=None, scale="two_mean", error_feedback=True):
@@ -234,7 +233,6 @@ class SortQuant(Codec):
 
     PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,
               "seed": _p_opt_int}
-    _method = wire.METHODS["sortquant"]
     _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("split_bits", {})}
 
     def __init__(self, bits=4, split_bits=2, bucket_size=512, mode="stochastic", seed=None):
@@ -243,8 +241,7 @@ class SortQuant(Codec):
                                                       f" (below bits={bits})"),
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
                      mode=_check_choice("mode", mode, ("stochastic", "deterministic")),
-                     seed=_seed(seed))
-        self.__dict__["stochastic"] = self.mode == "stochastic"
+                     seed=_seed(seed), stochastic=mode == "stochastic")
 
     def _fields(self):
         return (self._method, self.bits, wire.MODES[self.mode], self.split_bits, self.bucket_size)
@@ -259,18 +256,15 @@ class SortQuant(Codec):
 @register("kmeans")
 class KMeans(Codec):
     """K-means quantization: per bucket a codebook of ``2**bits`` float32 centroids fitted by Lloyd
-    iterations, each element sent as the ``bits``-bit index of its nearest centroid (reference/004 in
-    the project's sources).
+    iterations, each element sent as the ``bits``-bit index of its nearest centroid (**biased**).
 
-    The fit starts from a sample drawn with ``seed`` (keyed as :class:`QSGD`'s noise, so every rank
-    and run is reproducible) and sums in fixed point, so the CPU and CUDA kernels and the NumPy
-    reference agree bit for bit. Nearest-centroid rounding is **biased**. ``bucket_size=None``: one
-    codebook per tensor (per chunk on SRA's middle phase). bits 1..8, iters 0..1000. No fused reduce
-    kernels. docs/CODECS.md, "K-means quantization".
+    The fit starts from a sample drawn with ``seed`` (keyed as :class:`QSGD`'s noise) and sums in
+    fixed point: CPU, CUDA and the NumPy reference agree bit for bit. ``bucket_size=None``: one
+    codebook per tensor. bits 1..8, iters 0..1000. No fused reduce kernels. docs/CODECS.md,
+    "K-means quantization".
     """
 
     PARAMS = {"bits": _p_int, "iters": _p_int, "bucket_size": _p_opt_int, "seed": _p_opt_int}
-    _method = wire.METHODS["kmeans"]
     stochastic = True           # the sample is drawn with the noise key
     _FIELD_TEXT = {"bucket_size": ("bucket_size", {0: None})}
 
@@ -326,7 +320,6 @@ class FP16(_Raw):
 
     Round to nearest (biased only by rounding; values beyond ±65504 become ±inf). Wire: 64-byte
     header, numel float16 values, zero padding to a multiple of 4."""
-    _method = wire.METHODS["fp16"]
     _raw_values = "float16"
 
 
@@ -335,7 +328,6 @@ class NoCompression(_Raw):
     """No compression: float32 values on the wire (4 bytes per element), exact for float32 input.
 
     Wire: 64-byte header, numel float32 values."""
-    _method = wire.METHODS["none"]
     _raw_values = "float32"
 
 
