@@ -80,15 +80,12 @@ def check_float(dtype_name, what="input"):
 class HostAdapter:
     """Host memory: the codec works on NumPy arrays; a subclass converts to and from its framework:
 
-    * ``describe(x)`` -> ``(shape tuple, dtype name)`` of an input;
-    * ``input_f32(x)``: ``x`` as a flat C-contiguous float32 NumPy array (no copy when it is one);
-      ``input_np(x)``: flat, in its own dtype (the raw fp16/none codecs);
-    * ``payload_np(payload)``: a payload (1-D uint8 of this kind) as a NumPy uint8 array (no copy
-      where possible); ``wrap_payload(arr, like)``: a NumPy uint8 array we filled, as a payload;
-    * ``out_np(out)`` -> ``(writable flat float32 NumPy view of out, commit)`` for ``decode_into``;
-      ``commit()`` runs after writing, None when the view is ``out``'s own memory (``views``);
-    * ``wrap_result(arr_f32, dtype_name, shape, like)``: decoded float32 values as a tensor of this
-      kind, dtype and shape.
+    * ``describe(x)`` -> ``(shape tuple, dtype name)``; ``input_f32(x)``: a flat C-contiguous float32
+      NumPy array (no copy when ``x`` is one); ``input_np(x)``: flat, in its own dtype (fp16/none);
+    * ``payload_np(payload)``: a uint8 NumPy view where possible; ``wrap_payload(arr, like)``: back;
+    * ``out_np(out)`` -> ``(writable flat float32 view, commit)``: ``commit()`` runs after writing,
+      None where the view is ``out``'s memory (``views``);
+    * ``wrap_result(arr_f32, dtype_name, shape, like)``: decoded values as a tensor of this kind.
     """
     device = False
     views = True        # out_np gives out's own memory (TensorFlow: a temporary, then a commit)
@@ -111,27 +108,20 @@ class DeviceAdapter:
     """Device memory: kernels on the framework's memory and stream, outputs allocated by it. A device
     handle (what prepared launches take) is a pointer (int) or a Numba device array. A subclass has:
 
-    * ``describe(x)`` as the host's; ``device_key(x)``: a hashable id of ``x``'s device (per-device
-      state such as the status word); ``stream(x)``: the stream to launch on; ``context(x)``: a
-      context manager making ``x``'s device Numba's current one;
-    * ``input_f32(x)`` -> ``(float32 tensor holding x's values, its device handle)``; ``numba(t)``:
-      a Numba device-array view of a flat tensor (launches through Numba's dispatcher);
-    * ``new_bytes(nbytes, like)``, ``new_f32(numel, like)``, ``new_status(like)`` -> ``(framework
-      tensor, device handle)`` freshly allocated on ``like``'s device (the status word: int32[2]
-      zeros, the decode error bits); ``bytes_dev(payload)``: the handle of a uint8 payload;
-      ``payload_nbytes(payload)``, ``numel(t)``;
-    * ``out_dev(out)`` -> ``(handle of a flat float32 out, commit)``: commit None when the handle is
-      ``out``'s memory; otherwise the codec decodes without accumulating and calls
-      ``commit(accumulate)``;
-    * ``read_header(payload)``: the header (``wire.HEADER_NBYTES`` bytes) on the host (synchronises);
-      ``read_status(status)``: the error bits of ``status[1]`` (synchronises), reset to 0;
-      ``status_bad(status)``: a device boolean ``status[0] != 0`` (no host read);
-    * ``result(f32, dtype_name, shape)``: a flat float32 tensor as the decoded tensor;
-    * the raw (fp16 / fp32) payloads, written with framework ops: ``raw_encode_into(x, value_dtype,
-      payload)`` writes ``x`` after the header (left unwritten) and zeros the padding, returning the
-      payload's handle; ``raw_residual(x, payload, value_dtype, residual)``: ``x`` minus those
-      values, in float32; ``raw_decode_into(payload, offset, numel, value_dtype, out, accumulate,
-      bad)``: ``out`` (+)= the values, NaN where ``bad`` (``status_bad``) holds.
+    * ``describe(x)`` as the host's; ``device_key(x)``: a hashable id of ``x``'s device;
+      ``stream(x)``; ``context(x)``: makes ``x``'s device Numba's current one;
+    * ``input_f32(x)`` -> ``(float32 tensor of x's values, handle)``; ``numba(t)``: a Numba view;
+    * ``new_bytes(nbytes, like)``, ``new_f32(numel, like)``, ``new_status(like)`` (int32[2] zeros)
+      -> ``(tensor, handle)`` on ``like``'s device; ``bytes_dev(payload)``; ``payload_nbytes``, ``numel``;
+    * ``out_dev(out)`` -> ``(handle of a flat float32 out, commit)``: commit None where the handle is
+      ``out``'s memory, else the codec decodes without accumulating and calls ``commit(accumulate)``;
+    * ``read_header(payload)``, ``read_status(status)`` (the error bits of ``status[1]``, reset to
+      0): both synchronise; ``status_bad(status)``: a device boolean ``status[0] != 0``;
+    * ``result(f32, dtype_name, shape)``: the decoded tensor;
+    * raw (fp16/fp32) payloads with framework ops: ``raw_encode_into(x, value_dtype, payload)``
+      (values after the header, padding zeroed; returns the handle), ``raw_residual(x, payload,
+      value_dtype, residual)`` (``x`` minus those values), ``raw_decode_into(payload, offset, numel,
+      value_dtype, out, accumulate, bad)`` (``out`` (+)= the values, NaN where ``bad``).
     """
     device = True
     views = True        # out_dev gives out's own memory

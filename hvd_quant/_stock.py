@@ -22,8 +22,7 @@ from .exchange import AVERAGE, SUM, Exchange, Traffic, handshake_record
 from .memory import Memory
 from .scheduler import Presence, StepScheduler, step_metrics
 
-__all__ = ["StockCompression", "state_of", "header", "uncompressed", "take_traffic",
-           "PASSTHROUGH"]
+__all__ = ["StockCompression", "state_of", "header", "uncompressed", "take_traffic"]
 
 
 def _backend_for(tensor):
@@ -39,9 +38,6 @@ def _backend_for(tensor):
 _USED = []              # the frontends the stock path has served, each once
 
 
-PASSTHROUGH = None      # the ctx of a tensor Horovod allreduces itself: decompress gives it back
-
-
 # A ctx Horovod hands back to ``decompress``: ``stock_decompress(summed)`` finishes the tensor.
 _Ctx = collections.namedtuple("_Ctx", "stock_decompress")
 
@@ -51,7 +47,7 @@ def uncompressed(adapter, tensor, info):
     where Horovod cannot reduce its dtype (bfloat16), cast back in ``decompress``."""
     sendable = adapter.sendable(tensor)
     if sendable is tensor:
-        return tensor, PASSTHROUGH
+        return tensor, None         # decompress gives back what Horovod reduced
     return sendable, _Ctx(lambda summed: adapter.cast_back(summed, info))
 
 
@@ -456,15 +452,11 @@ class StockCompression:
 
     @property
     def traffic(self):
-        """Bytes sent since the last :meth:`reset_traffic`, summed over sessions."""
+        """Bytes sent since the last :func:`take_traffic`, summed over sessions."""
         total = Traffic()
         for t in self._traffics():
             total.add(t)
         return total
-
-    def reset_traffic(self):
-        for t in self._traffics():
-            t.reset()
 
     def state_dict(self):
         """``{"residuals": {session key: {name: tensor}}, "server_residuals": {session key:
@@ -552,10 +544,9 @@ def _owned_state(codec, caller, backend):
     if ps is None:
         ps = backend.stock_backend(None)[0].process_set
     states = vars(ps).setdefault(_STATE_ATTR, {})
-    sc = states.get(codec)
-    if sc is None:
-        sc = states[codec] = StockCompression(codec)
-    return sc
+    if codec not in states:
+        states[codec] = StockCompression(codec)
+    return states[codec]
 
 
 def state_of(obj):
@@ -582,7 +573,7 @@ def take_traffic(obj):
             if sc is not None and all(sc is not s for s in states):
                 states.append(sc)
     total = Traffic()
-    for s in states:
-        total.add(s.traffic)
-        s.reset_traffic()
+    for t in (t for s in states for t in s._traffics()):
+        total.add(t)
+        t.reset()
     return total

@@ -84,19 +84,15 @@ def from_spec(spec):
         key, text = key.strip(), text.strip()
         if not eq or not key:
             raise ValueError(f"bad item {item!r} in codec spec {spec!r}: expected key=value")
-        parser = cls.PARAMS.get(key)
-        if parser is None:
+        if key not in cls.PARAMS:
             known = ", ".join(cls.PARAMS) or "none"
             raise ValueError(f"unknown parameter {key!r} for codec {name!r} in spec {spec!r}; "
                              f"known parameters: {known}")
         if key in kwargs:
             raise ValueError(f"parameter {key!r} given twice in codec spec {spec!r}")
-        try:
-            kwargs[key] = parser(key, text)
-        except ValueError as e:
-            raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
+        kwargs[key] = text
     try:
-        return cls(**kwargs)
+        return cls(**{key: cls.PARAMS[key](key, text) for key, text in kwargs.items()})
     except ValueError as e:
         raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
 
