@@ -43,14 +43,10 @@ _status_lock = threading.Lock()
 def status_for(codec, arrays, like):
     """(status tensor, device array) for ``codec``'s decodes on ``like``'s device."""
     key = (codec, arrays.device_key(like))
-    entry = _STATUS.get(key)
-    if entry is None:
-        with _status_lock:
-            entry = _STATUS.get(key)
-            if entry is None:
-                t, dev = arrays.new_status(like)
-                entry = _STATUS[key] = (arrays, t, dev)
-    return entry[1], entry[2]
+    with _status_lock:
+        if key not in _STATUS:
+            _STATUS[key] = (arrays, *arrays.new_status(like))
+        return _STATUS[key][1:]
 
 
 def device_statuses(codec):

@@ -492,11 +492,8 @@ class Codec:
         params = self._kernel_table().get(kind)
         if params is None:
             return None
-        if accumulate is not None:
-            params = dict(params, accumulate=accumulate)
-        if chunk is not None:
-            params = dict(params, chunk=chunk)
-        return numba_kernels.prepare(self.name, kind, device, numel, **params)
+        extra = {k: v for k, v in (("accumulate", accumulate), ("chunk", chunk)) if v is not None}
+        return numba_kernels.prepare(self.name, kind, device, numel, **params, **extra)
 
     def _bound_kernel(self, arrays, numel, accumulate):
         """The prepared op behind :meth:`bind_encode` (``accumulate`` None) or :meth:`bind_decode`; None

@@ -462,11 +462,9 @@ class StockCompression:
         """``{"residuals": {session key: {name: tensor}}, "server_residuals": {session key:
         {(name, rank, size): tensor}}, "steps": {name: count}, "auto": {plan key: state}}``
         (residuals as in :class:`hvd_quant.memory.Memory`, by exchange name)."""
-        states = dict(self._restored)
-        states.update({_key_str(k): s.memory.state_dict()
-                       for k, s in self._sessions.items() if s.memory is not None})
-        auto = dict(self._restored_auto)
-        auto.update({k: a.state_dict() for k, a in self._autos()})
+        states = {**self._restored, **{_key_str(k): s.memory.state_dict()
+                                       for k, s in self._sessions.items() if s.memory is not None}}
+        auto = {**self._restored_auto, **{k: a.state_dict() for k, a in self._autos()}}
         return {"residuals": {k: dict(v.get(Memory.WORKER, {})) for k, v in states.items()},
                 "server_residuals": {k: dict(v.get(Memory.SERVER, {})) for k, v in states.items()},
                 "steps": dict(self._steps), "auto": auto}
