@@ -217,13 +217,9 @@ _codec.STOCK_COMPRESS = _compress       # a codec's compress (hvd_quant._codec)
 
 
 class StockCompression:
-    """A codec wrapped for stock Horovod's ``compression=`` argument, to change the defaults::
-
-        compression = hvd_quant.StockCompression(hvd_quant.QSGD(bits=4), reduction="allgather")
-
-    (a Horovod optimizer given a codec keeps one of its own). ``error_feedback`` defaults to
-    ``codec.wants_error_feedback``; residuals: :meth:`state_dict` / :meth:`load_state_dict`.
-    """
+    """A codec for stock Horovod's ``compression=`` with other defaults (a Horovod optimizer given a
+    codec keeps one of its own): ``StockCompression(hvd_quant.QSGD(bits=4), reduction="allgather")``.
+    ``error_feedback`` defaults to ``codec.wants_error_feedback``; residuals: :meth:`state_dict`."""
 
     def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
                  error_feedback=None, bucket_bytes=_plan.BUCKET_BYTES):
@@ -403,14 +399,11 @@ class StockCompression:
         return group
 
     def _take_over(self, owner, group):
-        """Give ``owner`` (a Horovod optimizer, one allreduce per parameter) an
-        ``_allreduce_grad_async`` of hvd_quant's own (docs/EXCHANGE.md, "Stock Horovod"). While
-        ``group.direct``, a planned gradient goes straight into its bucket or plain group and
-        Horovod's ``synchronize`` gets the result from a callable handle. ``direct`` turns on once
-        every rank has handed out a bucket (:func:`_go_direct`; a plan with no bucket: at its second
-        step's first gradient), and off for one step in a new world (elastic), where the ranks that
-        joined start with Horovod's per-tensor path. Sparse gradients and others outside the plan
-        take Horovod's own path."""
+        """Give ``owner`` an ``_allreduce_grad_async`` of hvd_quant's own: while ``group.direct`` a
+        planned gradient goes straight into its bucket or plain group, its result a callable handle.
+        ``direct`` turns on once every rank has handed out a bucket (:func:`_go_direct`; a plan with
+        no bucket: at its second step), off for one step in a new world (elastic: those who joined
+        start with Horovod's path). Gradients outside the plan, or sparse, take Horovod's path."""
         horovod_async = owner._allreduce_grad_async
         always = not group.plan.buckets
 

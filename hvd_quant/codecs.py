@@ -118,9 +118,7 @@ class QSGD(Codec):
     ``mode="stochastic"`` rounds **unbiased**, ``"deterministic"`` to nearest (**biased**, error at
     most half a level); ``"fake"`` quantizes and dequantizes locally and sends float32 (the numerics
     of "stochastic", **no savings**: for accuracy studies only). bits 2..16, bucket_size >= 1.
-
-    ``seed=None`` draws fresh noise on every call; a ``seed`` keys it by :func:`noise_key`
-    (docs/CODECS.md, "Noise and seeds"). Wire format, error bounds, edge cases: docs/CODECS.md, "QSGD".
+    ``seed=None``: fresh noise on every call (docs/CODECS.md, "Noise and seeds" and "QSGD").
     """
 
     PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
@@ -312,18 +310,14 @@ class _Raw(Codec):
 
 @register("fp16", "float16")
 class FP16(_Raw):
-    """Half precision on the wire (Horovod's ``Compression.fp16`` as a payload): 2 bytes per element.
-
-    Round to nearest (biased only by rounding; values beyond ±65504 become ±inf). Wire: 64-byte
-    header, numel float16 values, zero padding to a multiple of 4."""
+    """Half precision on the wire (Horovod's ``Compression.fp16`` as a payload): 2 bytes per element,
+    rounded to nearest (values beyond ±65504 become ±inf), zero padding to a multiple of 4."""
     _raw_values = "float16"
 
 
 @register("none", "nocompression", "fp32")
 class NoCompression(_Raw):
-    """No compression: float32 values on the wire (4 bytes per element), exact for float32 input.
-
-    Wire: 64-byte header, numel float32 values."""
+    """No compression: float32 values on the wire (4 bytes per element), exact for float32 input."""
     _raw_values = "float32"
 
 
