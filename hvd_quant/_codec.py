@@ -139,11 +139,9 @@ def _nb(arrays, t, dev):
 class Codec:
     """Base class: the payload plumbing shared by every codec.
 
-    A codec is an immutable value, compared and hashed by its configuration, so one instance can be
-    shared by optimizers, threads and ranks; runtime state lives with whoever runs it (the
-    exchange's per-bucket setups; for direct calls :class:`_ThreadState`). Subclasses define
-    ``PARAMS`` (spec parameter -> parser, in canonical order: the configuration), ``_fields()``,
-    ``_kernel_table()`` and, without kernels, the encode steps."""
+    An immutable value, compared and hashed by its configuration; runtime state lives with whoever
+    runs it (an exchange's setups, :class:`_ThreadState`). Subclasses define ``PARAMS`` (spec
+    parameter -> parser, in canonical order), ``_fields()``, ``_kernel_table()`` or the encode steps."""
 
     name = None
     PARAMS = {}
@@ -275,10 +273,9 @@ class Codec:
 
     # -- public API ----------------------------------------------------------------------------------
     def encode(self, x, name=None, step=None, rank=None):
-        """Encode ``x`` (NumPy array, torch tensor on CPU/CUDA, eager TensorFlow tensor; float32, float16,
-        bfloat16 or float64) into a 1-D uint8 payload of the same kind and device; ``name`` is hashed
-        into the header. Seeded noise (docs/CODECS.md, "Noise and seeds"): ``step=s, rank=r`` gives
-        the payload the exchange sends for that name at step s from rank r."""
+        """Encode float ``x`` (NumPy, torch CPU/CUDA, eager TensorFlow) into a 1-D uint8 payload of its
+        kind and device, ``name`` hashed into the header; ``step=s, rank=r``: the exchange's payload
+        for that name at step s from rank r (docs/CODECS.md, "Noise and seeds")."""
         if name is not None and type(name) is not str:
             name = _name_arg(name)
         arrays = adapter_for(x)

@@ -1,9 +1,7 @@
-"""Which frontend serves an object, read by the codecs (``hvd_quant._arrays``) and the stock path.
-
-An entry maps the top-level module of ``type(obj)`` (``"torch"``) to the frontend: an object with
-the interface of :class:`hvd_quant.frontend.Frontend` (the codecs need only its ``adapter(obj)``),
-or its import path, ``"package.module"`` or ``"package.module:attribute"``, imported the first time
-an object of that framework comes by. Resolved once per type.
+"""Which frontend serves an object, read by the codecs (``hvd_quant._arrays``) and the stock path:
+the top-level module of ``type(obj)`` (``"torch"``) -> a :class:`hvd_quant.frontend.Frontend` (the
+codecs need only its ``adapter(obj)``) or its import path, ``"package.module[:attribute]"``,
+imported when an object of that framework first comes by. Resolved once per type.
 """
 import importlib
 

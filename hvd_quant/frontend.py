@@ -1,9 +1,7 @@
-"""One object per framework (``hvd_quant.torch._backend.FRONTEND``,
-``hvd_quant.tensorflow._backend.FRONTEND``, registered in :mod:`hvd_quant.dispatch`): what the core
-asks of PyTorch or TensorFlow, the glue both share written once here. A subclass fills in
-``make_collectives``, ``adapter`` and the stock path's primitives (``is_floating``, ``describe`` ->
-:class:`TensorInfo`, ``ones``, ``cast``, ``split``, ``as_float``, ``restore``); a frontend may add
-``host_one``, ``wait_for`` and ``payload_group`` (PyTorch).
+"""One object per framework (``FRONTEND`` of ``hvd_quant.torch._backend`` and of
+``hvd_quant.tensorflow._backend``): what the core asks of it, the glue both share written once here.
+A subclass fills in ``make_collectives``, ``adapter`` and the stock path's primitives (``is_floating``,
+``describe`` -> :class:`TensorInfo`, ``ones``, ``cast``, ``split``, ``as_float``, ``restore``).
 """
 import importlib
 import math

@@ -1,7 +1,5 @@
-"""Error-feedback memory (docs/EXCHANGE.md, "Error feedback"): a rank's quantization residuals,
-:attr:`Memory.WORKER` by exchange name and :attr:`Memory.SERVER` (SRA's requantized chunk) by
-``(exchange name, rank, world size)``: framework tensors on the gradient's device, saved and
-restored bit-exactly.
+"""Error-feedback memory (docs/EXCHANGE.md, "Error feedback"): a rank's residuals, :attr:`Memory.WORKER`
+by exchange name, :attr:`Memory.SERVER` (SRA's requantized chunk) by ``(exchange name, rank, size)``.
 """
 
 __all__ = ["Memory"]
