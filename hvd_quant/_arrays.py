@@ -1,8 +1,6 @@
-"""Zero-copy adapters between the caller's arrays and what the kernels take (docs/CODECS.md,
-"Frameworks and devices"). :func:`adapter_for` gives the adapter of an object's frontend
-(``hvd_quant.dispatch``; NumPy's is at the end of this module): a :class:`HostAdapter` hands the Numba
-CPU kernels NumPy arrays, a :class:`DeviceAdapter` (torch CUDA) hands the CUDA kernels the framework's
-own memory and current stream. float32 input is used in place, other floats converted first.
+"""Zero-copy adapters from the caller's arrays to what the kernels take (docs/CODECS.md, "Frameworks
+and devices"): :func:`adapter_for` gives an object's frontend's (``hvd_quant.dispatch``; NumPy's is at
+the end of this module), a :class:`HostAdapter` or a :class:`DeviceAdapter`.
 """
 import threading
 

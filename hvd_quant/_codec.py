@@ -77,10 +77,9 @@ def _check_choice(key, v, choices):
 # ---- what direct calls keep between calls, per thread ---------------------------------------------
 
 class _ThreadState(threading.local):
-    """What direct :meth:`Codec.encode` / :meth:`Codec.decode_into` calls keep, per thread (the codec
-    stays an immutable value): ``calls``, id(codec) -> (weak reference, {name hash: seeded encodes so
-    far}), the ``k`` of :func:`noise_key`; ``ops``, prepared ops (each writes its own parameter
-    buffer and scratch on every call, so each thread prepares its own)."""
+    """What direct encode/decode calls keep, per thread: ``calls``, id(codec) -> (weak reference, {name
+    hash: seeded encodes so far}), the ``k`` of :func:`noise_key`; ``ops``, prepared ops (each writes
+    its parameter buffer and scratch on every call, so each thread prepares its own)."""
 
     def __init__(self):
         self.calls = {}
@@ -339,11 +338,10 @@ class Codec:
         return arrays.result(out, dtype_name, shape)
 
     def decode_into(self, payload, out, accumulate=False, name=None, expect=None, arrays=None):
-        """Write (``accumulate=False``) or add the decoded values into ``out``, a flat float32 array of
-        the payload's kind and element count (TensorFlow: a ``tf.Variable``); returns ``out``. A bad
-        device payload decodes to NaN and :meth:`check_device_errors` raises (docs/CODECS.md,
-        "Errors"). ``expect`` (:meth:`expectation`, instead of ``name``) and ``arrays`` (the
-        payload's adapter) spare a caller the per-call preparation."""
+        """Write or add (``accumulate``) the decoded values into ``out``, flat float32 of the payload's
+        kind and element count (TensorFlow: a ``tf.Variable``); returns ``out``. A bad device payload
+        decodes to NaN and :meth:`check_device_errors` raises (docs/CODECS.md, "Errors").
+        ``expect`` (instead of ``name``) and ``arrays`` (the adapter) spare the per-call preparation."""
         if name is not None and type(name) is not str:
             name = _name_arg(name)
         arrays = arrays or adapter_for(payload)

@@ -1,12 +1,9 @@
 """Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler
-(docs/EXCHANGE.md: "Stock Horovod", "The placeholder trick", "Names and error detection").
-
-The adapter reads Horovod's context from the calling frame, hands Horovod placeholders, finds step
-boundaries (a gradient seen again starts the next step) and gives the state an owner
-(:func:`state_of`). A Horovod PyTorch optimizer's gradients are planned once and run by a
-:class:`hvd_quant.scheduler.StepScheduler` (from its second step on through its taken-over
-``_allreduce_grad_async``); elsewhere each tensor is its own exchange. A framework's hook
-(``hvd_quant.dispatch.STOCK_HOOKS``: TensorFlow's graphs) may take ``compress`` over.
+(docs/EXCHANGE.md: "Stock Horovod", "The placeholder trick", "Names and error detection"). It reads
+Horovod's context from the calling frame, hands Horovod placeholders, finds step boundaries (a
+gradient seen again starts the next step) and gives the state an owner (:func:`state_of`). A Horovod
+PyTorch optimizer's gradients run through a :class:`hvd_quant.scheduler.StepScheduler`, elsewhere each
+tensor is its own exchange; ``hvd_quant.dispatch.STOCK_HOOKS`` (TensorFlow's graphs) may take over.
 """
 import collections
 import functools
@@ -111,17 +108,6 @@ def _frame_context(tensor):
             return _Caller(name, ps, owner, p if p in names else None)
         f = f.f_back
     return _Caller()
-
-
-def _refuse_adasum(owner):
-    """Horovod's Adasum optimizer raises on every rank at the first gradient (``op=hvd.Adasum``:
-    ``backend.core_op`` in :class:`_Group`)."""
-    # Horovod copies its class's methods into a subclass of the user's optimizer; their names stay
-    method = getattr(type(owner), "_allreduce_grad_async", None)
-    if getattr(method, "__qualname__", "").startswith("_DistributedAdasumOptimizer."):
-        raise ValueError("hvd_quant: op=hvd.Adasum is not supported with an hvd_quant codec as "
-                         "compression=: Adasum combines gradients pairwise with dot products, which "
-                         "quantized payloads do not provide. Use op=hvd.Average or op=hvd.Sum.")
 
 
 class _Group:
@@ -387,7 +373,13 @@ class StockCompression:
         group = self._group_of(owner)
         if group is not None:
             return group
-        _refuse_adasum(owner)
+        # Horovod's Adasum optimizer raises at the first gradient (op=hvd.Adasum: _Group's core_op);
+        # Horovod copies its class's methods into a subclass of the user's optimizer, names and all
+        method = getattr(type(owner), "_allreduce_grad_async", None)
+        if getattr(method, "__qualname__", "").startswith("_DistributedAdasumOptimizer."):
+            raise ValueError("hvd_quant: op=hvd.Adasum is not supported with an hvd_quant codec as "
+                             "compression=: Adasum combines gradients pairwise with dot products, which "
+                             "quantized payloads do not provide. Use op=hvd.Average or op=hvd.Sum.")
         group = _Group(self, self.session(backend, caller.process_set), owner, backend,
                        caller.process_set)
         if group.sched.auto is not None:

@@ -188,9 +188,8 @@ _SCALE_NAMES = {v: k for k, v in wire.ONEBIT_SCALES.items()}
 class OneBit(Codec):
     """1-bit SGD (Seide et al., 2014): one sign bit per element and float32 scales per bucket.
 
-    ``scale="two_mean"``: per bucket the means of its non-negative and of its negative elements (each
-    bucket's **sum is preserved**); ``scale="mean_abs"``: EF-SignSGD's (||x||_1/d)·sign(x). Both are
-    **biased**: use error feedback, which ``wants_error_feedback`` asks of the caller
+    ``scale="two_mean"``: the means of a bucket's non-negative and negative elements (its **sum is
+    preserved**); ``"mean_abs"``: EF-SignSGD's (||x||_1/d)·sign(x). Both **biased**: error feedback
     (``error_feedback=True``). ``bucket_size=None``: one bucket per tensor. docs/CODECS.md, "1-bit".
     """
 
@@ -219,10 +218,9 @@ class SortQuant(Codec):
     """Sort quantization: per bucket, ``2**split_bits`` groups of equal count by rank of value, each
     quantized uniformly within its own (min, max) range (reference/004 in the project's sources).
 
-    Each element sends its group in ``split_bits`` bits and its level in the remaining ``bits -
-    split_bits``; ``mode="stochastic"`` rounds **unbiased** within the group, ``"deterministic"`` to
-    nearest. bits 2..16, split_bits 1..bits-1, bucket_size >= 1 (at most 4096 on CUDA). Noise and
-    ``seed`` as :class:`QSGD`. No fused reduce kernels. docs/CODECS.md, "Sort quantization".
+    Each element sends its group in ``split_bits`` bits and its level in ``bits - split_bits``;
+    ``mode="stochastic"`` rounds **unbiased** within the group, ``"deterministic"`` to nearest. bits
+    2..16, split_bits 1..bits-1, bucket_size >= 1 (at most 4096 on CUDA). docs/CODECS.md, "Sort quantization".
     """
 
     PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,

@@ -16,8 +16,8 @@ __all__ = ["TwoLevel", "node_levels", "node_ranks"]
 
 
 class TwoLevel:
-    """``reduction="two_level"`` of an :class:`Exchange` (:mod:`hvd_quant.exchange`'s doc): the node's fp32 sum, the codec
-    across nodes on this rank's shard of it, the shards gathered inside the node.
+    """``reduction="two_level"`` of an :class:`Exchange` (:mod:`hvd_quant.exchange`'s doc): the node's
+    fp32 sum, the codec across nodes on this rank's shard of it, the shards gathered inside the node.
 
     The levels come from ``Collectives.levels()`` of the exchange's ``coll``, taken again when that
     changes (elastic). Across two nodes the shards go by allgather (the same bytes as SRA, one
