@@ -1,12 +1,6 @@
-"""Zero-copy adapters between the caller's arrays and what the kernels take.
-
-The codecs never import a framework: :func:`adapter_for` gives the ``adapter(obj)`` of the object's
-frontend (``hvd_quant.dispatch``; NumPy's is at the end of this module). A host adapter
-(:class:`HostAdapter`: NumPy arrays, torch and TensorFlow CPU tensors) converts at the edges to
-NumPy arrays for the Numba CPU kernels; a device adapter (:class:`DeviceAdapter`: torch CUDA
-tensors) hands the Numba CUDA kernels the framework's own memory and current stream (TensorFlow GPU
-tensors are refused: docs/TENSORFLOW.md, "GPU"). float32 input is used in place; float16, bfloat16
-and float64 are converted to float32 first; anything else raises :class:`UnsupportedInputError`.
+"""Zero-copy adapters from the caller's arrays to what the kernels take (docs/CODECS.md, "Frameworks
+and devices"): :func:`adapter_for` gives an object's frontend's (``hvd_quant.dispatch``; NumPy's is at
+the end of this module), a :class:`HostAdapter` or a :class:`DeviceAdapter`.
 """
 import threading
 
@@ -25,8 +19,7 @@ class UnsupportedInputError(TypeError, ValueError):
 
 
 def adapter_for(obj):
-    """The adapter for ``obj`` (NumPy array, torch tensor, TF tensor/Variable): a dict lookup of its
-    type's frontend, then the frontend's own dispatch (host or device)."""
+    """The adapter for ``obj`` (NumPy array, torch tensor, TF tensor/Variable) from its frontend."""
     frontend = frontend_for(obj)
     if frontend is None:
         raise UnsupportedInputError(
@@ -36,11 +29,10 @@ def adapter_for(obj):
 
 
 # ---- device status words ---------------------------------------------------------------------------
-# A device decode checks its payload's header on the device and records what was wrong in an int32[2]
-# status array (wire.ERROR_BITS): [0] for the payload just decoded, [1] sticky until read. They belong
-# to the run, not to the (immutable) codec: here one per (codec configuration, device) for direct
-# ``decode_into`` calls, read by ``Codec.check_device_errors``; each exchange plan makes its own
-# (``new_status``) and reads it itself.
+# A device decode records what was wrong with its payload's header in an int32[2] status array
+# (wire.ERROR_BITS): [0] for the payload just decoded, [1] sticky until read. Here one per (codec
+# configuration, device) for direct ``decode_into`` calls (``Codec.check_device_errors``); each
+# exchange plan makes its own (``new_status``).
 
 _STATUS = {}            # (codec, device key) -> (adapter, status tensor, device array)
 _status_lock = threading.Lock()
@@ -49,14 +41,10 @@ _status_lock = threading.Lock()
 def status_for(codec, arrays, like):
     """(status tensor, device array) for ``codec``'s decodes on ``like``'s device."""
     key = (codec, arrays.device_key(like))
-    entry = _STATUS.get(key)
-    if entry is None:
-        with _status_lock:
-            entry = _STATUS.get(key)
-            if entry is None:
-                t, dev = arrays.new_status(like)
-                entry = _STATUS[key] = (arrays, t, dev)
-    return entry[1], entry[2]
+    with _status_lock:
+        if key not in _STATUS:
+            _STATUS[key] = (arrays, *arrays.new_status(like))
+        return _STATUS[key][1:]
 
 
 def device_statuses(codec):
@@ -65,7 +53,7 @@ def device_statuses(codec):
 
 
 def numpy_dtype(name):
-    """NumPy dtype for a header dtype name (bfloat16 needs ml_dtypes, which TensorFlow and JAX bring)."""
+    """NumPy dtype for a header dtype name (bfloat16 needs ml_dtypes)."""
     if name == "bfloat16":
         try:
             import ml_dtypes
@@ -84,19 +72,14 @@ def check_float(dtype_name, what="input"):
 
 
 class HostAdapter:
-    """Host memory: the codec works on NumPy arrays; a subclass converts to and from its framework.
+    """Host memory: the codec works on NumPy arrays; a subclass converts to and from its framework:
 
-    A subclass provides:
-
-    * ``describe(x)`` -> ``(shape tuple, dtype name)`` of an input;
-    * ``input_f32(x)``: ``x`` as a flat C-contiguous float32 NumPy array (no copy when it is one);
-      ``input_np(x)``: flat, in its own dtype (the raw fp16/none codecs);
-    * ``payload_np(payload)``: a payload (1-D uint8 of this kind) as a NumPy uint8 array (no copy
-      where possible); ``wrap_payload(arr, like)``: a NumPy uint8 array we filled, as a payload;
-    * ``out_np(out)`` -> ``(writable flat float32 NumPy view of out, commit)`` for ``decode_into``;
-      ``commit()`` runs after writing, None when the view is ``out``'s own memory (``views``);
-    * ``wrap_result(arr_f32, dtype_name, shape, like)``: decoded float32 values as a tensor of this
-      kind, dtype and shape.
+    * ``describe(x)`` -> ``(shape tuple, dtype name)``; ``input_f32(x)``: a flat C-contiguous float32
+      NumPy array (no copy when ``x`` is one); ``input_np(x)``: flat, in its own dtype (fp16/none);
+    * ``payload_np(payload)``: a uint8 NumPy view where possible; ``wrap_payload(arr, like)``: back;
+    * ``out_np(out)`` -> ``(writable flat float32 view, commit)``: ``commit()`` runs after writing,
+      None where the view is ``out``'s memory (``views``);
+    * ``wrap_result(arr_f32, dtype_name, shape, like)``: decoded values as a tensor of this kind.
     """
     device = False
     views = True        # out_np gives out's own memory (TensorFlow: a temporary, then a commit)
@@ -116,31 +99,23 @@ class HostAdapter:
 
 
 class DeviceAdapter:
-    """Device memory: kernels on the framework's own memory and stream; outputs allocated by the
-    framework. A device handle is what the prepared kernel launches take: a device pointer (int) or
-    a Numba device array. A subclass provides:
+    """Device memory: kernels on the framework's memory and stream, outputs allocated by it. A device
+    handle (what prepared launches take) is a pointer (int) or a Numba device array. A subclass has:
 
-    * ``describe(x)`` as the host's; ``device_key(x)``: a hashable id of ``x``'s device (per-device
-      state such as the status word); ``stream(x)``: the stream to launch on; ``context(x)``: a
-      context manager making ``x``'s device Numba's current one;
-    * ``input_f32(x)`` -> ``(float32 tensor holding x's values, its device handle)``; ``numba(t)``:
-      a Numba device-array view of a flat tensor (launches through Numba's dispatcher);
-    * ``new_bytes(nbytes, like)``, ``new_f32(numel, like)``, ``new_status(like)`` -> ``(framework
-      tensor, device handle)`` freshly allocated on ``like``'s device (the status word: int32[2]
-      zeros, the decode error bits); ``bytes_dev(payload)``: the handle of a uint8 payload;
-      ``payload_nbytes(payload)``, ``numel(t)``;
-    * ``out_dev(out)`` -> ``(handle of a flat float32 out, commit)``: commit None when the handle is
-      ``out``'s memory; otherwise the codec decodes without accumulating and calls
-      ``commit(accumulate)``;
-    * ``read_header(payload)``: the header (``wire.HEADER_NBYTES`` bytes) on the host (synchronises);
-      ``read_status(status)``: the error bits of ``status[1]`` (synchronises), reset to 0;
-      ``status_bad(status)``: a device boolean ``status[0] != 0`` (no host read);
-    * ``result(f32, dtype_name, shape)``: a flat float32 tensor as the decoded tensor;
-    * the raw (fp16 / fp32) payloads, written with framework ops: ``raw_encode_into(x, value_dtype,
-      payload)`` writes ``x`` after the header (left unwritten) and zeros the padding, returning the
-      payload's handle; ``raw_residual(x, payload, value_dtype, residual)``: ``x`` minus those
-      values, in float32; ``raw_decode_into(payload, offset, numel, value_dtype, out, accumulate,
-      bad)``: ``out`` (+)= the values, NaN where ``bad`` (``status_bad``) holds.
+    * ``describe(x)`` as the host's; ``device_key(x)``: a hashable id of ``x``'s device;
+      ``stream(x)``; ``context(x)``: makes ``x``'s device Numba's current one;
+    * ``input_f32(x)`` -> ``(float32 tensor of x's values, handle)``; ``numba(t)``: a Numba view;
+    * ``new_bytes(nbytes, like)``, ``new_f32(numel, like)``, ``new_status(like)`` (int32[2] zeros)
+      -> ``(tensor, handle)`` on ``like``'s device; ``bytes_dev(payload)``; ``payload_nbytes``, ``numel``;
+    * ``out_dev(out)`` -> ``(handle of a flat float32 out, commit)``: commit None where the handle is
+      ``out``'s memory, else the codec decodes without accumulating and calls ``commit(accumulate)``;
+    * ``read_header(payload)``, ``read_status(status)`` (the error bits of ``status[1]``, reset to
+      0): both synchronise; ``status_bad(status)``: a device boolean ``status[0] != 0``;
+    * ``result(f32, dtype_name, shape)``: the decoded tensor;
+    * raw (fp16/fp32) payloads with framework ops: ``raw_encode_into(x, value_dtype, payload)``
+      (values after the header, padding zeroed; returns the handle), ``raw_residual(x, payload,
+      value_dtype, residual)`` (``x`` minus those values), ``raw_decode_into(payload, offset, numel,
+      value_dtype, out, accumulate, bad)`` (``out`` (+)= the values, NaN where ``bad``).
     """
     device = True
     views = True        # out_dev gives out's own memory
@@ -156,8 +131,7 @@ class DeviceAdapter:
 
 _DTYPE_NAMES = {}
 # NumPy's built-in dtypes are singletons: ``a.dtype is _F32`` is a pointer test, where ``a.dtype !=
-# np.float32`` converts the type on every call (a measurable part of a small encode or decode); an
-# equal dtype that is another object (with metadata, say) takes the full comparison.
+# np.float32`` converts the type on every call; an equal dtype of another object takes the full test.
 _F32, _U8 = np.dtype(np.float32), np.dtype(np.uint8)
 
 

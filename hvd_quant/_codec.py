@@ -1,7 +1,6 @@
-"""The codec base class and what every codec shares: argument checks, the payload header plumbing
-(memoised per configuration), what direct calls keep per thread, and ``encode`` / ``decode`` /
-``decode_into`` and the binds over a codec's kernels (the codecs, their registry and string specs:
-:mod:`hvd_quant.codecs`).
+"""The codec base class: argument checks, the payload header (memoised per configuration), what
+direct calls keep per thread, and encode, decode and the binds over a codec's kernels (the codecs,
+their registry and specs: :mod:`hvd_quant.codecs`).
 """
 import functools
 import inspect
@@ -21,10 +20,8 @@ from ._arrays import adapter_for, device_statuses, status_for, UnsupportedInputE
 from ._noise import fresh_seed, noise_key
 
 
-# Horovod's Compressor protocol. A codec given as Horovod's ``compression=`` is served by the stock
-# path (``hvd_quant._stock``), which builds on the codecs; rather than the codecs importing it, it
-# installs its ``compress(codec, tensor) -> (tensor, ctx)`` here when imported (``hvd_quant``
-# imports it with the codecs). ``decompress`` needs no hook: every ctx finishes itself.
+# Horovod's ``compress(codec, tensor) -> (tensor, ctx)``, installed by the stock path
+# (``hvd_quant._stock``, which builds on the codecs) when imported; every ctx finishes itself.
 STOCK_COMPRESS = None
 
 
@@ -80,13 +77,9 @@ def _check_choice(key, v, choices):
 # ---- what direct calls keep between calls, per thread ---------------------------------------------
 
 class _ThreadState(threading.local):
-    """What direct :meth:`Codec.encode` / :meth:`Codec.decode_into` calls keep between calls, one per
-    thread, so that the codec stays an immutable value and threads never share it:
-
-    * ``calls``: id(codec) -> (weak reference to the codec, {name hash: seeded encodes so far}): the
-      ``k`` of :func:`noise_key` counts one codec object's encodes of a name on this thread;
-    * ``ops``: prepared kernel ops; each writes its parameter buffer (and, on a device, its scratch)
-      on every call, so each thread prepares its own."""
+    """What direct encode/decode calls keep, per thread: ``calls``, id(codec) -> (weak reference, {name
+    hash: seeded encodes so far}), the ``k`` of :func:`noise_key`; ``ops``, prepared ops (each writes
+    its parameter buffer and scratch on every call, so each thread prepares its own)."""
 
     def __init__(self):
         self.calls = {}
@@ -97,8 +90,7 @@ _THREAD = _ThreadState()
 
 
 def _direct_count(codec, nh):
-    """How many direct encodes ``codec`` (this object) made for name hash ``nh`` on this thread
-    before this one."""
+    """How many direct encodes ``codec`` (this object) made for name hash ``nh`` on this thread so far."""
     table = _THREAD.calls
     entry = table.get(id(codec))
     if entry is None or entry[0]() is not codec:        # new, or another object under a reused id
@@ -125,16 +117,14 @@ def _per_thread(key, make, *args):
 
 
 def _thread_op(codec, kind, device, numel, accumulate=None):
-    """This thread's prepared op ``kind`` of ``codec`` for ``numel`` elements on a CUDA device or the
-    CPU (``Codec._op``)."""
+    """This thread's :meth:`Codec._op`."""
     return _per_thread((kind, codec, device, numel, accumulate), codec._op, kind, device, numel, accumulate)
 
 
 def _handles(arrays, status=(None, None)):
-    """``(payload, out, stream, status)``: what the prepared ops take of the caller's arrays: the
-    adapter's converters of a uint8 payload and of a float32 out (``[0]`` of its result), the
-    stream of a tensor (None on the host) and the status word's device array (None on the host).
-    (No wrappers: the bound launches are the exchange's hot path.)"""
+    """``(payload, out, stream, status)``: the adapter's converters of a uint8 payload and of a float32
+    out (``[0]`` of its result), its stream getter and the status word's device array (the last two
+    None on the host). No wrappers: the bound launches are the exchange's hot path."""
     if arrays.device:
         return arrays.bytes_dev, arrays.out_dev, arrays.stream, status[1]
     return arrays.payload_np, arrays.out_np, None, None
@@ -148,28 +138,20 @@ def _nb(arrays, t, dev):
 class Codec:
     """Base class: the payload plumbing shared by every codec.
 
-    A codec is an immutable value: configured once by ``__init__``, compared and hashed by that
-    configuration, holding no runtime state, so one instance can be shared by any number of
-    optimizers, threads and ranks. What a run needs (noise counters, prepared ops, device status
-    words, buffers) lives with whoever runs it: the exchange's per-bucket setups, or for direct calls
-    the calling thread (:class:`_ThreadState`).
-
-    Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical order; the configuration
-    is those attributes), ``_fields()`` (the header's method/bits/mode/param/bucket_size),
-    ``_kernel_table()`` and, where they have no kernels, the host/device encode and decode steps."""
+    An immutable value, compared and hashed by its configuration; runtime state lives with whoever
+    runs it (an exchange's setups, :class:`_ThreadState`). Subclasses define ``PARAMS`` (spec
+    parameter -> parser, in canonical order), ``_fields()``, ``_kernel_table()`` or the encode steps."""
 
     name = None
     PARAMS = {}
     _method = None
     stochastic = False          # whether encode draws noise (then ``noise_key`` keys it)
     seed = None
-    # the dtype ("float16", "float32") of the values a raw payload carries after its header (fp16,
-    # none, QSGD's fake mode), decoded with framework ops; None: codes and scales, decoded by kernels
+    # the dtype of the values a raw payload carries (fp16, none, QSGD's fake mode); None: kernel codes
     _raw_values = None
     # how PayloadError spells a header field: field -> (spec parameter, {code: value})
     _FIELD_TEXT = {}
-    # whether the CUDA ops take device pointers (prepared launches), or need Numba device arrays
-    # (SortQuant and KMeans, which launch through Numba's dispatcher)
+    # whether the CUDA ops take device pointers, or Numba device arrays (SortQuant, KMeans)
     _device_pointers = True
 
     def _freeze(self, **config):
@@ -209,19 +191,16 @@ class Codec:
 
     # -- Horovod's Compressor protocol ---------------------------------------------------------------
     def compress(self, tensor):
-        """Horovod's ``compress(tensor) -> (tensor, ctx)``: the stock path starts the exchange of
-        ``tensor``; its state belongs to the caller (``hvd_quant._stock``), the codec stays a value."""
+        """Horovod's ``compress(tensor) -> (tensor, ctx)``: the stock path's (``hvd_quant._stock``)."""
         return STOCK_COMPRESS(self, tensor)
 
     def decompress(self, tensor, ctx):
         """Horovod's ``decompress``: the ctx finishes itself (``ctx.stock_decompress(summed)``); a
         ctx without one (a tensor Horovod reduced itself) gives back what Horovod reduced."""
-        return stock_decompress(tensor, ctx)
+        finish = getattr(ctx, "stock_decompress", None)
+        return tensor if finish is None else finish(tensor)
 
-    @property
-    def wants_error_feedback(self):
-        """Whether the caller should keep an error-feedback residual for this codec (biased codecs)."""
-        return False
+    wants_error_feedback = False    # whether the caller should keep an error-feedback residual
 
     # -- wire (memoised: pure functions of the configuration and the arguments) -----------------------
     def _fields(self):
@@ -239,8 +218,7 @@ class Codec:
 
     @functools.lru_cache(maxsize=4096)
     def header_plan(self, shape, dtype_name, name):
-        """(name hash, header words, layout) of an input of ``shape`` and dtype ``dtype_name`` sent
-        under ``name``: what :meth:`encode_into` takes."""
+        """(name hash, header words, layout) of an input sent under ``name``: :meth:`encode_into`'s."""
         method, bits, mode, param, bs = self._fields()
         header = wire.Header(method, bits, mode, param, bs, wire.DTYPES[dtype_name], shape,
                              name_hash=wire.name_hash(name))
@@ -256,9 +234,8 @@ class Codec:
 
     @functools.lru_cache(maxsize=4096)
     def _header(self, header_bytes, nbytes, name):
-        """The header of a payload of ``nbytes`` bytes starting with ``header_bytes``, checked against
-        this configuration and ``name`` (PayloadError otherwise); an exchange receives the same
-        headers every step."""
+        """The header of a payload of ``nbytes`` bytes, checked against this configuration and ``name``
+        (PayloadError otherwise); memoised: an exchange receives the same headers every step."""
         h = wire.parse_header(header_bytes, nbytes)
         method, bits, mode, param, bs = self._fields()
         if h.method != method:
@@ -278,10 +255,6 @@ class Codec:
                                    "it belongs to another tensor")
         return h
 
-    def _parse(self, pay, name):
-        """The validated header of host payload ``pay`` (a NumPy uint8 array), for ``name``."""
-        return self._header(pay[:_HDR].tobytes(), pay.size, name)
-
     # -- noise ---------------------------------------------------------------------------------------
     def _direct_key(self, nh, step, rank):
         """The noise key of a direct :meth:`encode` call (see the codec's docstring on seeds). ``step``
@@ -299,14 +272,9 @@ class Codec:
 
     # -- public API ----------------------------------------------------------------------------------
     def encode(self, x, name=None, step=None, rank=None):
-        """Encode ``x`` (NumPy array, torch tensor on CPU/CUDA, eager TensorFlow tensor; float32, float16,
-        bfloat16 or float64) into a 1-D uint8 payload of the same kind and device. ``name`` is hashed
-        into the header so that ``decode(..., name=...)`` can refuse another tensor's payload.
-
-        Seeded stochastic rounding draws with the key :func:`noise_key` (seed, k, rank, name hash):
-        k is this codec object's count of encodes of ``name`` on this thread unless ``step`` is given, rank the
-        process's Horovod rank (environment) unless ``rank`` is given. ``step=s, rank=r`` gives the
-        payload the exchange sends for that name at step s from rank r."""
+        """Encode float ``x`` (NumPy, torch CPU/CUDA, eager TensorFlow) into a 1-D uint8 payload of its
+        kind and device, ``name`` hashed into the header; ``step=s, rank=r``: the exchange's payload
+        for that name at step s from rank r (docs/CODECS.md, "Noise and seeds")."""
         if name is not None and type(name) is not str:
             name = _name_arg(name)
         arrays = adapter_for(x)
@@ -324,12 +292,10 @@ class Codec:
         return arrays.wrap_payload(pay, x)
 
     def encode_into(self, x, payload, words, lay, key, arrays=None, residual=None):
-        """Encode ``x`` (``lay.numel`` elements) into ``payload``, a uint8 buffer (or a slice of one)
-        of ``lay.total`` bytes of the same kind and device, with header ``words`` and noise ``key``
-        prepared by the caller (:meth:`header_plan`, :func:`noise_key`). ``arrays``: the adapter of
-        ``x``, if known. ``residual`` (a flat float32 buffer of ``x``'s kind, or None): also write
-        ``x - decode(payload)`` there, from the encode itself (bit-identical to decoding and
-        subtracting)."""
+        """Encode ``x`` (``lay.numel`` elements) into ``payload`` (``lay.total`` bytes of the same kind
+        and device) with header ``words`` and noise ``key`` (:meth:`header_plan`, :func:`noise_key`).
+        ``arrays``: ``x``'s adapter, if known. ``residual`` (flat float32, or None): also write
+        ``x - decode(payload)`` there, bit-identical to decoding and subtracting."""
         arrays = arrays or adapter_for(x)
         if arrays.numel(x) != lay.numel or arrays.payload_nbytes(payload) != lay.total:
             raise PayloadError(f"encode_into: x has {arrays.numel(x)} elements and the payload "
@@ -345,9 +311,8 @@ class Codec:
 
     def decode(self, payload, name=None, shape=None, dtype=None):
         """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
-        Host payloads are fully validated (PayloadError). A device payload given ``shape`` and
-        ``dtype`` is checked on the device (as in :meth:`decode_into`), with no host synchronisation;
-        without them its 64-byte header is copied to the host and validated there."""
+        A device payload given ``shape`` and ``dtype`` is checked on the device (as in
+        :meth:`decode_into`); without them its header is copied to the host and validated there."""
         name = _name_arg(name)
         shape = None if shape is None else _shape_arg(shape)
         arrays = adapter_for(payload)
@@ -373,14 +338,10 @@ class Codec:
         return arrays.result(out, dtype_name, shape)
 
     def decode_into(self, payload, out, accumulate=False, name=None, expect=None, arrays=None):
-        """Write (``accumulate=False``) or add (``True``) the decoded values into ``out``, a flat
-        float32 array/tensor of the payload's kind with the payload's element count (TensorFlow, whose
-        tensors are immutable: a ``tf.Variable``); returns ``out``. Host payloads raise
-        :class:`PayloadError` before anything is written; a device payload's size is checked on the
-        host and its header on the device, in stream order: a bad one decodes to NaN and
-        :meth:`check_device_errors` raises (docs/CODECS.md, "Errors"). ``expect`` (from
-        :meth:`expectation`, instead of ``name``) and ``arrays`` (the payload's adapter) spare a
-        caller that decodes the same layout every step the per-call preparation."""
+        """Write or add (``accumulate``) the decoded values into ``out``, flat float32 of the payload's
+        kind and element count (TensorFlow: a ``tf.Variable``); returns ``out``. A bad device payload
+        decodes to NaN and :meth:`check_device_errors` raises (docs/CODECS.md, "Errors").
+        ``expect`` (instead of ``name``) and ``arrays`` (the adapter) spare the per-call preparation."""
         if name is not None and type(name) is not str:
             name = _name_arg(name)
         arrays = arrays or adapter_for(payload)
@@ -395,7 +356,7 @@ class Codec:
             decode(payload, out)
             return out
         pay = arrays.payload_np(payload)
-        h = self._parse(pay, name)
+        h = self._header(pay[:_HDR].tobytes(), pay.size, name)
         if expect is not None and expect.check_name and h.name_hash != expect.name_hash:
             raise PayloadError(f"name mismatch: payload has name hash {h.name_hash:#010x}, expected "
                                f"{expect.name_hash:#010x}: it belongs to another tensor")
@@ -408,14 +369,13 @@ class Codec:
         return out
 
     def _direct_decode(self, arrays, payload, numel, accumulate, name, expect):
-        """(payload bytes, bound decode) of a direct device :meth:`decode_into`, reporting to this
-        codec's status word on the payload's device."""
+        """(payload bytes, bound decode) of a direct device :meth:`decode_into`."""
         expect = self.expectation(numel, name) if expect is None else expect
         return self.wire_nbytes(numel), self.bind_decode(arrays, numel, accumulate, expect, payload)
 
     def check_device_errors(self):
-        """Raise PayloadError if any device payload decoded by this codec since the last call failed
-        its on-device header check (reads the device status words: synchronises). Resets them."""
+        """Raise PayloadError if a device payload decoded by this codec since the last call failed its
+        on-device header check (reads and resets the status words: synchronises)."""
         problems = []
         for key, arrays, status_t in device_statuses(self):
             bits = arrays.read_status(status_t)
@@ -427,9 +387,8 @@ class Codec:
     # -- the exchange's hot path: everything resolved once, then called every step --------------------
     def bind_encode(self, arrays, lay, words, like):
         """``f(x, payload, key, residual=None)``: :meth:`encode_into` for inputs of ``lay.numel``
-        elements like ``like`` with header ``words``, everything else resolved now (the kernel's
-        prepared launch, the adapter). Sizes are the caller's promise: the exchange's plans hold them.
-        Device tensors: one device per process (Horovod's model), on the framework's current stream."""
+        elements like ``like`` with header ``words``, the launch resolved now. Sizes are the caller's
+        promise (the exchange's plans hold them); on a device, on the framework's current stream."""
         launch = self._bound_kernel(arrays, lay.numel, None)
         if launch is None:
             return lambda x, payload, key, residual=None: self.encode_into(
@@ -444,10 +403,8 @@ class Codec:
 
     def bind_decode(self, arrays, numel, accumulate, expect, like, status=None):
         """``f(payload, out)``: :meth:`decode_into` of payloads of ``numel`` elements checked against
-        ``expect``, resolved now as :meth:`bind_encode` does (device: the check runs in the decode
-        kernel and reports through ``status``, the caller's ``arrays.new_status(like)``, or else
-        through the status word of this codec on ``like``'s device that :meth:`check_device_errors`
-        reads)."""
+        ``expect``, resolved now. On a device the check reports through ``status`` (the caller's
+        ``arrays.new_status(like)``), else through the word :meth:`check_device_errors` reads."""
         launch = self._bound_kernel(arrays, numel, bool(accumulate))
         status = self._status(arrays, like, status)
         if launch is None:
@@ -520,42 +477,33 @@ class Codec:
 
     # -- kernels -------------------------------------------------------------------------------------
     def _kernel_table(self):
-        """This codec's kernels: kind ("encode", "decode", "decode_sum", "reduce_requantize",
-        "decode_chunks") -> the parameters :func:`numba_kernels.prepare` takes for this configuration
-        (``accumulate`` and ``chunk`` come from the caller). A kind left out has no kernel: the generic
-        path serves it (the exchange then decodes and sums payload by payload)."""
+        """Kind ("encode", "decode", "decode_sum", ...) -> the parameters :func:`numba_kernels.prepare`
+        takes for this configuration (but ``accumulate`` and ``chunk``); a kind left out has no kernel."""
         return {}
 
     def _op(self, kind, device, numel, accumulate=None, chunk=None):
-        """A new prepared op ``kind`` of this codec for ``numel`` elements on a CUDA device or the CPU,
-        owned by the caller (an exchange's plan, or a thread's table: :func:`_thread_op`); None where
-        the codec has no such kernel."""
-        params = self._kernel_table().get(kind)       # (at preparation only: no table kept)
+        """A new prepared op ``kind`` for ``numel`` elements on a CUDA device or the CPU, owned by the
+        caller (an exchange's plan, or :func:`_thread_op`); None where the codec has no such kernel."""
+        params = self._kernel_table().get(kind)
         if params is None:
             return None
-        if accumulate is not None:
-            params = dict(params, accumulate=accumulate)
-        if chunk is not None:
-            params = dict(params, chunk=chunk)
-        return numba_kernels.prepare(self.name, kind, device, numel, **params)
+        extra = {k: v for k, v in (("accumulate", accumulate), ("chunk", chunk)) if v is not None}
+        return numba_kernels.prepare(self.name, kind, device, numel, **params, **extra)
 
     def _bound_kernel(self, arrays, numel, accumulate):
-        """The prepared op behind :meth:`bind_encode` (``accumulate`` None) or :meth:`bind_decode`, or
-        None where the generic path serves (no elements, no kernel, TensorFlow tensors, which are
-        immutable, or a device op that needs Numba arrays)."""
+        """The prepared op behind :meth:`bind_encode` (``accumulate`` None) or :meth:`bind_decode`; None
+        where the generic path serves (no elements or kernel, immutable tensors, Numba-array ops)."""
         if not numel or not arrays.views or (arrays.device and not self._device_pointers):
             return None
         return self._op("encode" if accumulate is None else "decode", arrays.device, numel, accumulate)
 
     # -- the steps over the kernel table (raw codecs and QSGD's fake mode override the encodes) -------
     def _encode_host(self, arrays, x, pay, words, lay, key, residual=None):
-        """Write the payload of host input ``x`` into the NumPy uint8 array ``pay`` (and, given a
-        float32 NumPy ``residual``, ``x - decode(pay)`` into it)."""
+        """Host input ``x`` into NumPy payload ``pay`` (and ``x - decode(pay)`` into ``residual``)."""
         _thread_op(self, "encode", False, lay.numel)(arrays.input_f32(x), pay, words, key, None, residual)
 
     def _encode_dev(self, arrays, x, payload, words, lay, key, residual=None):
-        """Write the payload of device input ``x`` into ``payload`` (a framework tensor), and the
-        residual into ``residual`` (a flat float32 tensor) if given, on ``x``'s stream."""
+        """Device input ``x`` into ``payload`` (and the residual into ``residual``), on ``x``'s stream."""
         xt, xdev = arrays.input_f32(x)
         pdev = arrays.bytes_dev(payload)
         res = None if residual is None else arrays.out_dev(residual)[0]
@@ -583,10 +531,8 @@ class Codec:
 
     def _decode_into_dev(self, arrays, payload, out, accumulate, expect, status):
         """out (+)= the values of device ``payload``, its header checked on the device against
-        ``expect`` into ``status`` (``expect`` None: checked on the host already). Kernel codecs
-        decode into a device view of ``out`` (or into the adapter's temporary, then commit, for
-        frameworks whose tensors are immutable); raw values: with framework ops, NaN where the
-        check failed."""
+        ``expect`` into ``status`` (``expect`` None: checked on the host already); raw values with
+        framework ops, NaN where the check failed."""
         numel, nbytes = arrays.numel(out), arrays.payload_nbytes(payload)
         if nbytes != self.wire_nbytes(numel):
             raise PayloadError(f"payload has {nbytes} bytes; out has {numel} elements, which take "
@@ -612,12 +558,6 @@ class Codec:
             if commit is not None:
                 commit(accumulate)
         return out
-
-
-def stock_decompress(tensor, ctx):
-    """Horovod's ``decompress`` of every compressor here (see :meth:`Codec.decompress`)."""
-    finish = getattr(ctx, "stock_decompress", None)
-    return tensor if finish is None else finish(tensor)
 
 
 def _dtype_text(dtype):

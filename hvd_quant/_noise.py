@@ -1,8 +1,5 @@
 """The keys of stochastic rounding: an integer mix of (seed, rank, name hash, k), and fresh seeds.
-
-The kernels hash a 64-bit key with each element's index into one uniform per element
-(``numba_kernels._scalar``); this module derives that key. Both the codecs (direct ``encode``) and
-the exchange (one key per payload and step) use it.
+The kernels hash a key with each element's index into one uniform per element (``numba_kernels._scalar``).
 """
 import os
 import random
@@ -21,12 +18,8 @@ def noise_base(seed, rank, name_hash):
 
 
 def noise_key(seed, k, rank, name_hash):
-    """The 64-bit key of stochastic rounding: an integer mix of (seed, rank, name hash, k).
-
-    ``k`` counts draws for the same name: a direct ``Codec.encode`` passes its call count for that
-    name, the exchange passes the training step (its payload names are stable across steps, so it
-    keeps :func:`noise_base` and mixes in the step alone). The kernels hash this key with the element
-    index into one uniform per element."""
+    """The 64-bit key of stochastic rounding; ``k`` counts draws for the same name (a direct
+    ``Codec.encode``'s call count, the exchange's training step: docs/CODECS.md, "Noise and seeds")."""
     return mix64_py(noise_base(seed, rank, name_hash) ^ (k & MASK64))
 
 

@@ -1,39 +1,9 @@
-"""Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler.
-
-Horovod's optimizers call ``compress(grad) -> (t, ctx)``, **sum** ``t`` across ranks with allreduce
-(applying ``op``, ``prescale_factor`` and ``postscale_factor``), then ``decompress(summed_t, ctx)``.
-Summing quantized codes is wrong (their scales differ per rank), so ``compress`` starts hvd_quant's
-own exchange of the tensor (named after it) and hands Horovod a 1-element placeholder holding 1.0.
-Horovod's allreduce of it is exactly the factor Horovod would have applied to (sum of gradients) *
-N, and ``decompress`` finishes the exchange and returns ``decoded_sum * (placeholder / N)``, on the
-device, cast back to the gradient's dtype and shape.
-
-Fusion. The gradients of a Horovod PyTorch optimizer (the frame of its ``_allreduce_grad_async`` /
-``_grouped_allreduce_grad_async`` holds ``self`` and the parameter) are planned once and run by a
-:class:`hvd_quant.scheduler.StepScheduler` as in ``hvd_quant.torch.DistributedOptimizer``, scaled by
-the optimizer's ``op`` (the placeholder is not read); from its second step its
-``_allreduce_grad_async`` (not the grouped one) is taken over (:meth:`StockCompression._take_over`).
-Elsewhere (``hvd.allreduce(t, compression=...)``, TensorFlow) each tensor is its own exchange.
-
-This module is the adapter: Horovod's context (read from the calling frame), the placeholders, the
-step boundaries (a gradient seen again starts the next step) and who owns the state: a codec is an
-immutable value, the state of its exchanges (a :class:`StockCompression`) belongs to the Horovod
-optimizer that called (kept on it) or, without one, to the process set; a
-:class:`StockCompression` passed by the user is its own state.
-
-Tensors below ``min_compress_numel`` elements, 1-D tensors (unless ``compress_1d``) and non-floating
-tensors pass through to Horovod's allreduce. ``op=hvd.Adasum`` raises.
-
-Names. ``compress`` is not told the tensor's name: it reads the ``name`` local of Horovod 0.28.1's
-``_allreduce_grad_async`` (torch) or ``allreduce`` (TensorFlow, torch), or in the grouped path the
-parameter's name from ``self._parameter_names``; failing that, the call order within the step. The
-name and shape go into every payload header; exchanges match across ranks by name.
-
-Frameworks. ``compress`` dispatches on the tensor's type to its frontend (``hvd_quant.dispatch``;
-the interface is listed in :mod:`hvd_quant.frontend`). A framework's hook
-(``hvd_quant.dispatch.STOCK_HOOKS``) may take ``compress`` over, returning a ctx whose
-``stock_decompress(summed)`` finishes in ``decompress`` (TensorFlow's builds symbolic tensors'
-exchanges into the graph).
+"""Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler
+(docs/EXCHANGE.md: "Stock Horovod", "The placeholder trick", "Names and error detection"). It reads
+Horovod's context from the calling frame, hands Horovod placeholders, finds step boundaries (a
+gradient seen again starts the next step) and gives the state an owner (:func:`state_of`). A Horovod
+PyTorch optimizer's gradients run through a :class:`hvd_quant.scheduler.StepScheduler`, elsewhere each
+tensor is its own exchange; ``hvd_quant.dispatch.STOCK_HOOKS`` (TensorFlow's graphs) may take over.
 """
 import collections
 import functools
@@ -43,15 +13,13 @@ import weakref
 
 from . import _codec
 from . import plan as _plan
-from ._codec import stock_decompress
 from .codecs import resolve_codec
 from .dispatch import frontend_for, stock_hook_for
 from .exchange import AVERAGE, SUM, Exchange, Traffic, handshake_record
 from .memory import Memory
 from .scheduler import Presence, StepScheduler, step_metrics
 
-__all__ = ["StockCompression", "state_of", "header", "uncompressed", "take_traffic",
-           "PASSTHROUGH"]
+__all__ = ["StockCompression", "state_of", "header", "uncompressed", "take_traffic"]
 
 
 def _backend_for(tensor):
@@ -67,15 +35,8 @@ def _backend_for(tensor):
 _USED = []              # the frontends the stock path has served, each once
 
 
-PASSTHROUGH = None      # the ctx of a tensor Horovod allreduces itself: decompress gives it back
-
-
-class _Ctx:
-    """A ctx Horovod hands back to ``decompress``: ``stock_decompress(summed)`` finishes the tensor."""
-    __slots__ = ("stock_decompress",)
-
-    def __init__(self, finish):
-        self.stock_decompress = finish
+# A ctx Horovod hands back to ``decompress``: ``stock_decompress(summed)`` finishes the tensor.
+_Ctx = collections.namedtuple("_Ctx", "stock_decompress")
 
 
 def uncompressed(adapter, tensor, info):
@@ -83,7 +44,7 @@ def uncompressed(adapter, tensor, info):
     where Horovod cannot reduce its dtype (bfloat16), cast back in ``decompress``."""
     sendable = adapter.sendable(tensor)
     if sendable is tensor:
-        return tensor, PASSTHROUGH
+        return tensor, None         # decompress gives back what Horovod reduced
     return sendable, _Ctx(lambda summed: adapter.cast_back(summed, info))
 
 
@@ -94,17 +55,15 @@ def header(name, shape):
 
 
 class _Session:
-    """The exchanges (one per reduction in use, sharing one error-feedback memory) of one framework
-    backend and process set. ``exchange`` is the configured reduction's; with ``"auto"``, SRA's for
-    what is not planned (unfused tensors, TensorFlow's stock path)."""
+    """The exchanges of one backend and process set (one per reduction, sharing one memory);
+    ``exchange``: the configured reduction's (SRA's under ``"auto"``) for what is not planned."""
 
-    def __init__(self, backend, process_set, codec, reduction, error_feedback):
-        coll, ops = backend.stock_backend(process_set)
-        self.adapter = backend.stock_adapter()
-        self.ops, self.codec, self.coll = ops, codec, coll
-        self.memory = Memory(ops) if error_feedback else None
+    def __init__(self, backend, process_set, config):
+        self.coll, self.ops = backend.stock_backend(process_set)
+        self.adapter, self.codec = backend.stock_adapter(), config.codec
+        self.memory = Memory(self.ops) if config.error_feedback else None
         self.exchanges = {}
-        self.exchange = self.exchange_for("sra" if reduction == _plan.AUTO else reduction)
+        self.exchange = self.exchange_for("sra" if config.reduction == _plan.AUTO else config.reduction)
 
     def exchange_for(self, reduction):
         ex = self.exchanges.get(reduction)
@@ -151,24 +110,9 @@ def _frame_context(tensor):
     return _Caller()
 
 
-def _refuse_adasum(backend, owner):
-    """Adasum combines gradients pairwise with dot products, which quantized payloads do not give:
-    Horovod's Adasum optimizer, or ``op=hvd.Adasum``, raises on every rank at the first gradient."""
-    # Horovod copies its class's methods into a subclass of the user's optimizer; their names stay
-    method = getattr(type(owner), "_allreduce_grad_async", None)
-    if getattr(method, "__qualname__", "").startswith("_DistributedAdasumOptimizer."):
-        raise ValueError("hvd_quant: op=hvd.Adasum is not supported with an hvd_quant codec as "
-                         "compression=: Adasum combines gradients pairwise with dot products, which "
-                         "quantized payloads do not provide. Use op=hvd.Average or op=hvd.Sum.")
-    op = getattr(owner, "op", None)
-    if op is not None and hasattr(backend, "core_op"):
-        backend.core_op(op)
-
-
 class _Group:
-    """One Horovod optimizer's gradients on this path: the plan made at its first ``compress``, where
-    each parameter goes, its placeholders, and the :class:`~hvd_quant.scheduler.StepScheduler` that
-    runs its steps."""
+    """One Horovod optimizer's gradients: its plan (made at its first ``compress``), where each
+    parameter goes, its placeholders and the :class:`~hvd_quant.scheduler.StepScheduler` of its steps."""
 
     def __init__(self, sc, session, owner, backend, process_set):
         self.session, self.backend, self.process_set = session, backend, process_set
@@ -181,8 +125,7 @@ class _Group:
         plan = self.plan = _plan.make_plan(sc.config, tensors, prefix="hvdq.stock")
         self.where = {params[m]: (k, i) for k, b in enumerate(plan.buckets) for i, m in enumerate(b.members)}
         self.index = {p: i for i, p in enumerate(params)}
-        # Taken over (StockCompression._take_over), the float32 gradients left uncompressed go into
-        # plain groups as in hvd_quant's optimizer.
+        # taken over, the float32 gradients left uncompressed go into plain groups
         infos = [session.adapter.describe(q) for q in params]
         fused = _plan.plain_groups(plan, [x.is_float and x.itemsize == 4 for x in infos],
                                    sc.config.bucket_bytes)
@@ -225,10 +168,8 @@ class _Group:
         return known[2]
 
     def placeholder(self, param, tensor):
-        """``param``'s placeholder where Horovod still allreduces one (its grouped path; a taken-over
-        optimizer's first step): a view of one buffer per dtype and device, refilled with ones at
-        each step's first gradient, instead of a new tensor per gradient. Its value is not read: the
-        scheduler scales the bucket by the optimizer's op."""
+        """``param``'s placeholder (not read: the scheduler scales by the optimizer's op), a view of one
+        buffer per dtype and device refilled with ones at each step's first gradient."""
         key = (tensor.dtype, tensor.device)
         ones = self.ones.get(key)
         if ones is None:
@@ -247,8 +188,7 @@ _DECIDED = threading.local()
 
 
 def _compress(codec, tensor):
-    """Horovod's ``compress`` of ``codec`` (a codec or a :class:`StockCompression`): the state of
-    its exchanges belongs to the caller (:func:`state_of`)."""
+    """Horovod's ``compress`` of ``codec`` (a codec or a :class:`StockCompression`)."""
     decided = getattr(_DECIDED, "value", None)
     if decided is not None and decided[0] is tensor:
         return decided[1]
@@ -263,16 +203,9 @@ _codec.STOCK_COMPRESS = _compress       # a codec's compress (hvd_quant._codec)
 
 
 class StockCompression:
-    """A codec wrapped for stock Horovod's ``compression=`` argument (module doc).
-
-    ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_quant.QSGD(bits=4))`` keeps
-    a ``StockCompression`` of the codec on that optimizer; build one yourself to change the defaults::
-
-        compression = hvd_quant.StockCompression(hvd_quant.QSGD(bits=4), reduction="allgather")
-
-    ``error_feedback`` defaults to ``codec.wants_error_feedback``; residuals are kept per tensor name
-    and exposed by :meth:`state_dict` / :meth:`load_state_dict`.
-    """
+    """A codec for stock Horovod's ``compression=`` with other defaults (a Horovod optimizer given a
+    codec keeps one of its own): ``StockCompression(hvd_quant.QSGD(bits=4), reduction="allgather")``.
+    ``error_feedback`` defaults to ``codec.wants_error_feedback``; residuals: :meth:`state_dict`."""
 
     def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
                  error_feedback=None, bucket_bytes=_plan.BUCKET_BYTES):
@@ -282,10 +215,7 @@ class StockCompression:
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
                                       predivide=None)
-        c = self.config
-        self.codec, self.reduction, self.error_feedback = c.codec, c.reduction, c.error_feedback
-        self.min_compress_numel, self.compress_1d = c.min_compress_numel, c.compress_1d
-        self.bucket_bytes = c.bucket_bytes
+        self.codec, self.reduction = self.config.codec, self.config.reduction
         self._sessions = {}
         self._groups = {}       # id(optimizer) -> its _Group (dropped with the optimizer)
         self._pending = {}      # exchange name -> (session, Pending) of unfused tensors in flight
@@ -297,12 +227,9 @@ class StockCompression:
         self._graph_autos = {}      # plan key -> AutoChoice of a TensorFlow graph (_graph.GraphAuto)
 
     # -- configuration ----------------------------------------------------------------------------
-    def summary(self):
-        return self.config.summary()
-
     def record(self, name, shape):
         """The handshake record of the first exchange of tensor ``name``."""
-        return handshake_record(self.summary(), (name, tuple(shape)))
+        return handshake_record(self.config.summary(), (name, tuple(shape)))
 
     def number(self, name, record):
         """``(step, record)`` of the next exchange named ``name``: how many started before (the noise
@@ -312,13 +239,11 @@ class StockCompression:
         return (0, record) if step is None else (step, None)
 
     def session(self, backend, process_set):
-        """The session (``.exchange``, ``.memory``, ``.ops``, ``.adapter``) of ``backend`` and
-        ``process_set``, created on first use and rebound when the process set's rank or size changed."""
+        """The :class:`_Session` of ``backend`` and ``process_set`` (made once, following its world)."""
         key = (backend, getattr(process_set, "process_set_id", 0))
         s = self._sessions.get(key)
         if s is None:
-            s = self._sessions[key] = _Session(backend, process_set, self.codec, self.reduction,
-                                               self.error_feedback)
+            s = self._sessions[key] = _Session(backend, process_set, self.config)
             saved = self._restored.pop(_key_str(key), None)
             if saved is not None and s.memory is not None:
                 s.memory.load_state_dict(saved)
@@ -351,9 +276,8 @@ class StockCompression:
         return None if entry is None or entry[0]() is not optimizer else entry[1]
 
     def step_metrics(self, optimizer):
-        """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step on this path (bytes:
-        since the last call, as :func:`take_traffic`; ``exchange_s`` is not measured here: None), or
-        None before its first gradient."""
+        """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step (bytes since the last
+        call; ``exchange_s`` None), or None before its first gradient."""
         group = self._group_of(optimizer)
         if group is None:
             return None
@@ -366,11 +290,8 @@ class StockCompression:
         return None if group is None else group.sched.route()
 
     # -- Horovod's Compressor protocol ------------------------------------------------------------
-    def compress(self, tensor):
-        return _compress(self, tensor)
-
-    def decompress(self, tensor, ctx):
-        return stock_decompress(tensor, ctx)
+    compress = _compress
+    decompress = _codec.Codec.decompress
 
     def compress_on(self, backend, tensor, caller=None):
         """``compress`` through ``backend`` (a frontend, or another object with the stock path's
@@ -403,9 +324,8 @@ class StockCompression:
                                                                   ex.coll.size))
 
     def _member(self, group, param, tensor, direct=False):
-        """``compress`` of the gradient of ``param``, one of ``group``'s optimizer's parameters:
-        ``(what Horovod allreduces, ctx)``; ``direct``: ``(None, a callable giving the result)`` when
-        it went to its bucket or plain group."""
+        """``compress`` of ``param``'s gradient: ``(what Horovod allreduces, ctx)``, or where ``direct``
+        took it to its bucket or plain group ``(None, a callable giving the result)``."""
         self._arrived(group, param)
         session, sched = group.session, group.sched
         info = group.describe(param, tensor)
@@ -430,9 +350,8 @@ class StockCompression:
         return out
 
     def _arrived(self, group, param):
-        """Note a gradient of ``group``; one seen before in this step starts the next step, which
-        ends the step before (``reduction="auto"`` may take its decision then, the same on every
-        rank). A step's first gradient follows the world's changes (elastic), once per step."""
+        """Note a gradient of ``group``; one seen before in this step ends it and begins the next (where
+        ``auto`` may decide, alike on every rank), following the world's changes (elastic)."""
         repeat = param in group.seen
         if not repeat:
             group.seen.add(param)
@@ -454,7 +373,13 @@ class StockCompression:
         group = self._group_of(owner)
         if group is not None:
             return group
-        _refuse_adasum(backend, owner)
+        # Horovod's Adasum optimizer raises at the first gradient (op=hvd.Adasum: _Group's core_op);
+        # Horovod copies its class's methods into a subclass of the user's optimizer, names and all
+        method = getattr(type(owner), "_allreduce_grad_async", None)
+        if getattr(method, "__qualname__", "").startswith("_DistributedAdasumOptimizer."):
+            raise ValueError("hvd_quant: op=hvd.Adasum is not supported with an hvd_quant codec as "
+                             "compression=: Adasum combines gradients pairwise with dot products, which "
+                             "quantized payloads do not provide. Use op=hvd.Average or op=hvd.Sum.")
         group = _Group(self, self.session(backend, caller.process_set), owner, backend,
                        caller.process_set)
         if group.sched.auto is not None:
@@ -466,16 +391,11 @@ class StockCompression:
         return group
 
     def _take_over(self, owner, group):
-        """Give ``owner`` (a Horovod optimizer, one allreduce per parameter) an
-        ``_allreduce_grad_async`` of hvd_quant's own. While ``group.direct``, a planned gradient goes
-        straight into its bucket or plain group, and Horovod's ``synchronize`` gets the result from a
-        callable handle (as for Horovod's own sparse path): no placeholder, no Horovod op per tensor,
-        no frame lookup. ``direct`` turns on once every rank has handed out a bucket (the first
-        :func:`_finish` of one), and off at a step's first gradient in a new world (elastic), for one
-        step: the ranks that joined start with Horovod's per-tensor path, so every rank does. A plan
-        with no bucket (every gradient too small or 1-D) turns direct at its second step's first
-        gradient instead, and again after a new world's first step. Other gradients (sparse,
-        outside the plan) take Horovod's own path."""
+        """Give ``owner`` an ``_allreduce_grad_async`` of hvd_quant's own: while ``group.direct`` a
+        planned gradient goes straight into its bucket or plain group, its result a callable handle.
+        ``direct`` turns on once every rank has handed out a bucket (:func:`_go_direct`; a plan with
+        no bucket: at its second step), off for one step in a new world (elastic: those who joined
+        start with Horovod's path). Gradients outside the plan, or sparse, take Horovod's path."""
         horovod_async = owner._allreduce_grad_async
         always = not group.plan.buckets
 
@@ -502,8 +422,7 @@ class StockCompression:
         group.taken_over = True
 
     def _finish_alone(self, session, pending, info, size, summed):
-        """``decompress`` of a tensor exchanged alone: every such exchange still in its first phase
-        is advanced first (the overlap rule), once per step, not once per tensor."""
+        """``decompress`` of a tensor exchanged alone, after advancing every such exchange started."""
         started, self._unadvanced = self._unadvanced, []
         for exchange, started_one in started:
             exchange.advance(started_one)
@@ -518,33 +437,25 @@ class StockCompression:
 
     @property
     def traffic(self):
-        """Bytes sent since the last :meth:`reset_traffic`, summed over sessions."""
+        """Bytes sent since the last :func:`take_traffic`, summed over sessions."""
         total = Traffic()
         for t in self._traffics():
             total.add(t)
         return total
 
-    def reset_traffic(self):
-        for t in self._traffics():
-            t.reset()
-
     def state_dict(self):
         """``{"residuals": {session key: {name: tensor}}, "server_residuals": {session key:
-        {(name, rank, size): tensor}}, "steps": {name: count}, "auto": {plan key: state}}`` (worker
-        and server residuals as in :class:`hvd_quant.memory.Memory`, keyed by exchange name: the
-        bucket's or, unfused, the tensor's; ``reduction="auto"``'s schedule per optimizer plan)."""
-        states = dict(self._restored)
-        states.update({_key_str(k): s.memory.state_dict()
-                       for k, s in self._sessions.items() if s.memory is not None})
-        auto = dict(self._restored_auto)
-        auto.update({k: a.state_dict() for k, a in self._autos()})
+        {(name, rank, size): tensor}}, "steps": {name: count}, "auto": {plan key: state}}``
+        (residuals as in :class:`hvd_quant.memory.Memory`, by exchange name)."""
+        states = {**self._restored, **{_key_str(k): s.memory.state_dict()
+                                       for k, s in self._sessions.items() if s.memory is not None}}
+        auto = {**self._restored_auto, **{k: a.state_dict() for k, a in self._autos()}}
         return {"residuals": {k: dict(v.get(Memory.WORKER, {})) for k, v in states.items()},
                 "server_residuals": {k: dict(v.get(Memory.SERVER, {})) for k, v in states.items()},
                 "steps": dict(self._steps), "auto": auto}
 
     def adopt_auto(self, key, choice):
-        """Keep ``choice``, the :class:`hvd_quant.scheduler.AutoChoice` of plan ``key`` made by a
-        framework's graph path, in :meth:`state_dict`, restored from a loaded state if one waits."""
+        """Keep a graph path's :class:`hvd_quant.scheduler.AutoChoice` of plan ``key`` in the state."""
         self._restore_auto(key, choice)
         self._graph_autos[key] = choice
 
@@ -572,11 +483,10 @@ class StockCompression:
 
 
 def _go_direct(group):
-    """A taken-over optimizer's first bucket result in this world: every hook of the step has run on
-    this rank and nothing of the step has been waited for, so every rank comes to this point. Start
-    the complete buckets (other ranks may wait for them), make the payload channel (a collective;
-    used from the next step, so that a bucket of this step does not go one way on one rank and the
-    other way on another), and from the next step on hand the gradients straight to their buckets."""
+    """A taken-over optimizer's first bucket result in this world, a point every rank reaches (every
+    hook of the step has run, nothing waited for): start the complete buckets, make the payload
+    channel (a collective; used from the next step, so that no bucket of this step goes two ways),
+    and from the next step on hand the gradients straight to their buckets."""
     sched = group.sched
     sched.start_complete(wait=True)
     make = getattr(group.backend, "payload_group", None)
@@ -603,9 +513,8 @@ _STATE_ATTR = "_hvd_quant_stock"
 
 
 def _owned_state(codec, caller, backend):
-    """The :class:`StockCompression` of ``codec`` for this call: the calling Horovod optimizer's
-    (kept on it, made at its first gradient), else the process set's (one per codec value); a
-    StockCompression is its own."""
+    """The :class:`StockCompression` of ``codec`` for this call: itself, the calling Horovod
+    optimizer's (kept on it), else the process set's (one per codec value)."""
     if isinstance(codec, StockCompression):
         return codec
     if caller.owner is not None:
@@ -618,10 +527,9 @@ def _owned_state(codec, caller, backend):
     if ps is None:
         ps = backend.stock_backend(None)[0].process_set
     states = vars(ps).setdefault(_STATE_ATTR, {})
-    sc = states.get(codec)
-    if sc is None:
-        sc = states[codec] = StockCompression(codec)
-    return sc
+    if codec not in states:
+        states[codec] = StockCompression(codec)
+    return states[codec]
 
 
 def state_of(obj):
@@ -636,10 +544,8 @@ def state_of(obj):
 
 
 def take_traffic(obj):
-    """:class:`~hvd_quant.exchange.Traffic` since the last call of the stock state of ``obj``: a
-    StockCompression, a Horovod optimizer whose ``compression=`` is a codec or StockCompression, or a
-    codec (its states on the global process set of each framework in use, as ``hvd.allreduce`` and
-    TensorFlow keep them)."""
+    """:class:`~hvd_quant.exchange.Traffic` since the last call of ``obj``'s stock state (:func:`state_of`;
+    of a codec, its states on each framework's global process set)."""
     states = [state_of(obj)]
     if states[0] is None:
         codec = getattr(obj, "_compression", obj)
@@ -650,7 +556,7 @@ def take_traffic(obj):
             if sc is not None and all(sc is not s for s in states):
                 states.append(sc)
     total = Traffic()
-    for s in states:
-        total.add(s.traffic)
-        s.reset_traffic()
+    for t in (t for s in states for t in s._traffics()):
+        total.add(t)
+        t.reset()
     return total

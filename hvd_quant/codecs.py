@@ -1,27 +1,7 @@
-"""Gradient codecs: QSGD, 1-bit SGD, sort and k-means quantization, fp16 and none, on one wire format.
-
-Every codec turns a float tensor into a 1-D uint8 *payload* of the same kind (NumPy array, torch
-tensor on the same device, TensorFlow tensor) and back::
-
-    c = hvd_quant.QSGD(bits=4, bucket_size=512)
-    payload = c.encode(grad, name="layer1.weight")     # 1-D uint8, c.wire_nbytes(grad.numel()) bytes
-    g = c.decode(payload, name="layer1.weight")        # grad's shape and dtype (quantized values)
-    c.decode_into(payload, acc, accumulate=True)       # acc (flat float32) += decoded values
-
-A payload is a 64-byte header (format version, method, bits, mode, param (norm or split_bits),
-bucket size, numel, dtype, shape, name hash, checksums), the bit-packed codes and the float32 per-bucket scales
-(``numba_kernels/wire.py``, ``docs/CODECS.md``). Any instance of an equal configuration decodes it
-(that is what a receiving rank does); a payload of another configuration, a truncated or corrupt one,
-or (when ``decode`` is given a ``name``) another tensor's, raises :class:`PayloadError` saying what is
-wrong.
-
-Codecs are picked from the :class:`Compression` namespace (``Compression.qsgd(bits=4)``) or from a
-string spec through the registry (``from_spec("qsgd:bits=4,bucket_size=512")``);
-``from_spec(c.spec()) == c`` and codecs compare equal by configuration.
-
-Host arrays (NumPy, torch CPU, TensorFlow CPU) run the Numba CPU kernels; CUDA tensors run the Numba
-CUDA kernels on the framework's current stream without synchronising with the host (see
-:meth:`Codec.decode_into` for how errors in device payloads surface).
+"""Gradient codecs: QSGD, 1-bit SGD, sort and k-means quantization, fp16 and none, on one wire format
+(docs/CODECS.md). Each turns a float tensor into a self-describing 1-D uint8 payload of the same kind
+and device and back; they are picked from :class:`Compression` or from a string spec through the
+registry (``from_spec("qsgd:bits=4,bucket_size=512")``, ``from_spec(c.spec()) == c``).
 """
 import numpy as np
 
@@ -42,15 +22,15 @@ REGISTRY = {}
 
 
 def register(name, *aliases):
-    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``).
-    Names are matched without regard to case, as :func:`from_spec` reads them; a name holding
-    ``:``, ``,``, ``=`` or white space could not be read back from a spec and is refused."""
+    """Class decorator: make a codec available to :func:`from_spec` under ``name`` (and ``aliases``),
+    matched without regard to case; a name :func:`from_spec` could not read back is refused."""
     for key in (name,) + aliases:
         if not isinstance(key, str) or not key or any(c in key for c in ":,=") or key != "".join(key.split()):
             raise ValueError(f"a codec name is a non-empty str without ':', ',', '=' or white space; got {key!r}")
 
     def deco(cls):
         cls.name = name
+        cls._method = wire.METHODS.get(name, cls._method)      # the header's method code of a codec
         for key in (k.lower() for k in (name,) + aliases):
             if key in REGISTRY:
                 raise ValueError(f"codec name {key!r} is already registered to {REGISTRY[key].__name__}")
@@ -86,11 +66,9 @@ def _p_str(key, text):
 
 
 def from_spec(spec):
-    """Build a codec from a string spec: ``"name"`` or ``"name:key=value,key=value"``.
-
-    Examples: ``"none"``, ``"fp16"``, ``"qsgd:bits=4,bucket_size=512,mode=deterministic"``,
-    ``"onebit:bucket_size=64,scale=mean_abs"``. A codec instance is returned as it is. Unknown names,
-    unknown keys, malformed items and bad values raise ``ValueError`` naming the bad part."""
+    """Build a codec from a string spec, ``"name"`` or ``"name:key=value,key=value"`` (``"fp16"``,
+    ``"onebit:bucket_size=64,scale=mean_abs"``); a codec is returned as it is. Unknown names and keys,
+    malformed items and bad values raise ``ValueError`` naming the bad part."""
     if isinstance(spec, Codec):
         return spec
     if not isinstance(spec, str):
@@ -106,19 +84,15 @@ def from_spec(spec):
         key, text = key.strip(), text.strip()
         if not eq or not key:
             raise ValueError(f"bad item {item!r} in codec spec {spec!r}: expected key=value")
-        parser = cls.PARAMS.get(key)
-        if parser is None:
+        if key not in cls.PARAMS:
             known = ", ".join(cls.PARAMS) or "none"
             raise ValueError(f"unknown parameter {key!r} for codec {name!r} in spec {spec!r}; "
                              f"known parameters: {known}")
         if key in kwargs:
             raise ValueError(f"parameter {key!r} given twice in codec spec {spec!r}")
-        try:
-            kwargs[key] = parser(key, text)
-        except ValueError as e:
-            raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
+        kwargs[key] = text
     try:
-        return cls(**kwargs)
+        return cls(**{key: cls.PARAMS[key](key, text) for key, text in kwargs.items()})
     except ValueError as e:
         raise ValueError(f"bad value in codec spec {spec!r}: {e}") from None
 
@@ -144,16 +118,10 @@ class QSGD(Codec):
     ``mode="stochastic"`` rounds **unbiased**, ``"deterministic"`` to nearest (**biased**, error at
     most half a level); ``"fake"`` quantizes and dequantizes locally and sends float32 (the numerics
     of "stochastic", **no savings**: for accuracy studies only). bits 2..16, bucket_size >= 1.
-
-    Noise: ``seed=None`` draws fresh noise on every call; with a ``seed`` the uniforms are keyed by
-    :func:`noise_key` (seed, k, rank, name hash): for a direct :meth:`encode` k counts this codec
-    object's encodes of that name on the calling thread and rank is ``HOROVOD_RANK`` (or
-    ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, else 0); inside the exchange k is the training step and
-    rank the process set rank. Wire format, error bounds and edge cases: docs/CODECS.md, "QSGD".
+    ``seed=None``: fresh noise on every call (docs/CODECS.md, "Noise and seeds" and "QSGD").
     """
 
     PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
-    _method = wire.METHODS["qsgd"]
     _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("norm", _NORM_NAMES)}
 
     def __init__(self, bits=4, bucket_size=512, mode="stochastic", norm="max", seed=None):
@@ -220,25 +188,20 @@ _SCALE_NAMES = {v: k for k, v in wire.ONEBIT_SCALES.items()}
 class OneBit(Codec):
     """1-bit SGD (Seide et al., 2014): one sign bit per element and float32 scales per bucket.
 
-    ``scale="two_mean"``: per bucket the means of its non-negative and of its negative elements (each
-    bucket's **sum is preserved**); ``scale="mean_abs"``: EF-SignSGD's (||x||_1/d)·sign(x). Both are
-    **biased**: use error feedback, which ``wants_error_feedback`` asks of the caller
+    ``scale="two_mean"``: the means of a bucket's non-negative and negative elements (its **sum is
+    preserved**); ``"mean_abs"``: EF-SignSGD's (||x||_1/d)·sign(x). Both **biased**: error feedback
     (``error_feedback=True``). ``bucket_size=None``: one bucket per tensor. docs/CODECS.md, "1-bit".
     """
 
     PARAMS = {"bucket_size": _p_opt_int, "scale": _p_str, "error_feedback": _p_bool}
-    _method = wire.METHODS["onebit"]
     _FIELD_TEXT = {"mode": ("scale", _SCALE_NAMES), "bucket_size": ("bucket_size", {0: None})}
 
     def __init__(self, bucket_size=None, scale="two_mean", error_feedback=True):
         if not isinstance(error_feedback, (bool, np.bool_)):
             raise ValueError(f"error_feedback must be True or False; got {error_feedback!r}")
         self._freeze(bucket_size=_bucket_size(bucket_size), error_feedback=bool(error_feedback),
-                     scale=_check_choice("scale", scale, tuple(wire.ONEBIT_SCALES)))
-
-    @property
-    def wants_error_feedback(self):
-        return self.error_feedback
+                     scale=_check_choice("scale", scale, tuple(wire.ONEBIT_SCALES)),
+                     wants_error_feedback=bool(error_feedback))
 
     def _fields(self):
         return (self._method, 1, wire.ONEBIT_SCALES[self.scale], 0, self.bucket_size or 0)
@@ -255,16 +218,13 @@ class SortQuant(Codec):
     """Sort quantization: per bucket, ``2**split_bits`` groups of equal count by rank of value, each
     quantized uniformly within its own (min, max) range (reference/004 in the project's sources).
 
-    Each element sends its group in ``split_bits`` bits and its level in the remaining ``bits -
-    split_bits``; ``mode="stochastic"`` rounds **unbiased** within the group, ``"deterministic"`` to
-    nearest. bits 2..16, split_bits 1..bits-1, bucket_size >= 1 (at most 4096 on CUDA). Noise and
-    ``seed`` as :class:`QSGD`. No fused reduce kernels: SRA and allgather decode and sum payload by
-    payload. docs/CODECS.md, "Sort quantization".
+    Each element sends its group in ``split_bits`` bits and its level in ``bits - split_bits``;
+    ``mode="stochastic"`` rounds **unbiased** within the group, ``"deterministic"`` to nearest. bits
+    2..16, split_bits 1..bits-1, bucket_size >= 1 (at most 4096 on CUDA). docs/CODECS.md, "Sort quantization".
     """
 
     PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,
               "seed": _p_opt_int}
-    _method = wire.METHODS["sortquant"]
     _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("split_bits", {})}
 
     def __init__(self, bits=4, split_bits=2, bucket_size=512, mode="stochastic", seed=None):
@@ -273,8 +233,7 @@ class SortQuant(Codec):
                                                       f" (below bits={bits})"),
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
                      mode=_check_choice("mode", mode, ("stochastic", "deterministic")),
-                     seed=_seed(seed))
-        self.__dict__["stochastic"] = self.mode == "stochastic"
+                     seed=_seed(seed), stochastic=mode == "stochastic")
 
     def _fields(self):
         return (self._method, self.bits, wire.MODES[self.mode], self.split_bits, self.bucket_size)
@@ -289,18 +248,15 @@ class SortQuant(Codec):
 @register("kmeans")
 class KMeans(Codec):
     """K-means quantization: per bucket a codebook of ``2**bits`` float32 centroids fitted by Lloyd
-    iterations, each element sent as the ``bits``-bit index of its nearest centroid (reference/004 in
-    the project's sources).
+    iterations, each element sent as the ``bits``-bit index of its nearest centroid (**biased**).
 
-    The fit starts from a sample drawn with ``seed`` (keyed as :class:`QSGD`'s noise, so every rank
-    and run is reproducible) and sums in fixed point, so the CPU and CUDA kernels and the NumPy
-    reference agree bit for bit. Nearest-centroid rounding is **biased**. ``bucket_size=None``: one
-    codebook per tensor (per chunk on SRA's middle phase). bits 1..8, iters 0..1000. No fused reduce
-    kernels. docs/CODECS.md, "K-means quantization".
+    The fit starts from a sample drawn with ``seed`` (keyed as :class:`QSGD`'s noise) and sums in
+    fixed point: CPU, CUDA and the NumPy reference agree bit for bit. ``bucket_size=None``: one
+    codebook per tensor. bits 1..8, iters 0..1000. No fused reduce kernels. docs/CODECS.md,
+    "K-means quantization".
     """
 
     PARAMS = {"bits": _p_int, "iters": _p_int, "bucket_size": _p_opt_int, "seed": _p_opt_int}
-    _method = wire.METHODS["kmeans"]
     stochastic = True           # the sample is drawn with the noise key
     _FIELD_TEXT = {"bucket_size": ("bucket_size", {0: None})}
 
@@ -352,27 +308,20 @@ class _Raw(Codec):
 
 @register("fp16", "float16")
 class FP16(_Raw):
-    """Half precision on the wire (Horovod's ``Compression.fp16`` as a payload): 2 bytes per element.
-
-    Round to nearest (biased only by rounding; values beyond ±65504 become ±inf). Wire: 64-byte
-    header, numel float16 values, zero padding to a multiple of 4."""
-    _method = wire.METHODS["fp16"]
+    """Half precision on the wire (Horovod's ``Compression.fp16`` as a payload): 2 bytes per element,
+    rounded to nearest (values beyond ±65504 become ±inf), zero padding to a multiple of 4."""
     _raw_values = "float16"
 
 
 @register("none", "nocompression", "fp32")
 class NoCompression(_Raw):
-    """No compression: float32 values on the wire (4 bytes per element), exact for float32 input.
-
-    Wire: 64-byte header, numel float32 values."""
-    _method = wire.METHODS["none"]
+    """No compression: float32 values on the wire (4 bytes per element), exact for float32 input."""
     _raw_values = "float32"
 
 
 class Compression:
-    """Horovod-style namespace: ``Compression.none``, ``Compression.fp16`` (instances),
-    ``Compression.qsgd(...)``, ``Compression.onebit(...)``, ``Compression.sortquant(...)``,
-    ``Compression.kmeans(...)`` (factories)."""
+    """Horovod-style namespace: ``Compression.none``, ``Compression.fp16`` (instances), and the
+    factories ``Compression.qsgd(...)``, ``.onebit(...)``, ``.sortquant(...)``, ``.kmeans(...)``."""
     none = NoCompression()
     fp16 = FP16()
     qsgd = QSGD              # Compression.qsgd(bits=4) is QSGD(bits=4), and so on

@@ -1,12 +1,7 @@
-"""Which frontend serves an object: one registry, read by the codecs (``hvd_quant._arrays``: the
-array adapter of what they were given) and by the stock path (``hvd_quant._stock``: the frontend of
-the tensor Horovod hands to ``compress``).
-
-An entry maps the top-level module of ``type(obj)`` (``"torch"``) to the frontend: an object with
-the interface of :class:`hvd_quant.frontend.Frontend` (the codecs need only its ``adapter(obj)``),
-or its import path, ``"package.module"`` (the module is the frontend) or
-``"package.module:attribute"``, imported the first time an object of that framework comes by, so
-that no framework is imported before it is used. Resolved once per type.
+"""Which frontend serves an object, read by the codecs (``hvd_quant._arrays``) and the stock path:
+the top-level module of ``type(obj)`` (``"torch"``) -> a :class:`hvd_quant.frontend.Frontend` (the
+codecs need only its ``adapter(obj)``) or its import path, ``"package.module[:attribute]"``,
+imported when an object of that framework first comes by. Resolved once per type.
 """
 import importlib
 
@@ -21,10 +16,9 @@ FRONTENDS = {
 # ml_dtypes' scalar and array types (bfloat16 NumPy values, what TensorFlow's .numpy() gives) are NumPy's
 _SAME_AS = {"ml_dtypes": "numpy"}
 
-# The stock path's own compress of a framework, where it has one: ``hook(stock_compression, tensor)``
-# returns ``(tensor, ctx)`` to take over ``compress``, or None to let the generic path run.
-# TensorFlow builds symbolic tensors' exchanges into the graph; the hook's module builds on the
-# frontend, so it is registered here beside it rather than reached through it.
+# The stock path's own compress of a framework: ``hook(stock_compression, tensor)`` returns ``(tensor,
+# ctx)`` or None (the generic path). TensorFlow's builds graphs; its module builds on the frontend,
+# so it is registered here beside it rather than reached through it.
 STOCK_HOOKS = {
     "tensorflow": "hvd_quant.tensorflow._graph:stock_compress",
 }
@@ -41,14 +35,6 @@ def register_frontend(top_module, frontend):
     _HOOK_BY_TYPE.clear()
 
 
-def _load(entry):
-    if not isinstance(entry, str):
-        return entry
-    module, _, attribute = entry.partition(":")
-    found = importlib.import_module(module)
-    return getattr(found, attribute) if attribute else found
-
-
 def _resolve(table, cache, obj):
     """``table``'s entry for ``obj``'s framework, loaded; None where it has none. Once per type."""
     try:
@@ -56,8 +42,12 @@ def _resolve(table, cache, obj):
     except KeyError:
         top = type(obj).__module__.split(".", 1)[0]
         entry = table.get(_SAME_AS.get(top, top))
-        found = cache[type(obj)] = None if entry is None else _load(entry)
-        return found
+        if isinstance(entry, str):
+            module, _, attribute = entry.partition(":")
+            entry = importlib.import_module(module)
+            entry = getattr(entry, attribute) if attribute else entry
+        cache[type(obj)] = entry
+        return entry
 
 
 def frontend_for(obj):

@@ -1,24 +1,16 @@
-"""One object per framework (``hvd_quant.torch._backend.FRONTEND``,
-``hvd_quant.tensorflow._backend.FRONTEND``, registered in :mod:`hvd_quant.dispatch`): what the core
-asks of PyTorch or TensorFlow, the glue both share written once here. A subclass fills in the
-framework's primitives (``make_collectives``, ``is_floating``, ``describe``, ``ones``, ``cast``,
-``split``, ``as_float``, ``restore``, ``adapter``).
-
-The stock path's interface (``hvd_quant._stock``): ``stock_backend(process_set)`` ->
-``(Collectives, ArrayOps)`` and ``stock_adapter()``, the frontend itself, with ``describe(t)`` ->
-:class:`TensorInfo`, ``placeholder(t, n=1)``, ``as_float(t)``, ``split(flat, sizes)``,
-``restore(flat, info)``, ``sendable(t)`` and ``cast_back(t, info)``; a frontend may add
-``host_one``, ``wait_for`` and ``payload_group`` (PyTorch).
+"""One object per framework (``FRONTEND`` of ``hvd_quant.torch._backend`` and of
+``hvd_quant.tensorflow._backend``): what the core asks of it, the glue both share written once here.
+A subclass fills in ``make_collectives``, ``adapter`` and the stock path's primitives (``is_floating``,
+``describe`` -> :class:`TensorInfo`, ``ones``, ``cast``, ``split``, ``as_float``, ``restore``).
 """
 import importlib
 import math
-import os
-import struct
 
 from . import _stock
 from .codecs import resolve_codec
 from .exchange import AVERAGE, SUM, collectives_for
 from .plan import core_op
+from .two_level import node_levels, node_ranks  # noqa: F401  (node_ranks: re-exported)
 
 __all__ = ["Frontend", "TensorInfo", "bytes_sent_per_step", "node_ranks"]
 
@@ -36,11 +28,10 @@ class TensorInfo:
 
 
 class Frontend:
-    """One framework as the core sees it (module doc), made with its ArrayOps table (``ops``) and
-    the codecs' adapter for its host tensors (``host_adapter``). Class attributes a subclass sets:
-    ``name`` (the top-level module of its tensor types), ``horovod`` (its Horovod module),
-    ``float32`` and ``horovod_floats`` (its dtypes: float32, and the floating dtypes Horovod's
-    allreduce takes)."""
+    """One framework as the core sees it (module doc), made with its ArrayOps table and the codecs'
+    adapter for its host tensors. A subclass sets ``name`` (the top-level module of its tensor
+    types), ``horovod`` (its Horovod module), ``float32`` and ``horovod_floats`` (the floating
+    dtypes Horovod's allreduce takes)."""
     name = horovod = None
     float32 = None
     horovod_floats = ()
@@ -48,7 +39,6 @@ class Frontend:
     def __init__(self, ops, host_adapter):
         self.ops, self.host_adapter = ops, host_adapter
         self._collectives = {}          # process set -> Collectives
-        self._levels = None             # ((size, rank), (local, cross)) of node_levels
 
     def __repr__(self):
         return f"<hvd_quant frontend {self.name}>"
@@ -77,69 +67,9 @@ class Frontend:
         ps = self.hvd().global_process_set if process_set is None else process_set
         return collectives_for(self._collectives, ps, self.make_collectives)
 
-    def make_collectives(self, process_set):
-        raise NotImplementedError
-
-    def node_levels(self, process_set, probe=False):
-        """``Collectives.levels`` of the global set (``reduction="two_level"``): ``(local, cross)``,
-        the Collectives of this rank's node and of the ranks with its local rank, one per node; the
-        global set's where a level spans every rank, None where it has one. The process sets are
-        those registered at ``hvd.init(process_sets=...)``, else added here (every rank at once, in
-        the same order) where Horovod allows it (``hvd.init(process_sets="dynamic")``).
-        ``probe`` (``reduction="auto"``): ``(None, None)`` unless the nodes are alike with several
-        ranks each and their process sets can be had, decided alike on every rank and with no
-        collective where Horovod's own layout already rules two levels out."""
-        hvd = self.hvd()
-        coll = self.collectives(process_set)
-        if process_set.process_set_id != 0:
-            raise ValueError("hvd_quant: reduction='two_level' runs on Horovod's global process set only")
-        if probe:
-            basics = importlib.import_module(f"{self.horovod}.mpi_ops")._basics
-            if not (basics.is_homogeneous() and 1 < hvd.local_size() < hvd.size()):
-                return None, None
-            try:
-                return self.node_levels(process_set)
-            except ValueError:
-                return None, None
-        key = (coll.size, coll.rank)
-        if self._levels is not None and self._levels[0] == key:
-            return self._levels[1]
-        me = struct.pack("<3i", hvd.cross_rank(), hvd.local_rank(), hvd.local_size())
-        data = self.ops.to_bytes(coll.synchronize(coll.allgather_async(self.ops.from_bytes(me), "hvdq.nodes")))
-        nodes = node_ranks([struct.unpack_from("<3i", data, 12 * r) for r in range(coll.size)])
-        made = {}
-        for ranks in nodes + [list(c) for c in zip(*nodes)]:     # the same order on every rank
-            if 1 < len(ranks) < coll.size:
-                made[tuple(ranks)] = self._process_set(ranks)
-        node = next(n for n in nodes if coll.rank in n)
-
-        def level(ranks):
-            if len(ranks) in (1, coll.size):
-                return None if len(ranks) == 1 else coll
-            return self.collectives(made[tuple(ranks)])
-        levels = (level(node), level([n[node.index(coll.rank)] for n in nodes]))
-        self._levels = (key, levels)
-        return levels
-
-    def _process_set(self, ranks):
-        hvd = self.hvd()
-        basics = importlib.import_module(f"{self.horovod}.mpi_ops")._basics
-        for ps_id, members in basics._get_process_set_ids_and_ranks().items():
-            if list(members) == list(ranks):
-                ps = hvd.ProcessSet(ranks)
-                ps.process_set_id = ps_id
-                return ps
-        if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
-            raise ValueError(
-                f"hvd_quant: reduction='two_level' needs a Horovod process set of ranks {ranks}: call "
-                f"hvd.init(process_sets='dynamic') (hvd_quant adds the nodes' sets), or register every "
-                f"node's ranks and every local rank's ranks across nodes at hvd.init(process_sets=[...])")
-        return hvd.add_process_set(ranks)
+    node_levels = node_levels           # reduction="two_level"'s levels (hvd_quant.two_level)
 
     # -- dtypes ---------------------------------------------------------------------------------------
-    def is_floating(self, dtype):
-        raise NotImplementedError
-
     def sendable_dtype(self, dtype):
         """``dtype`` if Horovod can allreduce it, else float32 (hvd_quant sums those in float32)."""
         if dtype in self.horovod_floats or not self.is_floating(dtype):
@@ -154,10 +84,8 @@ class Frontend:
         return self
 
     def placeholder(self, t, n=1):
-        """``n`` ones in the dtype ``t`` travels in, on ``t``'s device: what Horovod allreduces in place
-        of a compressed tensor. 1.0 is exact in fp16, and Horovod's allreduce of it (op, prescale,
-        postscale) gives N times the factor it would apply to the sum; in ``t``'s own dtype where
-        Horovod can reduce it, since Horovod's grouped allreduce wants one dtype per group."""
+        """``n`` ones on ``t``'s device, in ``t``'s dtype where Horovod can reduce it (its grouped
+        allreduce wants one dtype per group): docs/EXCHANGE.md, "The placeholder trick"."""
         return self.ones(n, self.sendable_dtype(t.dtype), t)
 
     def sendable(self, t):
@@ -171,30 +99,13 @@ class Frontend:
 
 def bytes_sent_per_step(obj):
     """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent, "gbps": GB/s}`` of ``obj``'s last step: what
-    this rank sent, beside what an fp32 ring allreduce of the same gradients would have sent, and the
-    effective bandwidth of the exchange's collectives (``Traffic.bandwidth()``'s total; None where no
-    exchange collective was timed). ``obj``: an hvd_quant optimizer, tape or reducer (anything with
-    ``bytes_per_step()``, or an ``hvd_quant_reducer`` that has one); for a stock Horovod optimizer
-    whose ``compression=`` is an hvd_quant codec or :class:`hvd_quant.StockCompression`, the optimizer
-    or the codec: the bytes since the last call."""
+    this rank sent, what an fp32 ring allreduce would have sent, and the exchange's effective
+    bandwidth (None where untimed). ``obj``: anything with ``bytes_per_step()`` (or an
+    ``hvd_quant_reducer`` that has one); a stock Horovod optimizer whose ``compression=`` is ours, or
+    that codec: the bytes since the last call."""
     own = getattr(obj, "hvd_quant_reducer", obj)
     t = own.bytes_per_step() if hasattr(own, "bytes_per_step") else None
     if t is None:
         t = _stock.take_traffic(obj)
     return {"sent": t.sent_bytes, "fp32": t.fp32_bytes, "ratio": t.ratio,
             "gbps": t.bandwidth().get("total", {}).get("gbps")}
-
-
-def node_ranks(rows):
-    """The global ranks of each node, in local-rank order, from every rank's ``(cross rank, local
-    rank, local size)`` (index: global rank). Raises ValueError where nodes hold different numbers
-    of ranks (reduction="two_level" pairs local rank l of every node)."""
-    sizes = {r[2] for r in rows}
-    nodes = {}
-    for g, (cross, local, _) in enumerate(rows):
-        nodes.setdefault(cross, {})[local] = g
-    if len(sizes) != 1 or any(sorted(n) != list(range(len(n))) or len(n) != rows[0][2] for n in nodes.values()):
-        per = {c: len(n) for c, n in sorted(nodes.items())}
-        raise ValueError(f"hvd_quant: reduction='two_level' needs the same number of ranks on every "
-                         f"node; ranks per node (by cross rank): {per}")
-    return [[n[i] for i in range(len(n))] for _, n in sorted(nodes.items())]

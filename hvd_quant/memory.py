@@ -1,21 +1,12 @@
-"""Error-feedback memory: the quantization residuals of a rank, kept by namespace and key.
-
-Error feedback (Seide et al. 2014; Karimireddy et al. 2019) adds back what the last quantization lost
-before quantizing again: ``compensated = gradient + residual[key]``, ``payload =
-encode(compensated)``, ``residual[key] = compensated - decode(payload)``. Two namespaces:
-:attr:`Memory.WORKER`, a rank's own residual keyed by exchange (bucket) name, and
-:attr:`Memory.SERVER`, with SRA the residual of requantizing the reduced chunk this rank owns, keyed
-by ``(exchange name, rank, world size)`` (the chunk a rank owns depends on both). Residuals are
-framework tensors on the gradient's device; :meth:`~Memory.state_dict` and
-:meth:`~Memory.load_state_dict` copy them bit-exactly.
+"""Error-feedback memory (docs/EXCHANGE.md, "Error feedback"): a rank's residuals, :attr:`Memory.WORKER`
+by exchange name, :attr:`Memory.SERVER` (SRA's requantized chunk) by ``(exchange name, rank, size)``.
 """
 
 __all__ = ["Memory"]
 
 
 class Memory:
-    """Residuals by namespace (:attr:`WORKER`, :attr:`SERVER`) and key. ``ops`` is the frontend's
-    :class:`hvd_quant.exchange.ArrayOps` table."""
+    """Residuals by namespace and key, on the frontend's :class:`hvd_quant.exchange.ArrayOps`."""
 
     WORKER = "worker"
     SERVER = "server"

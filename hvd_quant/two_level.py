@@ -2,15 +2,22 @@
 across nodes on this rank's shard of it, the shards gathered inside the node (docs/EXCHANGE.md, "Two
 levels"). An exchange made with that reduction hands its buckets to :class:`TwoLevel`, registered
 in ``exchange.LEVELLED`` when this module is imported (``hvd_quant`` imports it).
+
+The levels are Horovod process sets of the nodes (:func:`node_levels`, a method of every
+:class:`hvd_quant.frontend.Frontend`).
 """
+import importlib
+import os
+import struct
+
 from .exchange import LEVELLED, SUM, TWO_LEVEL, Exchange, Pending, Traffic, chunk_bounds
 
-__all__ = ["TwoLevel"]
+__all__ = ["TwoLevel", "node_levels", "node_ranks"]
 
 
 class TwoLevel:
-    """``reduction="two_level"`` of an :class:`Exchange` (:mod:`hvd_quant.exchange`'s doc): the node's fp32 sum, the codec
-    across nodes on this rank's shard of it, the shards gathered inside the node.
+    """``reduction="two_level"`` of an :class:`Exchange` (:mod:`hvd_quant.exchange`'s doc): the node's
+    fp32 sum, the codec across nodes on this rank's shard of it, the shards gathered inside the node.
 
     The levels come from ``Collectives.levels()`` of the exchange's ``coll``, taken again when that
     changes (elastic). Across two nodes the shards go by allgather (the same bytes as SRA, one
@@ -151,3 +158,78 @@ class _ShardMemory:
 
 
 LEVELLED[TWO_LEVEL] = TwoLevel
+
+
+def node_levels(frontend, process_set, probe=False):
+    """``Collectives.levels`` of the global set (``Frontend.node_levels``): ``(local, cross)``, the
+    Collectives of this rank's node and of the ranks with its local rank, one per node; the global
+    set's where a level spans every rank, None where it has one. The process sets are those
+    registered at ``hvd.init(process_sets=...)``, else added here (every rank at once, in the same
+    order) where Horovod allows it (``hvd.init(process_sets="dynamic")``). ``probe``
+    (``reduction="auto"``): ``(None, None)`` unless the nodes are alike with several ranks each and
+    their process sets can be had, decided alike on every rank and with no collective where
+    Horovod's own layout already rules two levels out."""
+    hvd = frontend.hvd()
+    coll = frontend.collectives(process_set)
+    if process_set.process_set_id != 0:
+        raise ValueError("hvd_quant: reduction='two_level' runs on Horovod's global process set only")
+    if probe:
+        basics = importlib.import_module(f"{frontend.horovod}.mpi_ops")._basics
+        if not (basics.is_homogeneous() and 1 < hvd.local_size() < hvd.size()):
+            return None, None
+        try:
+            return node_levels(frontend, process_set)
+        except ValueError:
+            return None, None
+    key = (coll.size, coll.rank)
+    known = vars(frontend).get("_levels")          # ((size, rank), levels) of the last world
+    if known is not None and known[0] == key:
+        return known[1]
+    me = struct.pack("<3i", hvd.cross_rank(), hvd.local_rank(), hvd.local_size())
+    ops = frontend.ops
+    data = ops.to_bytes(coll.synchronize(coll.allgather_async(ops.from_bytes(me), "hvdq.nodes")))
+    nodes = node_ranks([struct.unpack_from("<3i", data, 12 * r) for r in range(coll.size)])
+    made = {}
+    for ranks in nodes + [list(c) for c in zip(*nodes)]:     # the same order on every rank
+        if 1 < len(ranks) < coll.size:
+            made[tuple(ranks)] = _process_set(frontend, ranks)
+    node = next(n for n in nodes if coll.rank in n)
+
+    def level(ranks):
+        if len(ranks) in (1, coll.size):
+            return None if len(ranks) == 1 else coll
+        return frontend.collectives(made[tuple(ranks)])
+    levels = (level(node), level([n[node.index(coll.rank)] for n in nodes]))
+    frontend._levels = (key, levels)
+    return levels
+
+
+def _process_set(frontend, ranks):
+    hvd = frontend.hvd()
+    basics = importlib.import_module(f"{frontend.horovod}.mpi_ops")._basics
+    for ps_id, members in basics._get_process_set_ids_and_ranks().items():
+        if list(members) == list(ranks):
+            ps = hvd.ProcessSet(ranks)
+            ps.process_set_id = ps_id
+            return ps
+    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
+        raise ValueError(
+            f"hvd_quant: reduction='two_level' needs a Horovod process set of ranks {ranks}: call "
+            f"hvd.init(process_sets='dynamic') (hvd_quant adds the nodes' sets), or register every "
+            f"node's ranks and every local rank's ranks across nodes at hvd.init(process_sets=[...])")
+    return hvd.add_process_set(ranks)
+
+
+def node_ranks(rows):
+    """The global ranks of each node, in local-rank order, from every rank's ``(cross rank, local
+    rank, local size)`` (index: global rank). Raises ValueError where nodes hold different numbers
+    of ranks (reduction="two_level" pairs local rank l of every node)."""
+    sizes = {r[2] for r in rows}
+    nodes = {}
+    for g, (cross, local, _) in enumerate(rows):
+        nodes.setdefault(cross, {})[local] = g
+    if len(sizes) != 1 or any(sorted(n) != list(range(len(n))) or len(n) != rows[0][2] for n in nodes.values()):
+        per = {c: len(n) for c, n in sorted(nodes.items())}
+        raise ValueError(f"hvd_quant: reduction='two_level' needs the same number of ranks on every "
+                         f"node; ranks per node (by cross rank): {per}")
+    return [[n[i] for i in range(len(n))] for _, n in sorted(nodes.items())]
