@@ -49,8 +49,10 @@ _share_cores()
 
 from . import wire
 from .wire import PayloadError
+from . import reference
+from .reference import *  # noqa: F401,F403 - the NumPy specification (``*_ref``) at the package root
 
-__all__ = ["prepare", "wire", "PayloadError"]
+__all__ = ["prepare", "wire", "PayloadError", *reference.__all__]
 
 
 def prepare(method, kind, device, numel, **params):
