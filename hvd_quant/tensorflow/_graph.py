@@ -1,20 +1,13 @@
-"""The core exchange inside a TensorFlow graph (``tf.function``, Keras ``fit``, Horovod's own
-``tf.function`` around gradient reduction; docs/TENSORFLOW.md, "Graph mode and eager mode").
+"""The core exchange inside a TensorFlow graph (docs/TENSORFLOW.md, "Graph mode and eager mode"):
+``tf.numpy_function`` steps calling ``Exchange.start`` / ``advance`` / ``finish``, Horovod's graph
+collectives between them. The core talks to a *recording* Collectives table: its collectives only
+record what to send, ``synchronize`` returns what the graph op delivered. No step waits for another
+rank, so graph order may differ between ranks without deadlock.
 
-Horovod builds its TensorFlow allreduce while *tracing*, so the exchange is built into the graph as
-``tf.numpy_function`` steps that call the core's ``Exchange.start`` / ``advance`` / ``finish``,
-with Horovod's graph collectives between them. The core talks to a *recording* Collectives table:
-its ``alltoall_async`` / ``allgather_async`` only record what to send (the numpy step returns it to
-the graph) and ``synchronize`` returns what the graph op delivered to the next step. No step blocks
-waiting for another rank, so graph order may differ between ranks without deadlock. The first
-execution of each exchange runs a configuration handshake (in a ``tf.cond`` later steps skip) that
-its collectives wait for.
-
-Stock path: :func:`stock_compress` is ``hvd_quant._stock``'s hook for TensorFlow tensors
-(``hvd_quant.dispatch.STOCK_HOOKS``), this module the backend of its graph sessions
-(:func:`stock_backend`). Inside Horovod's ``allreduce_grads`` the first ``compress`` of a call
-plans the whole list, one exchange per bucket (:func:`_fused`; ``reduction="auto"``:
-:class:`GraphAuto`); elsewhere each tensor is exchanged alone.
+Stock path: :func:`stock_compress` is ``hvd_quant._stock``'s hook for TensorFlow tensors, this module
+the backend of its graph sessions. Inside Horovod's ``allreduce_grads`` the first ``compress`` of a
+call plans the whole list (:func:`_fused`; ``reduction="auto"``: :class:`GraphAuto`); elsewhere
+each tensor is exchanged alone.
 """
 import functools
 import os
@@ -29,18 +22,14 @@ import numpy as np
 import tensorflow as tf
 
 from .. import plan as _plan
-from ..exchange import (HANDSHAKE_NAME, TWO_LEVEL, Collectives, Exchange, check_handshake, chunk_bounds,
-                        collectives_for)
+from ..exchange import HANDSHAKE_NAME, TWO_LEVEL, Collectives, Exchange, check_handshake, collectives_for
 from ..scheduler import AutoChoice
 from . import _backend
 from ._backend import OPS, op_name, to_numpy
+from .two_level import GraphTwoLevel
 
 __all__ = ["GraphExchange", "graph_collectives", "horovod_context", "stock_compress",
            "stock_backend", "stock_adapter"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Recording collectives
 
 
 def _deferred(t, *args, **kwargs):
@@ -65,10 +54,6 @@ def graph_collectives(process_set=None):
                                process_set=ps))
 
 
-# --------------------------------------------------------------------------------------------------
-# The exchange as graph ops
-
-
 def numpy_step(fn, inputs, dtype, shape, name):
     """A stateful ``tf.numpy_function`` step on the host, its output of static ``shape``."""
     with tf.device("/cpu:0"):
@@ -84,6 +69,13 @@ def _gather_then(record, nbytes, name, ps, then, dtype, label):
     rec = numpy_step(lambda: np.frombuffer(record(), np.uint8), [], tf.uint8, [nbytes], f"{label}_record")
     gathered = hvd.allgather(rec, name=name, ignore_name_scope=True, process_set=ps)
     return numpy_step(then, [gathered], dtype, [], f"{label}_check")
+
+
+def allreduce(t, name, **kwargs):
+    """Horovod's allreduce of ``t`` under op name ``name`` (a bfloat16 tensor travels as float32)."""
+    send = _backend.FRONTEND.sendable(t) if isinstance(t, tf.Tensor) else t
+    out = hvd.allreduce(send, name=op_name(name), ignore_name_scope=True, **kwargs)
+    return out if send is t else tf.cast(out, t.dtype)
 
 
 def _bytes(arr):
@@ -103,7 +95,7 @@ class GraphExchange:
         self.t_first = None        # host clock at the step's first exchange start, then last finish
         self.t_last = None
         self._keys = weakref.WeakKeyDictionary()   # outermost graph -> names used in it
-        self._levels = None        # two_level: (the node's process set or None, the GraphExchange across)
+        self._levels = None        # reduction="two_level": its GraphTwoLevel
 
     def rebind(self):
         """Bind the exchange to the process set's rank and size now (under ``lock``, at run time):
@@ -117,8 +109,7 @@ class GraphExchange:
         self.steps.clear()
 
     def take_seconds(self):
-        """Seconds from the first exchange start to the last finish since the last call (None if no
-        exchange ran)."""
+        """Seconds from the first exchange start to the last finish since the last call, or None."""
         with self.lock:
             t0, t1 = self.t_first, self.t_last
             self.t_first = self.t_last = None
@@ -169,13 +160,15 @@ class GraphExchange:
         return out
 
     def build(self, key, flat, header, deps=()):
-        """Graph ops computing the float32 **sum over ranks** of the 1-D float32 ``flat`` (static
-        size) with the core's reduction; returns that 1-D float32 tensor. The steps run on the host
-        (a GPU ``flat`` is copied there by TensorFlow: docs/TENSORFLOW.md, "GPU")."""
+        """Graph ops of the float32 **sum over ranks** of the 1-D float32 ``flat`` (static size), by
+        the core's reduction, in host steps (docs/TENSORFLOW.md, "GPU")."""
         ex, ps = self.exchange, self.process_set
         numel = int(flat.shape[0])
         if ex.reduction == TWO_LEVEL:
-            return self._two_level(key, flat, header, deps)
+            if self._levels is None:
+                self._levels = GraphTwoLevel(self, lambda cross, reduction: GraphExchange(
+                    Exchange(ex.codec, graph_collectives(cross), OPS, reduction=reduction, prefix=ex.prefix), cross))
+            return self._levels.build(key, flat, header, deps)
         # SRA's payload sizes follow the world, which elastic Horovod changes under a trace: they
         # are computed when the steps run, and the shapes left open
         sra = ex.reduction == "sra"
@@ -198,41 +191,7 @@ class GraphExchange:
         return numpy_step(functools.partial(self._finish, flight, numel), [gathered], tf.float32,
                            [numel], "hvdq_finish")
 
-    def _two_level(self, key, flat, header, deps):
-        """``reduction="two_level"`` as graph ops (``hvd_quant.exchange``'s module doc): the node's fp32
-        sum (Horovod's allreduce over the node's process set), this rank's shard of it through another
-        GraphExchange on the cross-node set, the shards gathered by a Sum allreduce of each in place."""
-        ex = self.exchange
-        if self._levels is None:
-            if ex.memory is not None:
-                raise ValueError("hvd_quant: reduction='two_level' with error feedback runs in "
-                                 "PyTorch only; TensorFlow takes it without")
-            with tf.init_scope():       # eager collectives, also while tracing
-                local, cross = _backend.FRONTEND.collectives(self.process_set).levels()
-            if cross is not None:
-                cross = GraphExchange(Exchange(ex.codec, graph_collectives(cross.process_set), OPS,
-                                               reduction="allgather" if cross.size == 2 else "sra",
-                                               prefix=ex.prefix), cross.process_set)
-            self._levels = (None if local is None else local.process_set, cross)
-        local, cross = self._levels
-        numel, shard = int(flat.shape[0]), flat
-        if local is not None:
-            a, b = chunk_bounds(numel, local.size(), ex.align)[local.rank()]
-            with tf.control_dependencies(list(deps)):
-                total = hvd.allreduce(flat, op=hvd.Sum, name=op_name(f"{ex.prefix}.node.{key}"),
-                                      ignore_name_scope=True, process_set=local)
-            if cross is None:           # one node: its sum is the result
-                return total
-            shard, deps = total[a:b], ()
-        if cross is not None:
-            shard = cross.build(key, shard, header, deps)
-        if local is not None:
-            shard = hvd.allreduce(tf.pad(shard, [[a, numel - b]]), op=hvd.Sum, ignore_name_scope=True,
-                                  name=op_name(f"{ex.prefix}.gather.{key}"), process_set=local)
-        return shard
-
-    # The numpy steps (run at execution time, under one lock per engine: the core and the codec
-    # keep per-name state).
+    # The numpy steps, run at execution time under the engine's lock (the core keeps per-name state).
     def _start(self, flight, key, header, flat):
         with self.lock:
             self.rebind()
@@ -264,10 +223,6 @@ class GraphExchange:
             out = self.exchange.finish(p)
             self.t_last = time.perf_counter()
             return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
-
-
-# --------------------------------------------------------------------------------------------------
-# hvd_quant._stock in graph mode
 
 
 def stock_backend(process_set=None):
@@ -382,19 +337,15 @@ class _GraphCtx:
     __slots__ = ("result", "info", "size", "plain")
 
     def __init__(self, result, info, size, plain=None):
-        # size: the traced process set's, a Python int as in Horovod's own allreduce (this path
-        # refuses elastic Horovod); a size op (stateful) would make TensorFlow run every gradient's
-        # branch in program order after the compressed buckets, the allreduce way's too
-        self.result, self.info, self.size = result, info, size
-        self.plain = plain
+        # size: a Python int, as in Horovod's own allreduce (this path refuses elastic Horovod); a
+        # size op (stateful) would run every gradient's branch in program order
+        self.result, self.info, self.size, self.plain = result, info, size, plain
 
     def stock_decompress(self, summed_placeholder):
         # placeholder sum / N = the factor Horovod would apply to the sum (op, pre/postscale).
         factor = tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32) / np.float32(self.size)
         out = _backend.FRONTEND.cast_back(self.result * factor, self.info)
-        if self.plain is not None:
-            # one of the two is empty (the way not taken): no conditional, whose call would cost
-            # more than this copy
+        if self.plain is not None:      # one of the two is empty (the way not taken)
             out = tf.concat([self.plain, tf.reshape(out, [-1])], 0)
         return tf.reshape(out, self.info.shape)
 
@@ -452,12 +403,10 @@ class GraphAuto:
         ``hctx``) when ``route`` says so, else of an empty slice of it (cheaper than a ``tf.cond``).
         Built in ``compress``, so it waits for the gradient and the route only."""
         use = tf.equal(route, self.CANDIDATES.index(_plan.ALLREDUCE))
-        flat = tf.reshape(_backend.FRONTEND.sendable(tensor), [-1])      # bfloat16 travels as float32
+        flat = tf.reshape(tensor, [-1])
         part = tf.slice(flat, [0], tf.where(use, tf.shape(flat), tf.zeros([1], tf.int32)))
-        out = hvd.allreduce(
-            part, op=hctx.op, prescale_factor=hctx.prescale, postscale_factor=hctx.postscale,
-            name=op_name(f"{name}.ar"), ignore_name_scope=True, process_set=self.process_set)
-        return out if out.dtype == tensor.dtype else tf.cast(out, tensor.dtype)
+        return allreduce(part, f"{name}.ar", op=hctx.op, prescale_factor=hctx.prescale,
+                         postscale_factor=hctx.postscale, process_set=self.process_set)
 
 
 # outermost graph -> {(id(grads), id(sc), process set id): (grads, what _fused returns)}

@@ -1,8 +1,5 @@
-"""``GradientReducer``: the compressed gradient reduction behind every TensorFlow entry point.
-
-Horovod's TensorFlow wrappers all reduce gradients through one function, ``_allreduce_grads(grads,
-vars)``; hvd_quant's wrappers are Horovod's own with that function replaced by a reducer, which per
-traced signature:
+"""``GradientReducer``: the compressed gradient reduction behind every TensorFlow entry point
+(Horovod's wrappers with their ``_allreduce_grads(grads, vars)`` replaced by one). Per traced signature:
 
 1. plans (:func:`hvd_quant.plan.make_plan`): compressible gradients fused into buckets, the others
    (1-D, small, ``tf.IndexedSlices`` unless ``sparse_as_dense``) through ``hvd.allreduce``;
@@ -32,8 +29,8 @@ from ..exchange import AVERAGE, HANDSHAKE_NAME, Exchange, Traffic
 from ..memory import Memory
 from ..scheduler import step_metrics
 from . import _backend
-from ._backend import OPS, op_name
-from ._graph import GraphExchange, describe_gradient, graph_collectives, gradient_names, numpy_step
+from ._backend import OPS
+from ._graph import GraphExchange, allreduce, describe_gradient, graph_collectives, gradient_names, numpy_step
 
 
 __all__ = ["GradientReducer"]
@@ -97,9 +94,6 @@ class GradientReducer(_Trackable):
         """Reductions run so far (a tf.Variable; saved and restored with the state)."""
         return self._step
 
-    def summary(self):
-        return self.config.summary()
-
     def _connect(self):
         ps = self.process_set
         coll = graph_collectives(ps)
@@ -154,13 +148,9 @@ class GradientReducer(_Trackable):
 
     def _allreduce(self, g, name):
         pre, post = self.config.allreduce_factors()
-        hop = _backend.hvd_op(self.op)
-        send = _backend.FRONTEND.sendable(g) if isinstance(g, tf.Tensor) else g   # bfloat16 as float32
-        out = hvd.allreduce(send, op=hop, prescale_factor=pre, postscale_factor=post,
-                            name=op_name(f"{_PREFIX}.p.{name}"), ignore_name_scope=True,
-                            process_set=self.process_set, device_dense=self.device_dense,
-                            device_sparse=self.device_sparse)
-        return out if send is g else tf.cast(out, g.dtype)
+        return allreduce(g, f"{_PREFIX}.p.{name}", op=_backend.hvd_op(self.op), prescale_factor=pre,
+                         postscale_factor=post, process_set=self.process_set, device_dense=self.device_dense,
+                         device_sparse=self.device_sparse)
 
     def _compressed(self, engine, plan, grads):
         # op=Average: 1/N of the size when the graph runs (elastic Horovod changes it under a trace),
@@ -219,8 +209,7 @@ class GradientReducer(_Trackable):
         return np.int64(0)
 
     def bytes_per_step(self):
-        """:class:`hvd_quant.exchange.Traffic` of the last reduction: bytes this rank sent and what an
-        fp32 ring allreduce of the same gradients would have sent (``.sent_bytes``, ``.fp32_bytes``,
+        """:class:`hvd_quant.exchange.Traffic` of the last reduction (``.sent_bytes``, ``.fp32_bytes``,
         ``.ratio``)."""
         return self.last_traffic
 
@@ -294,15 +283,11 @@ class GradientReducer(_Trackable):
     def serialize(self):
         """The state as bytes (NumPy ``.npz``; no pickle)."""
         st = self.state_dict()
-        arrays, rnames, snames = {}, [], []
-        for k, (name, v) in enumerate(sorted(st["residuals"].items())):
-            arrays[f"r{k}"] = v
-            rnames.append(name)
-        for k, (key, v) in enumerate(sorted(st["server_residuals"].items())):
-            arrays[f"s{k}"] = v
-            snames.append(list(key))
+        worker, server = sorted(st["residuals"].items()), sorted(st["server_residuals"].items())
+        arrays = {f"r{k}": v for k, (_, v) in enumerate(worker)} | {f"s{k}": v for k, (_, v) in enumerate(server)}
         meta = {"format": 2, "step": st["step"], "codec": st["codec"], "reduction": st["reduction"],
-                "residuals": rnames, "server_residuals": snames, "exchange_steps": st["exchange_steps"]}
+                "residuals": [n for n, _ in worker], "server_residuals": [list(k) for k, _ in server],
+                "exchange_steps": st["exchange_steps"]}
         buf = io.BytesIO()
         np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
         return buf.getvalue()
