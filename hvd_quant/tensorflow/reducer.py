@@ -39,10 +39,6 @@ _PREFIX = "hvdq.tf"
 _Trackable = tf.__internal__.tracking.Trackable
 
 
-def _join(arrays):
-    return np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in arrays])
-
-
 class GradientReducer(_Trackable):
     """Reduce a list of gradients across ranks with a compressed exchange (module doc).
 
@@ -139,8 +135,7 @@ class GradientReducer(_Trackable):
         grads = list(grads)
         variables = list(vars) if vars is not None else None
         # The names are a Python argument, hence part of the trace key: tf.function would otherwise
-        # reuse a trace (and its names, hence its collectives' names) for other variables of the
-        # same shapes.
+        # reuse a trace (and its collectives' names) for other variables of the same shapes.
         names = gradient_names(grads, variables)
         if tf.executing_eagerly():
             return self._eager_fn(grads, variables, names)
@@ -224,17 +219,14 @@ class GradientReducer(_Trackable):
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self):
         """``{"step", "codec", "reduction", "residuals": {var name: array}, "server_residuals":
-        {(bucket header, rank, size): array}, "exchange_steps": {bucket: count}}`` (NumPy copies;
-        this rank's). The exchange counters key the stochastic rounding, so a restored run draws the
-        same noise."""
+        {(bucket header, rank, size): array}, "exchange_steps": {bucket: count}}``: this rank's, as
+        NumPy copies. The exchange counters key the stochastic rounding (a resumed run draws the same noise)."""
         with self._lock:
             residuals, server = dict(self._restored), dict(self._restored_server)
-            for trace in self._traces.values():
-                if self.memory is not None:
-                    worker, own = _plan.save_residuals(self.memory, trace.plan.buckets,
-                                                       lambda a: np.array(a, np.float32))
-                    residuals.update(worker)
-                    server.update(own)
+            for trace in self._traces.values() if self.memory is not None else ():
+                worker, own = _plan.save_residuals(self.memory, trace.plan.buckets, lambda a: np.array(a, np.float32))
+                residuals.update(worker)
+                server.update(own)
             steps = {k.removeprefix(_PREFIX + "."): v for k, v in self._counters().items()}
         return {"step": int(self._step.numpy()), "codec": self.codec.spec(),
                 "reduction": self.reduction, "residuals": residuals, "server_residuals": server,
@@ -257,19 +249,17 @@ class GradientReducer(_Trackable):
                                      if isinstance(k, tuple) and len(k) == 3}
             self._apply_restored(self._traces.values())
 
-    # The state stores the exchange counters without the exchange names' prefix (``hvdq.tf``), so a
-    # checkpoint restores into another instance (another process, another order).
     def _counters(self):
-        """The exchange counters: the engine's, else those restored before it exists."""
+        """The exchange counters: the engine's, else those restored before it exists (the state keeps
+        them without the ``hvdq.tf`` prefix, so a checkpoint restores into another instance)."""
         return self._restored_steps if self._engine is None else self._engine.steps
 
     def _apply_restored(self, traces):
         if self.memory is None or not (self._restored or self._restored_server):
             return
-        for trace in traces:
-            # residuals are kept on the host until the exchange fetches them
+        for trace in traces:        # kept on the host until the exchange fetches them
             _plan.restore_residuals(self.memory, trace.plan.buckets, self._restored, self._restored_server,
-                                    _join)
+                                    OPS.flatten)
 
     def reset_residuals(self):
         """Forget every error-feedback residual (e.g. after restoring another rank's checkpoint)."""
