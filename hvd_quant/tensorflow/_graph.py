@@ -83,17 +83,15 @@ def _bytes(arr):
 
 
 class GraphExchange:
-    """Builds exchanges of one :class:`~hvd_quant.exchange.Exchange` (whose ``coll`` is a
-    :func:`graph_collectives` table) into the graph being traced."""
+    """Builds exchanges of one :class:`~hvd_quant.exchange.Exchange` (on a :func:`graph_collectives`
+    table) into the graph being traced."""
 
     def __init__(self, exchange, process_set):
-        self.exchange = exchange
-        self.process_set = process_set
+        self.exchange, self.process_set = exchange, process_set
         self.lock = threading.RLock()
         self.steps = {}            # exchange name -> executions started (payload header tags)
         self.verified = set()      # names whose handshake passed
-        self.t_first = None        # host clock at the step's first exchange start, then last finish
-        self.t_last = None
+        self.t_first = self.t_last = None      # host clock at the step's first start and last finish
         self._keys = weakref.WeakKeyDictionary()   # outermost graph -> names used in it
         self._levels = None        # reduction="two_level": its GraphTwoLevel
 
@@ -126,8 +124,8 @@ class GraphExchange:
         return base if k == 0 else f"{base}#{k}"
 
     def handshake(self, key, record, what, name=None):
-        """A scalar bool op: on the first execution of ``key`` (on this process) allgathers
-        ``record`` and raises ConfigMismatchError on every rank if any rank's record differs."""
+        """A scalar bool op: the first execution of ``key`` allgathers ``record``; ConfigMismatchError
+        on every rank if the records differ."""
         def need():
             with self.lock:
                 self.rebind()
@@ -226,7 +224,7 @@ class GraphExchange:
 
 
 def stock_backend(process_set=None):
-    """This module is the hvd_quant._stock backend of graph sessions: (recording Collectives, ArrayOps)."""
+    """(recording Collectives, ArrayOps): this module is hvd_quant._stock's backend in graphs."""
     return graph_collectives(process_set), OPS
 
 
@@ -245,8 +243,7 @@ def horovod_context(tensor):
     identity, else the ``i`` of the comprehension over ``enumerate(grads)``), autograph's converted
     copies (``tf__*``, ``else_body_*``, lambdas) included."""
     ctx = types.SimpleNamespace(**dict.fromkeys(_CONTEXT))
-    seen = False
-    index = None
+    seen, index = False, None
     f = sys._getframe(1)
     for _ in range(150):
         if f is None:
@@ -287,8 +284,7 @@ def horovod_context(tensor):
 
 
 def gradient_names(grads, variables):
-    """One name per gradient: its variable's (``"dense/kernel:0"``), else ``grad_<i>``; repeats get
-    ``#k``."""
+    """One name per gradient: its variable's (``"dense/kernel:0"``), else ``grad_<i>``; repeats get ``#k``."""
     names = ([getattr(v, "name", None) or f"grad_{i}" for i, v in enumerate(variables)]
              if variables is not None else [f"grad_{i}" for i in range(len(grads))])
     seen, out = {}, []
@@ -314,8 +310,7 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def _engine(sc, process_set, reduction=None):
-    """The GraphExchange of ``sc``'s session on ``process_set``: its exchange for ``reduction``
-    (default: the session's own)."""
+    """The GraphExchange of ``sc``'s session on ``process_set`` for ``reduction`` (default: the session's)."""
     session = sc.session(sys.modules[__name__], process_set)
     exchange = session.exchange if reduction is None else session.exchange_for(reduction)
     with _ENGINES_LOCK:
@@ -331,9 +326,8 @@ _AUTOS = weakref.WeakKeyDictionary()
 
 
 class _GraphCtx:
-    """ctx of a gradient whose exchange was built into the graph; Horovod hands it back to
-    ``decompress`` with the allreduced placeholder. ``plain``: under ``reduction="auto"``,
-    :meth:`GraphAuto.plain`'s allreduce of the gradient (empty on the compressed ways)."""
+    """ctx of a gradient whose exchange is in the graph, handed back to ``decompress`` with the summed
+    placeholder. ``plain``: under ``reduction="auto"``, :meth:`GraphAuto.plain`'s allreduce."""
     __slots__ = ("result", "info", "size", "plain")
 
     def __init__(self, result, info, size, plain=None):
@@ -351,11 +345,10 @@ class _GraphCtx:
 
 
 class GraphAuto:
-    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`): :meth:`route` is an
-    op, run once per execution of the reduction, giving the index in ``CANDIDATES`` of the way this
-    step's buckets travel (a step's time: the host time between two executions). When the schedule
-    ends, the ranks allgather their medians (a ``tf.cond`` later steps skip) and take the same
-    choice; rank 0 logs it."""
+    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`): :meth:`route`, an op
+    run once per step, gives the index in ``CANDIDATES`` of this step's way (a step: the host time
+    between two runs). At the schedule's end the ranks allgather their medians (in a ``tf.cond``) and
+    take the same choice; rank 0 logs it."""
     CANDIDATES = AutoChoice.CANDIDATES
 
     def __init__(self, name, process_set, engines):
@@ -389,9 +382,8 @@ class GraphAuto:
         return tf.cond(r < 0, decide, lambda: tf.identity(r))
 
     def bucket(self, route, b, grads):
-        """Bucket ``b``'s members' float32 sums over ranks (a list, shaped as the gradients) by the
-        compressed way ``route`` says; empty tensors when it says Horovod's allreduce, which
-        :meth:`plain` then does per gradient."""
+        """Bucket ``b``'s members' float32 sums over ranks (a list) by the compressed way ``route``
+        says; empty tensors on Horovod's allreduce way, which :meth:`plain` takes."""
         def way(c):
             if c == _plan.ALLREDUCE:
                 return lambda: [tf.zeros([0], tf.float32) for _ in b.members]
@@ -399,9 +391,8 @@ class GraphAuto:
         return tf.switch_case(route, [way(c) for c in self.CANDIDATES])
 
     def plain(self, route, tensor, hctx, name):
-        """Horovod's allreduce of ``tensor`` flattened (with the arguments of Horovod's own call,
-        ``hctx``) when ``route`` says so, else of an empty slice of it (cheaper than a ``tf.cond``).
-        Built in ``compress``, so it waits for the gradient and the route only."""
+        """Horovod's allreduce of ``tensor`` flattened (with ``hctx``, Horovod's own call's arguments)
+        when ``route`` says so, else of an empty slice of it (cheaper than a ``tf.cond``)."""
         use = tf.equal(route, self.CANDIDATES.index(_plan.ALLREDUCE))
         flat = tf.reshape(tensor, [-1])
         part = tf.slice(flat, [0], tf.where(use, tf.shape(flat), tf.zeros([1], tf.int32)))
@@ -415,10 +406,9 @@ _FUSED = weakref.WeakKeyDictionary()
 
 def _fused(sc, ps, hctx):
     """``({gradient index: float32 sum over ranks}, GraphAuto or None, its route op, the names)`` of
-    the ``allreduce_grads`` call ``hctx`` was read from: its gradients planned into buckets and built
-    once, at the call's first ``compress``, in the graph that holds them (Horovod builds each
-    gradient's allreduce in a ``tf.cond`` branch that captures the result). ``reduction="auto"``:
-    a :class:`GraphAuto` per plan and process set, kept across traces."""
+    the ``allreduce_grads`` call of ``hctx``: its gradients planned and built once, at its first
+    ``compress``, in the graph that holds them (not in the ``tf.cond`` branch of Horovod's
+    allreduce). ``reduction="auto"``: a :class:`GraphAuto` per plan and process set, across traces."""
     grads = hctx.grads
     outer = next(g.graph for g in grads if isinstance(g, tf.Tensor))
     key = (id(grads), id(sc), ps.process_set_id)
@@ -455,8 +445,8 @@ def _fused(sc, ps, hctx):
 
 
 def stock_compress(sc, tensor):
-    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path; a symbolic
-    one's exchange is built into the graph (module doc) and its placeholder returned."""
+    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path, a symbolic
+    one's exchange goes into the graph (its placeholder returned)."""
     from .. import _stock
     if tf.executing_eagerly() and hasattr(tensor, "numpy"):
         return sc.compress_on(_backend.FRONTEND, tensor)

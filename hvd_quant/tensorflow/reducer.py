@@ -42,14 +42,9 @@ _Trackable = tf.__internal__.tracking.Trackable
 class GradientReducer(_Trackable):
     """Reduce a list of gradients across ranks with a compressed exchange (module doc).
 
-    Arguments are Horovod's (``op``, ``gradient_predivide_factor``, ``groups``, ``sparse_as_dense``,
-    ``process_set``, ``device_dense``, ``device_sparse``) and hvd_quant's: ``compression`` (a codec, a
-    spec string or ``hvd.Compression.none/fp16``), ``reduction`` (``"sra"``, ``"allgather"`` or
-    ``"two_level"``), ``bucket_bytes``, ``min_compress_numel``, ``compress_1d``, ``warmup_steps``,
-    ``error_feedback`` (docs/TENSORFLOW.md, the table); ``device_exchange=True`` raises
-    (:data:`~hvd_quant.tensorflow._backend.GPU_REFUSED`). Call it as Horovod calls its own:
-    ``reducer(grads, vars)`` -> reduced grads (``None`` stays ``None``), eagerly (it wraps itself in
-    a ``tf.function``) or inside a graph.
+    Arguments: Horovod's, and hvd_quant's (docs/TENSORFLOW.md, the table); ``device_exchange=True``
+    raises (docs/TENSORFLOW.md, "GPU"). Called as Horovod calls its own, ``reducer(grads, vars)`` ->
+    reduced grads (``None`` stays ``None``), eagerly (it wraps itself in a ``tf.function``) or in a graph.
     """
 
     def __init__(self, compression=None, op=None, reduction="sra", bucket_bytes=_plan.BUCKET_BYTES,
@@ -67,8 +62,7 @@ class GradientReducer(_Trackable):
             error_feedback=error_feedback, op=op, predivide=gradient_predivide_factor)
         self.op, self.codec, self.reduction = op, self.config.codec, reduction
         self.warmup_steps, self.error_feedback = self.config.warmup_steps, self.config.error_feedback
-        self.groups = groups
-        self.sparse_as_dense = bool(sparse_as_dense)
+        self.groups, self.sparse_as_dense = groups, bool(sparse_as_dense)
         self.process_set = hvd.global_process_set if process_set is None else process_set
         self.device_dense, self.device_sparse = device_dense, device_sparse
         self.memory = Memory(OPS) if self.error_feedback else None
