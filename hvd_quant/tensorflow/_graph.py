@@ -86,10 +86,10 @@ class GraphExchange:
     """Builds exchanges of one :class:`~hvd_quant.exchange.Exchange` (on a :func:`graph_collectives`
     table) into the graph being traced."""
 
-    def __init__(self, exchange, process_set):
+    def __init__(self, exchange, process_set, steps=None):
         self.exchange, self.process_set = exchange, process_set
         self.lock = threading.RLock()
-        self.steps = {}            # exchange name -> executions started (payload header tags)
+        self.steps = {} if steps is None else steps     # exchange name -> executions started
         self.verified = set()      # names whose handshake passed
         self.t_first = self.t_last = None      # host clock at the step's first start and last finish
         self._keys = weakref.WeakKeyDictionary()   # outermost graph -> names used in it

@@ -73,7 +73,7 @@ class GradientReducer(_Trackable):
         self._lock = threading.RLock()
         self._restored = {}            # var name -> residual, until its bucket is planned
         self._restored_server = {}
-        self._restored_steps = {}      # exchange name -> executions (stochastic rounding's counter)
+        self._steps = {}               # exchange name -> executions (its engine's counters)
         self.last_traffic = Traffic()
         self._last = (None, ())        # (plan, routes) of the last reduction (step_metrics)
         self._eager_fn = tf.function(self._reduce, autograph=False)
@@ -90,9 +90,7 @@ class GradientReducer(_Trackable):
         if self._engine is None or self._engine.exchange.coll is not coll:
             exchange = Exchange(self.codec, coll, OPS, reduction=self.reduction, memory=self.memory,
                                 prefix=_PREFIX)
-            steps = self._counters()
-            self._engine = GraphExchange(exchange, ps)
-            self._engine.steps.update(steps)
+            self._engine = GraphExchange(exchange, ps, self._steps)
         return self._engine
 
     # -- plan -----------------------------------------------------------------------------------------
@@ -221,7 +219,8 @@ class GradientReducer(_Trackable):
                 worker, own = _plan.save_residuals(self.memory, trace.plan.buckets, lambda a: np.array(a, np.float32))
                 residuals.update(worker)
                 server.update(own)
-            steps = {k.removeprefix(_PREFIX + "."): v for k, v in self._counters().items()}
+            # the counters without the prefix: a checkpoint restores into another instance
+            steps = {k.removeprefix(_PREFIX + "."): v for k, v in self._steps.items()}
         return {"step": int(self._step.numpy()), "codec": self.codec.spec(),
                 "reduction": self.reduction, "residuals": residuals, "server_residuals": server,
                 "exchange_steps": steps}
@@ -231,9 +230,8 @@ class GradientReducer(_Trackable):
         ``(bucket header, rank, size)`` are ignored)."""
         with self._lock:
             self._step.assign(int(state.get("step", 0)))
-            steps = {f"{_PREFIX}.{k}": int(v) for k, v in state.get("exchange_steps", {}).items()}
-            self._counters().clear()
-            self._counters().update(steps)
+            self._steps.clear()
+            self._steps.update({f"{_PREFIX}.{k}": int(v) for k, v in state.get("exchange_steps", {}).items()})
             if self.memory is None:
                 return
             self.memory.clear()
@@ -242,11 +240,6 @@ class GradientReducer(_Trackable):
                                      for k, v in state.get("server_residuals", {}).items()
                                      if isinstance(k, tuple) and len(k) == 3}
             self._apply_restored(self._traces.values())
-
-    def _counters(self):
-        """The exchange counters: the engine's, else those restored before it exists (the state keeps
-        them without the ``hvdq.tf`` prefix, so a checkpoint restores into another instance)."""
-        return self._restored_steps if self._engine is None else self._engine.steps
 
     def _apply_restored(self, traces):
         if self.memory is None or not (self._restored or self._restored_server):
