@@ -26,11 +26,9 @@ def install_reducer(obj, reducer):
     track ``reducer`` under the checkpoint dependency name ``hvd_quant`` where ``obj`` is trackable."""
     object.__setattr__(obj, "_allreduce_grads", reducer)
     helper = getattr(obj, "_agg_helper", None)
-    if helper is not None:                       # backward_passes_per_step > 1
-        if hasattr(helper, "_allreduce_grads"):
-            helper._allreduce_grads = reducer
-        if hasattr(helper, "allreduce_grads"):
-            helper.allreduce_grads = reducer
+    for attr in ("_allreduce_grads", "allreduce_grads"):     # backward_passes_per_step > 1
+        if hasattr(helper, attr):
+            setattr(helper, attr, reducer)
     track = getattr(obj, "_track_trackable", None)
     if track is not None:
         track(reducer, name="hvd_quant", overwrite=True)
@@ -40,9 +38,7 @@ def install_reducer(obj, reducer):
 
 def reducer_of(obj):
     """The :class:`GradientReducer` of an hvd_quant tape or optimizer (or ``obj`` if it is one)."""
-    if isinstance(obj, GradientReducer):
-        return obj
-    r = getattr(obj, "hvd_quant_reducer", None)
+    r = obj if isinstance(obj, GradientReducer) else getattr(obj, "hvd_quant_reducer", None)
     if r is None:
         raise TypeError(f"{type(obj).__name__} was not made by hvd_quant.tensorflow")
     return r
