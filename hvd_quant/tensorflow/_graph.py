@@ -123,9 +123,9 @@ class GraphExchange:
         used[base] = k + 1
         return base if k == 0 else f"{base}#{k}"
 
-    def handshake(self, key, record, what, name=None):
-        """A scalar bool op: the first execution of ``key`` allgathers ``record``; ConfigMismatchError
-        on every rank if the records differ."""
+    def handshake(self, key, record, what):
+        """A scalar bool op: the first execution of ``key`` (also the allgather's name) allgathers
+        ``record``; ConfigMismatchError on every rank if the records differ."""
         def need():
             with self.lock:
                 self.rebind()
@@ -137,9 +137,8 @@ class GraphExchange:
                 self.verified.add(key)
             return np.bool_(True)
 
-        hs_name = op_name(name or f"{self.exchange.prefix}.hs.{key}")
         flag = numpy_step(need, [], tf.bool, [], "hvdq_handshake_needed")
-        return tf.cond(flag, lambda: _gather_then(lambda: record, len(record), hs_name, self.process_set,
+        return tf.cond(flag, lambda: _gather_then(lambda: record, len(record), op_name(key), self.process_set,
                                                   check, tf.bool, "hvdq_handshake"),
                        lambda: tf.constant(True))
 
@@ -422,7 +421,7 @@ def _fused(sc, ps, hctx):
     hs = f"{HANDSHAKE_NAME}.stock.{_plan.digest(names)}"
     eng = _engine(sc, ps)
     with outer.as_default():
-        ok = eng.handshake(hs, plan.record, "compression= of Horovod's TensorFlow gradients", name=hs)
+        ok = eng.handshake(hs, plan.record, "compression= of Horovod's TensorFlow gradients")
         with tf.control_dependencies([ok]):
             auto = route = None
             if not plan.buckets:
@@ -471,7 +470,7 @@ def stock_compress(sc, tensor):
             return adapter.placeholder(tensor), _GraphCtx(result, info, ps.size(), plain)
     eng = _engine(sc, ps)
     key = eng.unique_key(hctx.name or hctx.variable or tensor.name)
-    ok = eng.handshake(key, sc.record(key, info.shape), f"tensor {key!r}")
+    ok = eng.handshake(f"{eng.exchange.prefix}.hs.{key}", sc.record(key, info.shape), f"tensor {key!r}")
     flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
     result = eng.build(key, flat, header=_stock.header(key, info.shape), deps=[ok])
     return adapter.placeholder(tensor), _GraphCtx(result, info, ps.size())

@@ -161,8 +161,7 @@ class GradientReducer(_Trackable):
             engine = self._connect()
             trace = self._trace_for(grads, variables, list(names))
         plan = trace.plan
-        ok = engine.handshake(trace.key, plan.record, "hvd_quant.tensorflow gradient reduction",
-                              name=trace.key)
+        ok = engine.handshake(trace.key, plan.record, "hvd_quant.tensorflow gradient reduction")
         out = list(grads)
         with tf.control_dependencies([ok]):
             for i in plan.plain:
