@@ -148,9 +148,10 @@ class TensorFlowFrontend(Frontend):
                            levels=levels)
 
     # -- primitives of the stock path -------------------------------------------------------------
-    @staticmethod
-    def is_floating(dtype):
-        return dtype.is_floating
+    is_floating = staticmethod(lambda dtype: dtype.is_floating)
+    cast = staticmethod(tf.cast)
+    as_float = staticmethod(lambda t: to_numpy(t, np.float32).reshape(-1))
+    split = staticmethod(lambda flat, sizes: tf.split(flat, list(sizes)) if len(sizes) > 1 else [flat])
 
     @staticmethod
     def describe(t):
@@ -163,18 +164,6 @@ class TensorFlowFrontend(Frontend):
     def ones(n, dtype, like):
         with tf.device(getattr(like, "device", "") or ""):
             return tf.ones([n], dtype=dtype, name="hvdq_placeholder")
-
-    @staticmethod
-    def cast(t, dtype):
-        return tf.cast(t, dtype)
-
-    @staticmethod
-    def as_float(t):
-        return to_numpy(t, np.float32).reshape(-1)
-
-    @staticmethod
-    def split(flat, sizes):
-        return tf.split(flat, list(sizes)) if len(sizes) > 1 else [flat]
 
     def restore(self, flat, info):
         with tf.device(info.device):

@@ -7,11 +7,10 @@
    :class:`~hvd_quant.exchange.ConfigMismatchError` before any gradient collective);
 3. builds each bucket's exchange into the graph (``_graph.py``): the float32 sum over ranks, divided
    by N for ``op=hvd.Average``, split back into the gradients;
-4. while ``step < warmup_steps`` (a ``tf.cond``, so one trace serves both phases) sends every
-   gradient through full-precision ``hvd.allreduce`` instead.
+4. while ``step < warmup_steps`` (a ``tf.cond``: one trace serves both phases) sends every gradient
+   through full-precision ``hvd.allreduce`` instead.
 
-It is a TensorFlow ``Trackable``: the step, the exchange counters and the error-feedback residuals
-(keyed by variable name) are saved per rank as one string (docs/TENSORFLOW.md, "Checkpoints").
+A TensorFlow ``Trackable``: its state is saved per rank as one string (docs/TENSORFLOW.md, "Checkpoints").
 """
 import functools
 import io
@@ -67,7 +66,8 @@ class GradientReducer(_Trackable):
         self.device_dense, self.device_sparse = device_dense, device_sparse
         self.memory = Memory(OPS) if self.error_feedback else None
         with tf.init_scope():
-            self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
+            # reductions run so far (warm-up), saved and restored with the state
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
         self._traces = {}
         self._engine = None
         self._lock = threading.RLock()
@@ -79,11 +79,6 @@ class GradientReducer(_Trackable):
         self._eager_fn = tf.function(self._reduce, autograph=False)
 
     # -- configuration --------------------------------------------------------------------------------
-    @property
-    def step(self):
-        """Reductions run so far (a tf.Variable; saved and restored with the state)."""
-        return self._step
-
     def _connect(self):
         ps = self.process_set
         coll = graph_collectives(ps)
@@ -167,7 +162,7 @@ class GradientReducer(_Trackable):
             for i in plan.plain:
                 out[i] = self._allreduce(grads[i], trace.names[i])
             if plan.compressed and self.warmup_steps > 0:
-                warm = self._step < self.warmup_steps
+                warm = self.step < self.warmup_steps
                 reduced = tf.cond(
                     warm, lambda: [self._allreduce(grads[i], trace.names[i]) for i in plan.compressed],
                     lambda: self._compressed(engine, plan, grads))
@@ -177,7 +172,7 @@ class GradientReducer(_Trackable):
             for i, r in zip(plan.compressed, reduced):
                 out[i] = r
             with tf.control_dependencies([t for t in out if isinstance(t, tf.Tensor)]):
-                self._step.assign_add(1)
+                self.step.assign_add(1)
                 numpy_step(functools.partial(self._account, engine, trace), [warm], tf.int64, [],
                            "hvdq_account")
         return out
@@ -220,7 +215,7 @@ class GradientReducer(_Trackable):
                 server.update(own)
             # the counters without the prefix: a checkpoint restores into another instance
             steps = {k.removeprefix(_PREFIX + "."): v for k, v in self._steps.items()}
-        return {"step": int(self._step.numpy()), "codec": self.codec.spec(),
+        return {"step": int(self.step.numpy()), "codec": self.codec.spec(),
                 "reduction": self.reduction, "residuals": residuals, "server_residuals": server,
                 "exchange_steps": steps}
 
@@ -228,7 +223,7 @@ class GradientReducer(_Trackable):
         """Restore what :meth:`state_dict` returned (server residuals keyed otherwise than by
         ``(bucket header, rank, size)`` are ignored)."""
         with self._lock:
-            self._step.assign(int(state.get("step", 0)))
+            self.step.assign(int(state.get("step", 0)))
             self._steps.clear()
             self._steps.update({f"{_PREFIX}.{k}": int(v) for k, v in state.get("exchange_steps", {}).items()})
             if self.memory is None:
