@@ -47,11 +47,9 @@ _GRAPH_COLL = {}
 def graph_collectives(process_set=None):
     """The recording Collectives table (rank and size of ``process_set``) used inside graphs."""
     return collectives_for(_GRAPH_COLL, hvd.global_process_set if process_set is None else process_set,
-                           lambda ps: Collectives(
-                               rank=ps.rank(), size=ps.size(),
-                               allgather_async=_deferred, alltoall_async=_deferred,
-                               allreduce_async=_no_allreduce, synchronize=lambda h: h.result,
-                               process_set=ps))
+                           lambda ps: Collectives(rank=ps.rank(), size=ps.size(), allgather_async=_deferred,
+                                                  alltoall_async=_deferred, allreduce_async=_no_allreduce,
+                                                  synchronize=lambda h: h.result, process_set=ps))
 
 
 def numpy_step(fn, inputs, dtype, shape, name):
