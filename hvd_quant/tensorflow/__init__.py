@@ -1,12 +1,8 @@
-"""TensorFlow frontend (TensorFlow 2.15, 2.19 or 2.20 with Keras 2, Horovod 0.28.1). See docs/TENSORFLOW.md.
+"""TensorFlow frontend (TensorFlow 2.15, 2.19 or 2.20 with Keras 2, Horovod 0.28.1): docs/TENSORFLOW.md.
 
-- :func:`DistributedGradientTape`, :func:`DistributedOptimizer` (and
-  ``hvd_quant.tensorflow.keras.DistributedOptimizer``): Horovod's wrappers with the compressed
-  exchange of a :class:`GradientReducer` (``tf.train.Checkpoint``-trackable).
-- :data:`OPS` / :func:`collectives`: the core's ArrayOps and eager Collectives tables for TensorFlow.
-
-Attributes are imported on first use. Codecs passed to stock Horovod reach this frontend through
-``hvd_quant.dispatch`` without any import.
+:func:`DistributedGradientTape`, :func:`DistributedOptimizer` (and ``.keras.DistributedOptimizer``):
+Horovod's wrappers with the compressed exchange of a :class:`GradientReducer`; :data:`OPS` /
+:func:`collectives`: the core's tables for TensorFlow. Attributes are imported on first use.
 """
 from .._lazy import lazy_exports
 

@@ -1,15 +1,11 @@
-"""The TensorFlow frontend: :data:`FRONTEND`, the one object through which the core reaches
-TensorFlow (``hvd_quant.frontend.Frontend``, registered in ``hvd_quant.dispatch``).
+"""The TensorFlow frontend: :data:`FRONTEND` (a ``hvd_quant.frontend.Frontend``, registered in
+``hvd_quant.dispatch``).
 
-TensorFlow tensors are immutable and have no views, while the core decodes into slices of a buffer,
-so the core runs on **NumPy arrays in host memory** (:data:`OPS`): reads of CPU tensors are
-read-only views of TensorFlow's buffer (the core writes only into buffers it allocated), and results
-go back as the NumPy arrays they are. The eager Collectives tables run Horovod's collectives each on
-its own thread (eager Horovod ops block their caller) through a cached ``tf.function`` per
-collective name (Horovod's eager ops ignore ``name=``). Inside a graph ``_graph.py`` takes over.
-
-GPU tensors: the codecs refuse them (:data:`GPU_REFUSED`; docs/TENSORFLOW.md, "GPU"); the host
-steps read GPU gradients through NumPy, which copies them to the host.
+TensorFlow tensors are immutable and have no views, so the core runs on **NumPy arrays in host
+memory** (:data:`OPS`): reads of CPU tensors are read-only views of TensorFlow's buffer, results the
+NumPy arrays the core wrote. The eager Collectives run each Horovod collective on a thread of its own
+(eager Horovod ops block their caller) through a cached ``tf.function`` per name (Horovod's eager ops
+ignore ``name=``). Inside a graph ``_graph.py`` takes over. GPU tensors: docs/TENSORFLOW.md, "GPU".
 """
 import concurrent.futures
 import re
@@ -43,11 +39,7 @@ def to_numpy(t, dtype=None):
 
 def _flatten(tensors):
     parts = [to_numpy(t).reshape(-1) for t in tensors]
-    if not parts:
-        return np.empty(0, np.float32)
-    if len(parts) == 1:
-        return np.array(parts[0], dtype=np.float32, copy=True)
-    return np.concatenate(parts).astype(np.float32, copy=False)
+    return np.concatenate(parts, dtype=np.float32) if parts else np.empty(0, np.float32)
 
 
 def _in_place(ufunc, a, b):
@@ -92,8 +84,7 @@ def _graph_fn(kind, name, dtype, ps, *args):
     ``args``: the allreduce's ``(op, prescale, postscale)``."""
     key = (kind, name, dtype, ps.process_set_id) + args
     with _FNS_LOCK:
-        fn = _FNS.get(key)
-        if fn is None:
+        if key not in _FNS:
             import horovod.tensorflow as hvd
             kw = dict(name=op_name(name), ignore_name_scope=True, process_set=ps)
             vec = tf.TensorSpec([None], dtype)
@@ -107,8 +98,8 @@ def _graph_fn(kind, name, dtype, ps, *args):
                 body = lambda t: hvd.allreduce(t, op=FRONTEND.hvd_op(op), prescale_factor=pre,  # noqa: E731
                                                postscale_factor=post, **kw)
                 sig = [tf.TensorSpec(None, dtype)]
-            fn = _FNS[key] = tf.function(body, input_signature=sig, autograph=False)
-        return fn
+            _FNS[key] = tf.function(body, input_signature=sig, autograph=False)
+        return _FNS[key]
 
 
 def _start(kind, name, ps, t, *args, more=()):
@@ -157,9 +148,10 @@ class TensorFlowFrontend(Frontend):
                            levels=levels)
 
     # -- primitives of the stock path -------------------------------------------------------------
-    @staticmethod
-    def is_floating(dtype):
-        return dtype.is_floating
+    is_floating = staticmethod(lambda dtype: dtype.is_floating)
+    cast = staticmethod(tf.cast)
+    as_float = staticmethod(lambda t: to_numpy(t, np.float32).reshape(-1))
+    split = staticmethod(lambda flat, sizes: tf.split(flat, list(sizes)) if len(sizes) > 1 else [flat])
 
     @staticmethod
     def describe(t):
@@ -172,18 +164,6 @@ class TensorFlowFrontend(Frontend):
     def ones(n, dtype, like):
         with tf.device(getattr(like, "device", "") or ""):
             return tf.ones([n], dtype=dtype, name="hvdq_placeholder")
-
-    @staticmethod
-    def cast(t, dtype):
-        return tf.cast(t, dtype)
-
-    @staticmethod
-    def as_float(t):
-        return to_numpy(t, np.float32).reshape(-1)
-
-    @staticmethod
-    def split(flat, sizes):
-        return tf.split(flat, list(sizes)) if len(sizes) > 1 else [flat]
 
     def restore(self, flat, info):
         with tf.device(info.device):

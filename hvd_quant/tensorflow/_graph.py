@@ -1,20 +1,13 @@
-"""The core exchange inside a TensorFlow graph (``tf.function``, Keras ``fit``, Horovod's own
-``tf.function`` around gradient reduction; docs/TENSORFLOW.md, "Graph mode and eager mode").
+"""The core exchange inside a TensorFlow graph (docs/TENSORFLOW.md, "Graph mode and eager mode"):
+``tf.numpy_function`` steps calling ``Exchange.start`` / ``advance`` / ``finish``, Horovod's graph
+collectives between them. The core talks to a *recording* Collectives table: its collectives only
+record what to send, ``synchronize`` returns what the graph op delivered. No step waits for another
+rank, so graph order may differ between ranks without deadlock.
 
-Horovod builds its TensorFlow allreduce while *tracing*, so the exchange is built into the graph as
-``tf.numpy_function`` steps that call the core's ``Exchange.start`` / ``advance`` / ``finish``,
-with Horovod's graph collectives between them. The core talks to a *recording* Collectives table:
-its ``alltoall_async`` / ``allgather_async`` only record what to send (the numpy step returns it to
-the graph) and ``synchronize`` returns what the graph op delivered to the next step. No step blocks
-waiting for another rank, so graph order may differ between ranks without deadlock. The first
-execution of each exchange runs a configuration handshake (in a ``tf.cond`` later steps skip) that
-its collectives wait for.
-
-Stock path: :func:`stock_compress` is ``hvd_quant._stock``'s hook for TensorFlow tensors
-(``hvd_quant.dispatch.STOCK_HOOKS``), this module the backend of its graph sessions
-(:func:`stock_backend`). Inside Horovod's ``allreduce_grads`` the first ``compress`` of a call
-plans the whole list, one exchange per bucket (:func:`_fused`; ``reduction="auto"``:
-:class:`GraphAuto`); elsewhere each tensor is exchanged alone.
+Stock path: :func:`stock_compress` is ``hvd_quant._stock``'s hook for TensorFlow tensors, this module
+the backend of its graph sessions. Inside Horovod's ``allreduce_grads`` the first ``compress`` of a
+call plans the whole list (:func:`_fused`; ``reduction="auto"``: :class:`GraphAuto`); elsewhere
+each tensor is exchanged alone.
 """
 import functools
 import os
@@ -29,18 +22,14 @@ import numpy as np
 import tensorflow as tf
 
 from .. import plan as _plan
-from ..exchange import (HANDSHAKE_NAME, TWO_LEVEL, Collectives, Exchange, check_handshake, chunk_bounds,
-                        collectives_for)
+from ..exchange import HANDSHAKE_NAME, TWO_LEVEL, Collectives, Exchange, check_handshake, collectives_for
 from ..scheduler import AutoChoice
 from . import _backend
 from ._backend import OPS, op_name, to_numpy
+from .two_level import GraphTwoLevel
 
 __all__ = ["GraphExchange", "graph_collectives", "horovod_context", "stock_compress",
            "stock_backend", "stock_adapter"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Recording collectives
 
 
 def _deferred(t, *args, **kwargs):
@@ -58,15 +47,9 @@ _GRAPH_COLL = {}
 def graph_collectives(process_set=None):
     """The recording Collectives table (rank and size of ``process_set``) used inside graphs."""
     return collectives_for(_GRAPH_COLL, hvd.global_process_set if process_set is None else process_set,
-                           lambda ps: Collectives(
-                               rank=ps.rank(), size=ps.size(),
-                               allgather_async=_deferred, alltoall_async=_deferred,
-                               allreduce_async=_no_allreduce, synchronize=lambda h: h.result,
-                               process_set=ps))
-
-
-# --------------------------------------------------------------------------------------------------
-# The exchange as graph ops
+                           lambda ps: Collectives(rank=ps.rank(), size=ps.size(), allgather_async=_deferred,
+                                                  alltoall_async=_deferred, allreduce_async=_no_allreduce,
+                                                  synchronize=lambda h: h.result, process_set=ps))
 
 
 def numpy_step(fn, inputs, dtype, shape, name):
@@ -86,24 +69,29 @@ def _gather_then(record, nbytes, name, ps, then, dtype, label):
     return numpy_step(then, [gathered], dtype, [], f"{label}_check")
 
 
+def allreduce(t, name, **kwargs):
+    """Horovod's allreduce of ``t`` under op name ``name`` (a bfloat16 tensor travels as float32)."""
+    send = _backend.FRONTEND.sendable(t) if isinstance(t, tf.Tensor) else t
+    out = hvd.allreduce(send, name=op_name(name), ignore_name_scope=True, **kwargs)
+    return out if send is t else tf.cast(out, t.dtype)
+
+
 def _bytes(arr):
     return np.ascontiguousarray(np.asarray(arr, dtype=np.uint8).reshape(-1))
 
 
 class GraphExchange:
-    """Builds exchanges of one :class:`~hvd_quant.exchange.Exchange` (whose ``coll`` is a
-    :func:`graph_collectives` table) into the graph being traced."""
+    """Builds exchanges of one :class:`~hvd_quant.exchange.Exchange` (on a :func:`graph_collectives`
+    table) into the graph being traced."""
 
-    def __init__(self, exchange, process_set):
-        self.exchange = exchange
-        self.process_set = process_set
+    def __init__(self, exchange, process_set, steps=None):
+        self.exchange, self.process_set = exchange, process_set
         self.lock = threading.RLock()
-        self.steps = {}            # exchange name -> executions started (payload header tags)
+        self.steps = {} if steps is None else steps     # exchange name -> executions started
         self.verified = set()      # names whose handshake passed
-        self.t_first = None        # host clock at the step's first exchange start, then last finish
-        self.t_last = None
+        self.t_first = self.t_last = None      # host clock at the step's first start and last finish
         self._keys = weakref.WeakKeyDictionary()   # outermost graph -> names used in it
-        self._levels = None        # two_level: (the node's process set or None, the GraphExchange across)
+        self._levels = None        # reduction="two_level": its GraphTwoLevel
 
     def rebind(self):
         """Bind the exchange to the process set's rank and size now (under ``lock``, at run time):
@@ -117,8 +105,7 @@ class GraphExchange:
         self.steps.clear()
 
     def take_seconds(self):
-        """Seconds from the first exchange start to the last finish since the last call (None if no
-        exchange ran)."""
+        """Seconds from the first exchange start to the last finish since the last call, or None."""
         with self.lock:
             t0, t1 = self.t_first, self.t_last
             self.t_first = self.t_last = None
@@ -134,9 +121,9 @@ class GraphExchange:
         used[base] = k + 1
         return base if k == 0 else f"{base}#{k}"
 
-    def handshake(self, key, record, what, name=None):
-        """A scalar bool op: on the first execution of ``key`` (on this process) allgathers
-        ``record`` and raises ConfigMismatchError on every rank if any rank's record differs."""
+    def handshake(self, key, record, what):
+        """A scalar bool op: the first execution of ``key`` (also the allgather's name) allgathers
+        ``record``; ConfigMismatchError on every rank if the records differ."""
         def need():
             with self.lock:
                 self.rebind()
@@ -148,9 +135,8 @@ class GraphExchange:
                 self.verified.add(key)
             return np.bool_(True)
 
-        hs_name = op_name(name or f"{self.exchange.prefix}.hs.{key}")
         flag = numpy_step(need, [], tf.bool, [], "hvdq_handshake_needed")
-        return tf.cond(flag, lambda: _gather_then(lambda: record, len(record), hs_name, self.process_set,
+        return tf.cond(flag, lambda: _gather_then(lambda: record, len(record), op_name(key), self.process_set,
                                                   check, tf.bool, "hvdq_handshake"),
                        lambda: tf.constant(True))
 
@@ -169,13 +155,15 @@ class GraphExchange:
         return out
 
     def build(self, key, flat, header, deps=()):
-        """Graph ops computing the float32 **sum over ranks** of the 1-D float32 ``flat`` (static
-        size) with the core's reduction; returns that 1-D float32 tensor. The steps run on the host
-        (a GPU ``flat`` is copied there by TensorFlow: docs/TENSORFLOW.md, "GPU")."""
+        """Graph ops of the float32 **sum over ranks** of the 1-D float32 ``flat`` (static size), by
+        the core's reduction, in host steps (docs/TENSORFLOW.md, "GPU")."""
         ex, ps = self.exchange, self.process_set
         numel = int(flat.shape[0])
         if ex.reduction == TWO_LEVEL:
-            return self._two_level(key, flat, header, deps)
+            if self._levels is None:
+                self._levels = GraphTwoLevel(self, lambda cross, reduction: GraphExchange(
+                    Exchange(ex.codec, graph_collectives(cross), OPS, reduction=reduction, prefix=ex.prefix), cross))
+            return self._levels.build(key, flat, header, deps)
         # SRA's payload sizes follow the world, which elastic Horovod changes under a trace: they
         # are computed when the steps run, and the shapes left open
         sra = ex.reduction == "sra"
@@ -198,41 +186,7 @@ class GraphExchange:
         return numpy_step(functools.partial(self._finish, flight, numel), [gathered], tf.float32,
                            [numel], "hvdq_finish")
 
-    def _two_level(self, key, flat, header, deps):
-        """``reduction="two_level"`` as graph ops (``hvd_quant.exchange``'s module doc): the node's fp32
-        sum (Horovod's allreduce over the node's process set), this rank's shard of it through another
-        GraphExchange on the cross-node set, the shards gathered by a Sum allreduce of each in place."""
-        ex = self.exchange
-        if self._levels is None:
-            if ex.memory is not None:
-                raise ValueError("hvd_quant: reduction='two_level' with error feedback runs in "
-                                 "PyTorch only; TensorFlow takes it without")
-            with tf.init_scope():       # eager collectives, also while tracing
-                local, cross = _backend.FRONTEND.collectives(self.process_set).levels()
-            if cross is not None:
-                cross = GraphExchange(Exchange(ex.codec, graph_collectives(cross.process_set), OPS,
-                                               reduction="allgather" if cross.size == 2 else "sra",
-                                               prefix=ex.prefix), cross.process_set)
-            self._levels = (None if local is None else local.process_set, cross)
-        local, cross = self._levels
-        numel, shard = int(flat.shape[0]), flat
-        if local is not None:
-            a, b = chunk_bounds(numel, local.size(), ex.align)[local.rank()]
-            with tf.control_dependencies(list(deps)):
-                total = hvd.allreduce(flat, op=hvd.Sum, name=op_name(f"{ex.prefix}.node.{key}"),
-                                      ignore_name_scope=True, process_set=local)
-            if cross is None:           # one node: its sum is the result
-                return total
-            shard, deps = total[a:b], ()
-        if cross is not None:
-            shard = cross.build(key, shard, header, deps)
-        if local is not None:
-            shard = hvd.allreduce(tf.pad(shard, [[a, numel - b]]), op=hvd.Sum, ignore_name_scope=True,
-                                  name=op_name(f"{ex.prefix}.gather.{key}"), process_set=local)
-        return shard
-
-    # The numpy steps (run at execution time, under one lock per engine: the core and the codec
-    # keep per-name state).
+    # The numpy steps, run at execution time under the engine's lock (the core keeps per-name state).
     def _start(self, flight, key, header, flat):
         with self.lock:
             self.rebind()
@@ -266,12 +220,8 @@ class GraphExchange:
             return np.ascontiguousarray(out, dtype=np.float32).reshape(numel)
 
 
-# --------------------------------------------------------------------------------------------------
-# hvd_quant._stock in graph mode
-
-
 def stock_backend(process_set=None):
-    """This module is the hvd_quant._stock backend of graph sessions: (recording Collectives, ArrayOps)."""
+    """(recording Collectives, ArrayOps): this module is hvd_quant._stock's backend in graphs."""
     return graph_collectives(process_set), OPS
 
 
@@ -290,8 +240,7 @@ def horovod_context(tensor):
     identity, else the ``i`` of the comprehension over ``enumerate(grads)``), autograph's converted
     copies (``tf__*``, ``else_body_*``, lambdas) included."""
     ctx = types.SimpleNamespace(**dict.fromkeys(_CONTEXT))
-    seen = False
-    index = None
+    seen, index = False, None
     f = sys._getframe(1)
     for _ in range(150):
         if f is None:
@@ -332,8 +281,7 @@ def horovod_context(tensor):
 
 
 def gradient_names(grads, variables):
-    """One name per gradient: its variable's (``"dense/kernel:0"``), else ``grad_<i>``; repeats get
-    ``#k``."""
+    """One name per gradient: its variable's (``"dense/kernel:0"``), else ``grad_<i>``; repeats get ``#k``."""
     names = ([getattr(v, "name", None) or f"grad_{i}" for i, v in enumerate(variables)]
              if variables is not None else [f"grad_{i}" for i in range(len(grads))])
     seen, out = {}, []
@@ -359,8 +307,7 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def _engine(sc, process_set, reduction=None):
-    """The GraphExchange of ``sc``'s session on ``process_set``: its exchange for ``reduction``
-    (default: the session's own)."""
+    """The GraphExchange of ``sc``'s session on ``process_set`` for ``reduction`` (default: the session's)."""
     session = sc.session(sys.modules[__name__], process_set)
     exchange = session.exchange if reduction is None else session.exchange_for(reduction)
     with _ENGINES_LOCK:
@@ -376,35 +323,29 @@ _AUTOS = weakref.WeakKeyDictionary()
 
 
 class _GraphCtx:
-    """ctx of a gradient whose exchange was built into the graph; Horovod hands it back to
-    ``decompress`` with the allreduced placeholder. ``plain``: under ``reduction="auto"``,
-    :meth:`GraphAuto.plain`'s allreduce of the gradient (empty on the compressed ways)."""
+    """ctx of a gradient whose exchange is in the graph, handed back to ``decompress`` with the summed
+    placeholder. ``plain``: under ``reduction="auto"``, :meth:`GraphAuto.plain`'s allreduce."""
     __slots__ = ("result", "info", "size", "plain")
 
     def __init__(self, result, info, size, plain=None):
-        # size: the traced process set's, a Python int as in Horovod's own allreduce (this path
-        # refuses elastic Horovod); a size op (stateful) would make TensorFlow run every gradient's
-        # branch in program order after the compressed buckets, the allreduce way's too
-        self.result, self.info, self.size = result, info, size
-        self.plain = plain
+        # size: a Python int, as in Horovod's own allreduce (this path refuses elastic Horovod); a
+        # size op (stateful) would run every gradient's branch in program order
+        self.result, self.info, self.size, self.plain = result, info, size, plain
 
     def stock_decompress(self, summed_placeholder):
         # placeholder sum / N = the factor Horovod would apply to the sum (op, pre/postscale).
         factor = tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32) / np.float32(self.size)
         out = _backend.FRONTEND.cast_back(self.result * factor, self.info)
-        if self.plain is not None:
-            # one of the two is empty (the way not taken): no conditional, whose call would cost
-            # more than this copy
+        if self.plain is not None:      # one of the two is empty (the way not taken)
             out = tf.concat([self.plain, tf.reshape(out, [-1])], 0)
         return tf.reshape(out, self.info.shape)
 
 
 class GraphAuto:
-    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`): :meth:`route` is an
-    op, run once per execution of the reduction, giving the index in ``CANDIDATES`` of the way this
-    step's buckets travel (a step's time: the host time between two executions). When the schedule
-    ends, the ranks allgather their medians (a ``tf.cond`` later steps skip) and take the same
-    choice; rank 0 logs it."""
+    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`): :meth:`route`, an op
+    run once per step, gives the index in ``CANDIDATES`` of this step's way (a step: the host time
+    between two runs). At the schedule's end the ranks allgather their medians (in a ``tf.cond``) and
+    take the same choice; rank 0 logs it."""
     CANDIDATES = AutoChoice.CANDIDATES
 
     def __init__(self, name, process_set, engines):
@@ -438,9 +379,8 @@ class GraphAuto:
         return tf.cond(r < 0, decide, lambda: tf.identity(r))
 
     def bucket(self, route, b, grads):
-        """Bucket ``b``'s members' float32 sums over ranks (a list, shaped as the gradients) by the
-        compressed way ``route`` says; empty tensors when it says Horovod's allreduce, which
-        :meth:`plain` then does per gradient."""
+        """Bucket ``b``'s members' float32 sums over ranks (a list) by the compressed way ``route``
+        says; empty tensors on Horovod's allreduce way, which :meth:`plain` takes."""
         def way(c):
             if c == _plan.ALLREDUCE:
                 return lambda: [tf.zeros([0], tf.float32) for _ in b.members]
@@ -448,16 +388,13 @@ class GraphAuto:
         return tf.switch_case(route, [way(c) for c in self.CANDIDATES])
 
     def plain(self, route, tensor, hctx, name):
-        """Horovod's allreduce of ``tensor`` flattened (with the arguments of Horovod's own call,
-        ``hctx``) when ``route`` says so, else of an empty slice of it (cheaper than a ``tf.cond``).
-        Built in ``compress``, so it waits for the gradient and the route only."""
+        """Horovod's allreduce of ``tensor`` flattened (with ``hctx``, Horovod's own call's arguments)
+        when ``route`` says so, else of an empty slice of it (cheaper than a ``tf.cond``)."""
         use = tf.equal(route, self.CANDIDATES.index(_plan.ALLREDUCE))
-        flat = tf.reshape(_backend.FRONTEND.sendable(tensor), [-1])      # bfloat16 travels as float32
+        flat = tf.reshape(tensor, [-1])
         part = tf.slice(flat, [0], tf.where(use, tf.shape(flat), tf.zeros([1], tf.int32)))
-        out = hvd.allreduce(
-            part, op=hctx.op, prescale_factor=hctx.prescale, postscale_factor=hctx.postscale,
-            name=op_name(f"{name}.ar"), ignore_name_scope=True, process_set=self.process_set)
-        return out if out.dtype == tensor.dtype else tf.cast(out, tensor.dtype)
+        return allreduce(part, f"{name}.ar", op=hctx.op, prescale_factor=hctx.prescale,
+                         postscale_factor=hctx.postscale, process_set=self.process_set)
 
 
 # outermost graph -> {(id(grads), id(sc), process set id): (grads, what _fused returns)}
@@ -466,10 +403,9 @@ _FUSED = weakref.WeakKeyDictionary()
 
 def _fused(sc, ps, hctx):
     """``({gradient index: float32 sum over ranks}, GraphAuto or None, its route op, the names)`` of
-    the ``allreduce_grads`` call ``hctx`` was read from: its gradients planned into buckets and built
-    once, at the call's first ``compress``, in the graph that holds them (Horovod builds each
-    gradient's allreduce in a ``tf.cond`` branch that captures the result). ``reduction="auto"``:
-    a :class:`GraphAuto` per plan and process set, kept across traces."""
+    the ``allreduce_grads`` call of ``hctx``: its gradients planned and built once, at its first
+    ``compress``, in the graph that holds them (not in the ``tf.cond`` branch of Horovod's
+    allreduce). ``reduction="auto"``: a :class:`GraphAuto` per plan and process set, across traces."""
     grads = hctx.grads
     outer = next(g.graph for g in grads if isinstance(g, tf.Tensor))
     key = (id(grads), id(sc), ps.process_set_id)
@@ -483,7 +419,7 @@ def _fused(sc, ps, hctx):
     hs = f"{HANDSHAKE_NAME}.stock.{_plan.digest(names)}"
     eng = _engine(sc, ps)
     with outer.as_default():
-        ok = eng.handshake(hs, plan.record, "compression= of Horovod's TensorFlow gradients", name=hs)
+        ok = eng.handshake(hs, plan.record, "compression= of Horovod's TensorFlow gradients")
         with tf.control_dependencies([ok]):
             auto = route = None
             if not plan.buckets:
@@ -506,8 +442,8 @@ def _fused(sc, ps, hctx):
 
 
 def stock_compress(sc, tensor):
-    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path; a symbolic
-    one's exchange is built into the graph (module doc) and its placeholder returned."""
+    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path, a symbolic
+    one's exchange goes into the graph (its placeholder returned)."""
     from .. import _stock
     if tf.executing_eagerly() and hasattr(tensor, "numpy"):
         return sc.compress_on(_backend.FRONTEND, tensor)
@@ -532,7 +468,7 @@ def stock_compress(sc, tensor):
             return adapter.placeholder(tensor), _GraphCtx(result, info, ps.size(), plain)
     eng = _engine(sc, ps)
     key = eng.unique_key(hctx.name or hctx.variable or tensor.name)
-    ok = eng.handshake(key, sc.record(key, info.shape), f"tensor {key!r}")
+    ok = eng.handshake(f"{eng.exchange.prefix}.hs.{key}", sc.record(key, info.shape), f"tensor {key!r}")
     flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
     result = eng.build(key, flat, header=_stock.header(key, info.shape), deps=[ok])
     return adapter.placeholder(tensor), _GraphCtx(result, info, ps.size())

@@ -1,8 +1,5 @@
-"""``GradientReducer``: the compressed gradient reduction behind every TensorFlow entry point.
-
-Horovod's TensorFlow wrappers all reduce gradients through one function, ``_allreduce_grads(grads,
-vars)``; hvd_quant's wrappers are Horovod's own with that function replaced by a reducer, which per
-traced signature:
+"""``GradientReducer``: the compressed gradient reduction behind every TensorFlow entry point
+(Horovod's wrappers with their ``_allreduce_grads(grads, vars)`` replaced by one). Per traced signature:
 
 1. plans (:func:`hvd_quant.plan.make_plan`): compressible gradients fused into buckets, the others
    (1-D, small, ``tf.IndexedSlices`` unless ``sparse_as_dense``) through ``hvd.allreduce``;
@@ -10,11 +7,10 @@ traced signature:
    :class:`~hvd_quant.exchange.ConfigMismatchError` before any gradient collective);
 3. builds each bucket's exchange into the graph (``_graph.py``): the float32 sum over ranks, divided
    by N for ``op=hvd.Average``, split back into the gradients;
-4. while ``step < warmup_steps`` (a ``tf.cond``, so one trace serves both phases) sends every
-   gradient through full-precision ``hvd.allreduce`` instead.
+4. while ``step < warmup_steps`` (a ``tf.cond``: one trace serves both phases) sends every gradient
+   through full-precision ``hvd.allreduce`` instead.
 
-It is a TensorFlow ``Trackable``: the step, the exchange counters and the error-feedback residuals
-(keyed by variable name) are saved per rank as one string (docs/TENSORFLOW.md, "Checkpoints").
+A TensorFlow ``Trackable``: its state is saved per rank as one string (docs/TENSORFLOW.md, "Checkpoints").
 """
 import functools
 import io
@@ -32,8 +28,8 @@ from ..exchange import AVERAGE, HANDSHAKE_NAME, Exchange, Traffic
 from ..memory import Memory
 from ..scheduler import step_metrics
 from . import _backend
-from ._backend import OPS, op_name
-from ._graph import GraphExchange, describe_gradient, graph_collectives, gradient_names, numpy_step
+from ._backend import OPS
+from ._graph import GraphExchange, allreduce, describe_gradient, graph_collectives, gradient_names, numpy_step
 
 
 __all__ = ["GradientReducer"]
@@ -42,21 +38,12 @@ _PREFIX = "hvdq.tf"
 _Trackable = tf.__internal__.tracking.Trackable
 
 
-def _join(arrays):
-    return np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in arrays])
-
-
 class GradientReducer(_Trackable):
     """Reduce a list of gradients across ranks with a compressed exchange (module doc).
 
-    Arguments are Horovod's (``op``, ``gradient_predivide_factor``, ``groups``, ``sparse_as_dense``,
-    ``process_set``, ``device_dense``, ``device_sparse``) and hvd_quant's: ``compression`` (a codec, a
-    spec string or ``hvd.Compression.none/fp16``), ``reduction`` (``"sra"``, ``"allgather"`` or
-    ``"two_level"``), ``bucket_bytes``, ``min_compress_numel``, ``compress_1d``, ``warmup_steps``,
-    ``error_feedback`` (docs/TENSORFLOW.md, the table); ``device_exchange=True`` raises
-    (:data:`~hvd_quant.tensorflow._backend.GPU_REFUSED`). Call it as Horovod calls its own:
-    ``reducer(grads, vars)`` -> reduced grads (``None`` stays ``None``), eagerly (it wraps itself in
-    a ``tf.function``) or inside a graph.
+    Arguments: Horovod's, and hvd_quant's (docs/TENSORFLOW.md, the table); ``device_exchange=True``
+    raises (docs/TENSORFLOW.md, "GPU"). Called as Horovod calls its own, ``reducer(grads, vars)`` ->
+    reduced grads (``None`` stays ``None``), eagerly (it wraps itself in a ``tf.function``) or in a graph.
     """
 
     def __init__(self, compression=None, op=None, reduction="sra", bucket_bytes=_plan.BUCKET_BYTES,
@@ -74,41 +61,31 @@ class GradientReducer(_Trackable):
             error_feedback=error_feedback, op=op, predivide=gradient_predivide_factor)
         self.op, self.codec, self.reduction = op, self.config.codec, reduction
         self.warmup_steps, self.error_feedback = self.config.warmup_steps, self.config.error_feedback
-        self.groups = groups
-        self.sparse_as_dense = bool(sparse_as_dense)
+        self.groups, self.sparse_as_dense = groups, bool(sparse_as_dense)
         self.process_set = hvd.global_process_set if process_set is None else process_set
         self.device_dense, self.device_sparse = device_dense, device_sparse
         self.memory = Memory(OPS) if self.error_feedback else None
         with tf.init_scope():
-            self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
+            # reductions run so far (warm-up), saved and restored with the state
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_step")
         self._traces = {}
         self._engine = None
         self._lock = threading.RLock()
         self._restored = {}            # var name -> residual, until its bucket is planned
         self._restored_server = {}
-        self._restored_steps = {}      # exchange name -> executions (stochastic rounding's counter)
+        self._steps = {}               # exchange name -> executions (its engine's counters)
         self.last_traffic = Traffic()
         self._last = (None, ())        # (plan, routes) of the last reduction (step_metrics)
         self._eager_fn = tf.function(self._reduce, autograph=False)
 
     # -- configuration --------------------------------------------------------------------------------
-    @property
-    def step(self):
-        """Reductions run so far (a tf.Variable; saved and restored with the state)."""
-        return self._step
-
-    def summary(self):
-        return self.config.summary()
-
     def _connect(self):
         ps = self.process_set
         coll = graph_collectives(ps)
         if self._engine is None or self._engine.exchange.coll is not coll:
             exchange = Exchange(self.codec, coll, OPS, reduction=self.reduction, memory=self.memory,
                                 prefix=_PREFIX)
-            steps = self._counters()
-            self._engine = GraphExchange(exchange, ps)
-            self._engine.steps.update(steps)
+            self._engine = GraphExchange(exchange, ps, self._steps)
         return self._engine
 
     # -- plan -----------------------------------------------------------------------------------------
@@ -145,8 +122,7 @@ class GradientReducer(_Trackable):
         grads = list(grads)
         variables = list(vars) if vars is not None else None
         # The names are a Python argument, hence part of the trace key: tf.function would otherwise
-        # reuse a trace (and its names, hence its collectives' names) for other variables of the
-        # same shapes.
+        # reuse a trace (and its collectives' names) for other variables of the same shapes.
         names = gradient_names(grads, variables)
         if tf.executing_eagerly():
             return self._eager_fn(grads, variables, names)
@@ -154,13 +130,9 @@ class GradientReducer(_Trackable):
 
     def _allreduce(self, g, name):
         pre, post = self.config.allreduce_factors()
-        hop = _backend.hvd_op(self.op)
-        send = _backend.FRONTEND.sendable(g) if isinstance(g, tf.Tensor) else g   # bfloat16 as float32
-        out = hvd.allreduce(send, op=hop, prescale_factor=pre, postscale_factor=post,
-                            name=op_name(f"{_PREFIX}.p.{name}"), ignore_name_scope=True,
-                            process_set=self.process_set, device_dense=self.device_dense,
-                            device_sparse=self.device_sparse)
-        return out if send is g else tf.cast(out, g.dtype)
+        return allreduce(g, f"{_PREFIX}.p.{name}", op=_backend.hvd_op(self.op), prescale_factor=pre,
+                         postscale_factor=post, process_set=self.process_set, device_dense=self.device_dense,
+                         device_sparse=self.device_sparse)
 
     def _compressed(self, engine, plan, grads):
         # op=Average: 1/N of the size when the graph runs (elastic Horovod changes it under a trace),
@@ -184,14 +156,13 @@ class GradientReducer(_Trackable):
             engine = self._connect()
             trace = self._trace_for(grads, variables, list(names))
         plan = trace.plan
-        ok = engine.handshake(trace.key, plan.record, "hvd_quant.tensorflow gradient reduction",
-                              name=trace.key)
+        ok = engine.handshake(trace.key, plan.record, "hvd_quant.tensorflow gradient reduction")
         out = list(grads)
         with tf.control_dependencies([ok]):
             for i in plan.plain:
                 out[i] = self._allreduce(grads[i], trace.names[i])
             if plan.compressed and self.warmup_steps > 0:
-                warm = self._step < self.warmup_steps
+                warm = self.step < self.warmup_steps
                 reduced = tf.cond(
                     warm, lambda: [self._allreduce(grads[i], trace.names[i]) for i in plan.compressed],
                     lambda: self._compressed(engine, plan, grads))
@@ -201,7 +172,7 @@ class GradientReducer(_Trackable):
             for i, r in zip(plan.compressed, reduced):
                 out[i] = r
             with tf.control_dependencies([t for t in out if isinstance(t, tf.Tensor)]):
-                self._step.assign_add(1)
+                self.step.assign_add(1)
                 numpy_step(functools.partial(self._account, engine, trace), [warm], tf.int64, [],
                            "hvdq_account")
         return out
@@ -219,8 +190,7 @@ class GradientReducer(_Trackable):
         return np.int64(0)
 
     def bytes_per_step(self):
-        """:class:`hvd_quant.exchange.Traffic` of the last reduction: bytes this rank sent and what an
-        fp32 ring allreduce of the same gradients would have sent (``.sent_bytes``, ``.fp32_bytes``,
+        """:class:`hvd_quant.exchange.Traffic` of the last reduction (``.sent_bytes``, ``.fp32_bytes``,
         ``.ratio``)."""
         return self.last_traffic
 
@@ -235,19 +205,17 @@ class GradientReducer(_Trackable):
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self):
         """``{"step", "codec", "reduction", "residuals": {var name: array}, "server_residuals":
-        {(bucket header, rank, size): array}, "exchange_steps": {bucket: count}}`` (NumPy copies;
-        this rank's). The exchange counters key the stochastic rounding, so a restored run draws the
-        same noise."""
+        {(bucket header, rank, size): array}, "exchange_steps": {bucket: count}}``: this rank's, as
+        NumPy copies. The exchange counters key the stochastic rounding (a resumed run draws the same noise)."""
         with self._lock:
             residuals, server = dict(self._restored), dict(self._restored_server)
-            for trace in self._traces.values():
-                if self.memory is not None:
-                    worker, own = _plan.save_residuals(self.memory, trace.plan.buckets,
-                                                       lambda a: np.array(a, np.float32))
-                    residuals.update(worker)
-                    server.update(own)
-            steps = {k.removeprefix(_PREFIX + "."): v for k, v in self._counters().items()}
-        return {"step": int(self._step.numpy()), "codec": self.codec.spec(),
+            for trace in self._traces.values() if self.memory is not None else ():
+                worker, own = _plan.save_residuals(self.memory, trace.plan.buckets, lambda a: np.array(a, np.float32))
+                residuals.update(worker)
+                server.update(own)
+            # the counters without the prefix: a checkpoint restores into another instance
+            steps = {k.removeprefix(_PREFIX + "."): v for k, v in self._steps.items()}
+        return {"step": int(self.step.numpy()), "codec": self.codec.spec(),
                 "reduction": self.reduction, "residuals": residuals, "server_residuals": server,
                 "exchange_steps": steps}
 
@@ -255,10 +223,9 @@ class GradientReducer(_Trackable):
         """Restore what :meth:`state_dict` returned (server residuals keyed otherwise than by
         ``(bucket header, rank, size)`` are ignored)."""
         with self._lock:
-            self._step.assign(int(state.get("step", 0)))
-            steps = {f"{_PREFIX}.{k}": int(v) for k, v in state.get("exchange_steps", {}).items()}
-            self._counters().clear()
-            self._counters().update(steps)
+            self.step.assign(int(state.get("step", 0)))
+            self._steps.clear()
+            self._steps.update({f"{_PREFIX}.{k}": int(v) for k, v in state.get("exchange_steps", {}).items()})
             if self.memory is None:
                 return
             self.memory.clear()
@@ -268,19 +235,12 @@ class GradientReducer(_Trackable):
                                      if isinstance(k, tuple) and len(k) == 3}
             self._apply_restored(self._traces.values())
 
-    # The state stores the exchange counters without the exchange names' prefix (``hvdq.tf``), so a
-    # checkpoint restores into another instance (another process, another order).
-    def _counters(self):
-        """The exchange counters: the engine's, else those restored before it exists."""
-        return self._restored_steps if self._engine is None else self._engine.steps
-
     def _apply_restored(self, traces):
         if self.memory is None or not (self._restored or self._restored_server):
             return
-        for trace in traces:
-            # residuals are kept on the host until the exchange fetches them
+        for trace in traces:        # kept on the host until the exchange fetches them
             _plan.restore_residuals(self.memory, trace.plan.buckets, self._restored, self._restored_server,
-                                    _join)
+                                    OPS.flatten)
 
     def reset_residuals(self):
         """Forget every error-feedback residual (e.g. after restoring another rank's checkpoint)."""
@@ -294,15 +254,11 @@ class GradientReducer(_Trackable):
     def serialize(self):
         """The state as bytes (NumPy ``.npz``; no pickle)."""
         st = self.state_dict()
-        arrays, rnames, snames = {}, [], []
-        for k, (name, v) in enumerate(sorted(st["residuals"].items())):
-            arrays[f"r{k}"] = v
-            rnames.append(name)
-        for k, (key, v) in enumerate(sorted(st["server_residuals"].items())):
-            arrays[f"s{k}"] = v
-            snames.append(list(key))
+        worker, server = sorted(st["residuals"].items()), sorted(st["server_residuals"].items())
+        arrays = {f"r{k}": v for k, (_, v) in enumerate(worker)} | {f"s{k}": v for k, (_, v) in enumerate(server)}
         meta = {"format": 2, "step": st["step"], "codec": st["codec"], "reduction": st["reduction"],
-                "residuals": rnames, "server_residuals": snames, "exchange_steps": st["exchange_steps"]}
+                "residuals": [n for n, _ in worker], "server_residuals": [list(k) for k, _ in server],
+                "exchange_steps": st["exchange_steps"]}
         buf = io.BytesIO()
         np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
         return buf.getvalue()

@@ -1,9 +1,6 @@
-"""``hvd_quant.tensorflow.DistributedGradientTape`` / ``DistributedOptimizer`` and the Keras one.
-
-Each is Horovod's own wrapper (same arguments, same behaviour: local sources/variables, gradient
-aggregation over ``backward_passes_per_step``, Keras ``fit``) with its gradient reduction replaced
-by a :class:`~hvd_quant.tensorflow.reducer.GradientReducer`. Nothing of Horovod is patched: the
-reducer is installed on the returned object only.
+"""``hvd_quant.tensorflow.DistributedGradientTape`` / ``DistributedOptimizer`` and the Keras one:
+each is Horovod's own wrapper (same arguments and behaviour) with its gradient reduction replaced by a
+:class:`~hvd_quant.tensorflow.reducer.GradientReducer`, installed on the returned object only.
 """
 import sys
 import threading
@@ -29,11 +26,9 @@ def install_reducer(obj, reducer):
     track ``reducer`` under the checkpoint dependency name ``hvd_quant`` where ``obj`` is trackable."""
     object.__setattr__(obj, "_allreduce_grads", reducer)
     helper = getattr(obj, "_agg_helper", None)
-    if helper is not None:                       # backward_passes_per_step > 1
-        if hasattr(helper, "_allreduce_grads"):
-            helper._allreduce_grads = reducer
-        if hasattr(helper, "allreduce_grads"):
-            helper.allreduce_grads = reducer
+    for attr in ("_allreduce_grads", "allreduce_grads"):     # backward_passes_per_step > 1
+        if hasattr(helper, attr):
+            setattr(helper, attr, reducer)
     track = getattr(obj, "_track_trackable", None)
     if track is not None:
         track(reducer, name="hvd_quant", overwrite=True)
@@ -43,9 +38,7 @@ def install_reducer(obj, reducer):
 
 def reducer_of(obj):
     """The :class:`GradientReducer` of an hvd_quant tape or optimizer (or ``obj`` if it is one)."""
-    if isinstance(obj, GradientReducer):
-        return obj
-    r = getattr(obj, "hvd_quant_reducer", None)
+    r = obj if isinstance(obj, GradientReducer) else getattr(obj, "hvd_quant_reducer", None)
     if r is None:
         raise TypeError(f"{type(obj).__name__} was not made by hvd_quant.tensorflow")
     return r
@@ -82,16 +75,15 @@ def _tape_key(kw):
 
 
 def _tf_variable(v):
-    """A Keras 3 variable as the ``tf.Variable`` it holds (Horovod 0.28.1's tape keys its sources by
-    ``.ref()``, which Keras 3's variables lack); anything else unchanged."""
+    """A Keras 3 variable (no ``.ref()``, by which Horovod 0.28.1's tape keys its sources) as the
+    ``tf.Variable`` it holds; anything else unchanged."""
     if not hasattr(v, "ref") and isinstance(getattr(v, "value", None), tf.Variable):
         return v.value
     return v
 
 
 def _keras3_sources(tape):
-    """Let Horovod's ``tape`` take Keras 3 variables as sources (``gradient``,
-    ``register_local_source``): each is given to it as the ``tf.Variable`` it holds."""
+    """Let Horovod's ``tape`` take Keras 3 variables in ``gradient`` and ``register_local_source``."""
     gradient, register = tape.gradient, tape.register_local_source
 
     def keras3_gradient(target, sources, *args, **kwargs):
@@ -112,14 +104,11 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
                             compress_1d=False, device_exchange=False, reducer=None):
     """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange.
 
-    Horovod's arguments keep their meaning; the sources may also be Keras 3 variables. hvd_quant's
-    (``compression``, ``reduction``, ``bucket_bytes``, ``min_compress_numel``, ``warmup_steps``,
-    ``error_feedback``, ``compress_1d``) are :class:`GradientReducer`'s; ``device_exchange=True``
-    raises (docs/TENSORFLOW.md, "GPU"). ``reducer``: a :class:`GradientReducer` to use (and
-    checkpoint); by default tapes made with the same arguments (equal codecs, or the same spec string)
-    share one, ``tape.hvd_quant_reducer``, so state survives the per-step tape. One reduction per
-    reducer per step: a persistent tape whose ``gradient()`` is called twice a step wants a
-    ``reducer=`` per call.
+    Horovod's arguments keep their meaning (the sources may also be Keras 3 variables); the others
+    are :class:`GradientReducer`'s. ``reducer``: a :class:`GradientReducer` to use (and checkpoint);
+    by default tapes made with the same arguments (equal codecs, or the same spec string) share one,
+    ``tape.hvd_quant_reducer``, so state survives the per-step tape. One reduction per reducer per
+    step: a persistent tape whose ``gradient()`` is called twice a step wants a ``reducer=`` per call.
     """
     if isinstance(groups, (list, tuple)):
         groups = [[_tf_variable(v) for v in g] for g in groups]
@@ -145,8 +134,7 @@ _HOROVOD_OPTIMIZER_ARGS = ("name", "device_dense", "device_sparse", "sparse_as_d
 
 
 def _keras_major(optimizer):
-    """The major version of the ``keras`` package that ``optimizer``'s class comes from; 0 for any
-    other class (``tf.compat.v1`` optimizers, ``tf_keras``'s)."""
+    """The major version of the ``keras`` package of ``optimizer``'s class; 0 for any other package."""
     root = sys.modules.get(type(optimizer).__module__.partition(".")[0])
     if root is None or root.__name__ != "keras":
         return 0

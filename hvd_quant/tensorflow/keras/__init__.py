@@ -1,9 +1,6 @@
 """``hvd_quant.tensorflow.keras.DistributedOptimizer``: Horovod's Keras optimizer wrapper with a
-compressed gradient exchange, for ``model.fit`` with Keras 2: ``tf.keras`` of TensorFlow 2.15, or
-``tf_keras`` with ``TF_USE_LEGACY_KERAS=1`` (a Keras 3 optimizer is refused).
-
-Horovod's Keras callbacks work unchanged (``hvd.callbacks.BroadcastGlobalVariablesCallback(0)``,
-``MetricAverageCallback()``, ...); they are re-exported here as ``callbacks`` for convenience.
+compressed gradient exchange, for ``model.fit`` with Keras 2 (a Keras 3 optimizer is refused:
+docs/TENSORFLOW.md). Horovod's Keras ``callbacks`` work unchanged and are re-exported here.
 """
 from horovod.tensorflow.keras import callbacks  # noqa: F401
 
