@@ -24,7 +24,7 @@ from numba import cuda, float32, int32, int64
 
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH,
                            SHARED, SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of, hdr_err, header_byte,
-                           header_errors, max_nan, mul, onebit_scales, publish, put, qsgd_code,
+                           header_errors, code_levels, max_nan, mul, onebit_scales, publish, put, qsgd_code,
                            sqrt32)
 from ._scalar import F0, FNAN, SEGMENT
 
@@ -103,8 +103,7 @@ def make_value(BITS, kind):
     ``decoded(code, units, b, b0, scales, sb, lb)``: its value (QSGD: the unit ``units[b - b0]``;
     1-bit: from bucket ``lb``'s scales at ``scales[sb]``); ``value(words, scales, wb, sb, le, lb)``: the
     value of element ``le``."""
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
     MASK = np.int64((1 << BITS) - 1)
 
     @cuda.jit(device=True)
@@ -312,8 +311,7 @@ def make_encode(spec):
     BITS, red, pack, RESID = spec[:4]
     SRC = len(spec) > 4 and spec[4]
     load = make_load(BITS, dec_kind(red, pack), SRC)
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
     PER = 32 // BITS + 2           # at most this many elements touch one 32-bit word
     ONEBIT = pack == PACK_ONEBIT
     STOCH = pack == PACK_STOCH
@@ -443,8 +441,7 @@ def make_encode(spec):
 
 def make_decode(spec):
     BITS, kind = spec
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
     code_at, decoded, _ = make_value(BITS, kind)
 
     @cuda.jit
@@ -493,8 +490,7 @@ def make_decode_multi(spec):
     ``last_psoff``); a bad chunk decodes to NaN. ``words``/``scales``: the whole buffer as uint32 /
     float32 (offsets in 4-byte units)."""
     BITS, kind, MODE = spec
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
     code_at, decoded, _ = make_value(BITS, kind)
     CHUNKS = MODE == MULTI_CHUNKS
     NBAD = MAXCH if CHUNKS else 1

@@ -1,16 +1,12 @@
 """The CUDA launch layer and the prepared ops of QSGD and 1-bit.
 
-The launch layer: kernels built once per specialisation (:data:`kernels`, keyed by tuples), the
-driver's ``cuLaunchKernel`` with a parameter buffer per prepared launch (:class:`_Raw`), streams,
-status words, grids, and the one-block header write and check.
-
-The prepared ops (encode, reduce_requantize, decode, decode_sum, decode_chunks) and the table
-:data:`PREPARE` that builds them: the kernel path, grid, layout and parameter buffer are chosen once;
-a call writes the pointers and scalars that change and launches. A prepared op belongs to its caller.
-
-The simulator has no ``cuLaunchKernel`` and no device pointers: there (the one ``if SIMULATOR``
-below) a pointer is an array and a byte offset, and a launch hands the parameter buffer's values to
-Numba's dispatcher as array views and scalars, so the ops run the same code on both.
+The launch layer: kernels built once per specialisation (:data:`kernels`), the driver's
+``cuLaunchKernel`` with a parameter buffer per prepared launch (:class:`_Raw`), streams, status words,
+grids, and the one-block header write and check. The prepared ops and their table :data:`PREPARE`:
+kernel path, grid, layout and parameter buffer are chosen once; a call writes the pointers and scalars
+that change and launches. In the simulator (no ``cuLaunchKernel``, no device pointers: the one ``if
+SIMULATOR`` below) a pointer is an array and a byte offset, and a launch hands the buffer's values to
+Numba's dispatcher, so the ops run the same code on both.
 """
 import ctypes
 import math
@@ -32,8 +28,7 @@ from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX,
 
 MAXCH, FUSE_MAX = _B.MAXCH, _B.FUSE_MAX
 
-# The header check and header write are one-block kernels by design: silence Numba's occupancy hint
-# for them (a message filter, so Numba's other performance warnings still show).
+# the header check and write are one-block kernels by design: silence Numba's occupancy hint alone
 warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU under-utilization")
 
 # ---- kernels, built once per specialisation -----------------------------------------------------------
@@ -65,8 +60,8 @@ _SUCCESS, _INVALID_CONTEXT = 0, 201     # CUDA_SUCCESS, CUDA_ERROR_INVALID_CONTE
 
 
 def _driver_launch():
-    """The driver's ``cuLaunchKernel`` through ctypes, its argument types declared once (a binding
-    that converts its arguments on every call costs several times as much)."""
+    """The driver's ``cuLaunchKernel`` through ctypes, its argument types declared once (cheaper per
+    call than a binding that converts its arguments)."""
     for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
         try:
             lib = ctypes.CDLL(name)
@@ -128,19 +123,9 @@ class _Raw:
         self._params = (ctypes.c_void_p * len(self._objs))(*[ctypes.addressof(o) for o in self._objs])
         self.addr = ctypes.addressof(self._params)
 
-    def set_payload(self, i, payload, op):
-        """Arguments ``i, i+1, i+2``: a payload of ``op``'s layout, its code words and its scales.
-        Returns the payload's pointer."""
-        p = _ptr(payload)
-        s = self.slots
-        s[i].value = p
-        s[i + 1].value = p + op.codes_off
-        s[i + 2].value = p + op.scales_off
-        return p
-
     def set_payloads(self, i, pointer, n, total):
-        """Arguments ``i, i+1, i+2``: ``n`` payloads of ``total`` bytes back to back at ``pointer``, as
-        bytes, 32-bit words and float32 (the kernels slice them per payload)."""
+        """Arguments ``i .. i+2``: ``n`` payloads of ``total`` bytes back to back at ``pointer``, as
+        bytes, 32-bit words and float32."""
         for k, size in ((i, n * total), (i + 1, n * total // 4), (i + 2, n * total // 4)):
             self.slots[k].value = pointer
             for o in self.dims[k]:
@@ -156,7 +141,7 @@ class _Raw:
         """Arguments ``i .. i+3``: the status word, the expected header fields, check and check_name
         (from ``expect`` unless given)."""
         s = self.slots
-        s[i].value = _ptr(_zero_status() if status is None else status)
+        s[i].value = _ptr(_zero_status(expect is not None) if status is None else status)
         if expect is not self._expect:
             self._expect = expect
             self.set_tuple(i + 1, _NO_EXPECT if expect is None else tuple(expect[:7]))
@@ -176,7 +161,7 @@ class _Raw:
 
 
 def _ptr(a):
-    """Device pointer of an array (a Numba device array, a ``__cuda_array_interface__`` object, an int)."""
+    """Device pointer of a Numba device array, a ``__cuda_array_interface__`` object or an int."""
     if type(a) is int:
         return a
     return a.__cuda_array_interface__["data"][0]
@@ -255,8 +240,9 @@ _NO_EXPECT = (0, 0, 0, 0, 0, 0, 0)
 
 
 @lru_cache(None)
-def _zero_status():
-    """A device int32[2] of zeros: the status of decodes given none (one device per process)."""
+def _zero_status(sink=False):
+    """A device int32[2] of zeros for ops given no status (one device per process): read by those
+    given no ``expect`` (so it stays zero), or with ``sink`` written by those given one."""
     return cuda.to_device(np.zeros(2, np.int32))
 
 
@@ -418,13 +404,16 @@ class _ReduceRequantize(_Encode):
                  expect=None):
         resid = residual is not None
         raw = self._raw.get(resid) or self._prepare_raw(resid)
-        pp = raw.set_payload(1, out_payload, self)
+        s = raw.slots
+        pp = s[1].value = _ptr(out_payload)
+        s[2].value = pp + self.codes_off
+        s[3].value = pp + self.scales_off
         raw.set_tuple(4, header)
         pin = _ptr(payloads)
         pr = _ptr(residual) if resid else 0
         nargs = len(self.args)
-        raw.slots[5 + nargs].value = int(key)
-        raw.slots[6 + nargs].value = pr
+        s[5 + nargs].value = int(key)
+        s[6 + nargs].value = pr
         for r, i in ((self._reduce, 5), (raw, 7 + nargs)):     # the payloads' arguments (_SRC)
             if r is not None:
                 r.set_payloads(i, pin, n, self.total)

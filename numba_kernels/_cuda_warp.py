@@ -34,9 +34,9 @@ from numba import cuda, float32, int32, int64, uint32
 from ._cuda_block import (HDR_WORDS, MAXCH, MULTI_CHUNKS, MULTI_SUM, chunks_bad, dec_kind, make_load,
                           make_value, multi_bad)
 from ._cuda_device import (DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH, SHARED, SIMULATOR,
-                           TWO_MEAN, add_term, block_bad, draw, header_byte, max_nan, mix64, mul,
+                           TWO_MEAN, add_term, block_bad, draw, header_byte, code_levels, max_nan, mix64, mul,
                            onebit_scales, put, qsgd_code, qsgd_level, qsgd_round, sqrt32, uniform24)
-from ._scalar import DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN, F0, FINF, FNAN
+from ._scalar import DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN, F0, FINF, FNAN, GAMMA
 
 SIMBUF = 256                       # shared slots for the simulator's shuffle emulation
 FULL = 0xFFFFFFFF
@@ -173,15 +173,13 @@ def quotient(a, unit, y):
 
 
 F1 = np.float32(1.0)
-GAMMA = np.uint64(0x9E3779B97F4A7C15)
 
 
 def make_units(BITS, kind):
     """``units(scales, sb, b)``: (hi, lo) of bucket ``b`` of a payload whose scales start at
     ``scales[sb]``, once per bucket (QSGD: hi = lo = unit = scale / s; 1-bit: the values of bits 1
     and 0); ``value(code, hi, lo)``: an element's value from its code, as the decoders write it."""
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
 
     @cuda.jit(device=True, inline="always")
     def units(scales, sb, b):
@@ -223,8 +221,7 @@ def make_encode(spec):
     U8_ = np.uint64(8)
     U40_ = np.uint64(40)
     U24M = np.uint64(0xFFFFFF)
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
     EPW = 32 // BITS                      # codes per 32-bit word
     LOG_EPW = EPW.bit_length() - 1
     GMASK = EPW - 1
