@@ -31,8 +31,8 @@ from fractions import Fraction
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
-from ._cuda_block import (HDR_WORDS, MAXCH, MULTI_CHUNKS, MULTI_SUM, chunks_bad, dec_kind, make_load,
-                          make_value, multi_bad)
+from ._cuda_block import (HDR_WORDS, MAXCH, MULTI_CHUNKS, MULTI_SUM, PLAIN, chunks_bad, dec_kind,
+                          make_load, make_value, multi_bad)
 from ._cuda_device import (DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH, SHARED, SIMULATOR,
                            TWO_MEAN, add_term, block_bad, draw, header_byte, code_levels, max_nan, mix64, mul,
                            onebit_scales, put, qsgd_code, qsgd_level, qsgd_round, sqrt32, uniform24)
@@ -507,9 +507,6 @@ def make_encode(spec):
             g += cuda.gridDim.x
 
     return warp_encode
-
-
-PLAIN = -1                          # make_decode's modes: one payload, or MULTI_SUM / MULTI_CHUNKS
 
 
 def make_decode(spec):
