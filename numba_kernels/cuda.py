@@ -72,6 +72,9 @@ class _CodesEncode:
     then ``_codes`` (each element's code into a uint16 scratch array, the scales into the payload),
     then ``k_pack`` packs the codes."""
 
+    def __init__(self, lay, bits, bs):
+        self.lay, self.numel, self.total, self.bits, self.bs = lay, lay.numel, lay.total, bits, bs
+
     def __call__(self, x, payload, header, key, stream=None, residual=None):
         payload = _as_dev(payload)
         write_header_cuda(payload, header, stream)
@@ -98,9 +101,9 @@ class _SortquantEncode(_CodesEncode):
         if bucket_size > _S.MAX_BUCKET:
             raise ValueError(f"sortquant on CUDA sorts a bucket in shared memory: bucket_size must be at most "
                              f"{_S.MAX_BUCKET}, got {bucket_size}")
-        self.lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
-        self.numel, self.total = numel, self.lay.total
-        self.bits, self.split_bits, self.bs, self.stochastic = bits, split_bits, bucket_size, bool(stochastic)
+        super().__init__(wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits), bits,
+                         bucket_size)
+        self.split_bits, self.stochastic = split_bits, bool(stochastic)
         self.P = 1 << max(0, (min(bucket_size, numel) - 1).bit_length())
 
     def _codes(self, x, scales, codes, key, res, has, s, stream):
@@ -115,9 +118,8 @@ class _KmeansEncode(_CodesEncode):
     per tensor."""
 
     def __init__(self, numel, bits, bucket_size, iters):
-        self.lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
-        self.numel, self.total = numel, self.lay.total
-        self.bits, self.bs, self.iters = bits, bucket_size or numel, iters
+        super().__init__(wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size), bits, bucket_size or numel)
+        self.iters = iters
 
     def _codes(self, x, book, codes, key, res, has, s, stream):
         n, bs, bits = self.numel, self.bs, self.bits
