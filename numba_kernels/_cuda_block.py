@@ -2,21 +2,18 @@
 (``_cuda_warp``) do not apply (OneBit's default one bucket per tensor included).
 
 * ``block_encode`` (``make_encode``), one launch for buckets of at most ``FUSE_MAX`` elements
-  ("fused"): a block owns G whole buckets (G*bs*bits a multiple of 32: whole 32-bit code words).
-  Phase 1: warp w computes the scales of buckets w, w+NW, ... in the canonical order (lane l adds
-  elements l, l+32, ..., then the shared-memory tree 16..1) into shared memory and the payload.
-  Phase 2: one thread per 32-bit code word quantizes the elements that touch it (x re-read from
-  L1/L2); the padding words come out zero. Larger buckets take ``reduce`` (a warp per segment of
+  ("fused"): a block owns G whole buckets (G*bs*bits a multiple of 32). Phase 1: warp w computes the
+  scales of buckets w, w+NW, ... in the canonical order (lane l adds elements l, l+32, ..., then the
+  shared-memory tree 16..1). Phase 2: one thread per 32-bit code word quantizes the elements that
+  touch it; the padding words come out zero. Larger buckets take ``reduce`` (a warp per segment of
   ``SEGMENT`` elements, its lane sums to scratch) and ``combine`` (a warp per bucket over its
-  segments' sums), then ``block_encode`` in pack-only mode (block ``blk`` packs words
-  ``[blk*G, blk*G + G)``, G a multiple of ``bits``), so one bucket of a whole tensor is read by the
-  whole GPU. With ``resid`` the encode writes ``residual = x - decode``: an element straddling two
-  words is read by both words' threads and its residual written by its last word's thread after a
-  block barrier, so ``residual`` may be ``x``.
-* ``block_decode`` (``make_decode``): grid-stride over chunks of DEC_K*BLOCK elements: a shared
-  table of unit = scale/s for the chunk's buckets (one IEEE division per bucket), then coalesced
-  stores; the header check runs in the decode (``block_bad``). ``block_decode_multi``: the same over
-  several payloads (decode_sum, decode_chunks).
+  segments' sums), then ``block_encode`` in pack-only mode (G words per block, G a multiple of
+  ``bits``), so one bucket of a whole tensor is read by the whole GPU. With ``resid`` the encode writes
+  ``residual = x - decode``: an element straddling two words is written by its last word's thread
+  after a block barrier, so ``residual`` may be ``x``.
+* ``block_decode`` (``make_decode``): grid-stride over chunks of DEC_K*BLOCK elements: a shared table of
+  unit = scale/s for the chunk's buckets, then coalesced stores; the header check runs in the decode
+  (``block_bad``). ``block_decode_multi``: the same over several payloads (decode_sum, decode_chunks).
 * ``k_header`` writes a header; ``k_check`` checks one (raw payloads: fp16, none, fake).
 """
 import numpy as np
@@ -24,7 +21,7 @@ from numba import cuda, float32, int32, int64
 
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH,
                            SHARED, SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of, hdr_err, header_byte,
-                           header_errors, max_nan, mul, onebit_scales, publish, put, qsgd_code,
+                           header_errors, code_levels, max_nan, mul, onebit_scales, publish, put, qsgd_code,
                            sqrt32)
 from ._scalar import F0, FNAN, SEGMENT
 
@@ -37,16 +34,15 @@ DEC_CHUNK = DEC_K * BLOCK
 DEC_TABLE = DEC_CHUNK + 8           # units of the buckets one chunk touches (bs=1: one per element)
 M32 = np.int64(0xFFFFFFFF)
 MAXCH = 1024                        # chunks of a decode_chunks (a shared table of their errors)
-MULTI_SUM, MULTI_CHUNKS = 0, 1      # block_decode_multi: sum n payloads; one payload per chunk
+PLAIN, MULTI_SUM, MULTI_CHUNKS = -1, 0, 1   # decode modes: one payload; sum n payloads; a payload per chunk
 HDR_WORDS = 16                      # the header, in 32-bit words
 
 
 @cuda.jit(device=True)
 def multi_bad(payloads, npay, ptotal, status, expect, check, check_name, sred, serr):
-    """Whether any of the ``npay`` payloads of ``ptotal`` bytes held back to back in ``payloads`` is
-    bad: with ``check`` their headers are checked (threads share the payloads; block 0 stores the
-    OR of the error bits in ``status[0]`` and ORs it into ``status[1]``), else ``status[0]`` is read.
-    ``sred``: shared int32[SHARED], ``serr``: shared int32[1]. Every thread must call it (barriers)."""
+    """Whether any of the ``npay`` payloads of ``ptotal`` bytes back to back in ``payloads`` is bad
+    (with ``check`` their headers' OR, as :func:`publish`; else ``status[0]``). ``sred``: shared
+    int32[SHARED], ``serr``: shared int32[1]. Every thread must call it (barriers)."""
     tid = cuda.threadIdx.x
     err = 0
     if check:
@@ -70,9 +66,8 @@ def multi_bad(payloads, npay, ptotal, status, expect, check, check_name, sred, s
 def chunks_bad(payloads, nch, ptotal, chunk, last_numel, status, expect, check, check_name, name_hashes,
                sbad, serr):
     """The header errors of the ``nch`` chunk payloads (chunk j's at ``j * ptotal``, ``chunk``
-    elements, the last ``last_numel``) into ``sbad[j]`` (with ``check``: numel and, with
-    ``check_name``, ``name_hashes[j]`` per chunk; block 0 stores their OR in ``status[0]`` and ORs it
-    into ``status[1]``); without ``check`` every chunk is bad when ``status[0] != 0`` (``serr[0]``)."""
+    elements, the last ``last_numel``; with ``check_name`` named ``name_hashes[j]``) into ``sbad[j]``,
+    their OR published (:func:`publish`); without ``check`` every chunk is bad when ``serr[0]``."""
     tid = cuda.threadIdx.x
     j = tid
     while j < nch:
@@ -100,11 +95,9 @@ def chunks_bad(payloads, nch, ptotal, chunk, last_numel, status, expect, check, 
 
 def make_value(BITS, kind):
     """``code_at(words, wb, le)``: the code of element ``le`` of the code words at ``words[wb]``;
-    ``decoded(code, units, b, b0, scales, sb, lb)``: its value (QSGD: the unit ``units[b - b0]``;
-    1-bit: from bucket ``lb``'s scales at ``scales[sb]``); ``value(words, scales, wb, sb, le, lb)``: the
-    value of element ``le``."""
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    ``decoded(code, units, b, b0, scales, sb, lb)``: its value (QSGD: from ``units[b - b0]``; 1-bit:
+    bucket ``lb``'s scales at ``scales[sb]``); ``value(words, scales, wb, sb, le, lb)``: both."""
+    S, SF = code_levels(BITS)
     MASK = np.int64((1 << BITS) - 1)
 
     @cuda.jit(device=True)
@@ -142,9 +135,8 @@ def make_value(BITS, kind):
 
 def make_source(BITS, kind):
     """``source(words, scales, i, b, npay, pw, psoff, rin, has_rin)``: the float32 sum, in payload
-    order, of element ``i`` (bucket ``b``) of the ``npay`` payloads of ``pw`` words each (code words at
-    word 16, scales at word ``psoff`` of each), plus ``rin[i]`` when ``has_rin``: the value a
-    reduce_requantize quantizes, computed where it is used (never stored)."""
+    order, of element ``i`` (bucket ``b``) of the ``npay`` payloads of ``pw`` words (scales at word
+    ``psoff`` of each), plus ``rin[i]`` when ``has_rin``: what a reduce_requantize quantizes."""
     value = make_value(BITS, kind)[2]
 
     @cuda.jit(device=True)
@@ -184,11 +176,9 @@ def dec_kind(red, pack):
 
 def make_reduce(spec):
     """``spec``: (red,) or (red, bits, pack, True): the values are the sums of payloads (``source``).
-
-    The first of a long bucket's two launches: one group of 32 threads per segment (SEGMENT elements
-    of one bucket; the canonical order, ``numba_kernels.reference``) writes the segment's lane sum to
-    ``parts`` (``p`` at ``w``, ``q`` at ``nseg + w``, the count at ``2*nseg + w``, w the segment's
-    index, bucket-major); ``make_combine`` turns them into the scales."""
+    The first of a long bucket's two launches: a warp per segment (SEGMENT elements of one bucket)
+    writes its lane sum to ``parts`` (``p`` at ``w``, ``q`` at ``nseg + w``, the count at
+    ``2*nseg + w``, w the segment's index, bucket-major)."""
     red = spec[0]
     SRC = len(spec) > 1
     load = make_load(spec[1], dec_kind(red, spec[2]), True) if SRC else make_load(None, None, False)
@@ -231,9 +221,8 @@ def make_reduce(spec):
 
 
 def make_combine(spec):
-    """``spec``: (red,). The second launch: one group of 32 threads per bucket adds its segments' sums
-    from ``parts`` in the canonical order and writes the bucket's scale(s). Same parameters as
-    ``reduce``."""
+    """``spec``: (red,). The second launch: a warp per bucket adds its segments' sums from ``parts`` in
+    the canonical order and writes the bucket's scale(s). Same parameters as ``reduce``."""
     red = spec[0]
 
     @cuda.jit
@@ -287,8 +276,8 @@ def put_scales(red, scales, b, p, q, cnt, ln):
 
 @cuda.jit(device=True)
 def lane_tree(red, p, q, cnt, sp, sq, sc, tid, lane):
-    """Each group of 32 threads' tree (strides 16..1) over its lanes' (p, q, cnt), into sp/sq/sc at
-    the group's first thread. Every thread of the block calls it (barriers)."""
+    """Each warp's tree (strides 16..1) over its lanes' (p, q, cnt), into sp/sq/sc at its first
+    thread. Every thread of the block calls it (barriers)."""
     sp[tid] = p
     sq[tid] = q
     sc[tid] = cnt
@@ -307,13 +296,12 @@ def lane_tree(red, p, q, cnt, sp, sq, sc, tid, lane):
 
 
 def make_encode(spec):
-    """``spec``: (bits, red, pack, resid[, src]); ``src``: the values are the sums of payloads (plus
-    ``rin``), computed by ``source`` wherever the plain encode reads ``x`` (reduce_requantize)."""
+    """``spec``: (bits, red, pack, resid[, src]); ``src`` (reduce_requantize): the values are
+    ``source``'s sums, computed wherever the plain encode reads ``x``."""
     BITS, red, pack, RESID = spec[:4]
     SRC = len(spec) > 4 and spec[4]
     load = make_load(BITS, dec_kind(red, pack), SRC)
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
     PER = 32 // BITS + 2           # at most this many elements touch one 32-bit word
     ONEBIT = pack == PACK_ONEBIT
     STOCH = pack == PACK_STOCH
@@ -443,8 +431,7 @@ def make_encode(spec):
 
 def make_decode(spec):
     BITS, kind = spec
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
     code_at, decoded, _ = make_value(BITS, kind)
 
     @cuda.jit
@@ -485,16 +472,14 @@ def make_decode(spec):
 
 
 def make_decode_multi(spec):
-    """``block_decode_multi``: ``block_decode`` over several payloads in one launch. MODE MULTI_SUM:
-    out = the float32 sum, in payload order, of the ``npay`` payloads of ``ptotal`` bytes held back
-    to back (a block keeps its DEC_K elements' partial sums in registers, refilling the shared table of
-    units once per payload); any bad payload makes every value NaN. MODE MULTI_CHUNKS: element i is
-    element ``i - j*chunk`` of chunk j's payload (at ``j*ptotal``; the last chunk's scales at
-    ``last_psoff``); a bad chunk decodes to NaN. ``words``/``scales``: the whole buffer as uint32 /
-    float32 (offsets in 4-byte units)."""
+    """``block_decode_multi``: ``block_decode`` over several payloads of ``pw`` words back to back
+    (``words``/``scales``: the whole buffer; offsets in 4-byte units). MULTI_SUM: out = the float32
+    sum, in payload order, of the ``npay`` payloads (each element's partial sums in registers, the
+    shared table refilled per payload); any bad payload makes every value NaN. MULTI_CHUNKS: element i
+    is element ``i - j*chunk`` of chunk j's payload (the last chunk's scales at ``last_psoff``); a bad
+    chunk decodes to NaN."""
     BITS, kind, MODE = spec
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
     code_at, decoded, _ = make_value(BITS, kind)
     CHUNKS = MODE == MULTI_CHUNKS
     NBAD = MAXCH if CHUNKS else 1
@@ -590,8 +575,8 @@ def k_header(payload, header):
 
 @cuda.jit
 def k_check(payload, status, expect, check_name):
-    """One thread compares the payload header with what the receiver expects: the error bits
-    (``wire.ERROR_BITS``) go to ``status[0]`` (this payload) and are ORed into ``status[1]`` (sticky)."""
+    """One thread checks the header against ``expect``: its error bits (``wire.ERROR_BITS``) go to
+    ``status[0]`` and are ORed into ``status[1]`` (sticky)."""
     if cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x != 0:
         return
     err = hdr_err(payload, expect, check_name)

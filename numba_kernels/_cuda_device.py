@@ -42,6 +42,12 @@ PACK_DET, PACK_STOCH, PACK_ONEBIT = 0, 1, 2
 DEC_QSGD, DEC_TWO_MEAN, DEC_MEAN_ABS = 0, 1, 2
 
 
+def code_levels(bits):
+    """QSGD's level count s for ``bits`` (0 for 1 bit), and s as a float32 divisor (at least 1)."""
+    s = (1 << (bits - 1)) - 1 if bits > 1 else 0
+    return s, np.float32(max(s, 1))
+
+
 @cuda.jit(device=True)
 def add_term(kind, v, p, q, cnt):
     """One element ``v`` added to a lane's running reduction of kind ``kind`` (p: max, sum of squares,
@@ -130,7 +136,7 @@ SIG_WARP_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _I64, _I64, _U
 SIG_WARP_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _I64, _I64, _I64, _B1,
                    _U32, _I64, _I64, _I64, _I64, _I64)
 SIG_BLOCK_ENCODE = (_F32, _U8, _U32, _F32, _HDR, _I64, _I64, _I64, _F64, _I64, _B1, _U64, _F32) + _SRC
-SIG_BLOCK_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _F64, _B1, _I64)
 SIG_REDUCE = (_F32, _F32, _I64, _I64, _I64) + _SRC
+SIG_BLOCK_DECODE = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _I64, _I64, _F64, _B1, _I64)
 SIG_DECODE_MULTI = (_U8, _U32, _F32, _F32, _I32, _EXP, _B1, _B1, _U32, _I64, _I64, _F64, _I64, _I64,
                     _I64, _I64, _I64, _I64, _I64)

@@ -6,17 +6,16 @@ An encode is ``iters + 5`` launches after the header's; block k of the element-w
 atomic add per centroid:
 
 * ``k_clear``: the buckets' maxima and step 1's sums reset.
-* ``k_stats``: each bucket's largest |x| as float32 bits (an atomic max; ``amax >= 0x7F800000``
-  marks a non-finite bucket, which decodes to NaN), its min and its max.
-* ``k_start``: a block per bucket sorts its sample (SortQuant's bitonic ``sort_pairs``); one thread
-  picks the starting centroids (``_scalar.kmeans_starts``) into ``cent[0]``.
-* ``k_step`` (t = 1 .. iters): each block works out the centroids c(t-1) from step t - 1's sums
-  (tile 0 also stores them in ``cent[(t-1) % 2]`` for a centroid that loses its members), assigns
-  its elements and adds their fixed-point values and counts into step t's sums (integers: the order
-  of the atomic adds cannot change them). Each centroid has 256 / K copies in shared memory, so few
-  threads add into one address. Sums rotate through three buffers: step t adds into ``t % 3``,
-  reads ``(t - 1) % 3`` and clears ``(t + 1) % 3``. With ``final``: the codebook c(iters), each
-  element's index into a uint16 scratch (packed by ``_cuda_sortquant.k_pack``), the residual.
+* ``k_stats``: each bucket's largest |x| as float32 bits (``amax >= 0x7F800000``: a non-finite bucket,
+  which decodes to NaN), its min and its max.
+* ``k_start``: a block per bucket sorts its sample (``sort_pairs``); one thread picks the starting
+  centroids (``_scalar.kmeans_starts``) into ``cent[0]``.
+* ``k_step`` (t = 1 .. iters): each block works out the centroids c(t-1) from step t - 1's sums (tile 0
+  also stores them in ``cent[(t-1) % 2]`` for a centroid that loses its members), assigns its elements
+  and adds their fixed-point values and counts into step t's sums (integers: the order of the atomic
+  adds cannot change them), through 256 / K copies per centroid in shared memory. Step t adds into
+  sums ``t % 3``, reads ``(t - 1) % 3`` and clears ``(t + 1) % 3``. ``final``: the codebook c(iters),
+  each element's index into a uint16 scratch (packed by ``_cuda_sortquant.k_pack``), the residual.
 
 The device runs every step; the CPU kernel stops once the centroids stop moving (the remaining steps
 would repeat them exactly), so both give the same payload.

@@ -1,16 +1,12 @@
 """The CUDA launch layer and the prepared ops of QSGD and 1-bit.
 
-The launch layer: kernels built once per specialisation (:data:`kernels`, keyed by tuples), the
-driver's ``cuLaunchKernel`` with a parameter buffer per prepared launch (:class:`_Raw`), streams,
-status words, grids, and the one-block header write and check.
-
-The prepared ops (encode, reduce_requantize, decode, decode_sum, decode_chunks) and the table
-:data:`PREPARE` that builds them: the kernel path, grid, layout and parameter buffer are chosen once;
-a call writes the pointers and scalars that change and launches. A prepared op belongs to its caller.
-
-The simulator has no ``cuLaunchKernel`` and no device pointers: there (the one ``if SIMULATOR``
-below) a pointer is an array and a byte offset, and a launch hands the parameter buffer's values to
-Numba's dispatcher as array views and scalars, so the ops run the same code on both.
+The launch layer: kernels built once per specialisation (:data:`kernels`), the driver's
+``cuLaunchKernel`` with a parameter buffer per prepared launch (:class:`_Raw`), streams, status words,
+grids, and the one-block header write and check. The prepared ops and their table :data:`PREPARE`:
+kernel path, grid, layout and parameter buffer are chosen once; a call writes the pointers and scalars
+that change and launches. In the simulator (no ``cuLaunchKernel``, no device pointers: the one ``if
+SIMULATOR`` below) a pointer is an array and a byte offset, and a launch hands the buffer's values to
+Numba's dispatcher, so the ops run the same code on both.
 """
 import ctypes
 import math
@@ -25,6 +21,7 @@ from . import _cuda_block as _B
 from . import _cuda_warp as _W
 from . import wire
 from .reference import chunk_ranges
+from ._cuda_block import MULTI_CHUNKS, MULTI_SUM, PLAIN
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, MEAN_ABS, PACK_DET,
                            PACK_ONEBIT, PACK_STOCH, SIG_BLOCK_DECODE, SIG_BLOCK_ENCODE, SIG_DECODE_MULTI,
                            SIG_REDUCE, SIG_WARP_DECODE, SIG_WARP_ENCODE, SIMULATOR, TWO_MEAN)
@@ -32,8 +29,7 @@ from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX,
 
 MAXCH, FUSE_MAX = _B.MAXCH, _B.FUSE_MAX
 
-# The header check and header write are one-block kernels by design: silence Numba's occupancy hint
-# for them (a message filter, so Numba's other performance warnings still show).
+# the header check and write are one-block kernels by design: silence Numba's occupancy hint alone
 warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU under-utilization")
 
 # ---- kernels, built once per specialisation -----------------------------------------------------------
@@ -65,8 +61,8 @@ _SUCCESS, _INVALID_CONTEXT = 0, 201     # CUDA_SUCCESS, CUDA_ERROR_INVALID_CONTE
 
 
 def _driver_launch():
-    """The driver's ``cuLaunchKernel`` through ctypes, its argument types declared once (a binding
-    that converts its arguments on every call costs several times as much)."""
+    """The driver's ``cuLaunchKernel`` through ctypes, its argument types declared once (cheaper per
+    call than a binding that converts its arguments)."""
     for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
         try:
             lib = ctypes.CDLL(name)
@@ -128,19 +124,9 @@ class _Raw:
         self._params = (ctypes.c_void_p * len(self._objs))(*[ctypes.addressof(o) for o in self._objs])
         self.addr = ctypes.addressof(self._params)
 
-    def set_payload(self, i, payload, op):
-        """Arguments ``i, i+1, i+2``: a payload of ``op``'s layout, its code words and its scales.
-        Returns the payload's pointer."""
-        p = _ptr(payload)
-        s = self.slots
-        s[i].value = p
-        s[i + 1].value = p + op.codes_off
-        s[i + 2].value = p + op.scales_off
-        return p
-
     def set_payloads(self, i, pointer, n, total):
-        """Arguments ``i, i+1, i+2``: ``n`` payloads of ``total`` bytes back to back at ``pointer``, as
-        bytes, 32-bit words and float32 (the kernels slice them per payload)."""
+        """Arguments ``i .. i+2``: ``n`` payloads of ``total`` bytes back to back at ``pointer``, as
+        bytes, 32-bit words and float32."""
         for k, size in ((i, n * total), (i + 1, n * total // 4), (i + 2, n * total // 4)):
             self.slots[k].value = pointer
             for o in self.dims[k]:
@@ -156,7 +142,7 @@ class _Raw:
         """Arguments ``i .. i+3``: the status word, the expected header fields, check and check_name
         (from ``expect`` unless given)."""
         s = self.slots
-        s[i].value = _ptr(_zero_status() if status is None else status)
+        s[i].value = _ptr(_zero_status(expect is not None) if status is None else status)
         if expect is not self._expect:
             self._expect = expect
             self.set_tuple(i + 1, _NO_EXPECT if expect is None else tuple(expect[:7]))
@@ -176,7 +162,7 @@ class _Raw:
 
 
 def _ptr(a):
-    """Device pointer of an array (a Numba device array, a ``__cuda_array_interface__`` object, an int)."""
+    """Device pointer of a Numba device array, a ``__cuda_array_interface__`` object or an int."""
     if type(a) is int:
         return a
     return a.__cuda_array_interface__["data"][0]
@@ -255,8 +241,9 @@ _NO_EXPECT = (0, 0, 0, 0, 0, 0, 0)
 
 
 @lru_cache(None)
-def _zero_status():
-    """A device int32[2] of zeros: the status of decodes given none (one device per process)."""
+def _zero_status(sink=False):
+    """A device int32[2] of zeros for ops given no status (one device per process): read by those
+    given no ``expect`` (so it stays zero), or with ``sink`` written by those given one."""
     return cuda.to_device(np.zeros(2, np.int32))
 
 
@@ -391,7 +378,7 @@ class _Encode(_Op):
 
     def __call__(self, x, payload, header, key, stream=None, residual=None):
         raw = self._raw.get(residual is not None) or self._prepare_raw(residual is not None)
-        s = raw.slots                       # (set_payload and set_tuple inlined: the tiny call's cost)
+        s = raw.slots                       # (set_tuple inlined: the tiny call's cost)
         px = s[0].value = _ptr(x)
         pp = s[1].value = _ptr(payload)
         s[2].value = pp + self.codes_off
@@ -418,13 +405,16 @@ class _ReduceRequantize(_Encode):
                  expect=None):
         resid = residual is not None
         raw = self._raw.get(resid) or self._prepare_raw(resid)
-        pp = raw.set_payload(1, out_payload, self)
+        s = raw.slots
+        pp = s[1].value = _ptr(out_payload)
+        s[2].value = pp + self.codes_off
+        s[3].value = pp + self.scales_off
         raw.set_tuple(4, header)
         pin = _ptr(payloads)
         pr = _ptr(residual) if resid else 0
         nargs = len(self.args)
-        raw.slots[5 + nargs].value = int(key)
-        raw.slots[6 + nargs].value = pr
+        s[5 + nargs].value = int(key)
+        s[6 + nargs].value = pr
         for r, i in ((self._reduce, 5), (raw, 7 + nargs)):     # the payloads' arguments (_SRC)
             if r is not None:
                 r.set_payloads(i, pin, n, self.total)
@@ -436,26 +426,65 @@ class _ReduceRequantize(_Encode):
 
 
 class _Decode(_Op):
-    """A prepared decode: ``(payload, out, stream, status, expect)``."""
+    """A prepared decode ``(payload, out, stream, status, expect)`` of QSGD (``two_mean`` None) or
+    1-bit; its subclasses, decode_sum and decode_chunks, are one launch of the same kernel (warp or
+    general path) in a multi-payload ``mode``."""
+    mode = PLAIN
 
-    def __init__(self, numel, bits, bs, kind, accumulate, lay):
-        super().__init__(numel, bits, bs, lay)
-        nb = lay.nbuckets
-        self.sizes = [self.total, self.nwords, self.nscales, numel, 2, None, 0, 0]
-        if self.warp:
-            self.kernel = ("warp_decode", _W.make_decode, (bits, kind, _W.dec_steps(bs)))
-            self.grid = _grid(nb, BLOCK // 32)     # capped once compiled (persistent grid)
-            # n, nb, bs, K, ngroups, accumulate; then one payload's multi-payload arguments: name_hashes,
-            # npay, pw, psoff, bpc, last_psoff
-            self.sig = SIG_WARP_DECODE
-            self.sizes += [numel, nb, bs, (bs + 31) // 32, self.grid, bool(accumulate), 1, 1, 0, 0, 1, 0]
+    def __init__(self, numel, bits, bucket_size, two_mean, accumulate=False, chunk=None):
+        qsgd = two_mean is None
+        kind = DEC_QSGD if qsgd else DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS
+        method = wire.METHODS["qsgd" if qsgd else "onebit"]
+        lmode = 0 if qsgd else _onebit_mode(two_mean)
+        # decode_chunks given name hashes and no expect checks them alone (1-bit: nothing else to know)
+        self._names_only = None if qsgd else wire.Expect(method, 1, lmode, 0, bucket_size, 0)
+        bs = bucket_size or max(numel, 1)
+        plain, nch = self.mode == PLAIN, 1
+        if self.mode == MULTI_CHUNKS:
+            ranges = chunk_ranges(numel, bucket_size, chunk)
+            nch = max(1, len(ranges))
+            if len(ranges) > MAXCH:
+                raise ValueError(f"{len(ranges)} chunks: at most {MAXCH} in one decode_chunks")
+            if not bucket_size:
+                chunk = bs
+            full = wire.layout(method, min(chunk, numel), bits, bucket_size, lmode)
+            lm = ranges[-1][1] - ranges[-1][0] if ranges else 0
+            last = wire.layout(method, lm, bits, bucket_size, lmode)
+            total = (len(ranges) - 1) * full.total + last.total if ranges else 0
+            tail = (chunk, lm, last.scales_offset // 4)
         else:
-            self.kernel = ("block_decode", _B.make_decode, (bits, kind))
+            full = wire.layout(method, numel, bits, bucket_size, lmode)
+            total = full.total
+            tail = (max(numel, 1), numel, full.scales_offset // 4)
+        super().__init__(numel, bits, bs, full)
+        self.total = total
+        # one payload: its code words and scales; several: the whole buffer, payloads of pw words
+        pw, psoff = (0, 0) if plain else (full.total // 4, full.scales_offset // 4)
+        self.sizes = [total, self.nwords if plain else total // 4, self.nscales if plain else total // 4,
+                      numel, 2, None, 0, 0]
+        spec = (bits, kind) if plain else (bits, kind, self.mode)
+        nb = _grid(numel, bs)
+        # the arguments after check_name, name_hashes (at _nh, sized for the chunks) and npay (_np) among them
+        if self.warp:
+            name = "warp_decode" if plain else "warp_decode_multi"
+            self.kernel = (name, _W.make_decode, spec[:2] + (_W.dec_steps(bs),) + spec[2:])
+            self.sig = SIG_WARP_DECODE
+            self.grid = max(1, _grid(nb, BLOCK // 32))     # capped once compiled (persistent grid)
+            # n, nb, bs, K, ngroups, accumulate, name_hashes, npay, pw, psoff, buckets per chunk, the
+            # last chunk's scales offset (words)
+            self.sizes += [numel, nb, bs, (bs + 31) // 32, self.grid, bool(accumulate), nch, 1, pw, psoff,
+                           max(1, tail[0] // bs), tail[2]]
+            self._nh, self._np = 14, 15
+        else:
             nchunks = _grid(numel, _B.DEC_CHUNK)
-            self.grid = min(nchunks, 8 * _sm_count())
-            self.sig = SIG_BLOCK_DECODE
-            # n, bs, inv_bs, accumulate, nchunks
-            self.sizes += [numel, bs, 1.0 / bs, bool(accumulate), nchunks]
+            self.grid = max(1, min(nchunks, 8 * _sm_count()))
+            if plain:       # n, bs, inv_bs, accumulate, nchunks
+                self.kernel, self.sig = ("block_decode", _B.make_decode, spec), SIG_BLOCK_DECODE
+                self.sizes += [numel, bs, 1.0 / bs, bool(accumulate), nchunks]
+            else:           # name_hashes, n, bs, inv_bs, nchunks, npay, pw, psoff, chunk, last numel, last psoff
+                self.kernel, self.sig = ("block_decode_multi", _B.make_decode_multi, spec), SIG_DECODE_MULTI
+                self.sizes += [nch, numel, bs, 1.0 / bs, nchunks, 1, pw, psoff, *tail]
+            self._nh, self._np = 8, 13
 
     def __call__(self, payload, out, stream=None, status=None, expect=None):
         if self.numel == 0:
@@ -463,7 +492,7 @@ class _Decode(_Op):
                 check_header_cuda(payload, status, expect, stream)
             return
         raw = self._raw or self._prepared()
-        s = raw.slots                       # (set_payload and set_check inlined: the tiny call's cost)
+        s = raw.slots                       # (set_check inlined: the tiny call's cost)
         pp = s[0].value = _ptr(payload)
         s[1].value = pp + self.codes_off
         s[2].value = pp + self.scales_off
@@ -473,64 +502,6 @@ class _Decode(_Op):
         else:
             raw.set_check(4, status, expect)
         raw.launch(self.grid, BLOCK, _stream(stream))
-
-
-class _DecodeMulti(_Op):
-    """A prepared decode_sum ``(payloads, n, out, stream, status, expect)`` or decode_chunks
-    ``(gathered, out, stream, status, name_hashes, expect)``: one launch of the warp decode in a
-    multi-payload mode where the warp kernels apply, else of ``block_decode_multi``."""
-
-    def __init__(self, numel, bits, bucket_size, two_mean, chunk=None):
-        qsgd = two_mean is None
-        kind = DEC_QSGD if qsgd else _onebit_kind(two_mean)
-        method = wire.METHODS["qsgd" if qsgd else "onebit"]
-        mode = 0 if qsgd else _onebit_mode(two_mean)
-        # decode_chunks given name hashes and no expect checks them alone (1-bit: nothing else to know)
-        self._names_only = None if qsgd else wire.Expect(method, 1, mode, 0, bucket_size, 0)
-        bs = bucket_size or max(numel, 1)
-        self.chunks = chunk is not None
-        nch = 1
-        if self.chunks:
-            ranges = chunk_ranges(numel, bucket_size, chunk)
-            nch = max(1, len(ranges))
-            if len(ranges) > MAXCH:
-                raise ValueError(f"{len(ranges)} chunks: at most {MAXCH} in one decode_chunks")
-            if not bucket_size:
-                chunk = bs
-            full = wire.layout(method, min(chunk, numel), bits, bucket_size, mode)
-            lm = ranges[-1][1] - ranges[-1][0] if ranges else 0
-            last = wire.layout(method, lm, bits, bucket_size, mode)
-            total = (len(ranges) - 1) * full.total + last.total if ranges else 0
-            tail = (chunk, lm, last.scales_offset // 4)
-        else:
-            full = wire.layout(method, numel, bits, bucket_size, mode)
-            total = full.total
-            tail = (max(numel, 1), numel, full.scales_offset // 4)
-        super().__init__(numel, bits, bs, full)
-        self.total = total
-        multi = _B.MULTI_CHUNKS if self.chunks else _B.MULTI_SUM
-        pw, psoff = full.total // 4, full.scales_offset // 4
-        self.sizes = [total, total // 4, total // 4, numel, 2, None, 0, 0]
-        # then the kernel's arguments after check_name: name_hashes (at _nh, sized for the chunks), npay (_np)
-        if self.warp:
-            self.kernel = ("warp_decode_multi", _W.make_decode, (bits, kind, _W.dec_steps(bs), multi))
-            self.sig = SIG_WARP_DECODE
-            nb = _grid(numel, bs)
-            self.grid = max(1, _grid(nb, BLOCK // 32))     # capped once compiled (persistent grid)
-            # n, nb, bs, K, ngroups, accumulate, name_hashes, npay, words per payload, scales offset
-            # (words), buckets per chunk, the last chunk's scales offset (words)
-            self.sizes += [numel, nb, bs, (bs + 31) // 32, self.grid, False, nch, 1, pw, psoff,
-                           max(1, tail[0] // bs), tail[2]]
-            self._nh, self._np = 14, 15
-        else:
-            self.kernel = ("block_decode_multi", _B.make_decode_multi, (bits, kind, multi))
-            self.sig = SIG_DECODE_MULTI
-            nchunks = _grid(numel, _B.DEC_CHUNK)
-            self.grid = max(1, min(nchunks, 8 * _sm_count()))
-            # name_hashes, n, bs, inv_bs, nchunks, npay, words per payload, scales offset (words),
-            # chunk, last numel, last chunk's scales offset (words)
-            self.sizes += [nch, numel, bs, 1.0 / bs, nchunks, 1, pw, psoff, *tail]
-            self._nh, self._np = 8, 13
 
     def _launch(self, payloads, n, out, stream, status, expect, name_hashes):
         if name_hashes is not None and expect is None:
@@ -543,18 +514,24 @@ class _DecodeMulti(_Op):
         s = raw.slots
         raw.set_payloads(0, _ptr(payloads), n, self.total)
         s[3].value = _ptr(out)
-        raw.set_check(4, status, expect, (name_hashes is not None) if self.chunks else None)
+        raw.set_check(4, status, expect, (name_hashes is not None) if self.mode == MULTI_CHUNKS else None)
         s[self._nh].value = 0 if name_hashes is None else _ptr(name_hashes)
         s[self._np].value = int(n)
         raw.launch(self.grid, BLOCK, _stream(stream))
 
 
-class _DecodeSum(_DecodeMulti):
+class _DecodeSum(_Decode):
+    """``(payloads, n, out, stream, status, expect)``."""
+    mode = MULTI_SUM
+
     def __call__(self, payloads, n, out, stream=None, status=None, expect=None):
         self._launch(payloads, n, out, stream, status, expect, None)
 
 
-class _DecodeChunks(_DecodeMulti):
+class _DecodeChunks(_Decode):
+    """``(gathered, out, stream, status, name_hashes, expect)``."""
+    mode = MULTI_CHUNKS
+
     def __call__(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
         self._launch(gathered, 1, out, stream, status, expect, name_hashes)
 
@@ -563,10 +540,6 @@ class _DecodeChunks(_DecodeMulti):
 
 def _onebit_mode(two_mean):
     return wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-
-
-def _onebit_kind(two_mean):
-    return DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS
 
 
 def _qsgd(cls, numel, bits, bucket_size, stochastic, norm_l2):
@@ -579,30 +552,22 @@ def _onebit(cls, numel, bucket_size, two_mean):
     return cls(numel, 1, bucket_size or max(numel, 1), TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, lay)
 
 
-def _qsgd_decode(numel, bits, bucket_size, accumulate):
-    lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
-    return _Decode(numel, bits, bucket_size, DEC_QSGD, accumulate, lay)
-
-
-def _onebit_decode(numel, bucket_size, two_mean, accumulate):
-    lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, _onebit_mode(two_mean))
-    return _Decode(numel, 1, bucket_size or max(numel, 1), _onebit_kind(two_mean), accumulate, lay)
-
-
 # (method, kind) -> the prepared op's factory, with the same keyword parameters as numba_kernels.cpu's
 # (numba_kernels.cuda adds SortQuant's and KMeans')
 PREPARE = {
     ("qsgd", "encode"): partial(_qsgd, _Encode),
     ("qsgd", "reduce_requantize"): partial(_qsgd, _ReduceRequantize),
-    ("qsgd", "decode"): _qsgd_decode,
+    ("qsgd", "decode"): lambda numel, bits, bucket_size, accumulate: _Decode(numel, bits, bucket_size, None,
+                                                                             accumulate),
     ("qsgd", "decode_sum"): lambda numel, bits, bucket_size: _DecodeSum(numel, bits, bucket_size, None),
     ("qsgd", "decode_chunks"): lambda numel, bits, bucket_size, chunk: _DecodeChunks(
-        numel, bits, bucket_size, None, chunk),
+        numel, bits, bucket_size, None, chunk=chunk),
     ("onebit", "encode"): partial(_onebit, _Encode),
     ("onebit", "reduce_requantize"): partial(_onebit, _ReduceRequantize),
-    ("onebit", "decode"): _onebit_decode,
+    ("onebit", "decode"): lambda numel, bucket_size, two_mean, accumulate: _Decode(
+        numel, 1, bucket_size, bool(two_mean), accumulate),
     ("onebit", "decode_sum"): lambda numel, bucket_size, two_mean: _DecodeSum(
         numel, 1, bucket_size, bool(two_mean)),
     ("onebit", "decode_chunks"): lambda numel, bucket_size, two_mean, chunk: _DecodeChunks(
-        numel, 1, bucket_size, bool(two_mean), chunk),
+        numel, 1, bucket_size, bool(two_mean), chunk=chunk),
 }

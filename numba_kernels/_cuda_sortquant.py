@@ -3,11 +3,10 @@
 
 * ``make_encode(P)``: a block per bucket of at most ``P`` elements (a power of two, at most
   ``MAX_BUCKET``) loads it into shared memory as (value, index) pairs padded with (+Inf, index),
-  checks it (a non-finite value or range makes the bucket NaN, as in the reference), sorts the pairs
-  with a bitonic network (ties in index order: a stable sort's ranks), and thread p quantizes the
-  element of rank p within its group, whose (min, max) sit at its first and last rank. Codes go to a
-  uint16 scratch array, the scales into the payload, the residual into ``residual`` (which may be
-  ``x``: every value is in shared memory before the first barrier).
+  checks it (a non-finite value or range makes the bucket NaN), sorts the pairs with a bitonic network
+  (ties in index order), and thread p quantizes the element of rank p within its group, whose (min,
+  max) sit at its first and last rank. Codes go to a uint16 scratch array, the scales into the
+  payload, the residual into ``residual`` (which may be ``x``: all of it is read before a barrier).
 * ``k_pack``: one thread per 32-bit word of codes (any width); the padding before the scales is zero.
 * ``k_decode``: grid-stride, one element per thread; NaN where ``check`` and ``status[0] != 0``.
 

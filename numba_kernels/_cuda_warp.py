@@ -3,25 +3,21 @@
 case takes ``_cuda_block``). Lane ``l`` of bucket ``b``'s warp handles its elements ``l, l+32, ...``:
 the canonical order of every sum (``numba_kernels.reference``) and coalesced 128-byte accesses.
 
-* encode (``make_encode``): buckets of up to 512 elements are loaded into registers at once (``regk``
-  steps of 32 per lane; larger buckets are read twice). Pass 1 reduces the bucket: max with a xor
-  butterfly of shuffles, sums with ``shfl_down`` at strides 16..1 (the canonical tree), then a
-  broadcast. Pass 2 quantizes, ``|x| / unit`` through the bucket's reciprocal where DIV_* allow it
-  (``numba_kernels._scalar``: the IEEE quotient without its per-element range check), stochastic
-  draws shared by pairs of steps. A 32-bit word holds the codes of ``32 // bits`` lanes of one step:
-  where a lane holds that many steps, a recursive halving over the word's lanes leaves each lane one
-  whole word (one shuffle per word), else a xor butterfly ORs each step's codes (1 bit: a
-  ``ballot``); words are stored after the loop. No shared memory, no barrier (on hardware). With
-  ``resid`` each lane writes the residuals of the elements it read (``residual`` may be ``x``); with
-  ``src`` (reduce_requantize) each element is the payloads' sum plus ``rin``
-  (``_cuda_block.make_load``), NaN everywhere when a payload is bad.
+* encode (``make_encode``): buckets of up to 512 elements are held in registers (``regk`` steps of 32
+  per lane; larger buckets are read twice). Pass 1 reduces the bucket with shuffles (max: a xor
+  butterfly; sums: ``shfl_down`` at strides 16..1, the canonical tree, then a broadcast). Pass 2
+  quantizes, ``|x| / unit`` through the bucket's reciprocal where DIV_* allow it (``_scalar``),
+  stochastic draws shared by pairs of steps. A 32-bit word holds the codes of ``32 // bits`` lanes of
+  one step: where a lane holds that many steps, a recursive halving over the word's lanes leaves each
+  lane one whole word, else a xor butterfly (1 bit: a ``ballot``) ORs each step's codes; words are
+  stored after the loop. No shared memory, no barrier (on hardware). ``resid``: each lane writes the
+  residuals of the elements it read (``residual`` may be ``x``); ``src`` (reduce_requantize): each
+  element is the payloads' sum plus ``rin`` (``_cuda_block.make_load``), NaN when a payload is bad.
 * decode (``make_decode``): a bucket's code words are read coalesced, each step takes its word from
-  the lane holding it with one shuffle and stores ``(code - s) * unit`` unconditionally (partial
-  last steps and buckets above 512 elements read a word per element). The header check runs once
-  per block, so the grid is persistent (the blocks striding over groups of buckets). Its
-  multi-payload modes: MULTI_SUM (n payloads summed in payload order, a bucket's sums in registers)
-  and MULTI_CHUNKS (each bucket from its chunk's payload), checked by ``_cuda_block.multi_bad`` /
-  ``chunks_bad``.
+  its lane with one shuffle and stores ``(code - s) * unit`` unconditionally (partial last steps and
+  buckets above 512 elements read a word per element). The header check runs once per block, so the
+  grid is persistent. Multi-payload modes: MULTI_SUM (n payloads summed in payload order, a bucket's
+  sums in registers) and MULTI_CHUNKS (each bucket from its chunk's payload).
 
 The CUDA simulator has no warp shuffles: they go through shared memory and block barriers there, so
 every loop's trip count is uniform over the block (warps past the last bucket run with no element).
@@ -31,12 +27,12 @@ from fractions import Fraction
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32
 
-from ._cuda_block import (HDR_WORDS, MAXCH, MULTI_CHUNKS, MULTI_SUM, chunks_bad, dec_kind, make_load,
-                          make_value, multi_bad)
+from ._cuda_block import (HDR_WORDS, MAXCH, MULTI_CHUNKS, MULTI_SUM, PLAIN, chunks_bad, dec_kind,
+                          make_load, make_value, multi_bad)
 from ._cuda_device import (DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH, SHARED, SIMULATOR,
-                           TWO_MEAN, add_term, block_bad, draw, header_byte, max_nan, mix64, mul,
+                           TWO_MEAN, add_term, block_bad, draw, header_byte, code_levels, max_nan, mix64, mul,
                            onebit_scales, put, qsgd_code, qsgd_level, qsgd_round, sqrt32, uniform24)
-from ._scalar import DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN, F0, FINF, FNAN
+from ._scalar import DIV_2M50, DIV_2M100, DIV_POS, DIV_UNIT_MAX, DIV_UNIT_MIN, F0, FINF, FNAN, GAMMA
 
 SIMBUF = 256                       # shared slots for the simulator's shuffle emulation
 FULL = 0xFFFFFFFF
@@ -71,8 +67,8 @@ def supported(bits, bucket_size, numel, fuse_max):
     return 32 <= bucket_size <= fuse_max and bucket_size % (32 // bits) == 0
 
 
-# The simulator has no warp shuffles, fma or directed rounding: there the shuffles go through shared
-# memory and block barriers (``bf``/``bi``: float32/int64 slots), fma and fmul_rd are computed exactly.
+# The simulator has no warp shuffles, fma or directed rounding: its shuffles go through shared memory
+# and block barriers (``bf``/``bi``: float32/int64 slots), fma and fmul_rd are computed exactly.
 if SIMULATOR:
     def _round_exact(exact, down=False):
         """The float32 nearest the Fraction ``exact`` (ties to even), or the largest float32 <= it."""
@@ -158,10 +154,8 @@ else:
         return np.int64(cuda.ballot_sync(FULL, pred)) & M32
 
     def _limit(regs):
-        # a register cap raises the blocks resident per multiprocessor (65536 registers / 256
-        # threads: 48 -> 5 blocks, 40 -> 6); at these caps the plain kernels spill at most 4 bytes,
-        # the fused ones some, and higher caps for those were no faster on an H200
-        # (scripts/kernel_spills.py)
+        # a register cap raises the blocks resident per multiprocessor (256 threads: 48 -> 5 blocks,
+        # 40 -> 6); the plain kernels spill at most 4 bytes there (scripts/kernel_spills.py)
         return {"max_registers": regs}
 
 
@@ -173,15 +167,12 @@ def quotient(a, unit, y):
 
 
 F1 = np.float32(1.0)
-GAMMA = np.uint64(0x9E3779B97F4A7C15)
 
 
 def make_units(BITS, kind):
-    """``units(scales, sb, b)``: (hi, lo) of bucket ``b`` of a payload whose scales start at
-    ``scales[sb]``, once per bucket (QSGD: hi = lo = unit = scale / s; 1-bit: the values of bits 1
-    and 0); ``value(code, hi, lo)``: an element's value from its code, as the decoders write it."""
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    """``units(scales, sb, b)``: (hi, lo) of bucket ``b`` of the scales at ``scales[sb]`` (QSGD: both
+    the unit scale / s; 1-bit: the values of bits 1 and 0); ``value(code, hi, lo)``: a code's value."""
+    S, SF = code_levels(BITS)
 
     @cuda.jit(device=True, inline="always")
     def units(scales, sb, b):
@@ -205,13 +196,10 @@ def make_units(BITS, kind):
 
 
 def make_encode(spec):
-    # compile-time constants, one kernel per combination. REGK > 0: buckets of at most 32*REGK
-    # elements, kept in registers between the two passes (x is read once, all REGK loads of a
-    # lane in flight together); 0: any bucket size, pass 2 reads x again
-    # PAIRED (stochastic, REGK >= 2, buckets a multiple of 64 elements): a lane's elements at steps
-    # 2t and 2t+1 are i and i + 32 of one aligned group of 64, which share one hash draw
-    # SRC (reduce_requantize): the values are the sums of payloads plus ``rin`` (``source``),
-    # computed where the plain encode loads x
+    # one kernel per combination of the constants. REGK > 0: buckets of at most 32*REGK elements, held
+    # in registers between the two passes; 0: any bucket size, pass 2 reads x again. PAIRED
+    # (stochastic, REGK >= 2, buckets a multiple of 64): a lane's elements at steps 2t and 2t+1 (i and
+    # i + 32 of an aligned group of 64) share one hash draw. SRC: reduce_requantize's sums
     BITS, red, pack, REGK, PAIRED, RESID = spec[:6]
     SRC = len(spec) > 6 and spec[6]
     KIND = dec_kind(red, pack)
@@ -223,8 +211,7 @@ def make_encode(spec):
     U8_ = np.uint64(8)
     U40_ = np.uint64(40)
     U24M = np.uint64(0xFFFFFF)
-    S = (1 << (BITS - 1)) - 1 if BITS > 1 else 0
-    SF = np.float32(max(S, 1))
+    S, SF = code_levels(BITS)
     EPW = 32 // BITS                      # codes per 32-bit word
     LOG_EPW = EPW.bit_length() - 1
     GMASK = EPW - 1
@@ -235,12 +222,11 @@ def make_encode(spec):
         def words(vals, slots, lane, sh, pb, key, st, unit, y, thr, scale_ok, bf, bi, tid, residual, ln,
                   wres):
             """The REGK path's code words for BITS > 1, REGK >= EPW: for each group of EPW steps,
-            every lane quantizes its EPW elements (codes shifted to their place in the word), then
-            a recursive halving over the EPW lanes of a word (shuffles at distances EPW/2, ..., 1;
-            EPW - 1 in all) leaves lane i with the whole word of step t*EPW + i in ``slots[t]``:
-            one shuffle per word instead of log2(EPW) per element. FASTDIV: |x| / unit through
-            ``y`` and ``thr`` (see DIV_*); else the plain division. RESID and ``wres``: also the
-            residuals of the bucket's ``ln`` elements (what the decode writes: (code - s) * unit)."""
+            every lane quantizes its EPW elements (codes shifted to their place), then a recursive
+            halving over the EPW lanes of a word (shuffles at distances EPW/2, ..., 1) leaves lane i
+            the whole word of step t*EPW + i in ``slots[t]``: one shuffle per word. FASTDIV: |x| / unit
+            through ``y`` and ``thr`` (DIV_*), else the plain division. RESID and ``wres``: also the
+            residuals of the bucket's ``ln`` elements."""
             parts = cuda.local.array(HALF, uint32)
             hi0 = (lane & HALF) != 0
             z = np.uint64(0)
@@ -418,11 +404,9 @@ def make_encode(spec):
             # pass 2: codes, one 32-bit word per group of EPW lanes
             wb = np.uint32(st >> LOG_EPW)
             if REGK:
-                # Branch-free: the scale check is hoisted to the bucket (a bad scale gives level 0,
-                # offset s, for every element), elements past the bucket's end are quantized from
-                # 0.0 and their bits cleared at the store; each word is kept by one lane of its
-                # group (the lane with i == k % EPW, in slot k // EPW) and stored after the loop:
-                # a few coalesced stores per lane instead of one per step.
+                # Branch-free: a bad scale gives level 0 (offset s) for every element, elements past
+                # the bucket's end are quantized from 0.0 and cleared at the store; each word is kept
+                # by one lane of its group (i == k % EPW, slot k // EPW) and stored after the loop.
                 scale_ok = scale > F0 and scale < FINF
                 i = lane & GMASK
                 z = np.uint64(0)
@@ -512,16 +496,10 @@ def make_encode(spec):
     return warp_encode
 
 
-PLAIN = -1                          # make_decode's modes: one payload, or MULTI_SUM / MULTI_CHUNKS
-
-
 def make_decode(spec):
-    # REGK > 0: buckets of REGK steps (bucket_size // 32, a constant trip count: unrolled) take the
-    # shuffle path. MODE: PLAIN (``payload``/``words``/``scales``: one payload's parts), or, with
-    # ``words``/``scales`` the whole buffer (offsets in 4-byte units, ``pw`` per payload):
-    # MULTI_SUM (out = the sum, in payload order, of ``npay`` payloads; a whole bucket's sums are kept
-    # in registers) or MULTI_CHUNKS (bucket b from chunk b // bpc's payload; the last chunk's scales
-    # at ``last_psoff``).
+    # REGK > 0: buckets of REGK steps (unrolled) take the shuffle path. MODE: PLAIN (``words``/``scales``:
+    # one payload's), or the whole buffer (offsets in 4-byte units, ``pw`` per payload) of MULTI_SUM or
+    # MULTI_CHUNKS (bucket b from chunk b // bpc's payload; the last chunk's scales at ``last_psoff``).
     BITS, kind, REGK = spec[:3]
     MODE = spec[3] if len(spec) > 3 else PLAIN
     EPW = 32 // BITS
@@ -593,12 +571,10 @@ def make_decode(spec):
                     hi = FNAN
                     lo = FNAN
                 if REGK and (SIMULATOR or ln == REGK * 32):    # (a whole bucket: uniform over the warp)
-                    # The bucket's code words, read coalesced (word m*32 + l by lane l) before any
-                    # store; step t's words t*BITS .. t*BITS + BITS-1 are then taken from their lanes
-                    # with one shuffle per element (a load per element waits behind the previous
-                    # element's store, which the compiler cannot prove does not alias it), and the
-                    # stores are unconditional. (The simulator, whose emulated shuffles need every
-                    # warp, takes this path for every bucket, with guarded stores.)
+                    # The bucket's code words, read coalesced before any store (a load per element
+                    # would wait behind the previous store, which may alias it), then taken from their
+                    # lanes with one shuffle per element; unconditional stores. (The simulator's
+                    # shuffles need every warp: it takes this path for every bucket, stores guarded.)
                     nwd = np.int32((ln + EPW - 1) >> LOG_EPW)
                     held = cuda.local.array(NHELD, uint32)
                     for m in range(NHELD):

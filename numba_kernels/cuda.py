@@ -1,24 +1,19 @@
 """Numba CUDA kernels behind one prepared op per codec and kind (:data:`PREPARE`, reached through
 :func:`numba_kernels.prepare`), bit-identical to ``*_ref``; they also run in the CUDA simulator.
 
-QSGD and 1-bit take one of two kernel paths with the same results (:func:`kernel_path`): the warp
-path (``_cuda_warp``, one warp per bucket) or the general path (``_cuda_block``); their prepared
-ops, which launch through ``cuLaunchKernel``, are in ``_cuda_prepared``. SortQuant and KMeans
-(below) launch their kernels (``_cuda_sortquant``, ``_cuda_kmeans``) through Numba's dispatcher.
+QSGD and 1-bit take the warp path (``_cuda_warp``) or the general path (``_cuda_block``), with the same
+results (:func:`kernel_path`); their prepared ops (``_cuda_prepared``) launch through ``cuLaunchKernel``.
+SortQuant's and KMeans' (below) launch through Numba's dispatcher. Import this module lazily: it imports
+``numba.cuda``, and ``NUMBA_ENABLE_CUDASIM`` must be set before that.
 
-Import this module lazily (``numba_kernels.cuda`` is loaded on first attribute access): importing it
-imports ``numba.cuda``, and ``NUMBA_ENABLE_CUDASIM`` must be set before that happens.
-
-Arrays are Numba device arrays, objects with ``__cuda_array_interface__`` or (QSGD and 1-bit) device
-pointers as ints, contiguous, of the prepared size and dtype (not checked). Streams: 0/None, a Numba
-stream or a raw ``CUstream`` handle as an int. Nothing here synchronises with the host; one device
-per process (Horovod's model). Decoders take ``expect`` (a ``wire.Expect``): the header check runs
-in the decode (a bad payload decodes to NaN, its error bits go to ``status[0]`` and are ORed into
-``status[1]``); with ``expect=None`` and a ``status``, the decode writes NaN where ``status[0] != 0``
-(an earlier ``check_header_cuda``). Encoders take ``residual``. The fused operations (one launch
-for several payloads, on the path of the single-payload ones; ``numba_kernels.reference`` defines
-them): a bad payload makes every value of ``decode_sum`` and ``reduce_requantize`` NaN, and only its
-own chunk in ``decode_chunks`` (at most MAXCH chunks).
+Arrays: Numba device arrays, ``__cuda_array_interface__`` objects or (QSGD and 1-bit) device pointers as
+ints, contiguous, of the prepared size and dtype (not checked). Streams: 0/None, a Numba stream or a raw
+``CUstream`` handle as an int. Nothing here synchronises with the host; one device per process. Decoders
+take ``expect`` (a ``wire.Expect``): the header check runs in the decode (a bad payload decodes to NaN,
+its error bits go to ``status[0]`` and are ORed into ``status[1]``); with ``expect=None`` and a
+``status``, the decode writes NaN where ``status[0] != 0`` (an earlier ``check_header_cuda``). Encoders
+take ``residual``. A bad payload makes every value of ``decode_sum`` and ``reduce_requantize`` NaN, and
+only its own chunk in ``decode_chunks`` (at most MAXCH chunks).
 """
 import threading
 
@@ -41,8 +36,6 @@ SORTQUANT_MAX_BUCKET = _S.MAX_BUCKET        # (a bucket sorts in shared memory)
 # ---- SortQuant and KMeans: several dispatcher launches per op ------------------------------------------
 
 class _Scratch(threading.local):
-    """This thread's device scratch (:func:`_scratch`)."""
-
     def __init__(self):
         self.table = {}
 
@@ -52,9 +45,8 @@ _SCRATCH = _Scratch()
 
 def _scratch(key, make):
     """The device scratch ``make()`` built once per ``key`` (what, sizes, stream handle) on this
-    thread: a thread's work on one stream runs in order, so its calls share it (SortQuant and KMeans
-    the same codes array); another thread's launches could fall between an encode's kernels, so
-    threads never share one. At most 64 kept per thread (one device per process)."""
+    thread: a thread's work on one stream runs in order, so its calls share it; another thread's
+    launches could fall between an encode's kernels, so threads never share one. At most 64 kept."""
     table = _SCRATCH.table
     got = table.get(key)
     if got is None:
@@ -65,8 +57,7 @@ def _scratch(key, make):
 
 
 def _as_dev(a):
-    """A Numba device array view of ``a`` (as it is in the simulator, whose arrays have no
-    ``__cuda_array_interface__``)."""
+    """A Numba device array view of ``a`` (as it is in the simulator: no ``__cuda_array_interface__``)."""
     return a if SIMULATOR or isinstance(a, cuda.devicearray.DeviceNDArray) else cuda.as_cuda_array(a)
 
 
@@ -80,6 +71,9 @@ class _CodesEncode:
     """``(x, payload, header, key, stream=None, residual=None)`` of SortQuant and KMeans: the header,
     then ``_codes`` (each element's code into a uint16 scratch array, the scales into the payload),
     then ``k_pack`` packs the codes."""
+
+    def __init__(self, lay, bits, bs):
+        self.lay, self.numel, self.total, self.bits, self.bs = lay, lay.numel, lay.total, bits, bs
 
     def __call__(self, x, payload, header, key, stream=None, residual=None):
         payload = _as_dev(payload)
@@ -107,9 +101,9 @@ class _SortquantEncode(_CodesEncode):
         if bucket_size > _S.MAX_BUCKET:
             raise ValueError(f"sortquant on CUDA sorts a bucket in shared memory: bucket_size must be at most "
                              f"{_S.MAX_BUCKET}, got {bucket_size}")
-        self.lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
-        self.numel, self.total = numel, self.lay.total
-        self.bits, self.split_bits, self.bs, self.stochastic = bits, split_bits, bucket_size, bool(stochastic)
+        super().__init__(wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits), bits,
+                         bucket_size)
+        self.split_bits, self.stochastic = split_bits, bool(stochastic)
         self.P = 1 << max(0, (min(bucket_size, numel) - 1).bit_length())
 
     def _codes(self, x, scales, codes, key, res, has, s, stream):
@@ -124,9 +118,8 @@ class _KmeansEncode(_CodesEncode):
     per tensor."""
 
     def __init__(self, numel, bits, bucket_size, iters):
-        self.lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
-        self.numel, self.total = numel, self.lay.total
-        self.bits, self.bs, self.iters = bits, bucket_size or numel, iters
+        super().__init__(wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size), bits, bucket_size or numel)
+        self.iters = iters
 
     def _codes(self, x, book, codes, key, res, has, s, stream):
         n, bs, bits = self.numel, self.bs, self.bits

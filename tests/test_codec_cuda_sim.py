@@ -244,8 +244,26 @@ def _child():
         if spec in THREADED:
             r["threads"] = _threads(hq, cuda, spec, nan_eq)
         res[spec] = r
+    res["status-sink"] = _status_sink(cuda)
     res["compiled"] = [list(k) for k in K.kernels]
     json.dump(res, sys.stdout)
+
+
+def _status_sink(cuda):
+    """A prepared decode given ``expect`` but no ``status`` keeps its error bits to itself: a later
+    decode given neither still decodes a good payload (it once read them from a shared zero word)."""
+    from numba_kernels import prepare, wire
+    n, bs, method = 64, 32, wire.METHODS["qsgd"]
+    enc = prepare("qsgd", "encode", True, n, bits=4, bucket_size=bs, stochastic=False, norm_l2=False)
+    payload = cuda.to_device(np.zeros(enc.total, np.uint8))
+    enc(cuda.to_device(np.linspace(-1, 1, n).astype(np.float32)), payload,
+        wire.Header(method, 4, 0, 0, bs, 0, (n,)).words(), 0)
+    out = cuda.to_device(np.zeros(n, np.float32))
+    for expect in (wire.Expect(method, 8, 0, 0, bs, n), None):      # (8 bits: the wrong configuration)
+        prepare("qsgd", "decode", True, n, bits=4, bucket_size=bs, accumulate=False)(payload, out, 0, None, expect)
+        if np.isnan(out.copy_to_host()).all() != (expect is not None):
+            return f"expect={expect}: NaN where not expected, or none where expected"
+    return True
 
 
 def _threads(hq, cuda, spec, nan_eq):
@@ -311,6 +329,10 @@ def test_device_codec_path(results, spec, check):
 @pytest.mark.parametrize("spec", THREADED)
 def test_device_codec_path_threads(results, spec):
     assert results[spec]["threads"] is True
+
+
+def test_status_sink(results):
+    assert results["status-sink"] is True
 
 
 def test_codec_kernels_ran(results):
