@@ -215,7 +215,10 @@ class StockCompression:
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
                                       predivide=None)
-        self.codec, self.reduction = self.config.codec, self.config.reduction
+        c = self.config         # the arguments, read back as attributes
+        self.codec, self.reduction, self.error_feedback = c.codec, c.reduction, c.error_feedback
+        self.min_compress_numel, self.compress_1d = c.min_compress_numel, c.compress_1d
+        self.bucket_bytes = c.bucket_bytes
         self._sessions = {}
         self._groups = {}       # id(optimizer) -> its _Group (dropped with the optimizer)
         self._pending = {}      # exchange name -> (session, Pending) of unfused tensors in flight
