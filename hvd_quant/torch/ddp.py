@@ -30,8 +30,7 @@ from ..codecs import resolve_codec
 from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Exchange, Traffic, handshake
 from ..memory import Memory
 from ..scheduler import StepScheduler, step_metrics
-from ._backend import FRONTEND, OPS, load_state, save_state, wait_for
-from .payload_group import GroupWork
+from ._backend import FRONTEND, OPS, GroupWork, load_state, save_state, wait_for
 
 __all__ = ["ddp_comm_hook", "DDPCommState", "collectives", "shutdown"]
 
