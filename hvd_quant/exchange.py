@@ -646,21 +646,6 @@ class Exchange:
             self._decode(p, j, own.accumulate if j else own.decode, ops.slice(data, j * each, (j + 1) * each), acc)
         return acc
 
-    def reduce_scatter(self, p):
-        """SRA's first phase alone: waits for ``p``'s alltoall (started without a channel) and returns
-        the float32 **sum** over ranks of the chunk this rank owns, ``bounds(numel)[rank]``; ``p`` is done."""
-        if p.stage != "first" or self.reduction != "sra" or p.channel is not None:
-            raise ValueError("hvd_quant: reduce_scatter takes an SRA exchange in its first phase, "
-                             "started without a channel")
-        _FIRST_PHASE.pop(id(p), None)
-        data = self._scattered(p)
-        own = p.setup.own
-        out = self.ops.empty(own.b - own.a, p.like)
-        if own.b > own.a:
-            self._sum_own(p, data, out)
-        p.result, p.stage, p.like, p.handle = out, "done", None, None
-        return out
-
     # -- last phase -------------------------------------------------------------------------------
     def finish(self, p):
         """Wait and decode; returns the float32 **sum** over ranks (flat, ``numel`` elements)."""
