@@ -32,7 +32,7 @@ from ._noise import fresh_seed, noise_base
 __all__ = [
     "AVERAGE", "SUM", "REDUCTIONS", "Collectives", "ArrayOps", "Exchange", "Pending", "Traffic",
     "ConfigMismatchError", "PayloadMismatchError", "chunk_bounds", "codec_alignment",
-    "handshake_record", "handshake_async", "check_handshake", "handshake", "is_passthrough_codec",
+    "handshake_record", "check_handshake", "handshake", "is_passthrough_codec",
     "HANDSHAKE_NAME", "TWO_LEVEL",
 ]
 
@@ -257,10 +257,6 @@ def handshake_record(summary, details=()):
     return digest + text + b"\0" * (_HANDSHAKE_BYTES - _DIGEST_BYTES - len(text))
 
 
-def handshake_async(coll, ops, record, name=HANDSHAKE_NAME):
-    return coll.allgather_async(ops.from_bytes(record), name)
-
-
 def check_handshake(coll, ops, record, gathered, what):
     """Raise :class:`ConfigMismatchError` on every rank when any rank's record differs."""
     data = ops.to_bytes(gathered)
@@ -286,8 +282,7 @@ def check_handshake(coll, ops, record, gathered, what):
 
 def handshake(coll, ops, record, what, name=HANDSHAKE_NAME):
     """Blocking handshake: allgather ``record`` and raise on every rank if any rank differs."""
-    check_handshake(coll, ops, record, coll.synchronize(handshake_async(coll, ops, record, name)), what)
-
+    check_handshake(coll, ops, record, coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)), what)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -524,7 +519,7 @@ class Exchange:
         p = Pending(name, setup, step, flat, self)
         if record is not None:
             p.record = record
-            p.hs = handshake_async(coll, ops, record, f"{self.prefix}.hs.{name}")
+            p.hs = coll.allgather_async(ops.from_bytes(record), f"{self.prefix}.hs.{name}")
         mem = self.memory
         if mem is not None:
             flat = mem.compensate(mem.WORKER, name, flat)

@@ -42,10 +42,6 @@ def _flatten(tensors):
     return flat if flat.dtype == torch.float32 else flat.to(torch.float32)
 
 
-def _to_like(t, like):
-    return t if t.device == like.device else t.to(like.device)
-
-
 def _mark(like):
     """Host seconds for CPU tensors; for CUDA ones an event on the current stream, never waited for."""
     if not like.is_cuda:
@@ -87,7 +83,7 @@ OPS = ArrayOps(
     numel=lambda t: t.numel(),
     from_bytes=lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8),
     to_bytes=lambda t: t.detach().cpu().numpy().tobytes(),
-    to_like=_to_like,
+    to_like=lambda t, like: t if t.device == like.device else t.to(like.device),
     clone=lambda t: t.detach().clone(),
     reusable=True,
     mark=_mark,

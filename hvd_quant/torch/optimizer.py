@@ -64,20 +64,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
-        self.config = config
-        self.op = config.op
-        self.gradient_predivide_factor = config.predivide
+        self.config, self.op = config, config.op
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        self.codec = config.codec
-        self.reduction = config.reduction
-        self.warmup_steps = config.warmup_steps
-        self.error_feedback = config.error_feedback
 
         ps_id = process_set.process_set_id
         n = _instances[ps_id] = _instances.get(ps_id, -1) + 1
         self._prefix = f"hvdq{n}" if ps_id == 0 else f"hvdq{n}.ps{ps_id}"
-        self._memory = Memory(_backend.OPS) if self.error_feedback else None
+        self._memory = Memory(_backend.OPS) if config.error_feedback else None
         self._coll = None             # the process set's Collectives, once connected
         self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")
         self._handles = {}           # param -> its own allreduce's handle (a callable for sparse)
@@ -132,7 +126,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ops=_backend.OPS, exchange_for=self._exchange_for, traffic=self._traffic,
             numbering=lambda b: (self._step, None), split=_backend.FRONTEND.split,
             average=self.op == _plan.AVERAGE, plain_op=(self.op, pre, post), name=self._prefix,
-            label="hvd_quant", presence=presence, wait_device=self._wait_device)
+            label="hvd_quant", presence=presence,
+            wait_device=lambda: _backend.wait_for(self._bucket_params[0][0].device if self._buckets else None))
 
     def _connect(self):
         """(Re)bind to the process set's current rank and size and check every rank agrees."""
@@ -156,7 +151,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ex is None:
             # reuse_result: p.grad are views of the result, read before the next step rewrites it
             ex = self._exchanges[reduction] = Exchange(
-                self.codec, self._coll, _backend.OPS, reduction=reduction, memory=self._memory,
+                self.config.codec, self._coll, _backend.OPS, reduction=reduction, memory=self._memory,
                 prefix=self._prefix, reuse_result=True)
             ex.traffic = self._traffic
         return ex
@@ -206,7 +201,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._connect()             # the first gradient of a step: the world may have changed
             if not self._step_agreed:
                 self._agree_step(p.device)
-            self._compress_now = self._sched.begin_step(compress=self._step >= self.warmup_steps)
+            self._compress_now = self._sched.begin_step(compress=self._step >= self.config.warmup_steps)
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
@@ -277,7 +272,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         self._launched.clear()
         self.set_backward_passes_per_step(self.backward_passes_per_step)
-        sched.end_step(timed=self._step >= self.warmup_steps)
+        sched.end_step(timed=self._step >= self.config.warmup_steps)
         self._step += 1
         if self._t_first is not None:
             self._traffic.seconds = time.perf_counter() - self._t_first
@@ -286,10 +281,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._traffic.reset()
         self._connect()
         self._synchronized = True
-
-    def _wait_device(self):
-        """Wait until the compressed buckets' device finished its queued work (reduction="auto")."""
-        _backend.wait_for(next((ps[0].device for ps in self._bucket_params if ps), None))
 
     @contextmanager
     def skip_synchronize(self):
@@ -343,7 +334,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step_metrics(self):
         """What the last step did: bytes, the exchange's time, the reduction and precision of each
         bucket (:func:`hvd_quant.scheduler.step_metrics`)."""
-        return step_metrics(self._grad_plan, self.last_traffic, self._sched.routes, self.codec.spec())
+        return step_metrics(self._grad_plan, self.last_traffic, self._sched.routes, self.config.codec.spec())
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
