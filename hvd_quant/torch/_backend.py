@@ -11,7 +11,6 @@ handshake (``to_bytes``), a setup's status word (``read_status``, once per bucke
 import collections
 import contextlib
 import datetime
-import functools
 import os
 import socket
 import time
@@ -147,12 +146,8 @@ class TorchFrontend(Frontend):
                            levels=(lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None)
 
     def payload_group(self, process_set, device, label, record=None, what=None):
-        """:meth:`PayloadGroup.open`; ``record`` (the
-        handshake record of ``what``, where none compared the ranks yet) is compared first."""
-        check = None if record is None else functools.partial(
-            handshake, self.collectives(process_set), OPS, record, what or label,
-            name="hvdq.payload_group.handshake")
-        return PayloadGroup.open(process_set, device, label, check)
+        """:meth:`PayloadGroup.open`."""
+        return PayloadGroup.open(process_set, device, label, record, what)
 
     @staticmethod
     def wait_for(device):
@@ -237,19 +232,20 @@ class PayloadGroup:
             torch.cuda.current_stream(device).synchronize()
 
     @classmethod
-    def open(cls, process_set, device, label, handshake=None):
+    def open(cls, process_set, device, label, record=None, what=None):
         """The payload channel of one optimizer (``label``: its collective prefix) on ``device``, made
         now, NCCL communicators included; None where :data:`PAYLOAD_GROUP` has no backend for the
         device type or rank 0's ``HVD_QUANT_PAYLOAD_GROUP`` is ``0``. A blocking collective: call it
         where every rank comes to the same point with nothing of its step left waiting on this rank,
-        never in a gradient hook. At world size 1 the store lives in this process. ``handshake``:
-        called first, where no handshake has compared the ranks yet. A store that cannot be made or
-        reached raises on every rank, naming both variables."""
+        never in a gradient hook. At world size 1 the store lives in this process. ``record``: the
+        handshake record of ``what``, compared first where no handshake has compared the ranks yet. A
+        store that cannot be made or reached raises on every rank, naming both variables."""
         backend = PAYLOAD_GROUP.get(device.type)
         if backend is None:
             return None
-        if handshake is not None:
-            handshake()
+        if record is not None:
+            handshake(FRONTEND.collectives(process_set), OPS, record, what or label,
+                      name="hvdq.payload_group.handshake")
         import horovod.torch as hvd
         timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
         name, size = f"{label}.payload_group", process_set.size()
@@ -323,19 +319,16 @@ def _store_host():
 
 class GroupWork:
     """A torch.distributed collective in flight (of a payload group, or ``ddp.collectives``'): its
-    result ``out``, after ``post(out)`` where given. On CUDA the current stream waits for it, the
-    host does not."""
-    __slots__ = ("work", "out", "post")
+    result ``out``. On CUDA the current stream waits for it, the host does not."""
+    __slots__ = ("work", "out")
 
-    def __init__(self, work, out, post=None):
-        self.work, self.out, self.post = work, out, post
+    def __init__(self, work, out):
+        self.work, self.out = work, out
 
     def wait(self):
         if self.work is not None:
             self.work.wait()
             self.work = None
-        if self.post is not None:
-            self.out, self.post = self.post(self.out), None
         return self.out
 
 

@@ -39,6 +39,21 @@ _PREFIX = "hvdq.ddp"
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class _Posted(GroupWork):
+    """A collective whose result is ``post(out)``, computed at the first wait."""
+    __slots__ = ("post",)
+
+    def __init__(self, work, out, post):
+        super().__init__(work, out)
+        self.post = post
+
+    def wait(self):
+        out = super().wait()
+        if self.post is not None:
+            self.out, self.post = self.post(out), None
+        return self.out
+
+
 def collectives(process_group=None):
     """The exchange's :class:`~hvd_quant.exchange.Collectives` over a ``torch.distributed`` process
     group (default: the world). Its collectives match by order, so the caller issues them in one
@@ -71,7 +86,7 @@ def collectives(process_group=None):
         work = _all_gather_single(out, t, group=pg, async_op=True)
         if all(s == each for s in sizes):
             return GroupWork(work, out)
-        return GroupWork(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
+        return _Posted(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
 
     def alltoall_async(t, splits, name):
         mine = int(splits[rank])
@@ -85,7 +100,7 @@ def collectives(process_group=None):
             t.mul_(prescale_factor)
         work = dist.all_reduce(t, group=pg, async_op=True)
         factor = postscale_factor / size if op == AVERAGE else postscale_factor
-        return GroupWork(work, t, None if factor == 1.0 else lambda o: o.mul_(factor))
+        return GroupWork(work, t) if factor == 1.0 else _Posted(work, t, lambda o: o.mul_(factor))
 
     return Collectives(rank=rank, size=size, allgather_async=allgather_async,
                        alltoall_async=alltoall_async, allreduce_async=allreduce_async,
