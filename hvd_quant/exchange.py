@@ -449,13 +449,8 @@ class Exchange:
                  reuse_result=False, timing=True):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.codec = codec
-        self.coll = collectives
-        self.ops = ops
-        self.reduction = reduction
-        self.memory = memory
-        self.prefix = prefix
-        self.reuse_result = bool(reuse_result)
+        self.codec, self.coll, self.ops, self.reduction = codec, collectives, ops, reduction
+        self.memory, self.prefix, self.reuse_result = memory, prefix, bool(reuse_result)
         self.align = codec_alignment(codec)
         self.traffic = Traffic()
         self._mark = (ops.mark or _host_mark) if timing else None

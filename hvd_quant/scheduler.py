@@ -321,19 +321,15 @@ class AutoChoice:
         return self.step >= len(self.schedule)
 
     def decide(self, coll, ops, name):
-        """Allgather every rank's medians (seconds, float64) and take the same choice on every rank."""
-        record = self.record()
+        """Allgather every rank's median step time per candidate (float64 seconds) and take the same
+        choice on every rank (:meth:`choose`)."""
+        record = struct.pack(f"<{len(self.candidates)}d", *[statistics.median(self.times[c]) for c in self.candidates])
         if coll.size > 1:
             record = ops.to_bytes(coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)))
         return self.choose(record)
 
-    def record(self):
-        """This rank's median step time per candidate (float64 seconds), as bytes to allgather."""
-        return struct.pack(f"<{len(self.candidates)}d",
-                           *[statistics.median(self.times[c]) for c in self.candidates])
-
     def choose(self, gathered):
-        """Take the choice from every rank's :meth:`record`, concatenated (the same on every rank)."""
+        """Take the choice from every rank's medians, concatenated (the same on every rank)."""
         n = len(self.candidates)
         rows = [struct.unpack_from(f"<{n}d", gathered, r * 8 * n) for r in range(len(gathered) // (8 * n))]
         self.medians = [sum(r[i] for r in rows) / len(rows) for i in range(n)]
