@@ -179,9 +179,7 @@ class Traffic:
             self.timed.extend(other.timed)
             for k, (c, b, s) in other.folded.items():
                 f = self.folded.setdefault(k, [0, 0, 0.0])
-                f[0] += c
-                f[1] += b
-                f[2] += s
+                f[:] = f[0] + c, f[1] + b, f[2] + s
 
     def add_allreduce(self, nbytes, numel, size):
         ring = 2.0 * (size - 1) / size if size > 1 else 0.0
@@ -236,13 +234,10 @@ def _fold_into(folded, kind, spans):
     f[0] += len(spans)
     f[1] += sum(s[1] for s in spans)
     for device in (False, True):
-        end = None
+        end = float("-inf")
         for a, b in sorted((s[2], s[3]) for s in spans if s[4] is device):
-            if end is None or a > end:
-                f[2] += b - a
-                end = b
-            elif b > end:
-                f[2] += b - end
+            if b > end:
+                f[2] += b - max(a, end)
                 end = b
 
 

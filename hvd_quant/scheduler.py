@@ -10,10 +10,10 @@ import statistics
 import struct
 import time
 
-from .exchange import SUM, TWO_LEVEL
+from .exchange import SUM, TWO_LEVEL, Exchange
 from .plan import ALLREDUCE, AUTO
 
-__all__ = ["StepScheduler", "AutoChoice", "Presence", "in_plan_order", "step_metrics"]
+__all__ = ["StepScheduler", "StepOwner", "AutoChoice", "Presence", "in_plan_order", "step_metrics"]
 
 
 def in_plan_order(complete, next_start):
@@ -262,6 +262,46 @@ class StepScheduler:
         started = [k for k, p in enumerate(self.pending) if p is not None]
         self._advance_all()
         return [(k, self._finish(k)) for k in started]
+
+
+class StepOwner:
+    """What the owners of a :class:`StepScheduler` share (``hvd_quant.torch.DistributedOptimizer``, the
+    DDP hook's state): an Exchange per route, and the step's traffic. They hold ``config``, ``_sched``
+    (None before planning), ``_coll``, ``_memory``, ``_prefix``, ``_exchanges`` (route -> Exchange),
+    ``_traffic`` (the step so far) and ``last_traffic``."""
+
+    def _exchange_for(self, route):
+        ex = self._exchanges.get(route)
+        if ex is None:
+            # reuse_result: the results are handed out before the route's next step rewrites them
+            ex = self._exchanges[route] = Exchange(
+                self.config.codec, self._coll, self._sched.ops, reduction=route, memory=self._memory,
+                prefix=self._prefix, reuse_result=True)
+            ex.traffic = self._traffic
+        return ex
+
+    def _keep_traffic(self, t0):
+        """The step ends: its traffic (exchanged from ``t0``, ``time.perf_counter()``) is ``last_traffic``."""
+        if t0 is not None:
+            self._traffic.seconds = time.perf_counter() - t0
+        self.last_traffic = self._traffic.copy()
+        self._traffic.reset()
+
+    def bytes_per_step(self):
+        """Bytes this rank sent in the last step and what an fp32 ring allreduce would have sent
+        (:class:`hvd_quant.exchange.Traffic`; ``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""
+        return self.last_traffic
+
+    def step_metrics(self):
+        """What the last step did: bytes, the exchange's time, the reduction and precision of each
+        bucket (:func:`step_metrics`); None before planning."""
+        s = self._sched
+        return None if s is None else step_metrics(s.plan, self.last_traffic, s.routes, self.config.codec.spec())
+
+    def reduction_in_use(self):
+        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"``, ``"two_level"``
+        or ``"allreduce"`` (``reduction="auto"``: the schedule's candidate, then the choice)."""
+        return self.config.reduction if self._sched is None else self._sched.route()
 
 
 class AutoChoice:

@@ -21,9 +21,9 @@ import torch
 import horovod.torch as hvd
 
 from .. import plan as _plan
-from ..exchange import Exchange, HANDSHAKE_NAME, Traffic, handshake
+from ..exchange import HANDSHAKE_NAME, Traffic, handshake
 from ..memory import Memory
-from ..scheduler import Presence, StepScheduler, step_metrics
+from ..scheduler import Presence, StepOwner, StepScheduler
 from . import _backend
 
 
@@ -36,7 +36,7 @@ _STATE_KEY = "hvd_quant"
 _instances = {}
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
+class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
     def __init__(self, params, named_parameters, config, backward_passes_per_step, groups,
                  sparse_as_dense, process_set):
         super(self.__class__, self).__init__(params)
@@ -145,16 +145,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # CUDA payloads travel on process groups of this optimizer's own (from a route's second step)
         self._sched.channel = (coll, _backend.payload_group(
             self.process_set, self._bucket_params[0][0].device, self._prefix) if self._buckets else None)
-
-    def _exchange_for(self, reduction):
-        ex = self._exchanges.get(reduction)
-        if ex is None:
-            # reuse_result: p.grad are views of the result, read before the next step rewrites it
-            ex = self._exchanges[reduction] = Exchange(
-                self.config.codec, self._coll, _backend.OPS, reduction=reduction, memory=self._memory,
-                prefix=self._prefix, reuse_result=True)
-            ex.traffic = self._traffic
-        return ex
 
     # -- hooks --------------------------------------------------------------------------------------
     def _register_hooks(self):
@@ -274,11 +264,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.set_backward_passes_per_step(self.backward_passes_per_step)
         sched.end_step(timed=self._step >= self.config.warmup_steps)
         self._step += 1
-        if self._t_first is not None:
-            self._traffic.seconds = time.perf_counter() - self._t_first
-            self._t_first = None
-        self.last_traffic = self._traffic.copy()
-        self._traffic.reset()
+        self._keep_traffic(self._t_first)
+        self._t_first = None
         self._connect()
         self._synchronized = True
 
@@ -319,22 +306,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
-
-    def reduction_in_use(self):
-        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"``, ``"two_level"``
-        or ``"allreduce"`` (``reduction="auto"``: the schedule's candidate, then the choice)."""
-        return self._sched.route()
-
-    # -- traffic ------------------------------------------------------------------------------------
-    def bytes_per_step(self):
-        """Bytes this rank sent in the last step and what an fp32 ring allreduce would have sent
-        (:class:`hvd_quant.exchange.Traffic`; ``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""
-        return self.last_traffic
-
-    def step_metrics(self):
-        """What the last step did: bytes, the exchange's time, the reduction and precision of each
-        bucket (:func:`hvd_quant.scheduler.step_metrics`)."""
-        return step_metrics(self._grad_plan, self.last_traffic, self._sched.routes, self.config.codec.spec())
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -420,7 +391,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         min_compress_numel=min_compress_numel, compress_1d=compress_1d, warmup_steps=warmup_steps,
         error_feedback=error_feedback, op=_backend.core_op(op), predivide=gradient_predivide_factor,
         extra=(("backward_passes", backward_passes_per_step),))
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, StepOwner),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, config, backward_passes_per_step, groups,
                sparse_as_dense, process_set)
