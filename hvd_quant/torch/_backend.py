@@ -279,17 +279,15 @@ class PayloadGroup:
         return None if where is None else cls(store, process_set, backend, device)
 
     def allgather(self, t, each=None, total=None):
-        """The concatenation of every rank's ``t`` in rank order, as a handle, on ``first``: the
-        allgather reduction's payloads, of equal lengths. With ``each`` (bytes), on ``second``: SRA's
-        reduced chunks, whose lengths differ (every chunk but the last nonempty one is ``each``
-        long): each rank sends its chunk padded to ``each`` and the result is the first ``total``
-        bytes, the chunks back to back (the padding falls after the last nonempty chunk)."""
+        """Every rank's ``t`` in rank order, as a handle: on ``first``, the allgather reduction's
+        payloads (of equal lengths); with ``each``, on ``second``, SRA's reduced chunks, each padded to
+        ``each`` bytes (every chunk but the last nonempty one has that length), and the result is
+        their first ``total`` bytes."""
         if each is None:
             out = t.new_empty(t.numel() * self.size)
             return GroupWork(self.first._allgather_base(out, t), out)
         if t.numel() != each:
-            # the padding's bytes are never read (a copy, not a kernel: nothing loads while a
-            # collective of these groups may spin, see the class doc)
+            # a copy, not a kernel: nothing loads while a collective of these groups may spin
             padded = t.new_empty(each)
             padded[:t.numel()].copy_(t)
             t = padded
