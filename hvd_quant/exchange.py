@@ -459,15 +459,6 @@ class Exchange:
 
     tag = staticmethod(_tag)       # (tests build the expected headers with it)
 
-    def setup(self, name, numel, like, header=None):
-        """The setup of exchange ``name`` for ``numel`` elements like ``like`` (built on first use)."""
-        header = name if header is None else header
-        key = (name, header, numel)
-        setup = self._setups.get(key)
-        if setup is None or setup.coll is not self.coll:
-            setup = self._setups[key] = _Setup(self, name, header, numel, like)
-        return setup
-
     def _payloads(self, setup, chunks, nbytes, flat, step, name, residual=None):
         """Encode ``flat``'s chunks into one uint8 buffer, each payload at its offset; with
         ``residual`` (a memory's (namespace, key)) the encode also writes the new residual."""
@@ -498,7 +489,10 @@ class Exchange:
         if self._two is not None:
             return self._two.start(name, flat, step, record, header)
         ops, coll, allgather = self.ops, self.coll, self.reduction == "allgather"
-        setup = self.setup(name, ops.numel(flat), flat, header)
+        key = (name, name if header is None else header, ops.numel(flat))
+        setup = self._setups.get(key)
+        if setup is None or setup.coll is not coll:     # first use, or another world
+            setup = self._setups[key] = _Setup(self, name, *key[1:], flat)
         if step is None:
             step = setup.steps
         setup.steps += 1
