@@ -11,7 +11,7 @@ import struct
 import time
 
 from .exchange import SUM, TWO_LEVEL, Exchange
-from .plan import ALLREDUCE, AUTO
+from .plan import ALLREDUCE, AUTO, save_residuals
 
 __all__ = ["StepScheduler", "StepOwner", "AutoChoice", "Presence", "in_plan_order", "step_metrics"]
 
@@ -286,6 +286,15 @@ class StepOwner:
             self._traffic.seconds = time.perf_counter() - t0
         self.last_traffic = self._traffic.copy()
         self._traffic.reset()
+
+    def _plan_state(self, step):
+        """What a checkpoint keeps of the run: ``step``, codec, reduction, this rank's worker residuals
+        by tensor name, its server residuals by ``(bucket header, rank, size)``, ``auto``'s state."""
+        s, mem = self._sched, self._memory
+        residuals, server = ({}, {}) if s is None or mem is None else save_residuals(mem, s.buckets, mem.ops.clone)
+        return {"step": step, "codec": self.config.codec.spec(), "reduction": self.config.reduction,
+                "residuals": residuals, "server_residuals": server,
+                "auto": None if s is None or s.auto is None else s.auto.state_dict()}
 
     def bytes_per_step(self):
         """Bytes this rank sent in the last step and what an fp32 ring allreduce would have sent

@@ -25,10 +25,10 @@ from numba_kernels.wire import HEADER_NBYTES, PayloadError
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
 from ..exchange import AVERAGE, ArrayOps, Collectives, handshake
 from ..frontend import Frontend, TensorInfo
-from ..plan import restore_residuals, save_residuals
+from ..plan import restore_residuals
 
 __all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec",
-           "sendable_dtype", "host_one", "wait_for", "payload_group", "save_state", "load_state",
+           "sendable_dtype", "host_one", "wait_for", "payload_group", "load_state",
            "PayloadGroup", "GroupWork", "PAYLOAD_GROUP", "STORE_TIMEOUT_S"]
 
 
@@ -50,17 +50,9 @@ def _mark(like):
     return event
 
 
-def save_state(step, config, memory, buckets, auto):
-    """The state of a PyTorch path's plan: step counter, codec, reduction, this rank's worker residuals
-    by tensor name, its server residuals by ``(bucket header, rank, size)``, ``auto``'s state."""
-    residuals, server = save_residuals(memory, buckets, OPS.clone) if memory is not None else ({}, {})
-    return {"step": step, "codec": config.codec.spec(), "reduction": config.reduction,
-            "residuals": residuals, "server_residuals": server,
-            "auto": None if auto is None else auto.state_dict()}
-
-
 def load_state(state, memory, buckets, auto, device):
-    """Restore :func:`save_state`'s ``auto`` and residuals (moved to ``device``); the step is the caller's."""
+    """Restore ``StepOwner._plan_state``'s ``auto`` and residuals (moved to ``device``); the step is the
+    caller's."""
     if auto is not None and state.get("auto") is not None:
         auto.load_state_dict(state["auto"])
     if memory is not None:

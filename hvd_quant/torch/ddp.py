@@ -30,7 +30,7 @@ from ..codecs import resolve_codec
 from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Traffic, handshake
 from ..memory import Memory
 from ..scheduler import StepOwner, StepScheduler
-from ._backend import FRONTEND, OPS, GroupWork, load_state, save_state, wait_for
+from ._backend import FRONTEND, OPS, GroupWork, load_state, wait_for
 
 __all__ = ["ddp_comm_hook", "DDPCommState", "collectives", "shutdown"]
 
@@ -278,8 +278,7 @@ class DDPCommState(StepOwner):
     def state_dict(self):
         if self._plan is None and self._loaded is not None:
             return dict(self._loaded, step=self.step)
-        return save_state(self.step, self.config, self._memory, () if self._plan is None else self._plan.buckets,
-                          None if self._sched is None else self._sched.auto)
+        return self._plan_state(self.step)
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict`'s output; before the first step it is kept until the plan is

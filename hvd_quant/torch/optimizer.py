@@ -310,8 +310,7 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
         state = super(self.__class__, self).state_dict(*args, **kwargs)
-        state[_STATE_KEY] = _backend.save_state(self._step, self.config, self._memory, self._buckets,
-                                                self._sched.auto)
+        state[_STATE_KEY] = self._plan_state(self._step)
         return state
 
     def load_state_dict(self, state_dict, *args, **kwargs):
