@@ -211,10 +211,9 @@ class Traffic:
 
 
 def _spans(timed):
-    """(kind, bytes, start, stop) records -> ([(kind, bytes, a, b)] in seconds, the records whose
-    marks are not complete yet). Host marks are seconds already; device marks (objects with
-    ``query()`` and ``elapsed_time(other)`` in ms: torch.cuda.Event) are placed on one axis, measured
-    from the first complete one. Host and device spans are on different axes: see :func:`_fold_into`."""
+    """(kind, bytes, start, stop) records -> ([(kind, bytes, a, b, on device)] in seconds, the records
+    whose marks are not complete yet). Host marks are seconds; device marks (``ArrayOps.mark``'s
+    events) go on an axis of their own, measured from the first complete one."""
     spans, waiting, base = [], [], None
     for rec in timed:
         kind, nbytes, start, stop = rec

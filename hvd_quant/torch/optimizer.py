@@ -209,10 +209,9 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
         self._sched.arrive(*spot, grad)
 
     def _hand_out(self, params, shapes, pieces):
-        """Each of ``params`` gets its piece of a group's result as its gradient: float32 ``p.grad``
-        a view, other dtypes a copy; those in ``_handles`` (sparse) are left to Horovod. Runs for
-        every parameter every step: ``shapes`` are planned tuples, and a piece of the right shape is
-        not viewed again."""
+        """Each of ``params`` gets its piece of a group's result as its gradient: float32 ``p.grad`` a
+        view, other dtypes a copy; those in ``_handles`` (sparse) are left to Horovod. ``shapes``: the
+        planned tuples, so that a piece of the right shape is not viewed again (every step)."""
         handles = self._handles
         for p, shape, piece in zip(params, shapes, pieces):
             if handles and p in handles:
