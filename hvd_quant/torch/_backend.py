@@ -1,12 +1,10 @@
-"""The PyTorch frontend: :data:`FRONTEND` (a ``hvd_quant.frontend.Frontend``), through which the
-core reaches torch: the codecs' array adapters (CPU tensors through ``Tensor.numpy()``, zero-copy;
-CUDA tensors as raw device pointers and torch's current raw stream, which the prepared launches
-take), the exchange's :class:`~hvd_quant.exchange.ArrayOps` (:data:`OPS`) and
-:class:`~hvd_quant.exchange.Collectives` over ``horovod.torch`` (imported only when called), the
-payload groups that carry an optimizer's payloads instead (:class:`PayloadGroup`), the stock path's
-primitives, and the plan's state in a checkpoint. Nothing reads a device value on the host but the
-handshake (``to_bytes``), a setup's status word (``read_status``, once per bucket name) and
-``Codec.check_device_errors``.
+"""The PyTorch frontend: :data:`FRONTEND`, through which the core reaches torch: the codecs' array
+adapters (CPU tensors through ``Tensor.numpy()``, zero-copy; CUDA tensors as raw device pointers and
+torch's current raw stream), :data:`OPS`, the :class:`~hvd_quant.exchange.Collectives` over
+``horovod.torch`` (imported when called) and the :class:`PayloadGroup` that carries an optimizer's
+payloads instead, the stock path's primitives, and restoring a checkpoint. Nothing reads a device
+value on the host but the handshake (``to_bytes``), a setup's status word (``read_status``, once
+per bucket name) and ``Codec.check_device_errors``.
 """
 import collections
 import contextlib
@@ -228,10 +226,9 @@ class PayloadGroup:
         """The payload channel of one optimizer (``label``: its collective prefix) on ``device``, made
         now, NCCL communicators included; None where :data:`PAYLOAD_GROUP` has no backend for the
         device type or rank 0's ``HVD_QUANT_PAYLOAD_GROUP`` is ``0``. A blocking collective: call it
-        where every rank comes to the same point with nothing of its step left waiting on this rank,
-        never in a gradient hook. At world size 1 the store lives in this process. ``record``: the
-        handshake record of ``what``, compared first where no handshake has compared the ranks yet. A
-        store that cannot be made or reached raises on every rank, naming both variables."""
+        where every rank comes with nothing of its step left waiting on this rank, never in a
+        gradient hook. ``record``: the handshake record of ``what``, compared first where no
+        handshake has compared the ranks yet. A store not made or reached raises on every rank."""
         backend = PAYLOAD_GROUP.get(device.type)
         if backend is None:
             return None
