@@ -32,7 +32,7 @@ from ._noise import fresh_seed, noise_base
 __all__ = [
     "AVERAGE", "SUM", "REDUCTIONS", "Collectives", "ArrayOps", "Exchange", "Pending", "Traffic",
     "ConfigMismatchError", "PayloadMismatchError", "chunk_bounds", "codec_alignment",
-    "handshake_record", "handshake_async", "check_handshake", "handshake", "is_passthrough_codec",
+    "handshake_record", "check_handshake", "handshake", "is_passthrough_codec",
     "HANDSHAKE_NAME", "TWO_LEVEL",
 ]
 
@@ -179,9 +179,7 @@ class Traffic:
             self.timed.extend(other.timed)
             for k, (c, b, s) in other.folded.items():
                 f = self.folded.setdefault(k, [0, 0, 0.0])
-                f[0] += c
-                f[1] += b
-                f[2] += s
+                f[:] = f[0] + c, f[1] + b, f[2] + s
 
     def add_allreduce(self, nbytes, numel, size):
         ring = 2.0 * (size - 1) / size if size > 1 else 0.0
@@ -213,10 +211,9 @@ class Traffic:
 
 
 def _spans(timed):
-    """(kind, bytes, start, stop) records -> ([(kind, bytes, a, b)] in seconds, the records whose
-    marks are not complete yet). Host marks are seconds already; device marks (objects with
-    ``query()`` and ``elapsed_time(other)`` in ms: torch.cuda.Event) are placed on one axis, measured
-    from the first complete one. Host and device spans are on different axes: see :func:`_fold_into`."""
+    """(kind, bytes, start, stop) records -> ([(kind, bytes, a, b, on device)] in seconds, the records
+    whose marks are not complete yet). Host marks are seconds; device marks (``ArrayOps.mark``'s
+    events) go on an axis of their own, measured from the first complete one."""
     spans, waiting, base = [], [], None
     for rec in timed:
         kind, nbytes, start, stop = rec
@@ -236,13 +233,10 @@ def _fold_into(folded, kind, spans):
     f[0] += len(spans)
     f[1] += sum(s[1] for s in spans)
     for device in (False, True):
-        end = None
+        end = float("-inf")
         for a, b in sorted((s[2], s[3]) for s in spans if s[4] is device):
-            if end is None or a > end:
-                f[2] += b - a
-                end = b
-            elif b > end:
-                f[2] += b - end
+            if b > end:
+                f[2] += b - max(a, end)
                 end = b
 
 
@@ -255,10 +249,6 @@ def handshake_record(summary, details=()):
     digest = hashlib.sha256(repr((summary, tuple(details))).encode()).digest()
     text = summary.encode()[:_HANDSHAKE_BYTES - _DIGEST_BYTES]
     return digest + text + b"\0" * (_HANDSHAKE_BYTES - _DIGEST_BYTES - len(text))
-
-
-def handshake_async(coll, ops, record, name=HANDSHAKE_NAME):
-    return coll.allgather_async(ops.from_bytes(record), name)
 
 
 def check_handshake(coll, ops, record, gathered, what):
@@ -286,8 +276,7 @@ def check_handshake(coll, ops, record, gathered, what):
 
 def handshake(coll, ops, record, what, name=HANDSHAKE_NAME):
     """Blocking handshake: allgather ``record`` and raise on every rank if any rank differs."""
-    check_handshake(coll, ops, record, coll.synchronize(handshake_async(coll, ops, record, name)), what)
-
+    check_handshake(coll, ops, record, coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)), what)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -388,10 +377,6 @@ class _Setup:
         return buf
 
 
-def _host_mark(like):
-    return time.perf_counter()
-
-
 def _tag(header, part):
     """The name a payload header carries: bucket ``header``'s chunk ``part`` ("all" for allgather,
     "c<j>" for SRA's chunk j, "r<j>" for the reduced chunk j); the same every step."""
@@ -454,16 +439,11 @@ class Exchange:
                  reuse_result=False, timing=True):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.codec = codec
-        self.coll = collectives
-        self.ops = ops
-        self.reduction = reduction
-        self.memory = memory
-        self.prefix = prefix
-        self.reuse_result = bool(reuse_result)
+        self.codec, self.coll, self.ops, self.reduction = codec, collectives, ops, reduction
+        self.memory, self.prefix, self.reuse_result = memory, prefix, bool(reuse_result)
         self.align = codec_alignment(codec)
         self.traffic = Traffic()
-        self._mark = (ops.mark or _host_mark) if timing else None
+        self._mark = (ops.mark or (lambda like: time.perf_counter())) if timing else None
         self._setups = {}           # (name, header, numel) -> _Setup
         self._verified = set()      # exchange names whose first payloads were checked on the device
         self._two = LEVELLED[TWO_LEVEL](self) if reduction == TWO_LEVEL else None
@@ -477,15 +457,6 @@ class Exchange:
         return chunk_bounds(numel, self.coll.size, self.align)
 
     tag = staticmethod(_tag)       # (tests build the expected headers with it)
-
-    def setup(self, name, numel, like, header=None):
-        """The setup of exchange ``name`` for ``numel`` elements like ``like`` (built on first use)."""
-        header = name if header is None else header
-        key = (name, header, numel)
-        setup = self._setups.get(key)
-        if setup is None or setup.coll is not self.coll:
-            setup = self._setups[key] = _Setup(self, name, header, numel, like)
-        return setup
 
     def _payloads(self, setup, chunks, nbytes, flat, step, name, residual=None):
         """Encode ``flat``'s chunks into one uint8 buffer, each payload at its offset; with
@@ -517,14 +488,17 @@ class Exchange:
         if self._two is not None:
             return self._two.start(name, flat, step, record, header)
         ops, coll, allgather = self.ops, self.coll, self.reduction == "allgather"
-        setup = self.setup(name, ops.numel(flat), flat, header)
+        key = (name, name if header is None else header, ops.numel(flat))
+        setup = self._setups.get(key)
+        if setup is None or setup.coll is not coll:     # first use, or another world
+            setup = self._setups[key] = _Setup(self, name, *key[1:], flat)
         if step is None:
             step = setup.steps
         setup.steps += 1
         p = Pending(name, setup, step, flat, self)
         if record is not None:
             p.record = record
-            p.hs = handshake_async(coll, ops, record, f"{self.prefix}.hs.{name}")
+            p.hs = coll.allgather_async(ops.from_bytes(record), f"{self.prefix}.hs.{name}")
         mem = self.memory
         if mem is not None:
             flat = mem.compensate(mem.WORKER, name, flat)
@@ -645,21 +619,6 @@ class Exchange:
         for j in range(self.coll.size):
             self._decode(p, j, own.accumulate if j else own.decode, ops.slice(data, j * each, (j + 1) * each), acc)
         return acc
-
-    def reduce_scatter(self, p):
-        """SRA's first phase alone: waits for ``p``'s alltoall (started without a channel) and returns
-        the float32 **sum** over ranks of the chunk this rank owns, ``bounds(numel)[rank]``; ``p`` is done."""
-        if p.stage != "first" or self.reduction != "sra" or p.channel is not None:
-            raise ValueError("hvd_quant: reduce_scatter takes an SRA exchange in its first phase, "
-                             "started without a channel")
-        _FIRST_PHASE.pop(id(p), None)
-        data = self._scattered(p)
-        own = p.setup.own
-        out = self.ops.empty(own.b - own.a, p.like)
-        if own.b > own.a:
-            self._sum_own(p, data, out)
-        p.result, p.stage, p.like, p.handle = out, "done", None, None
-        return out
 
     # -- last phase -------------------------------------------------------------------------------
     def finish(self, p):

@@ -10,10 +10,10 @@ import statistics
 import struct
 import time
 
-from .exchange import SUM, TWO_LEVEL
-from .plan import ALLREDUCE, AUTO
+from .exchange import SUM, TWO_LEVEL, Exchange
+from .plan import ALLREDUCE, AUTO, save_residuals
 
-__all__ = ["StepScheduler", "AutoChoice", "Presence", "in_plan_order", "step_metrics"]
+__all__ = ["StepScheduler", "StepOwner", "AutoChoice", "Presence", "in_plan_order", "step_metrics"]
 
 
 def in_plan_order(complete, next_start):
@@ -264,6 +264,55 @@ class StepScheduler:
         return [(k, self._finish(k)) for k in started]
 
 
+class StepOwner:
+    """What the owners of a :class:`StepScheduler` share (``hvd_quant.torch.DistributedOptimizer``, the
+    DDP hook's state): an Exchange per route, and the step's traffic. They hold ``config``, ``_sched``
+    (None before planning), ``_coll``, ``_memory``, ``_prefix``, ``_exchanges`` (route -> Exchange),
+    ``_traffic`` (the step so far) and ``last_traffic``."""
+
+    def _exchange_for(self, route):
+        ex = self._exchanges.get(route)
+        if ex is None:
+            # reuse_result: the results are handed out before the route's next step rewrites them
+            ex = self._exchanges[route] = Exchange(
+                self.config.codec, self._coll, self._sched.ops, reduction=route, memory=self._memory,
+                prefix=self._prefix, reuse_result=True)
+            ex.traffic = self._traffic
+        return ex
+
+    def _keep_traffic(self, t0):
+        """The step ends: its traffic (exchanged from ``t0``, ``time.perf_counter()``) is ``last_traffic``."""
+        if t0 is not None:
+            self._traffic.seconds = time.perf_counter() - t0
+        self.last_traffic = self._traffic.copy()
+        self._traffic.reset()
+
+    def _plan_state(self, step):
+        """What a checkpoint keeps of the run: ``step``, codec, reduction, this rank's worker residuals
+        by tensor name, its server residuals by ``(bucket header, rank, size)``, ``auto``'s state."""
+        s, mem = self._sched, self._memory
+        residuals, server = ({}, {}) if s is None or mem is None else save_residuals(mem, s.buckets, mem.ops.clone)
+        return {"step": step, "codec": self.config.codec.spec(), "reduction": self.config.reduction,
+                "residuals": residuals, "server_residuals": server,
+                "auto": None if s is None or s.auto is None else s.auto.state_dict()}
+
+    def bytes_per_step(self):
+        """Bytes this rank sent in the last step and what an fp32 ring allreduce would have sent
+        (:class:`hvd_quant.exchange.Traffic`; ``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""
+        return self.last_traffic
+
+    def step_metrics(self):
+        """What the last step did: bytes, the exchange's time, the reduction and precision of each
+        bucket (:func:`step_metrics`); None before planning."""
+        s = self._sched
+        return None if s is None else step_metrics(s.plan, self.last_traffic, s.routes, self.config.codec.spec())
+
+    def reduction_in_use(self):
+        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"``, ``"two_level"``
+        or ``"allreduce"`` (``reduction="auto"``: the schedule's candidate, then the choice)."""
+        return self.config.reduction if self._sched is None else self._sched.route()
+
+
 class AutoChoice:
     """``reduction="auto"``: which way a plan's compressed buckets travel, from measured step times.
 
@@ -321,19 +370,15 @@ class AutoChoice:
         return self.step >= len(self.schedule)
 
     def decide(self, coll, ops, name):
-        """Allgather every rank's medians (seconds, float64) and take the same choice on every rank."""
-        record = self.record()
+        """Allgather every rank's median step time per candidate (float64 seconds) and take the same
+        choice on every rank (:meth:`choose`)."""
+        record = struct.pack(f"<{len(self.candidates)}d", *[statistics.median(self.times[c]) for c in self.candidates])
         if coll.size > 1:
             record = ops.to_bytes(coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)))
         return self.choose(record)
 
-    def record(self):
-        """This rank's median step time per candidate (float64 seconds), as bytes to allgather."""
-        return struct.pack(f"<{len(self.candidates)}d",
-                           *[statistics.median(self.times[c]) for c in self.candidates])
-
     def choose(self, gathered):
-        """Take the choice from every rank's :meth:`record`, concatenated (the same on every rank)."""
+        """Take the choice from every rank's medians, concatenated (the same on every rank)."""
         n = len(self.candidates)
         rows = [struct.unpack_from(f"<{n}d", gathered, r * 8 * n) for r in range(len(gathered) // (8 * n))]
         self.medians = [sum(r[i] for r in rows) / len(rows) for i in range(n)]

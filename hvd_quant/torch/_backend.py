@@ -1,18 +1,21 @@
-"""The PyTorch frontend: :data:`FRONTEND` (a ``hvd_quant.frontend.Frontend``), through which the
-core reaches torch: the codecs' array adapters (CPU tensors through ``Tensor.numpy()``, zero-copy;
-CUDA tensors as raw device pointers and torch's current raw stream, which the prepared launches
-take), the exchange's :class:`~hvd_quant.exchange.ArrayOps` (:data:`OPS`) and
-:class:`~hvd_quant.exchange.Collectives` over ``horovod.torch`` (imported only when called; they
-also take the payload groups' handles), the stock path's primitives, and the plan's state in a
-checkpoint. Nothing reads a device value on the host but the handshake (``to_bytes``), a setup's
-status word (``read_status``, once per bucket name) and ``Codec.check_device_errors``.
+"""The PyTorch frontend: :data:`FRONTEND`, through which the core reaches torch: the codecs' array
+adapters (CPU tensors through ``Tensor.numpy()``, zero-copy; CUDA tensors as raw device pointers and
+torch's current raw stream), :data:`OPS`, the :class:`~hvd_quant.exchange.Collectives` over
+``horovod.torch`` (imported when called) and the :class:`PayloadGroup` that carries an optimizer's
+payloads instead, the stock path's primitives, and restoring a checkpoint. Nothing reads a device
+value on the host but the handshake (``to_bytes``), a setup's status word (``read_status``, once
+per bucket name) and ``Codec.check_device_errors``.
 """
+import collections
 import contextlib
-import functools
+import datetime
+import os
+import socket
 import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors
 
 from numba_kernels.wire import HEADER_NBYTES, PayloadError
@@ -20,11 +23,11 @@ from numba_kernels.wire import HEADER_NBYTES, PayloadError
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
 from ..exchange import AVERAGE, ArrayOps, Collectives, handshake
 from ..frontend import Frontend, TensorInfo
-from ..plan import restore_residuals, save_residuals
-from .payload_group import GroupWork, PayloadGroup
+from ..plan import restore_residuals
 
 __all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec",
-           "sendable_dtype", "host_one", "wait_for", "payload_group", "save_state", "load_state"]
+           "sendable_dtype", "host_one", "wait_for", "payload_group", "load_state",
+           "PayloadGroup", "GroupWork", "PAYLOAD_GROUP", "STORE_TIMEOUT_S"]
 
 
 def _flatten(tensors):
@@ -36,10 +39,6 @@ def _flatten(tensors):
     return flat if flat.dtype == torch.float32 else flat.to(torch.float32)
 
 
-def _to_like(t, like):
-    return t if t.device == like.device else t.to(like.device)
-
-
 def _mark(like):
     """Host seconds for CPU tensors; for CUDA ones an event on the current stream, never waited for."""
     if not like.is_cuda:
@@ -49,17 +48,9 @@ def _mark(like):
     return event
 
 
-def save_state(step, config, memory, buckets, auto):
-    """The state of a PyTorch path's plan: step counter, codec, reduction, this rank's worker residuals
-    by tensor name, its server residuals by ``(bucket header, rank, size)``, ``auto``'s state."""
-    residuals, server = save_residuals(memory, buckets, OPS.clone) if memory is not None else ({}, {})
-    return {"step": step, "codec": config.codec.spec(), "reduction": config.reduction,
-            "residuals": residuals, "server_residuals": server,
-            "auto": None if auto is None else auto.state_dict()}
-
-
 def load_state(state, memory, buckets, auto, device):
-    """Restore :func:`save_state`'s ``auto`` and residuals (moved to ``device``); the step is the caller's."""
+    """Restore ``StepOwner._plan_state``'s ``auto`` and residuals (moved to ``device``); the step is the
+    caller's."""
     if auto is not None and state.get("auto") is not None:
         auto.load_state_dict(state["auto"])
     if memory is not None:
@@ -81,7 +72,7 @@ OPS = ArrayOps(
     numel=lambda t: t.numel(),
     from_bytes=lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8),
     to_bytes=lambda t: t.detach().cpu().numpy().tobytes(),
-    to_like=_to_like,
+    to_like=lambda t, like: t if t.device == like.device else t.to(like.device),
     clone=lambda t: t.detach().clone(),
     reusable=True,
     mark=_mark,
@@ -145,12 +136,8 @@ class TorchFrontend(Frontend):
                            levels=(lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None)
 
     def payload_group(self, process_set, device, label, record=None, what=None):
-        """:meth:`PayloadGroup.open <hvd_quant.torch.payload_group.PayloadGroup.open>`; ``record`` (the
-        handshake record of ``what``, where none compared the ranks yet) is compared first."""
-        check = None if record is None else functools.partial(
-            handshake, self.collectives(process_set), OPS, record, what or label,
-            name="hvdq.payload_group.handshake")
-        return PayloadGroup.open(process_set, device, label, check)
+        """:meth:`PayloadGroup.open`."""
+        return PayloadGroup.open(process_set, device, label, record, what)
 
     @staticmethod
     def wait_for(device):
@@ -191,6 +178,145 @@ class TorchFrontend(Frontend):
 
     def restore(self, flat, info):
         return self.cast_back(flat if flat.shape == info.shape else flat.view(info.shape), info)
+
+
+# --------------------------------------------------------------------------------------------------
+# The payload groups: process groups of hvd_quant's own that carry an optimizer's compressed payloads
+
+# Device type -> torch.distributed backend of an optimizer's payload group; other types use Horovod.
+PAYLOAD_GROUP = {"cuda": "nccl"}
+STORE_TIMEOUT_S = 120
+
+
+class PayloadGroup:
+    """hvd_quant's own torch.distributed process groups among a process set's ranks for one optimizer's
+    payloads (:meth:`open`): the channel an :class:`~hvd_quant.exchange.Exchange` takes instead of
+    Horovod's alltoall and allgather (why: docs/EXCHANGE.md, "The reductions"). Collectives match by
+    order: ``first`` carries each bucket's first collective (in plan order), ``second`` SRA's
+    allgathers of the reduced chunks (in alltoall order). A route's first step in a world goes
+    through Horovod: a kernel's first (lazy) load may wait for a collective spinning on the device.
+    """
+
+    def __init__(self, store, process_set, backend, device):
+        self.store = store                  # rank 0 serves it for the group's lifetime
+        self.size, self.rank = process_set.size(), process_set.rank()
+        self.waiting = collections.deque()  # SRA exchanges in their first phase, in start order
+
+        def group(prefix):
+            sub = dist.PrefixStore(prefix, store)
+            if backend == "nccl":
+                # Horovod's NCCL streams have the device's greatest priority (cuda_operations.cc); at
+                # the default priority a payload's kernels would queue behind backward's blocks
+                return dist.ProcessGroupNCCL(sub, self.rank, self.size,
+                                             dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))
+            return dist.ProcessGroupGloo(sub, self.rank, self.size)
+
+        self.first, self.second = group("first"), group("second")
+        # The first collective creates NCCL's communicator: a host call that blocks until every rank
+        # joins. Here every rank is at the same point; in a gradient hook a rank would block there
+        # while another waits in synchronize() for something this rank submits later.
+        one = torch.zeros(1, device=device)
+        for pg in (self.first, self.second):
+            pg._allgather_base(one.new_empty(self.size), one).wait()
+        if one.is_cuda:
+            torch.cuda.current_stream(device).synchronize()
+
+    @classmethod
+    def open(cls, process_set, device, label, record=None, what=None):
+        """The payload channel of one optimizer (``label``: its collective prefix) on ``device``, made
+        now, NCCL communicators included; None where :data:`PAYLOAD_GROUP` has no backend for the
+        device type or rank 0's ``HVD_QUANT_PAYLOAD_GROUP`` is ``0``. A blocking collective: call it
+        where every rank comes with nothing of its step left waiting on this rank, never in a
+        gradient hook. ``record``: the handshake record of ``what``, compared first where no
+        handshake has compared the ranks yet. A store not made or reached raises on every rank."""
+        backend = PAYLOAD_GROUP.get(device.type)
+        if backend is None:
+            return None
+        if record is not None:
+            handshake(FRONTEND.collectives(process_set), OPS, record, what or label,
+                      name="hvdq.payload_group.handshake")
+        import horovod.torch as hvd
+        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        name, size = f"{label}.payload_group", process_set.size()
+        root = min(process_set.ranks) if process_set.ranks else 0   # the set's rank 0, as a global rank
+        way_out = ("set HVD_QUANT_STORE_ADDR on rank 0 to an address of its host that every rank "
+                   "reaches, or HVD_QUANT_PAYLOAD_GROUP=0 to carry the payloads through Horovod")
+        on = os.environ.get("HVD_QUANT_PAYLOAD_GROUP", "1").strip() != "0"
+        if size == 1:       # nobody to reach: a store in this process
+            return cls(dist.HashStore(), process_set, backend, device) if on else None
+        if process_set.rank() == 0:
+            store = where = None
+            if on:
+                host = _store_host()
+                try:
+                    store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False,
+                                          timeout=timeout)
+                    where = (host, store.port)
+                except Exception as e:  # noqa: BLE001 -- torch raises several kinds; tell every rank
+                    where = f"rank 0 could not serve its payload group's store at {host} ({e}); {way_out}"
+            hvd.broadcast_object(where, root_rank=root, process_set=process_set, name=name)
+        else:
+            where = hvd.broadcast_object(None, root_rank=root, process_set=process_set, name=name)
+            if isinstance(where, tuple):
+                try:
+                    store = dist.TCPStore(*where, size, is_master=False, timeout=timeout)
+                except Exception as e:  # noqa: BLE001
+                    raise RuntimeError(f"hvd_quant: this rank could not reach rank 0's payload group "
+                                       f"store at {where[0]}:{where[1]} ({e}); {way_out}") from e
+        if isinstance(where, str):
+            raise RuntimeError(f"hvd_quant: {where}")
+        return None if where is None else cls(store, process_set, backend, device)
+
+    def allgather(self, t, each=None, total=None):
+        """Every rank's ``t`` in rank order, as a handle: on ``first``, the allgather reduction's
+        payloads (of equal lengths); with ``each``, on ``second``, SRA's reduced chunks, each padded to
+        ``each`` bytes (every chunk but the last nonempty one has that length), and the result is
+        their first ``total`` bytes."""
+        if each is None:
+            out = t.new_empty(t.numel() * self.size)
+            return GroupWork(self.first._allgather_base(out, t), out)
+        if t.numel() != each:
+            # a copy, not a kernel: nothing loads while a collective of these groups may spin
+            padded = t.new_empty(each)
+            padded[:t.numel()].copy_(t)
+            t = padded
+        out = t.new_empty(each * self.size)
+        return GroupWork(self.second._allgather_base(out, t), out[:total])
+
+    def alltoall(self, t, splits):
+        """Rank r receives piece r of every rank's ``t`` (``splits``: the pieces' lengths, the one
+        for each rank equal on every rank), concatenated in rank order, as a handle; on ``first``."""
+        mine = splits[self.rank]
+        out = t.new_empty(mine * self.size)
+        return GroupWork(self.first.alltoall_base(out, t, [mine] * self.size, list(splits)), out)
+
+
+def _store_host():
+    """An address of this host that the set's other ranks reach (docs/EXCHANGE.md, "The reductions")."""
+    addr = os.environ.get("HVD_QUANT_STORE_ADDR")
+    if addr:
+        return addr
+    peer = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    if peer:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))        # no packet is sent: this only picks the route
+            return s.getsockname()[0]
+    return socket.gethostbyname(socket.gethostname())
+
+
+class GroupWork:
+    """A torch.distributed collective in flight (of a payload group, or ``ddp.collectives``'): its
+    result ``out``. On CUDA the current stream waits for it, the host does not."""
+    __slots__ = ("work", "out")
+
+    def __init__(self, work, out):
+        self.work, self.out = work, out
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,17 +27,31 @@ import torch.distributed as dist
 
 from .. import plan as _plan
 from ..codecs import resolve_codec
-from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Exchange, Traffic, handshake
+from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Traffic, handshake
 from ..memory import Memory
-from ..scheduler import StepScheduler, step_metrics
-from ._backend import FRONTEND, OPS, load_state, save_state, wait_for
-from .payload_group import GroupWork
+from ..scheduler import StepOwner, StepScheduler
+from ._backend import FRONTEND, OPS, GroupWork, load_state, wait_for
 
 __all__ = ["ddp_comm_hook", "DDPCommState", "collectives", "shutdown"]
 
 _PREFIX = "hvdq.ddp"
 # torch 2.13 renamed all_gather_into_tensor (since deprecated) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Posted(GroupWork):
+    """A collective whose result is ``post(out)``, computed at the first wait."""
+    __slots__ = ("post",)
+
+    def __init__(self, work, out, post):
+        super().__init__(work, out)
+        self.post = post
+
+    def wait(self):
+        out = super().wait()
+        if self.post is not None:
+            self.out, self.post = self.post(out), None
+        return self.out
 
 
 def collectives(process_group=None):
@@ -72,7 +86,7 @@ def collectives(process_group=None):
         work = _all_gather_single(out, t, group=pg, async_op=True)
         if all(s == each for s in sizes):
             return GroupWork(work, out)
-        return GroupWork(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
+        return _Posted(work, out, lambda o: torch.cat([o[r * each:r * each + s] for r, s in enumerate(sizes)]))
 
     def alltoall_async(t, splits, name):
         mine = int(splits[rank])
@@ -86,7 +100,7 @@ def collectives(process_group=None):
             t.mul_(prescale_factor)
         work = dist.all_reduce(t, group=pg, async_op=True)
         factor = postscale_factor / size if op == AVERAGE else postscale_factor
-        return GroupWork(work, t, None if factor == 1.0 else lambda o: o.mul_(factor))
+        return GroupWork(work, t) if factor == 1.0 else _Posted(work, t, lambda o: o.mul_(factor))
 
     return Collectives(rank=rank, size=size, allgather_async=allgather_async,
                        alltoall_async=alltoall_async, allreduce_async=allreduce_async,
@@ -99,7 +113,7 @@ def _done(value):
     return fut
 
 
-class DDPCommState:
+class DDPCommState(StepOwner):
     """The hook's state (module doc): the plan, the scheduler, the error-feedback residuals, the step
     counter and ``reduction="auto"``'s measurements. Made by :func:`ddp_comm_hook`.
 
@@ -109,13 +123,14 @@ class DDPCommState:
     differ between ranks) and ``load_state_dict()`` restores it, before or after the first step.
     ``bytes_per_step()`` and ``step_metrics()`` describe the last step, as the optimizer's do.
     """
+    _prefix = _PREFIX
 
     def __init__(self, config, process_group=None):
         self.config, self.codec = config, config.codec
         self.process_group = process_group
-        self.memory = Memory(OPS) if config.error_feedback else None
+        self._memory = Memory(OPS) if config.error_feedback else None
         self.step = 0                   # completed steps: warm-up and the noise key
-        self.traffic = Traffic()        # this step so far
+        self._traffic = Traffic()       # this step so far
         self.last_traffic = Traffic()
         self._coll = None
         self._plan = self._sched = None
@@ -163,7 +178,7 @@ class DDPCommState:
     def _allreduce(self, buf):
         """DDP's own reduction of a bucket, bit for bit: buffer * (1/N), then a Sum allreduce."""
         size = self._coll.size
-        self.traffic.add_allreduce(buf.numel() * buf.element_size(), buf.numel(), size)
+        self._traffic.add_allreduce(buf.numel() * buf.element_size(), buf.numel(), size)
         buf.mul_(1.0 / size)
         work = dist.all_reduce(buf, group=self._coll.process_set, async_op=True)
         return work.get_future().then(lambda f: f.value()[0])
@@ -209,9 +224,7 @@ class DDPCommState:
                     fut.wait()          # exchange does (else they fall into the next step's time)
             self._sched.end_step(timed=self.step >= self.config.warmup_steps)
         self.step += 1
-        self.traffic.seconds = time.perf_counter() - self._t0
-        self.last_traffic = self.traffic.copy()
-        self.traffic.reset()
+        self._keep_traffic(self._t0)
         self._open = False
 
     def _finish_held(self):
@@ -251,7 +264,7 @@ class DDPCommState:
         self._spots = {pid: (k, i) for k, ids in enumerate(self._group_ids) for i, pid in enumerate(ids)}
         sched = StepScheduler(
             plan, [(f"{_PREFIX}.plain.{j}", [ordered[i].numel() for i in g]) for j, g in enumerate(groups)],
-            ops=OPS, exchange_for=self._exchange_for, traffic=self.traffic,
+            ops=OPS, exchange_for=self._exchange_for, traffic=self._traffic,
             numbering=lambda b: (self.step, None), split=FRONTEND.split,
             average=False, plain_op=(AVERAGE, 1.0, 1.0), name=_PREFIX, label="hvd_quant.ddp_comm_hook",
             wait_device=lambda: wait_for(params[0].device))
@@ -261,34 +274,11 @@ class DDPCommState:
             loaded, self._loaded = self._loaded, None
             self.load_state_dict(loaded)
 
-    def _exchange_for(self, route):
-        ex = self._exchanges.get(route)
-        if ex is None:
-            ex = self._exchanges[route] = Exchange(self.codec, self._coll, OPS, reduction=route,
-                                                   memory=self.memory, prefix=_PREFIX, reuse_result=True)
-            ex.traffic = self.traffic
-        return ex
-
-    # -- traffic and state ------------------------------------------------------------------------
-    def bytes_per_step(self):
-        """The last step's :class:`~hvd_quant.exchange.Traffic` (bytes sent, the fp32 equivalent)."""
-        return self.last_traffic
-
-    def step_metrics(self):
-        """What the last step did (:func:`hvd_quant.scheduler.step_metrics`); None before planning."""
-        if self._plan is None:
-            return None
-        return step_metrics(self._plan, self.last_traffic, self._sched.routes, self.codec.spec())
-
-    def reduction_in_use(self):
-        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"`` or ``"allreduce"``."""
-        return self._sched.route() if self._sched is not None else self.config.reduction
-
+    # -- state ------------------------------------------------------------------------------------
     def state_dict(self):
         if self._plan is None and self._loaded is not None:
             return dict(self._loaded, step=self.step)
-        return save_state(self.step, self.config, self.memory, () if self._plan is None else self._plan.buckets,
-                          None if self._sched is None else self._sched.auto)
+        return self._plan_state(self.step)
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict`'s output; before the first step it is kept until the plan is
@@ -301,7 +291,7 @@ class DDPCommState:
         if self._plan is None:
             self._loaded = state
             return
-        load_state(state, self.memory, self._plan.buckets, self._sched.auto, self._params[0].device)
+        load_state(state, self._memory, self._plan.buckets, self._sched.auto, self._params[0].device)
 
 
 def _hook(state, bucket):

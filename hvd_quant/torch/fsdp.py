@@ -4,7 +4,7 @@ In backward FSDP2 copies the gradients of each sharded module into one flat buff
 chunks (chunk r: the shard rank r keeps) and hands it to the module's reduce-scatter comm, which
 leaves the mean (``ReduceOp.AVG``) or sum of chunk r on rank r. ``FSDPModule.
 set_custom_reduce_scatter(comm)`` replaces that comm; this one runs the first phase of the exchange's
-SRA (:meth:`hvd_quant.exchange.Exchange.reduce_scatter`), with ``torch.distributed`` collectives:
+SRA alone (``Exchange.start``, then the sum of this rank's chunk), with ``torch.distributed`` collectives:
 
 1. chunks whose length is not a whole number of the codec's buckets are copied into a buffer with
    each chunk padded by zeros to one, so that the exchange's chunk bounds are FSDP's;
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import plan as _plan
 from ..codecs import resolve_codec
-from ..exchange import AVERAGE, Exchange, handshake_record, is_passthrough_codec
+from ..exchange import _FIRST_PHASE, AVERAGE, Exchange, handshake_record, is_passthrough_codec
 from ..memory import Memory
 from ._backend import OPS
 from .ddp import collectives
@@ -99,7 +99,13 @@ class FSDPCommState:
             record = handshake_record(f"fsdp_reduce_scatter {name} {self.codec.spec()} N={size} "
                                       f"numel={flat.numel()} ef={self.memory is not None}")
         p = ex.start(exchange_name, flat, step=step, record=record)
-        out = ex.reduce_scatter(p)[:each]
+        # SRA's first phase alone: this rank's chunk summed over ranks, never requantized nor gathered
+        _FIRST_PHASE.pop(id(p), None)
+        data, own = ex._scattered(p), p.setup.own
+        out = OPS.empty(own.b - own.a, flat)
+        if own.b > own.a:
+            ex._sum_own(p, data, out)
+        out = out[:each]
         if op == dist.ReduceOp.AVG:
             out.mul_(1.0 / size)
         output.copy_(out.reshape(output.shape))

@@ -21,9 +21,9 @@ import torch
 import horovod.torch as hvd
 
 from .. import plan as _plan
-from ..exchange import Exchange, HANDSHAKE_NAME, Traffic, handshake
+from ..exchange import HANDSHAKE_NAME, Traffic, handshake
 from ..memory import Memory
-from ..scheduler import Presence, StepScheduler, step_metrics
+from ..scheduler import Presence, StepOwner, StepScheduler
 from . import _backend
 
 
@@ -36,7 +36,7 @@ _STATE_KEY = "hvd_quant"
 _instances = {}
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
+class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
     def __init__(self, params, named_parameters, config, backward_passes_per_step, groups,
                  sparse_as_dense, process_set):
         super(self.__class__, self).__init__(params)
@@ -64,20 +64,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
-        self.config = config
-        self.op = config.op
-        self.gradient_predivide_factor = config.predivide
+        self.config, self.op = config, config.op
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        self.codec = config.codec
-        self.reduction = config.reduction
-        self.warmup_steps = config.warmup_steps
-        self.error_feedback = config.error_feedback
 
         ps_id = process_set.process_set_id
         n = _instances[ps_id] = _instances.get(ps_id, -1) + 1
         self._prefix = f"hvdq{n}" if ps_id == 0 else f"hvdq{n}.ps{ps_id}"
-        self._memory = Memory(_backend.OPS) if self.error_feedback else None
+        self._memory = Memory(_backend.OPS) if config.error_feedback else None
         self._coll = None             # the process set's Collectives, once connected
         self._exchanges = {}          # reduction -> Exchange (two with reduction="auto")
         self._handles = {}           # param -> its own allreduce's handle (a callable for sparse)
@@ -132,7 +126,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ops=_backend.OPS, exchange_for=self._exchange_for, traffic=self._traffic,
             numbering=lambda b: (self._step, None), split=_backend.FRONTEND.split,
             average=self.op == _plan.AVERAGE, plain_op=(self.op, pre, post), name=self._prefix,
-            label="hvd_quant", presence=presence, wait_device=self._wait_device)
+            label="hvd_quant", presence=presence,
+            wait_device=lambda: _backend.wait_for(self._bucket_params[0][0].device if self._buckets else None))
 
     def _connect(self):
         """(Re)bind to the process set's current rank and size and check every rank agrees."""
@@ -150,16 +145,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # CUDA payloads travel on process groups of this optimizer's own (from a route's second step)
         self._sched.channel = (coll, _backend.payload_group(
             self.process_set, self._bucket_params[0][0].device, self._prefix) if self._buckets else None)
-
-    def _exchange_for(self, reduction):
-        ex = self._exchanges.get(reduction)
-        if ex is None:
-            # reuse_result: p.grad are views of the result, read before the next step rewrites it
-            ex = self._exchanges[reduction] = Exchange(
-                self.codec, self._coll, _backend.OPS, reduction=reduction, memory=self._memory,
-                prefix=self._prefix, reuse_result=True)
-            ex.traffic = self._traffic
-        return ex
 
     # -- hooks --------------------------------------------------------------------------------------
     def _register_hooks(self):
@@ -206,7 +191,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._connect()             # the first gradient of a step: the world may have changed
             if not self._step_agreed:
                 self._agree_step(p.device)
-            self._compress_now = self._sched.begin_step(compress=self._step >= self.warmup_steps)
+            self._compress_now = self._sched.begin_step(compress=self._step >= self.config.warmup_steps)
         self._launched.add(p)
         if p.grad is None:
             p.grad = p.data.new(p.size()).zero_()
@@ -224,10 +209,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sched.arrive(*spot, grad)
 
     def _hand_out(self, params, shapes, pieces):
-        """Each of ``params`` gets its piece of a group's result as its gradient: float32 ``p.grad``
-        a view, other dtypes a copy; those in ``_handles`` (sparse) are left to Horovod. Runs for
-        every parameter every step: ``shapes`` are planned tuples, and a piece of the right shape is
-        not viewed again."""
+        """Each of ``params`` gets its piece of a group's result as its gradient: float32 ``p.grad`` a
+        view, other dtypes a copy; those in ``_handles`` (sparse) are left to Horovod. ``shapes``: the
+        planned tuples, so that a piece of the right shape is not viewed again (every step)."""
         handles = self._handles
         for p, shape, piece in zip(params, shapes, pieces):
             if handles and p in handles:
@@ -277,19 +261,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         self._launched.clear()
         self.set_backward_passes_per_step(self.backward_passes_per_step)
-        sched.end_step(timed=self._step >= self.warmup_steps)
+        sched.end_step(timed=self._step >= self.config.warmup_steps)
         self._step += 1
-        if self._t_first is not None:
-            self._traffic.seconds = time.perf_counter() - self._t_first
-            self._t_first = None
-        self.last_traffic = self._traffic.copy()
-        self._traffic.reset()
+        self._keep_traffic(self._t_first)
+        self._t_first = None
         self._connect()
         self._synchronized = True
-
-    def _wait_device(self):
-        """Wait until the compressed buckets' device finished its queued work (reduction="auto")."""
-        _backend.wait_for(next((ps[0].device for ps in self._bucket_params if ps), None))
 
     @contextmanager
     def skip_synchronize(self):
@@ -329,27 +306,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
 
-    def reduction_in_use(self):
-        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"``, ``"two_level"``
-        or ``"allreduce"`` (``reduction="auto"``: the schedule's candidate, then the choice)."""
-        return self._sched.route()
-
-    # -- traffic ------------------------------------------------------------------------------------
-    def bytes_per_step(self):
-        """Bytes this rank sent in the last step and what an fp32 ring allreduce would have sent
-        (:class:`hvd_quant.exchange.Traffic`; ``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""
-        return self.last_traffic
-
-    def step_metrics(self):
-        """What the last step did: bytes, the exchange's time, the reduction and precision of each
-        bucket (:func:`hvd_quant.scheduler.step_metrics`)."""
-        return step_metrics(self._grad_plan, self.last_traffic, self._sched.routes, self.codec.spec())
-
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self, *args, **kwargs):
         state = super(self.__class__, self).state_dict(*args, **kwargs)
-        state[_STATE_KEY] = _backend.save_state(self._step, self.config, self._memory, self._buckets,
-                                                self._sched.auto)
+        state[_STATE_KEY] = self._plan_state(self._step)
         return state
 
     def load_state_dict(self, state_dict, *args, **kwargs):
@@ -429,7 +389,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         min_compress_numel=min_compress_numel, compress_1d=compress_1d, warmup_steps=warmup_steps,
         error_feedback=error_feedback, op=_backend.core_op(op), predivide=gradient_predivide_factor,
         extra=(("backward_passes", backward_passes_per_step),))
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, StepOwner),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, config, backward_passes_per_step, groups,
                sparse_as_dense, process_set)
