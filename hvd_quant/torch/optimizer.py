@@ -65,6 +65,8 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
         self.config, self.op = config, config.op
+        self.gradient_predivide_factor = config.predivide     # Horovod's attribute
+        self.codec, self.reduction, self.error_feedback = config.codec, config.reduction, config.error_feedback
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
 
