@@ -372,10 +372,14 @@ class AutoChoice:
     def decide(self, coll, ops, name):
         """Allgather every rank's median step time per candidate (float64 seconds) and take the same
         choice on every rank (:meth:`choose`)."""
-        record = struct.pack(f"<{len(self.candidates)}d", *[statistics.median(self.times[c]) for c in self.candidates])
+        record = self.record()
         if coll.size > 1:
             record = ops.to_bytes(coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)))
         return self.choose(record)
+
+    def record(self):
+        """This rank's median step time per candidate (float64 seconds), as bytes to allgather."""
+        return struct.pack(f"<{len(self.candidates)}d", *[statistics.median(self.times[c]) for c in self.candidates])
 
     def choose(self, gathered):
         """Take the choice from every rank's medians, concatenated (the same on every rank)."""
