@@ -57,17 +57,8 @@ class PayloadMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class Collectives:
-    """How the core reaches a framework's collectives; one instance per framework and process set.
-
-    ``allgather_async(t, name, sizes=None)``: ``t`` 1-D uint8, lengths may differ between ranks;
-    the result is their concatenation in rank order (``sizes``: every rank's length, where the
-    caller knows them). ``alltoall_async(t, splits, name)``: ``splits`` the bytes for each rank; the
-    result is the received bytes in rank order. ``allreduce_async(t, name, op, prescale_factor,
-    postscale_factor)``: in place where the framework allows. ``synchronize(handle)``: the result.
-    ``poll(handle)`` (optional): True once completed, without waiting. ``levels(probe=False)``
-    (optional): ``(local, cross)`` Collectives of this rank's node and of its local rank across
-    nodes, None where a level has one rank; with ``probe``, ``(None, None)`` where two levels cannot run.
-    """
+    """How the core reaches a framework's collectives, one per framework and process set
+    (docs/ARCHITECTURE.md, "Exchange contract")."""
     rank: int
     size: int
     allgather_async: Callable[..., Any]
@@ -91,8 +82,8 @@ def collectives_for(cache, process_set, make):
 
 @dataclass(frozen=True)
 class ArrayOps:
-    """Array operations the reductions need, on the framework's tensors and device. Methods named
-    ``*_`` may work in place; callers always use the value they return."""
+    """Array operations the reductions need, on the framework's tensors and device
+    (docs/ARCHITECTURE.md, "Exchange contract"); callers use what ``*_`` methods return."""
     flatten: Callable[[Sequence[Any]], Any]          # tensors -> new flat float32 buffer (cast, concat)
     zeros: Callable[[int, Any], Any]                 # (numel, like) -> float32 zeros on like's device
     empty: Callable[[int, Any], Any]                 # (numel, like) -> float32, contents undefined
@@ -106,9 +97,7 @@ class ArrayOps:
     to_like: Callable[[Any, Any], Any]               # move t to like's device (restored residuals)
     clone: Callable[[Any], Any]
     reusable: bool = False      # buffers may be kept and rewritten across steps (not handed to the framework)
-    # (like) -> a timestamp taken without waiting: host seconds, or an object with query() and
-    # elapsed_time(other) in ms (a CUDA event on the current stream). None: time.perf_counter().
-    mark: Callable[[Any], Any] = None
+    mark: Callable[[Any], Any] = None                # (like) -> a timestamp, not waited for; None: perf_counter
 
 
 def codec_alignment(codec):
@@ -140,20 +129,14 @@ _FOLD_AT = 4096                       # timed collectives kept unread before the
 
 @dataclass
 class Traffic:
-    """Bytes this rank sends beside what an fp32 ring allreduce of the same elements would send
-    (docs/EXCHANGE.md, "Traffic"), and the time of the collectives that sent them.
-
-    ``payload_bytes``: the encoded size of everything this rank put into a collective, ``numel``
-    its elements. ``timed``: ``(kind, bytes sent, start mark, stop mark)`` of every alltoall and
-    allgather an :class:`Exchange` completed, folded into ``folded`` by :meth:`bandwidth` (and by
-    :meth:`add` when long); nothing is read on the hot path.
-    """
+    """Bytes this rank sends beside an fp32 ring allreduce's, and the time of the collectives that
+    sent them (docs/EXCHANGE.md, "Traffic" and "Measured bandwidth"); nothing is read on the hot path."""
     sent_bytes: float = 0.0
     fp32_bytes: float = 0.0
     payload_bytes: int = 0
     numel: int = 0
     seconds: Optional[float] = None    # the step's exchange, first gradient in to last result out
-    timed: list = field(default_factory=list)
+    timed: list = field(default_factory=list)     # (kind, bytes sent, start mark, stop mark)
     folded: dict = field(default_factory=dict)    # kind or "total" -> [count, bytes, seconds]
 
     def reset(self):
@@ -197,10 +180,7 @@ class Traffic:
             _fold_into(self.folded, "total", spans)
 
     def bandwidth(self):
-        """``{kind: {"count", "bytes", "seconds", "gbps"}}`` for ``"alltoall"``, ``"allgather"`` (those
-        that ran) and ``"total"``: ``seconds`` while at least one collective of the kind was in
-        flight, ``gbps`` None without time. Collectives whose CUDA events have not completed yet are
-        left for a later call."""
+        """``{kind: {"count", "bytes", "seconds", "gbps"}}`` (docs/EXCHANGE.md, "Measured bandwidth")."""
         self.fold()
         out = {}
         for kind in KINDS + ("total",):
@@ -425,14 +405,11 @@ class Pending:
 
 
 class Exchange:
-    """The reductions for one codec, one set of collectives and one array-ops table; each exchange
-    name gets a :class:`_Setup` at its first start.
+    """The reductions for one codec, collectives and array-ops table; a :class:`_Setup` per exchange name.
 
-    ``memory`` (a :class:`hvd_quant.memory.Memory`) turns on error feedback: this rank's residual
-    under ``(Memory.WORKER, name)`` and, for SRA, the requantization's under ``(Memory.SERVER,
-    (name, r, N))``. ``reuse_result``: :meth:`finish` returns the setup's own buffer, rewritten by the
-    name's next step (where ``ArrayOps.reusable``). ``timing``: each alltoall and allgather is timed
-    into ``traffic.timed`` (docs/EXCHANGE.md, "Measured bandwidth").
+    ``memory`` (:class:`hvd_quant.memory.Memory`): error feedback, residuals under ``(WORKER, name)``
+    and SRA's ``(SERVER, (name, r, N))``. ``reuse_result``: :meth:`finish` returns the setup's buffer,
+    rewritten by the name's next step. ``timing``: docs/EXCHANGE.md, "Measured bandwidth".
     """
 
     def __init__(self, codec, collectives, ops, reduction="sra", memory=None, prefix="hvdq",
@@ -479,12 +456,10 @@ class Exchange:
 
     # -- phase 1 ----------------------------------------------------------------------------------
     def start(self, name, flat, step=None, record=None, header=None, channel=None):
-        """Encode ``flat`` (a float32 1-D buffer this exchange may overwrite) and submit the first
-        collective, named after ``name``. ``header`` (default ``name``) goes into the payload
-        headers; ``step`` keys stochastic rounding (default: this name's count); ``record``
-        (:func:`handshake_record`): a handshake that travels with it, checked before decoding.
-        ``channel``: what carries the payloads instead (a torch ``PayloadGroup``: ``alltoall``,
-        ``allgather``, and ``waiting``, the deque of its SRA exchanges in their first phase)."""
+        """Encode ``flat`` (float32, 1-D, may be overwritten) and submit the first collective.
+        ``header`` (default ``name``): in the payload headers; ``step``: the noise key (default: this
+        name's count); ``record``: a handshake checked before decoding; ``channel``: a torch
+        ``PayloadGroup`` that carries the payloads instead (``alltoall``, ``allgather``, ``waiting``)."""
         if self._two is not None:
             return self._two.start(name, flat, step, record, header)
         ops, coll, allgather = self.ops, self.coll, self.reduction == "allgather"

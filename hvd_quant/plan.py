@@ -1,13 +1,5 @@
-"""The static plan of a compressed gradient reduction, written once for every frontend (no framework).
-
-Frontends describe their gradients as :class:`Tensor` records and take the rest from here:
-:func:`configure` (checked arguments -> :class:`Config`), :func:`make_plan` (explicit groups, then
-greedy fusion in reverse order into buckets of at most ``bucket_bytes``; each :class:`Bucket`'s
-``header`` comes from its members' names alone, the same in every process; :attr:`Plan.record` is
-the handshake record), :func:`plain_groups` (the uncompressed float32 tensors, fused alike) and the
-residuals' checkpoint form (:func:`save_residuals`, :func:`restore_residuals`). What a plan does in
-each step is :mod:`hvd_quant.scheduler`'s.
-"""
+"""The static plan of a compressed gradient reduction, for every frontend (docs/ARCHITECTURE.md)."""
+import itertools
 import math
 import numbers
 import zlib
@@ -279,12 +271,10 @@ def make_plan(config, tensors, groups=None, prefix="hvdq"):
     buckets = []
     for k, m in enumerate(members):
         names = tuple(tensors[i].name for i in m)
-        offsets = [0]
-        for i in m:
-            offsets.append(offsets[-1] + numels[i])
         header = bucket_header(names)
         buckets.append(Bucket(k, f"{prefix}.{header}", header, tuple(m), names,
-                              tuple(tuple(tensors[i].shape) for i in m), tuple(offsets)))
+                              tuple(tuple(tensors[i].shape) for i in m),
+                              tuple(itertools.accumulate((numels[i] for i in m), initial=0))))
     summary = (f"{config.summary()} buckets={len(buckets)} "
                f"compressed_numel={sum(b.numel for b in buckets)} tensors={len(comp) + len(plain)}")
     layout = (tuple((b.name, b.names, b.shapes) for b in buckets),

@@ -28,18 +28,7 @@ def in_plan_order(complete, next_start):
 
 
 class StepScheduler:
-    """One plan's buckets and plain groups through each step.
-
-    Groups share one index: the plan's buckets, then plain group ``j`` at ``len(plan.buckets) + j``
-    (``plain``: its ``(collective name, member numels)``; one allreduce of the group flattened with
-    ``plain_op = (op, prescale, postscale)``, not scaled again). ``exchange_for(route)``: the
-    :class:`~hvd_quant.exchange.Exchange` of a route; ``traffic``: where allreduces are counted;
-    ``numbering(bucket)``: ``(step, handshake record or None)`` of its next exchange; ``split(flat,
-    numels)``: a result as its members' pieces; ``average``: buckets are scaled by 1/N; ``name``,
-    ``label``: prefix of the scheduler's collectives, and of ``auto``'s printed decision;
-    ``presence``: a :class:`Presence` (None: no ``hvd.join()``); ``wait_device``: waits for the
-    device's queued work (``auto``'s timing).
-    """
+    """One plan's buckets and plain groups through each step (docs/ARCHITECTURE.md, "The step")."""
 
     def __init__(self, plan, plain, *, ops, exchange_for, traffic, numbering, split, average=True,
                  plain_op=(SUM, 1.0, 1.0), name="hvdq", label="hvd_quant", presence=None,
@@ -79,8 +68,7 @@ class StepScheduler:
 
     # -- world and route ------------------------------------------------------------------------
     def bind(self, coll):
-        """Run on ``coll``, the process set's Collectives; True when it is another world (the step
-        under way is dropped and ``auto`` measures again)."""
+        """Run on ``coll``; True when it is another world (the step is dropped, ``auto`` measures again)."""
         if coll is self.coll:
             return False
         self.coll = coll
@@ -99,8 +87,7 @@ class StepScheduler:
         return self.presence is not None and self.presence.absent(self.coll)
 
     def channel_for(self, route):
-        """What carries this step's payloads on ``route``: the payload channel of this world from the
-        route's second step on, else None (Horovod's collectives; always for ``"allreduce"``)."""
+        """The payload channel of this world from ``route``'s second step on, else None (Horovod's)."""
         if route == ALLREDUCE or route not in self.routes_run:
             return None
         coll, carrier = self.channel
@@ -108,9 +95,8 @@ class StepScheduler:
 
     # -- the step -------------------------------------------------------------------------------
     def begin_step(self, compress=True):
-        """At a step's first gradient: take up the payload channel made in the step before, start the
-        presence count. ``compress``: the driver allows a compressed exchange (after warm-up).
-        Returns whether the buckets take one."""
+        """At a step's first gradient; ``compress``: the driver allows a compressed exchange (after
+        warm-up). Returns whether the buckets take one."""
         self.next_start = 0
         self.routes = [ALLREDUCE] * self.nb
         if self.next_channel is not None:
@@ -123,9 +109,7 @@ class StepScheduler:
         return compressing
 
     def end_step(self, timed=True, completed=True):
-        """``completed``: the finished routes count as run (a payload channel carries a route from its
-        second step on); ``timed``: the step counts for ``auto`` (not in warm-up, nor under
-        ``hvd.join()``), whose choice is allgathered and printed once by rank 0."""
+        """``completed``: the finished routes count as run; ``timed``: the step counts for ``auto``."""
         joined = self.absent()
         if completed:
             self.routes_run.update(self.ran)
@@ -139,8 +123,7 @@ class StepScheduler:
                 print(f"{self.label}: {self.auto.summary()}", flush=True)
 
     def arrive(self, k, i, grad):
-        """Member ``i`` of group ``k`` arrived. A complete plain group starts its allreduce; complete
-        buckets start once the presence count is known and, on a payload channel, in plan order."""
+        """Member ``i`` of group ``k`` arrived; a complete group starts (buckets: :meth:`start_complete`)."""
         grads = self.grads[k]
         if grads[i] is not None:
             name = self.buckets[k].names[i] if k < self.nb else f"{self.groups[k][0]}[{i}]"
@@ -171,9 +154,8 @@ class StepScheduler:
             self._start(k, route, channel)
 
     def _start(self, k, route=ALLREDUCE, channel=None):
-        """Start group ``k`` (zeros for members that never arrived, as Horovod allreduces zeros for a
-        parameter without a gradient). A bucket takes one Sum allreduce while a rank is inside
-        ``hvd.join()``."""
+        """Start group ``k``, zeros for members that never arrived (as Horovod); a bucket takes a Sum
+        allreduce while a rank is inside ``hvd.join()``."""
         grads, (name, numels) = self.grads[k], self.groups[k]
         like = next((g for g in grads if g is not None), self.like)
         flat = self.ops.flatten([g if g is not None else self.ops.zeros(n, like) for g, n in zip(grads, numels)])
@@ -227,9 +209,8 @@ class StepScheduler:
         return self.split(flat, self.groups[k][1])
 
     def result(self, k):
-        """Group ``k``'s members' pieces, kept until :meth:`take` took each. Every exchange started is
-        advanced before any is waited for; a plain group first finishes the started buckets (a
-        payload channel then queues their second phases without waiting)."""
+        """Group ``k``'s members' pieces, kept until :meth:`take` took each; a plain group first finishes
+        the started buckets."""
         if self.pieces[k] is None:
             if k >= self.nb:
                 if self.complete:
@@ -256,8 +237,7 @@ class StepScheduler:
             self.pieces[k] = None
 
     def finish_started(self):
-        """``[(k, pieces)]`` of every group started this step (what never arrived starts first),
-        every exchange advanced before any is finished."""
+        """``[(k, pieces)]`` of every group started this step, every exchange advanced before any finishes."""
         self.start_complete(wait=True)
         started = [k for k, p in enumerate(self.pending) if p is not None]
         self._advance_all()
@@ -265,10 +245,8 @@ class StepScheduler:
 
 
 class StepOwner:
-    """What the owners of a :class:`StepScheduler` share (``hvd_quant.torch.DistributedOptimizer``, the
-    DDP hook's state): an Exchange per route, and the step's traffic. They hold ``config``, ``_sched``
-    (None before planning), ``_coll``, ``_memory``, ``_prefix``, ``_exchanges`` (route -> Exchange),
-    ``_traffic`` (the step so far) and ``last_traffic``."""
+    """What the owners of a :class:`StepScheduler` share (the optimizer, the DDP hook's state). They hold
+    ``config``, ``_sched``, ``_coll``, ``_memory``, ``_prefix``, ``_exchanges``, ``_traffic``, ``last_traffic``."""
 
     def _exchange_for(self, route):
         ex = self._exchanges.get(route)
@@ -288,8 +266,7 @@ class StepOwner:
         self._traffic.reset()
 
     def _plan_state(self, step):
-        """What a checkpoint keeps of the run: ``step``, codec, reduction, this rank's worker residuals
-        by tensor name, its server residuals by ``(bucket header, rank, size)``, ``auto``'s state."""
+        """What a checkpoint keeps of the run: ``step``, codec, reduction, residuals, ``auto``'s state."""
         s, mem = self._sched, self._memory
         residuals, server = ({}, {}) if s is None or mem is None else save_residuals(mem, s.buckets, mem.ops.clone)
         return {"step": step, "codec": self.config.codec.spec(), "reduction": self.config.reduction,
@@ -302,27 +279,19 @@ class StepOwner:
         return self.last_traffic
 
     def step_metrics(self):
-        """What the last step did: bytes, the exchange's time, the reduction and precision of each
-        bucket (:func:`step_metrics`); None before planning."""
+        """:func:`step_metrics` of the last step; None before planning."""
         s = self._sched
         return None if s is None else step_metrics(s.plan, self.last_traffic, s.routes, self.config.codec.spec())
 
     def reduction_in_use(self):
-        """How the next step's compressed buckets travel: ``"sra"``, ``"allgather"``, ``"two_level"``
-        or ``"allreduce"`` (``reduction="auto"``: the schedule's candidate, then the choice)."""
+        """How the next step's compressed buckets travel (:meth:`StepScheduler.route`)."""
         return self.config.reduction if self._sched is None else self._sched.route()
 
 
 class AutoChoice:
-    """``reduction="auto"``: which way a plan's compressed buckets travel, from measured step times.
-
-    A fixed schedule, the same on every rank: each candidate once untimed (plans, compilation; in
-    reverse order), then each ``trials`` times interleaved, a step timed from the end of the one
-    before (:meth:`end_step`). Then every rank's medians are allgathered (:meth:`decide`) and all
-    take the lowest mean over ranks, a compressed way only where it measured at least ``margin``
-    faster than Horovod's allreduce (busy hosts vary by several percent; docs/EXCHANGE.md); ties go
-    to the earlier candidate. The choice holds until :meth:`reset` (another world).
-    """
+    """``reduction="auto"``: which way a plan's compressed buckets travel, from measured step times
+    (docs/EXCHANGE.md, "The reductions"): each candidate once untimed, in reverse order, then ``trials``
+    times interleaved; a compressed way must be ``margin`` faster than allreduce; ties go to the earlier."""
     CANDIDATES = (ALLREDUCE, "allgather", "sra")
 
     def __init__(self, trials=5, clock=time.perf_counter, margin=0.1, candidates=CANDIDATES):
@@ -355,9 +324,8 @@ class AutoChoice:
         return self.schedule[min(self.step, len(self.schedule) - 1)]
 
     def end_step(self, wait=None):
-        """Record the end of a step; True when the schedule is over and :meth:`decide` is due.
-        ``wait``, called first while steps are timed, waits for the device's queued work (CUDA):
-        else the host, running ahead, charges a step's work to the next candidate."""
+        """Record the end of a step; True when :meth:`decide` is due. ``wait``: waits for the device's
+        queued work first, else the host, running ahead, charges a step's work to the next candidate."""
         if self.choice is not None:
             return False
         if wait is not None:
@@ -370,8 +338,7 @@ class AutoChoice:
         return self.step >= len(self.schedule)
 
     def decide(self, coll, ops, name):
-        """Allgather every rank's median step time per candidate (float64 seconds) and take the same
-        choice on every rank (:meth:`choose`)."""
+        """Allgather every rank's :meth:`record` and take the same choice on every rank."""
         record = self.record()
         if coll.size > 1:
             record = ops.to_bytes(coll.synchronize(coll.allgather_async(ops.from_bytes(record), name)))
@@ -423,12 +390,8 @@ class AutoChoice:
 
 
 class Presence:
-    """Which ranks step this time, for Horovod's ``hvd.join()``: a joined rank takes part in
-    allreduces only (Horovod 0.28.1 fails an alltoall or allgather then). In a step that would
-    exchange compressed buckets each stepping rank adds 1 to a one-element Sum allreduce (:meth:`start`)
-    and no exchange starts before the count is known (:meth:`known`); below the world size the
-    buckets go through Horovod's allreduce (:meth:`absent`). ``one`` makes the host tensor holding 1.
-    """
+    """Which ranks step this time, for ``hvd.join()`` (docs/EXCHANGE.md, "Horovod's usage patterns"):
+    each stepping rank adds ``one()`` to a Sum allreduce; no exchange starts before the count is known."""
 
     def __init__(self, name, one):
         self.name, self.one = name, one
@@ -463,8 +426,7 @@ class Presence:
 
 
 def step_metrics(plan, traffic, routes, precision):
-    """What a frontend's last step did, as plain Python values for logs (the keys: docs/EXCHANGE.md,
-    "Traffic"); a bucket's ``precision`` is the codec's spec, or ``"fp32"`` where it went by allreduce."""
+    """What a frontend's last step did, as plain Python values for logs (docs/EXCHANGE.md, "Traffic")."""
     buckets = [{"name": b.header, "numel": b.numel, "reduction": r,
                 "precision": "fp32" if r == ALLREDUCE else precision}
                for b, r in zip(plan.buckets, routes)]

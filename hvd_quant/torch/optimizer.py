@@ -1,15 +1,5 @@
-"""``hvd_quant.torch.DistributedOptimizer``: Horovod's optimizer with a compressed gradient exchange.
-
-It follows ``horovod.torch.DistributedOptimizer`` (same arguments, dynamic subclass of the user's
-optimizer, hooks, ``synchronize()`` / ``skip_synchronize()`` / ``step()`` / ``zero_grad()`` rules)
-and changes what happens to a ready gradient: at construction the gradients are planned
-(:func:`hvd_quant.plan.make_plan`) and every rank checks that all made the same plan; each hook
-hands its gradient to a :class:`hvd_quant.scheduler.StepScheduler`; ``synchronize()`` finishes every
-bucket and plain group and each float32 ``p.grad`` becomes a view of its group's result (as DDP's
-``gradient_as_bucket_view``; rewritten by the next step's exchange), other dtypes get a copy.
-Warm-up, error feedback in ``state_dict()``, the step counter agreed between ranks, sparse gradients
-and ``broadcast_optimizer_state``: docs/EXCHANGE.md.
-"""
+"""``hvd_quant.torch.DistributedOptimizer``: ``horovod.torch.DistributedOptimizer``'s arguments and rules,
+its hooks handing gradients to a :class:`hvd_quant.scheduler.StepScheduler` (docs/EXCHANGE.md)."""
 import os
 import sys
 import time
@@ -30,9 +20,8 @@ from . import _backend
 __all__ = ["DistributedOptimizer"]
 
 _STATE_KEY = "hvd_quant"
-# optimizers made in this process, per process set id: names their collectives, so that ranks agree
-# on them whatever other process sets each rank is in (every member makes the set's optimizers in
-# the same order)
+# optimizers made in this process per process set id: names their collectives alike on every rank
+# whatever other sets each is in (every member makes the set's optimizers in the same order)
 _instances = {}
 
 
@@ -110,12 +99,9 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
         plan = self._grad_plan = _plan.make_plan(self.config, tensors, groups, prefix=self._prefix)
         self._buckets = plan.buckets
         self._bucket_params = [[params[i] for i in b.members] for b in self._buckets]
-        # The float32 gradients left uncompressed (1-D and small) are fused as well, into plain
-        # groups of the same size in reverse order: one Horovod allreduce of a flat buffer per group,
-        # whose views become their .grad, instead of one call per tensor.
+        # uncompressed float32 gradients: one allreduce per plain group, whose views become their .grad
         plain = _plan.plain_groups(plan, [p.dtype == torch.float32 for p in params],
                                    self.config.bucket_bytes)
-        # the scheduler's groups: the buckets, then the plain groups
         self._group_params = self._bucket_params + [[params[i] for i in g] for g in plain]
         self._group_shapes = [[tuple(p.shape) for p in ps] for ps in self._group_params]
         self._spots = {p: (k, m) for k, ps in enumerate(self._group_params) for m, p in enumerate(ps)}
@@ -173,9 +159,8 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
         return hook
 
     def _agree_step(self, device):
-        """Once per binding, at the first gradient: every rank takes the largest step counter, so a
-        rank resumed from a checkpoint (``broadcast_optimizer_state`` does not carry the counter) and
-        fresh ones agree on warm-up and the noise key; where they differed, ``auto`` measures again."""
+        """Once per binding: every rank takes the largest step counter (``broadcast_optimizer_state``
+        does not carry it); where they differed, ``auto`` measures again."""
         self._step_agreed = True
         if self._coll.size > 1:
             t = torch.tensor([self._step, -self._step], dtype=torch.int64, device=device)
@@ -211,9 +196,8 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
         self._sched.arrive(*spot, grad)
 
     def _hand_out(self, params, shapes, pieces):
-        """Each of ``params`` gets its piece of a group's result as its gradient: float32 ``p.grad`` a
-        view, other dtypes a copy; those in ``_handles`` (sparse) are left to Horovod. ``shapes``: the
-        planned tuples, so that a piece of the right shape is not viewed again (every step)."""
+        """Each of ``params`` gets its piece of a group's result: float32 ``p.grad`` a view, other dtypes
+        a copy, sparse ones (``_handles``) left to Horovod; ``shapes``: the planned tuples."""
         handles = self._handles
         for p, shape, piece in zip(params, shapes, pieces):
             if handles and p in handles:
