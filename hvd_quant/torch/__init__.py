@@ -31,11 +31,8 @@ def __getattr__(name):
 
 
 def step_metrics(optimizer):
-    """What ``optimizer``'s last step did (:func:`hvd_quant.scheduler.step_metrics`: bytes sent and the
-    fp32 equivalent, the exchange's time, the reduction and precision of each bucket), for
-    ``hvd_quant.torch.DistributedOptimizer`` and for stock Horovod optimizers whose ``compression=``
-    is an hvd_quant codec or :class:`hvd_quant.StockCompression` (for those: bytes since the last
-    call, and no time). None for a stock optimizer before its first gradient or without our codec."""
+    """What ``optimizer``'s last step did (docs/EXCHANGE.md, "Traffic"), for ours and for stock Horovod
+    optimizers with an hvd_quant ``compression=``; None for a stock one before its first gradient."""
     if hasattr(optimizer, "step_metrics"):
         return optimizer.step_metrics()
     sc = _stock.state_of(optimizer)

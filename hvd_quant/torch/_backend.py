@@ -1,11 +1,6 @@
-"""The PyTorch frontend: :data:`FRONTEND`, through which the core reaches torch: the codecs' array
-adapters (CPU tensors through ``Tensor.numpy()``, zero-copy; CUDA tensors as raw device pointers and
-torch's current raw stream), :data:`OPS`, the :class:`~hvd_quant.exchange.Collectives` over
-``horovod.torch`` (imported when called) and the :class:`PayloadGroup` that carries an optimizer's
-payloads instead, the stock path's primitives, and restoring a checkpoint. Nothing reads a device
-value on the host but the handshake (``to_bytes``), a setup's status word (``read_status``, once
-per bucket name) and ``Codec.check_device_errors``.
-"""
+"""The PyTorch frontend (docs/ARCHITECTURE.md): :data:`FRONTEND`, :data:`OPS`, the codecs' array adapters
+(CPU tensors through ``Tensor.numpy()``; CUDA ones as raw pointers and torch's current raw stream), the
+Collectives over ``horovod.torch`` and the :class:`PayloadGroup` that carries an optimizer's payloads."""
 import collections
 import contextlib
 import datetime
@@ -80,8 +75,7 @@ OPS = ArrayOps(
 
 
 class TorchFrontend(Frontend):
-    """torch's primitives for :class:`hvd_quant.frontend.Frontend`, and what only the PyTorch paths
-    use: :meth:`host_one`, :meth:`wait_for`, :meth:`payload_group`."""
+    """torch's primitives for :class:`hvd_quant.frontend.Frontend`, and the PyTorch paths' own."""
     name, horovod = "torch", "horovod.torch"
     float32 = torch.float32
     # dtypes horovod.torch 0.28.1 can allreduce (bfloat16 raises "Tensor type ... is not supported")
@@ -136,7 +130,6 @@ class TorchFrontend(Frontend):
                            levels=(lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None)
 
     def payload_group(self, process_set, device, label, record=None, what=None):
-        """:meth:`PayloadGroup.open`."""
         return PayloadGroup.open(process_set, device, label, record, what)
 
     @staticmethod
@@ -189,13 +182,10 @@ STORE_TIMEOUT_S = 120
 
 
 class PayloadGroup:
-    """hvd_quant's own torch.distributed process groups among a process set's ranks for one optimizer's
-    payloads (:meth:`open`): the channel an :class:`~hvd_quant.exchange.Exchange` takes instead of
-    Horovod's alltoall and allgather (why: docs/EXCHANGE.md, "The reductions"). Collectives match by
-    order: ``first`` carries each bucket's first collective (in plan order), ``second`` SRA's
-    allgathers of the reduced chunks (in alltoall order). A route's first step in a world goes
-    through Horovod: a kernel's first (lazy) load may wait for a collective spinning on the device.
-    """
+    """Two torch.distributed process groups of an optimizer's own that carry its payloads, matched by
+    order: ``first`` each bucket's first collective, ``second`` SRA's allgathers (docs/EXCHANGE.md,
+    "The reductions"). A route's first step goes through Horovod: a kernel's first (lazy) load may
+    wait for a collective spinning on the device."""
 
     def __init__(self, store, process_set, backend, device):
         self.store = store                  # rank 0 serves it for the group's lifetime
@@ -212,9 +202,8 @@ class PayloadGroup:
             return dist.ProcessGroupGloo(sub, self.rank, self.size)
 
         self.first, self.second = group("first"), group("second")
-        # The first collective creates NCCL's communicator: a host call that blocks until every rank
-        # joins. Here every rank is at the same point; in a gradient hook a rank would block there
-        # while another waits in synchronize() for something this rank submits later.
+        # NCCL's communicator, made by the first collective, blocks the host until every rank joins:
+        # here, not in a gradient hook where another rank may wait in synchronize() for this one
         one = torch.zeros(1, device=device)
         for pg in (self.first, self.second):
             pg._allgather_base(one.new_empty(self.size), one).wait()
@@ -223,12 +212,9 @@ class PayloadGroup:
 
     @classmethod
     def open(cls, process_set, device, label, record=None, what=None):
-        """The payload channel of one optimizer (``label``: its collective prefix) on ``device``, made
-        now, NCCL communicators included; None where :data:`PAYLOAD_GROUP` has no backend for the
-        device type or rank 0's ``HVD_QUANT_PAYLOAD_GROUP`` is ``0``. A blocking collective: call it
-        where every rank comes with nothing of its step left waiting on this rank, never in a
-        gradient hook. ``record``: the handshake record of ``what``, compared first where no
-        handshake has compared the ranks yet. A store not made or reached raises on every rank."""
+        """The payload channel of one optimizer (``label``: its prefix) on ``device``, or None (no
+        :data:`PAYLOAD_GROUP` backend, or rank 0's ``HVD_QUANT_PAYLOAD_GROUP=0``). A blocking collective,
+        never in a gradient hook. ``record``: the handshake record of ``what``, compared first."""
         backend = PAYLOAD_GROUP.get(device.type)
         if backend is None:
             return None
@@ -268,10 +254,8 @@ class PayloadGroup:
         return None if where is None else cls(store, process_set, backend, device)
 
     def allgather(self, t, each=None, total=None):
-        """Every rank's ``t`` in rank order, as a handle: on ``first``, the allgather reduction's
-        payloads (of equal lengths); with ``each``, on ``second``, SRA's reduced chunks, each padded to
-        ``each`` bytes (every chunk but the last nonempty one has that length), and the result is
-        their first ``total`` bytes."""
+        """Every rank's ``t`` in rank order, as a handle: on ``first`` (equal lengths) or, with ``each``,
+        on ``second``, each ``t`` padded to ``each`` bytes and the result's first ``total`` bytes."""
         if each is None:
             out = t.new_empty(t.numel() * self.size)
             return GroupWork(self.first._allgather_base(out, t), out)

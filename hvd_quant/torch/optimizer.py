@@ -219,8 +219,7 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
             return
         if tensor.is_sparse:
             tensor = tensor.to_dense()
-        if _backend.sendable_dtype(tensor.dtype) != tensor.dtype:
-            tensor = tensor.to(torch.float32)       # bfloat16: Horovod cannot reduce it
+        tensor = _backend.FRONTEND.sendable(tensor)     # bfloat16 as float32: Horovod cannot reduce it
         pre, post = self.config.allreduce_factors()
         self._traffic.add_allreduce(tensor.numel() * tensor.element_size(), tensor.numel(),
                                     self._coll.size)
