@@ -138,36 +138,19 @@ class TorchFrontend(Frontend):
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    @staticmethod
-    def host_one():
-        """A host int32 tensor holding 1 (:class:`hvd_quant.scheduler.Presence`)."""
-        return torch.ones(1, dtype=torch.int32)
+    host_one = staticmethod(lambda: torch.ones(1, dtype=torch.int32))     # scheduler.Presence's 1
 
     # -- primitives of the stock path -------------------------------------------------------------
-    @staticmethod
-    def is_floating(dtype):
-        return dtype.is_floating_point
+    is_floating = staticmethod(lambda dtype: dtype.is_floating_point)
+    ones = staticmethod(lambda n, dtype, like: torch.ones(n, dtype=dtype, device=like.device))
+    cast = staticmethod(lambda t, dtype: t.to(dtype))
+    as_float = staticmethod(lambda t: t.to(torch.float32))
+    split = staticmethod(lambda flat, sizes: flat.split(sizes))
 
     @staticmethod
     def describe(t):
         return TensorInfo(tuple(t.shape), t.dtype, t.is_floating_point() and not t.is_sparse,
                           t.element_size(), t.device)
-
-    @staticmethod
-    def ones(n, dtype, like):
-        return torch.ones(n, dtype=dtype, device=like.device)
-
-    @staticmethod
-    def cast(t, dtype):
-        return t.to(dtype)
-
-    @staticmethod
-    def as_float(t):
-        return t.to(torch.float32)
-
-    @staticmethod
-    def split(flat, sizes):
-        return flat.split(sizes)
 
     def restore(self, flat, info):
         return self.cast_back(flat if flat.shape == info.shape else flat.view(info.shape), info)
@@ -393,9 +376,13 @@ class TorchCudaAdapter(DeviceAdapter):
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     describe = staticmethod(_describe)
-
-    def device_key(self, x):
-        return ("torch", x.get_device())
+    device_key = staticmethod(lambda x: ("torch", x.get_device()))
+    payload_nbytes = numel = staticmethod(lambda t: t.numel())
+    read_header = staticmethod(lambda payload: payload[:HEADER_NBYTES].cpu().numpy())
+    status_bad = staticmethod(lambda status: status[0] != 0)
+    new_bytes = staticmethod(lambda nbytes, like: _with_ptr(torch.empty(nbytes, dtype=torch.uint8, device=like.device)))
+    new_f32 = staticmethod(lambda numel, like: _with_ptr(torch.empty(numel, dtype=torch.float32, device=like.device)))
+    new_status = staticmethod(lambda like: _with_ptr(torch.zeros(2, dtype=torch.int32, device=like.device)))
 
     def stream(self, x):
         if self._raw_stream is not None:
@@ -437,15 +424,6 @@ class TorchCudaAdapter(DeviceAdapter):
             t = _flat(x).to(torch.float32).contiguous()
         return _with_ptr(t)
 
-    def new_bytes(self, nbytes, like):
-        return _with_ptr(torch.empty(nbytes, dtype=torch.uint8, device=like.device))
-
-    def new_f32(self, numel, like):
-        return _with_ptr(torch.empty(numel, dtype=torch.float32, device=like.device))
-
-    def new_status(self, like):
-        return _with_ptr(torch.zeros(2, dtype=torch.int32, device=like.device))
-
     def bytes_dev(self, payload):
         if not _payload(payload).is_contiguous():
             payload = payload.contiguous()
@@ -455,12 +433,6 @@ class TorchCudaAdapter(DeviceAdapter):
                                "multiples of 4, so slices of concatenated payloads are)")
         return ptr
 
-    def payload_nbytes(self, payload):
-        return payload.numel()
-
-    def numel(self, t):
-        return t.numel()
-
     def out_dev(self, out):
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
                 or not out.is_cuda:
@@ -468,9 +440,6 @@ class TorchCudaAdapter(DeviceAdapter):
                                         f"{type(out).__name__} {getattr(out, 'dtype', '')} "
                                         f"{getattr(out, 'device', '')}")
         return out.data_ptr(), None
-
-    def read_header(self, payload):
-        return payload[:HEADER_NBYTES].cpu().numpy()
 
     def read_status(self, status):
         bits = int(status[1].item())
@@ -506,9 +475,6 @@ class TorchCudaAdapter(DeviceAdapter):
         if bad is not None:
             out.masked_fill_(bad, float("nan"))
         return None
-
-    def status_bad(self, status):
-        return status[0] != 0
 
 
 FRONTEND = TorchFrontend(OPS, TorchHostAdapter())
