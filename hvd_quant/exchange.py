@@ -11,11 +11,8 @@ An exchange (:class:`Pending`) is ``start`` (encode, submit the first collective
 (SRA: reduce, requantize, submit the allgather) -> ``finish`` (wait, decode); callers advance every
 exchange before finishing any, so the second phases are in flight together. Collectives match across
 ranks by name; a ``channel`` (``start``) matches by order, so exchanges start on it in one order.
-
-Several Exchange objects at once (an optimizer per process set): a rank blocked on one set's
-collective would hold back another set's SRA second phase that the other set's ranks wait for. So
-while SRA exchanges of *other* Exchange objects are in their first phase, a wait polls and advances
-those whose alltoall has completed (:func:`_wait`).
+While SRA exchanges of *other* Exchange objects (process sets) are in their first phase, a wait
+advances those whose alltoall completed: their ranks may be waiting for them (:func:`_wait`).
 """
 import hashlib
 import time
@@ -287,11 +284,9 @@ class _Chunk:
 
 
 class _Setup:
-    """What one exchange name needs every step, built once per world: its chunks (``send`` in the
-    first collective, ``own``: the payloads of this rank's chunk it receives, ``reduced``: that chunk
-    requantized, ``gather``: every rank's payload in the last collective), the fused launches where
-    the codec has them, the traffic of a step, reusable buffers (``ArrayOps.reusable``) and, on a
-    device, its own status word, which its decodes report header errors to."""
+    """What one exchange name needs every step, built once per world: its chunks (``send``, ``own``: this
+    rank's chunk as received, ``reduced``: it requantized, ``gather``), the codec's fused launches, the
+    step's traffic, reusable buffers and, on a device, the status word its decodes report errors to."""
     __slots__ = ("coll", "numel", "arrays", "send", "own", "reduced", "gather", "send_nbytes",
                  "gather_nbytes", "gather_sizes", "fresh", "steps", "traffic", "buffers", "server_key",
                  "decode_sum", "reduce", "decode_chunks", "keep", "sent", "splits", "status")
@@ -370,8 +365,7 @@ _POLL_FIRST_S, _POLL_MAX_S = 2e-5, 1e-3     # _wait's sleep between polls: first
 
 
 def _wait(exchange, handle):
-    """``exchange.coll.synchronize(handle)``, advancing other Exchange objects' first-phase SRA exchanges
-    meanwhile (module doc)."""
+    """``exchange.coll.synchronize(handle)``, advancing other Exchanges' first-phase SRA ones (module doc)."""
     coll = exchange.coll
     if coll.poll is not None and any(q.owner is not exchange for q in _FIRST_PHASE.values()):
         delay = _POLL_FIRST_S

@@ -1,10 +1,5 @@
-"""The step of a compressed gradient reduction, written once (no framework here).
-
-A :class:`StepScheduler` runs one :class:`hvd_quant.plan.Plan` through each step, for
-``hvd_quant.torch.DistributedOptimizer``, the DDP hook and the stock ``compression=`` path: arrivals,
-the route (:class:`AutoChoice` under ``reduction="auto"``), ``hvd.join()`` (:class:`Presence`), plan
-order on a payload channel, and scaling and splitting the results (docs/ARCHITECTURE.md, "The step").
-"""
+"""The step of a compressed gradient reduction, written once for the PyTorch paths (no framework here):
+:class:`StepScheduler`, :class:`AutoChoice`, :class:`Presence` (docs/ARCHITECTURE.md, "The step")."""
 import math
 import statistics
 import struct
