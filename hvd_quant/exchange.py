@@ -298,10 +298,12 @@ class _Setup:
         self.status = arrays.new_status(like) if arrays.device else None
         self.fresh = fresh_seed()          # unseeded noise: this setup's base, mixed with the step
 
-        def chunks(bounds, part):          # payloads back to back, chunk j tagged part.format(j)
+        # Payloads are tagged header#all (allgather), header#c<j> (SRA's chunk j), header#r<j> (chunk j
+        # reduced), the same every step; chunks(): back to back, chunk j tagged header#part.format(j).
+        def chunks(bounds, part):
             out, off = [], 0
             for j, (a, b) in enumerate(bounds):
-                out.append(_Chunk(ex, self, a, b, off, _tag(header, part.format(j)), like))
+                out.append(_Chunk(ex, self, a, b, off, f"{header}#{part.format(j)}", like))
                 off += out[-1].size
             return out
 
@@ -315,8 +317,8 @@ class _Setup:
             bounds = chunk_bounds(numel, size, ex.align)
             self.send = chunks(bounds, "c{}")
             a, b = bounds[r]
-            self.own = _Chunk(ex, self, a, b, 0, _tag(header, f"c{r}"), like)
-            red = self.reduced = _Chunk(ex, self, 0, b - a, 0, _tag(header, f"r{r}"), like)
+            self.own = _Chunk(ex, self, a, b, 0, f"{header}#c{r}", like)
+            red = self.reduced = _Chunk(ex, self, 0, b - a, 0, f"{header}#r{r}", like)
             self.gather = chunks(bounds, "r{}")
             self.reduce = codec.bind_reduce_requantize(arrays, red.lay, red.words, self.own.expect, like,
                                                        self.status)
@@ -350,12 +352,6 @@ class _Setup:
         if buf is None:
             buf = self.buffers[key] = make()
         return buf
-
-
-def _tag(header, part):
-    """The name a payload header carries: bucket ``header``'s chunk ``part`` ("all" for allgather,
-    "c<j>" for SRA's chunk j, "r<j>" for the reduced chunk j); the same every step."""
-    return f"{header}#{part}"
 
 
 # SRA exchanges of this process in their first phase, over every Exchange, held weakly (a step its
@@ -426,8 +422,6 @@ class Exchange:
         if self.reduction == "allgather":
             return [(0, numel)]
         return chunk_bounds(numel, self.coll.size, self.align)
-
-    tag = staticmethod(_tag)       # (tests build the expected headers with it)
 
     def _payloads(self, setup, chunks, nbytes, flat, step, name, residual=None):
         """Encode ``flat``'s chunks into one uint8 buffer, each payload at its offset; with

@@ -453,8 +453,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return f32.reshape(shape)
 
     def raw_encode_into(self, x, value_dtype, payload):
-        """x as ``value_dtype`` ('float16' | 'float32') after the header of ``payload``, zero padding
-        after; the codec writes the header (a kernel, no host->device copy)."""
+        """x as ``value_dtype`` after ``payload``'s header (the codec writes it), then zero padding."""
         vals = _raw_values(payload, HEADER_NBYTES, x.numel(), value_dtype)
         vals.copy_(_flat(x))
         payload[HEADER_NBYTES + vals.nbytes:].zero_()
@@ -474,7 +473,6 @@ class TorchCudaAdapter(DeviceAdapter):
             out.copy_(vals)
         if bad is not None:
             out.masked_fill_(bad, float("nan"))
-        return None
 
 
 FRONTEND = TorchFrontend(OPS, TorchHostAdapter())

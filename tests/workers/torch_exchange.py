@@ -84,7 +84,7 @@ def replay(spec, reduction, xs, name, step):
     if n == 0:
         return out
     if reduction == "allgather":
-        tag = Exchange.tag(name, "all")
+        tag = f"{name}#all"
         for j, x in enumerate(xs):
             enc, c = codec_for(spec, j)
             c.decode_into(enc(x.clone(), tag, step), out, accumulate=True)
@@ -96,9 +96,9 @@ def replay(spec, reduction, xs, name, step):
         acc = torch.zeros(b - a)
         for j, x in enumerate(xs):
             enc, c = codec_for(spec, j)
-            c.decode_into(enc(x[a:b].clone(), Exchange.tag(name, f"c{owner}"), step), acc, accumulate=True)
+            c.decode_into(enc(x[a:b].clone(), f"{name}#c{owner}", step), acc, accumulate=True)
         enc, c = codec_for(spec, owner)
-        c.decode_into(enc(acc, Exchange.tag(name, f"r{owner}"), step), out[a:b])
+        c.decode_into(enc(acc, f"{name}#r{owner}", step), out[a:b])
     return out
 
 
