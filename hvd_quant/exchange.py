@@ -188,9 +188,8 @@ class Traffic:
 
 
 def _spans(timed):
-    """(kind, bytes, start, stop) records -> ([(kind, bytes, a, b, on device)] in seconds, the records
-    whose marks are not complete yet). Host marks are seconds; device marks (``ArrayOps.mark``'s
-    events) go on an axis of their own, measured from the first complete one."""
+    """Records -> ([(kind, bytes, a, b, on device)] in seconds, the records not complete yet); device
+    marks (events) go on an axis of their own, measured from the first complete one."""
     spans, waiting, base = [], [], None
     for rec in timed:
         kind, nbytes, start, stop = rec
@@ -523,9 +522,8 @@ class Exchange:
                 self.advance(p)
 
     def advance(self, p):
-        """SRA: wait for the alltoall, sum the received chunks in float32, requantize the reduced chunk
-        and submit its allgather; a no-op otherwise. On a channel, the exchanges started on it
-        before ``p`` are advanced first (its allgathers match by order)."""
+        """SRA: wait for the alltoall, sum in float32, requantize, submit the allgather (on a channel,
+        after advancing the exchanges started on it before ``p``); a no-op otherwise."""
         if self._two is not None:
             return self._two.advance(p)
         if p.stage != "first" or self.reduction != "sra":

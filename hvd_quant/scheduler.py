@@ -269,8 +269,7 @@ class StepOwner:
                 "auto": None if s is None or s.auto is None else s.auto.state_dict()}
 
     def bytes_per_step(self):
-        """Bytes this rank sent in the last step and what an fp32 ring allreduce would have sent
-        (:class:`hvd_quant.exchange.Traffic`; ``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""
+        """The last step's :class:`hvd_quant.exchange.Traffic` (``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""
         return self.last_traffic
 
     def step_metrics(self):

@@ -363,10 +363,8 @@ _VIEW_CACHE_MAX = 1024
 
 
 class TorchCudaAdapter(DeviceAdapter):
-    """Kernels get raw device pointers (``Tensor.data_ptr()``) and the raw handle of torch's current
-    stream: what the prepared launches of ``numba_kernels.cuda`` take, with nothing built per call.
-    :meth:`numba` gives a Numba device-array view for the few launches that go through Numba's
-    dispatcher (header write and check of the raw codecs, fake mode)."""
+    """Raw device pointers and torch's current raw stream for the prepared launches; :meth:`numba`: a
+    Numba device-array view for the few launches through Numba's dispatcher (raw codecs, fake mode)."""
 
     def __init__(self):
         from numba import cuda

@@ -277,8 +277,7 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, *args, **kwargs):
-        # Horovod's test: a gradient handed to an exchange, or a backward pass counted towards one
-        # (backward_passes_per_step > 1) whose gradient zero_grad would throw away.
+        # Horovod's test: a gradient handed on, or a backward pass counted towards one, would be lost
         passes = self.backward_passes_per_step
         if self._launched or any(d < passes for d in self._allreduce_delay.values()):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
