@@ -28,11 +28,8 @@ def adapter_for(obj):
     return frontend.adapter(obj)
 
 
-# ---- device status words ---------------------------------------------------------------------------
-# A device decode records what was wrong with its payload's header in an int32[2] status array
-# (wire.ERROR_BITS): [0] for the payload just decoded, [1] sticky until read. Here one per (codec
-# configuration, device) for direct ``decode_into`` calls (``Codec.check_device_errors``); each
-# exchange plan makes its own (``new_status``).
+# The int32[2] status words (wire.ERROR_BITS) of direct device decodes, one per codec configuration and
+# device, read by ``Codec.check_device_errors`` (docs/CODECS.md, "Errors"); exchange plans own theirs.
 
 _STATUS = {}            # (codec, device key) -> (adapter, status tensor, device array)
 _status_lock = threading.Lock()
@@ -72,15 +69,8 @@ def check_float(dtype_name, what="input"):
 
 
 class HostAdapter:
-    """Host memory: the codec works on NumPy arrays; a subclass converts to and from its framework:
-
-    * ``describe(x)`` -> ``(shape tuple, dtype name)``; ``input_f32(x)``: a flat C-contiguous float32
-      NumPy array (no copy when ``x`` is one); ``input_np(x)``: flat, in its own dtype (fp16/none);
-    * ``payload_np(payload)``: a uint8 NumPy view where possible; ``wrap_payload(arr, like)``: back;
-    * ``out_np(out)`` -> ``(writable flat float32 view, commit)``: ``commit()`` runs after writing,
-      None where the view is ``out``'s memory (``views``);
-    * ``wrap_result(arr_f32, dtype_name, shape, like)``: decoded values as a tensor of this kind.
-    """
+    """Host memory: the codec works on NumPy arrays; a subclass converts (docs/ARCHITECTURE.md, "Array
+    adapters")."""
     device = False
     views = True        # out_np gives out's own memory (TensorFlow: a temporary, then a commit)
 
@@ -99,24 +89,8 @@ class HostAdapter:
 
 
 class DeviceAdapter:
-    """Device memory: kernels on the framework's memory and stream, outputs allocated by it. A device
-    handle (what prepared launches take) is a pointer (int) or a Numba device array. A subclass has:
-
-    * ``describe(x)`` as the host's; ``device_key(x)``: a hashable id of ``x``'s device;
-      ``stream(x)``; ``context(x)``: makes ``x``'s device Numba's current one;
-    * ``input_f32(x)`` -> ``(float32 tensor of x's values, handle)``; ``numba(t)``: a Numba view;
-    * ``new_bytes(nbytes, like)``, ``new_f32(numel, like)``, ``new_status(like)`` (int32[2] zeros)
-      -> ``(tensor, handle)`` on ``like``'s device; ``bytes_dev(payload)``; ``payload_nbytes``, ``numel``;
-    * ``out_dev(out)`` -> ``(handle of a flat float32 out, commit)``: commit None where the handle is
-      ``out``'s memory, else the codec decodes without accumulating and calls ``commit(accumulate)``;
-    * ``read_header(payload)``, ``read_status(status)`` (the error bits of ``status[1]``, reset to
-      0): both synchronise; ``status_bad(status)``: a device boolean ``status[0] != 0``;
-    * ``result(f32, dtype_name, shape)``: the decoded tensor;
-    * raw (fp16/fp32) payloads with framework ops: ``raw_encode_into(x, value_dtype, payload)``
-      (values after the header, padding zeroed; returns the handle), ``raw_residual(x, payload,
-      value_dtype, residual)`` (``x`` minus those values), ``raw_decode_into(payload, offset, numel,
-      value_dtype, out, accumulate, bad)`` (``out`` (+)= the values, NaN where ``bad``).
-    """
+    """Device memory: kernels on the framework's memory and stream (docs/ARCHITECTURE.md, "Array
+    adapters")."""
     device = True
     views = True        # out_dev gives out's own memory
 
