@@ -1,9 +1,7 @@
-"""Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler
-(docs/EXCHANGE.md: "Stock Horovod", "The placeholder trick", "Names and error detection"). It reads
-Horovod's context from the calling frame, hands Horovod placeholders, finds step boundaries (a
-gradient seen again starts the next step) and gives the state an owner (:func:`state_of`). A Horovod
-PyTorch optimizer's gradients run through a :class:`hvd_quant.scheduler.StepScheduler`, elsewhere each
-tensor is its own exchange; ``hvd_quant.dispatch.STOCK_HOOKS`` (TensorFlow's graphs) may take over.
+"""Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler that reads
+Horovod's context from the calling frame, hands Horovod placeholders, finds step boundaries (a gradient
+seen again) and gives the state an owner (:func:`state_of`); ``hvd_quant.dispatch.STOCK_HOOKS``
+(TensorFlow's graphs) may take over. docs/EXCHANGE.md, "Stock Horovod" and "The placeholder trick".
 """
 import collections
 import functools
@@ -40,8 +38,7 @@ _Ctx = collections.namedtuple("_Ctx", "stock_decompress")
 
 
 def uncompressed(adapter, tensor, info):
-    """``(tensor Horovod allreduces, ctx)`` for a tensor sent uncompressed: itself, or a float32 copy
-    where Horovod cannot reduce its dtype (bfloat16), cast back in ``decompress``."""
+    """``(tensor Horovod allreduces, ctx)`` of a tensor sent uncompressed (bfloat16: as float32)."""
     sendable = adapter.sendable(tensor)
     if sendable is tensor:
         return tensor, None         # decompress gives back what Horovod reduced
@@ -232,8 +229,8 @@ class StockCompression:
         return handshake_record(self.config.summary(), (name, tuple(shape)))
 
     def number(self, name, record):
-        """``(step, record)`` of the next exchange named ``name``: how many started before (the noise
-        step), and ``record`` for the first, which carries the handshake (None after)."""
+        """``(step, record)`` of the next exchange named ``name``: the noise step, and ``record`` for the
+        first (it carries the handshake), None after."""
         step = self._steps.get(name)
         self._steps[name] = (step or 0) + 1
         return (0, record) if step is None else (step, None)
@@ -259,8 +256,7 @@ class StockCompression:
         s.coll = coll
         for ex in s.exchanges.values():
             ex.coll = coll
-        # Another world: the ranks that joined start their exchanges afresh, so every rank does
-        # (handshake with the first exchange of each name, step counts, auto's schedule).
+        # another world: the ranks that joined start afresh (handshakes, step counts, auto), so all do
         self._steps.clear()
         for _, group in self._groups.values():
             if group.session is s:
@@ -268,7 +264,7 @@ class StockCompression:
         return True
 
     def compressible(self, info):
-        """Whether a tensor ``adapter.describe`` described is compressed (:class:`hvd_quant.plan.Config`)."""
+        """Whether a tensor (``info``: ``adapter.describe``'s) is compressed."""
         return self.config.compressible(info.shape, info.is_float)
 
     def _group_of(self, optimizer):
@@ -276,16 +272,14 @@ class StockCompression:
         return None if entry is None or entry[0]() is not optimizer else entry[1]
 
     def step_metrics(self, optimizer):
-        """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step (bytes since the last
-        call; ``exchange_s`` None), or None before its first gradient."""
+        """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step, or None before it."""
         group = self._group_of(optimizer)
         if group is None:
             return None
         return step_metrics(group.plan, take_traffic(self), list(group.sched.routes), self.codec.spec())
 
     def reduction_in_use(self, optimizer):
-        """How ``optimizer``'s next step's buckets travel on this path (``"sra"``, ``"allgather"``,
-        ``"allreduce"``), or None before its first gradient."""
+        """How ``optimizer``'s next step's buckets travel (``"sra"``, ...), or None before its first gradient."""
         group = self._group_of(optimizer)
         return None if group is None else group.sched.route()
 
@@ -294,8 +288,7 @@ class StockCompression:
     decompress = _codec.Codec.decompress
 
     def compress_on(self, backend, tensor, caller=None):
-        """``compress`` through ``backend`` (a frontend, or another object with the stock path's
-        interface) with its hook skipped."""
+        """``compress`` through ``backend`` (a frontend) with its hook skipped."""
         if caller is None:
             caller = _frame_context(tensor)
         if caller.param is not None:
