@@ -1,7 +1,5 @@
-"""Zero-copy adapters from the caller's arrays to what the kernels take (docs/CODECS.md, "Frameworks
-and devices"): :func:`adapter_for` gives an object's frontend's (``hvd_quant.dispatch``; NumPy's is at
-the end of this module), a :class:`HostAdapter` or a :class:`DeviceAdapter`.
-"""
+"""Zero-copy adapters from the caller's arrays to what the kernels take (docs/ARCHITECTURE.md, "Array
+adapters"): :func:`adapter_for` gives an object's frontend's; NumPy's is at the end of this module."""
 import threading
 
 import numpy as np
@@ -103,9 +101,8 @@ class DeviceAdapter:
 
 # ---- NumPy arrays (host; bfloat16 arrays come from ml_dtypes, what TensorFlow's .numpy() gives) ----
 
-_DTYPE_NAMES = {}
-# NumPy's built-in dtypes are singletons: ``a.dtype is _F32`` is a pointer test, where ``a.dtype !=
-# np.float32`` converts the type on every call; an equal dtype of another object takes the full test.
+_DTYPE_NAMES = {}       # dtype -> its name (dtype.name is built anew on every access)
+# built-in dtypes are singletons: ``a.dtype is _F32`` is a pointer test (``!=`` converts np.float32)
 _F32, _U8 = np.dtype(np.float32), np.dtype(np.uint8)
 
 
@@ -115,7 +112,7 @@ class NumpyAdapter(HostAdapter):
         if not isinstance(x, np.ndarray):
             x = np.asarray(x)
         name = _DTYPE_NAMES.get(x.dtype)
-        if name is None:                # (dtype.name is built anew on every access)
+        if name is None:
             name = _DTYPE_NAMES[x.dtype] = x.dtype.name
         check_float(name)
         return x.shape, name

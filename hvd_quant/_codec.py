@@ -29,7 +29,7 @@ def _fmt(v):
 
 
 def _name_arg(name):
-    """A tensor name given to encode/decode: None or a str (a subclass as its str)."""
+    """A tensor name: None or a str (a subclass as its str)."""
     if name is None or type(name) is str:
         return name
     if not isinstance(name, str):
@@ -70,8 +70,6 @@ def _check_choice(key, v, choices):
         raise ValueError(f"{key} must be one of {', '.join(repr(c) for c in choices)}; got {v!r}")
     return v
 
-
-# ---- what direct calls keep between calls, per thread ---------------------------------------------
 
 class _ThreadState(threading.local):
     """Direct calls' state: ``calls``, id(codec) -> (weak reference, {name hash: seeded encodes so far}),
@@ -209,17 +207,14 @@ class Codec:
     @functools.lru_cache(maxsize=4096)
     def header_plan(self, shape, dtype_name, name):
         """(name hash, header words, layout) of an input sent under ``name``: :meth:`encode_into`'s."""
-        method, bits, mode, param, bs = self._fields()
-        header = wire.Header(method, bits, mode, param, bs, wire.DTYPES[dtype_name], shape,
-                             name_hash=wire.name_hash(name))
+        header = wire.Header(*self._fields(), wire.DTYPES[dtype_name], shape, name_hash=wire.name_hash(name))
         words = header.words()              # validates rank and dims before any work
         return header.name_hash, words, self._layout(header.numel)
 
     @functools.lru_cache(maxsize=4096)
     def expectation(self, numel, name):
         """The ``wire.Expect`` (decoders' ``expect``) of a payload of ``numel`` elements sent under ``name``."""
-        method, bits, mode, param, bs = self._fields()
-        return wire.Expect(method, bits, mode, param, bs, int(numel), wire.name_hash(name), name is not None)
+        return wire.Expect(*self._fields(), int(numel), wire.name_hash(name), name is not None)
 
     @functools.lru_cache(maxsize=4096)
     def _header(self, header_bytes, nbytes, name):

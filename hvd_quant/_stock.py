@@ -52,8 +52,8 @@ def header(name, shape):
 
 
 class _Session:
-    """The exchanges of one backend and process set (one per reduction, sharing one memory);
-    ``exchange``: the configured reduction's (SRA's under ``"auto"``) for what is not planned."""
+    """The exchanges of one backend and process set, one per reduction sharing one memory; ``exchange``
+    serves what is not planned (SRA under ``"auto"``)."""
 
     def __init__(self, backend, process_set, config):
         self.coll, self.ops = backend.stock_backend(process_set)
@@ -108,8 +108,8 @@ def _frame_context(tensor):
 
 
 class _Group:
-    """One Horovod optimizer's gradients: its plan (made at its first ``compress``), where each
-    parameter goes, its placeholders and the :class:`~hvd_quant.scheduler.StepScheduler` of its steps."""
+    """One Horovod optimizer's gradients: its plan, where each parameter goes, its placeholders and
+    the :class:`~hvd_quant.scheduler.StepScheduler` of its steps."""
 
     def __init__(self, sc, session, owner, backend, process_set):
         self.session, self.backend, self.process_set = session, backend, process_set
@@ -166,7 +166,7 @@ class _Group:
 
     def placeholder(self, param, tensor):
         """``param``'s placeholder (not read: the scheduler scales by the optimizer's op), a view of one
-        buffer per dtype and device refilled with ones at each step's first gradient."""
+        buffer of ones per dtype and device, refilled at each step's start."""
         key = (tensor.dtype, tensor.device)
         ones = self.ones.get(key)
         if ones is None:
@@ -229,8 +229,7 @@ class StockCompression:
         return handshake_record(self.config.summary(), (name, tuple(shape)))
 
     def number(self, name, record):
-        """``(step, record)`` of the next exchange named ``name``: the noise step, and ``record`` for the
-        first (it carries the handshake), None after."""
+        """``(noise step, record)`` of the next exchange named ``name``; ``record`` None after the first."""
         step = self._steps.get(name)
         self._steps[name] = (step or 0) + 1
         return (0, record) if step is None else (step, None)
@@ -317,8 +316,8 @@ class StockCompression:
                                                                   ex.coll.size))
 
     def _member(self, group, param, tensor, direct=False):
-        """``compress`` of ``param``'s gradient: ``(what Horovod allreduces, ctx)``, or where ``direct``
-        took it to its bucket or plain group ``(None, a callable giving the result)``."""
+        """``compress`` of ``param``'s gradient: ``(what Horovod allreduces, ctx)``, or ``direct``:
+        ``(None, a callable giving the result)``."""
         self._arrived(group, param)
         session, sched = group.session, group.sched
         info = group.describe(param, tensor)
@@ -343,8 +342,7 @@ class StockCompression:
         return out
 
     def _arrived(self, group, param):
-        """Note a gradient of ``group``; one seen before in this step ends it and begins the next (where
-        ``auto`` may decide, alike on every rank), following the world's changes (elastic)."""
+        """Note a gradient of ``group``; one seen before in this step ends it and begins the next."""
         repeat = param in group.seen
         if not repeat:
             group.seen.add(param)
@@ -415,7 +413,7 @@ class StockCompression:
         group.taken_over = True
 
     def _finish_alone(self, session, pending, info, size, summed):
-        """``decompress`` of a tensor exchanged alone, after advancing every such exchange started."""
+        """``decompress`` of a tensor exchanged alone (every such exchange started advanced first)."""
         started, self._unadvanced = self._unadvanced, []
         for exchange, started_one in started:
             exchange.advance(started_one)
@@ -491,8 +489,7 @@ def _go_direct(group):
 
 
 def _finish(group, k, i, info, summed=None):
-    """Member ``i``'s result: its piece of the scheduler's group ``k`` (a bucket or a plain group),
-    cast back to its dtype and shape (Horovod's ``summed`` placeholder is not read)."""
+    """Member ``i``'s piece of the scheduler's group ``k``, in its dtype and shape (``summed`` not read)."""
     sched = group.sched
     if k < sched.nb and group.taken_over and not group.direct:
         _go_direct(group)
@@ -506,8 +503,7 @@ _STATE_ATTR = "_hvd_quant_stock"
 
 
 def _owned_state(codec, caller, backend):
-    """The :class:`StockCompression` of ``codec`` for this call: itself, the calling Horovod
-    optimizer's (kept on it), else the process set's (one per codec value)."""
+    """``codec``'s :class:`StockCompression`: itself, the calling optimizer's, else the process set's."""
     if isinstance(codec, StockCompression):
         return codec
     if caller.owner is not None:

@@ -39,8 +39,7 @@ def register(name, *aliases):
     return deco
 
 
-# ---- spec value parsers: each raises ValueError naming the parameter and the value -----------------
-
+# spec value parsers: each raises ValueError naming the parameter and the value
 def _p_int(key, text):
     try:
         return int(text, 10) if text.lstrip("+-").isdigit() else int(text, 0)     # "08", "0x200"
@@ -309,10 +308,8 @@ class Compression:
 
 
 def resolve_codec(compression, horovod_compression=None):
-    """A codec from what users pass as ``compression=``: an hvd_quant codec, a spec string, a
-    :class:`hvd_quant.StockCompression` (its codec), None (no compression), or Horovod's
-    ``Compression.none`` / ``Compression.fp16`` of the framework whose ``Compression`` namespace is
-    given as ``horovod_compression`` (``horovod.torch.compression.Compression`` and so on)."""
+    """A codec from a ``compression=``: a codec, a spec, a :class:`hvd_quant.StockCompression`, None (no
+    compression), or ``horovod_compression``'s (a framework's Horovod ``Compression``) ``none``/``fp16``."""
     if compression is None:
         return NoCompression()
     if isinstance(compression, str):

@@ -16,9 +16,8 @@ FRONTENDS = {
 # ml_dtypes' scalar and array types (bfloat16 NumPy values, what TensorFlow's .numpy() gives) are NumPy's
 _SAME_AS = {"ml_dtypes": "numpy"}
 
-# The stock path's own compress of a framework: ``hook(stock_compression, tensor)`` returns ``(tensor,
-# ctx)`` or None (the generic path). TensorFlow's builds graphs; its module builds on the frontend,
-# so it is registered here beside it rather than reached through it.
+# A framework's own stock compress, ``hook(stock_compression, tensor)`` -> ``(tensor, ctx)`` or None (the
+# generic path): TensorFlow's graphs, a module that builds on the frontend, so registered beside it.
 STOCK_HOOKS = {
     "tensorflow": "hvd_quant.tensorflow._graph:stock_compress",
 }
