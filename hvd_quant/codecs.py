@@ -109,10 +109,10 @@ _NORM_NAMES = {v: k for k, v in wire.NORMS.items()}
 
 @register("qsgd")
 class QSGD(Codec):
-    """Bucketed QSGD (Alistarh et al., 2017): ``bits``-bit codes (s = 2**(bits-1) - 1 levels per sign)
-    with one float32 scale per bucket, max|x| or ||x||_2 (``norm``). ``mode="stochastic"`` is
-    **unbiased**, ``"deterministic"`` **biased**; ``"fake"`` sends float32 (stochastic's numerics, **no
-    savings**: for accuracy studies). ``seed=None``: fresh noise per call (docs/CODECS.md, "QSGD")."""
+    """Bucketed QSGD (Alistarh et al., 2017): ``bits``-bit codes (:attr:`levels` per sign) with one
+    float32 scale per bucket, max|x| or ||x||_2 (``norm``). ``mode="stochastic"`` is **unbiased**,
+    ``"deterministic"`` **biased**; ``"fake"`` sends float32 (stochastic's numerics, **no savings**:
+    for accuracy studies). ``seed=None``: fresh noise per call (docs/CODECS.md, "QSGD")."""
 
     PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
     _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("norm", _NORM_NAMES)}
@@ -123,6 +123,11 @@ class QSGD(Codec):
                      bucket_size=_check_int("bucket_size", bucket_size, 1, 2 ** 32 - 1),
                      mode=mode, norm=_check_choice("norm", norm, tuple(wire.NORMS)), seed=_seed(seed),
                      stochastic=mode != "deterministic", _raw_values="float32" if mode == "fake" else None)
+
+    @property
+    def levels(self):
+        """s = 2**(bits-1) - 1 magnitude levels per sign."""
+        return (1 << (self.bits - 1)) - 1
 
     def __repr__(self):
         r = super().__repr__()
