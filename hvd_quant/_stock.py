@@ -206,9 +206,7 @@ class StockCompression:
 
     def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
                  error_feedback=None, bucket_bytes=_plan.BUCKET_BYTES):
-        # a codec, a spec string, another StockCompression (its codec) or None (no compression)
-        codec = resolve_codec(codec)
-        self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=bucket_bytes,
+        self.config = _plan.configure(resolve_codec(codec), reduction=reduction, bucket_bytes=bucket_bytes,
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
                                       predivide=None)
@@ -371,8 +369,7 @@ class StockCompression:
             raise ValueError("hvd_quant: op=hvd.Adasum is not supported with an hvd_quant codec as "
                              "compression=: Adasum combines gradients pairwise with dot products, which "
                              "quantized payloads do not provide. Use op=hvd.Average or op=hvd.Sum.")
-        group = _Group(self, self.session(backend, caller.process_set), owner, backend,
-                       caller.process_set)
+        group = _Group(self, self.session(backend, caller.process_set), owner, backend, caller.process_set)
         if group.sched.auto is not None:
             self._restore_auto(group.key, group.sched.auto)
         self._groups[id(owner)] = (weakref.ref(owner), group)

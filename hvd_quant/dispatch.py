@@ -1,7 +1,6 @@
-"""Which frontend serves an object, read by the codecs (``hvd_quant._arrays``) and the stock path:
-the top-level module of ``type(obj)`` (``"torch"``) -> a :class:`hvd_quant.frontend.Frontend` (the
-codecs need only its ``adapter(obj)``) or its import path, ``"package.module[:attribute]"``,
-imported when an object of that framework first comes by. Resolved once per type.
+"""Which frontend serves an object (the codecs and the stock path ask): the top-level module of
+``type(obj)`` (``"torch"``) -> a :class:`hvd_quant.frontend.Frontend` or its import path,
+``"package.module[:attribute]"``, imported at that framework's first object. Resolved once per type.
 """
 import importlib
 

@@ -44,7 +44,7 @@ class Frontend:
 
     # -- Horovod --------------------------------------------------------------------------------------
     def hvd(self):
-        """The framework's Horovod module (imported on first use: the codecs need no Horovod)."""
+        """The framework's Horovod module (imported on use: the codecs need no Horovod)."""
         return importlib.import_module(self.horovod)
 
     def hvd_op(self, op):
@@ -99,10 +99,9 @@ class Frontend:
 
 def bytes_sent_per_step(obj):
     """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent, "gbps": GB/s}`` of ``obj``'s last step: what
-    this rank sent, what an fp32 ring allreduce would have sent, and the exchange's effective
-    bandwidth (None where untimed). ``obj``: anything with ``bytes_per_step()`` (or an
-    ``hvd_quant_reducer`` that has one); a stock Horovod optimizer whose ``compression=`` is ours, or
-    that codec: the bytes since the last call."""
+    this rank sent, what an fp32 ring allreduce would have sent, and the effective bandwidth (None
+    where untimed). ``obj``: anything with ``bytes_per_step()`` (or its ``hvd_quant_reducer``); a stock
+    Horovod optimizer whose ``compression=`` is ours, or that codec: the bytes since the last call."""
     own = getattr(obj, "hvd_quant_reducer", obj)
     t = own.bytes_per_step() if hasattr(own, "bytes_per_step") else None
     if t is None:
