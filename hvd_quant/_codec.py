@@ -30,11 +30,9 @@ def _fmt(v):
 
 def _name_arg(name):
     """A tensor name: None or a str (a subclass as its str)."""
-    if name is None or type(name) is str:
-        return name
-    if not isinstance(name, str):
+    if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None; got {type(name).__name__} {name!r}")
-    return str(name)
+    return name if name is None or type(name) is str else str(name)
 
 
 def _shape_arg(shape):
