@@ -1,7 +1,5 @@
-"""Zero-copy adapters from the caller's arrays to what the kernels take (docs/CODECS.md, "Frameworks
-and devices"): :func:`adapter_for` gives an object's frontend's (``hvd_quant.dispatch``; NumPy's is at
-the end of this module), a :class:`HostAdapter` or a :class:`DeviceAdapter`.
-"""
+"""Zero-copy adapters from the caller's arrays to what the kernels take (docs/ARCHITECTURE.md, "Array
+adapters"): :func:`adapter_for` gives an object's frontend's; NumPy's is at the end of this module."""
 import threading
 
 import numpy as np
@@ -28,11 +26,8 @@ def adapter_for(obj):
     return frontend.adapter(obj)
 
 
-# ---- device status words ---------------------------------------------------------------------------
-# A device decode records what was wrong with its payload's header in an int32[2] status array
-# (wire.ERROR_BITS): [0] for the payload just decoded, [1] sticky until read. Here one per (codec
-# configuration, device) for direct ``decode_into`` calls (``Codec.check_device_errors``); each
-# exchange plan makes its own (``new_status``).
+# The int32[2] status words (wire.ERROR_BITS) of direct device decodes, one per codec configuration and
+# device, read by ``Codec.check_device_errors`` (docs/CODECS.md, "Errors"); exchange plans own theirs.
 
 _STATUS = {}            # (codec, device key) -> (adapter, status tensor, device array)
 _status_lock = threading.Lock()
@@ -72,15 +67,8 @@ def check_float(dtype_name, what="input"):
 
 
 class HostAdapter:
-    """Host memory: the codec works on NumPy arrays; a subclass converts to and from its framework:
-
-    * ``describe(x)`` -> ``(shape tuple, dtype name)``; ``input_f32(x)``: a flat C-contiguous float32
-      NumPy array (no copy when ``x`` is one); ``input_np(x)``: flat, in its own dtype (fp16/none);
-    * ``payload_np(payload)``: a uint8 NumPy view where possible; ``wrap_payload(arr, like)``: back;
-    * ``out_np(out)`` -> ``(writable flat float32 view, commit)``: ``commit()`` runs after writing,
-      None where the view is ``out``'s memory (``views``);
-    * ``wrap_result(arr_f32, dtype_name, shape, like)``: decoded values as a tensor of this kind.
-    """
+    """Host memory: the codec works on NumPy arrays; a subclass converts (docs/ARCHITECTURE.md, "Array
+    adapters")."""
     device = False
     views = True        # out_np gives out's own memory (TensorFlow: a temporary, then a commit)
 
@@ -99,24 +87,8 @@ class HostAdapter:
 
 
 class DeviceAdapter:
-    """Device memory: kernels on the framework's memory and stream, outputs allocated by it. A device
-    handle (what prepared launches take) is a pointer (int) or a Numba device array. A subclass has:
-
-    * ``describe(x)`` as the host's; ``device_key(x)``: a hashable id of ``x``'s device;
-      ``stream(x)``; ``context(x)``: makes ``x``'s device Numba's current one;
-    * ``input_f32(x)`` -> ``(float32 tensor of x's values, handle)``; ``numba(t)``: a Numba view;
-    * ``new_bytes(nbytes, like)``, ``new_f32(numel, like)``, ``new_status(like)`` (int32[2] zeros)
-      -> ``(tensor, handle)`` on ``like``'s device; ``bytes_dev(payload)``; ``payload_nbytes``, ``numel``;
-    * ``out_dev(out)`` -> ``(handle of a flat float32 out, commit)``: commit None where the handle is
-      ``out``'s memory, else the codec decodes without accumulating and calls ``commit(accumulate)``;
-    * ``read_header(payload)``, ``read_status(status)`` (the error bits of ``status[1]``, reset to
-      0): both synchronise; ``status_bad(status)``: a device boolean ``status[0] != 0``;
-    * ``result(f32, dtype_name, shape)``: the decoded tensor;
-    * raw (fp16/fp32) payloads with framework ops: ``raw_encode_into(x, value_dtype, payload)``
-      (values after the header, padding zeroed; returns the handle), ``raw_residual(x, payload,
-      value_dtype, residual)`` (``x`` minus those values), ``raw_decode_into(payload, offset, numel,
-      value_dtype, out, accumulate, bad)`` (``out`` (+)= the values, NaN where ``bad``).
-    """
+    """Device memory: kernels on the framework's memory and stream (docs/ARCHITECTURE.md, "Array
+    adapters")."""
     device = True
     views = True        # out_dev gives out's own memory
 
@@ -129,9 +101,8 @@ class DeviceAdapter:
 
 # ---- NumPy arrays (host; bfloat16 arrays come from ml_dtypes, what TensorFlow's .numpy() gives) ----
 
-_DTYPE_NAMES = {}
-# NumPy's built-in dtypes are singletons: ``a.dtype is _F32`` is a pointer test, where ``a.dtype !=
-# np.float32`` converts the type on every call; an equal dtype of another object takes the full test.
+_DTYPE_NAMES = {}       # dtype -> its name (dtype.name is built anew on every access)
+# built-in dtypes are singletons: ``a.dtype is _F32`` is a pointer test (``!=`` converts np.float32)
 _F32, _U8 = np.dtype(np.float32), np.dtype(np.uint8)
 
 
@@ -141,7 +112,7 @@ class NumpyAdapter(HostAdapter):
         if not isinstance(x, np.ndarray):
             x = np.asarray(x)
         name = _DTYPE_NAMES.get(x.dtype)
-        if name is None:                # (dtype.name is built anew on every access)
+        if name is None:
             name = _DTYPE_NAMES[x.dtype] = x.dtype.name
         check_float(name)
         return x.shape, name

@@ -1,7 +1,5 @@
-"""The codec base class: argument checks, the payload header (memoised per configuration), what
-direct calls keep per thread, and encode, decode and the binds over a codec's kernels (the codecs,
-their registry and specs: :mod:`hvd_quant.codecs`).
-"""
+"""The codec base class: argument checks, the payload header, what direct calls keep per thread, and
+encode, decode and the binds over a codec's kernels (the codecs themselves: :mod:`hvd_quant.codecs`)."""
 import functools
 import inspect
 import math
@@ -20,8 +18,7 @@ from ._arrays import adapter_for, device_statuses, status_for, UnsupportedInputE
 from ._noise import fresh_seed, noise_key
 
 
-# Horovod's ``compress(codec, tensor) -> (tensor, ctx)``, installed by the stock path
-# (``hvd_quant._stock``, which builds on the codecs) when imported; every ctx finishes itself.
+# Horovod's ``compress(codec, tensor) -> (tensor, ctx)``, installed by ``hvd_quant._stock`` (built on the codecs)
 STOCK_COMPRESS = None
 
 
@@ -32,12 +29,10 @@ def _fmt(v):
 
 
 def _name_arg(name):
-    """A tensor name given to encode/decode: None or a str (a subclass as its str)."""
-    if name is None or type(name) is str:
-        return name
-    if not isinstance(name, str):
+    """A tensor name: None or a str (a subclass as its str)."""
+    if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None; got {type(name).__name__} {name!r}")
-    return str(name)
+    return name if name is None or type(name) is str else str(name)
 
 
 def _shape_arg(shape):
@@ -74,12 +69,9 @@ def _check_choice(key, v, choices):
     return v
 
 
-# ---- what direct calls keep between calls, per thread ---------------------------------------------
-
 class _ThreadState(threading.local):
-    """What direct encode/decode calls keep, per thread: ``calls``, id(codec) -> (weak reference, {name
-    hash: seeded encodes so far}), the ``k`` of :func:`noise_key`; ``ops``, prepared ops (each writes
-    its parameter buffer and scratch on every call, so each thread prepares its own)."""
+    """Direct calls' state: ``calls``, id(codec) -> (weak reference, {name hash: seeded encodes so far}),
+    the ``k`` of :func:`noise_key`; ``ops``, prepared ops (they write their buffers on every call)."""
 
     def __init__(self):
         self.calls = {}
@@ -90,7 +82,7 @@ _THREAD = _ThreadState()
 
 
 def _direct_count(codec, nh):
-    """How many direct encodes ``codec`` (this object) made for name hash ``nh`` on this thread so far."""
+    """Direct encodes ``codec`` (this object) made for name hash ``nh`` on this thread so far."""
     table = _THREAD.calls
     entry = table.get(id(codec))
     if entry is None or entry[0]() is not codec:        # new, or another object under a reused id
@@ -105,8 +97,7 @@ def _direct_count(codec, nh):
 
 
 def _per_thread(key, make, *args):
-    """This thread's ``make(*args)`` under ``key`` (a prepared op, a direct call's bound launch),
-    built once; the table is emptied when it holds 4096."""
+    """This thread's ``make(*args)`` under ``key``, built once; the table is emptied at 4096 entries."""
     table = _THREAD.ops
     f = table.get(key, table)           # (the table itself: not built yet; None is a result)
     if f is table:
@@ -136,23 +127,19 @@ def _nb(arrays, t, dev):
 
 
 class Codec:
-    """Base class: the payload plumbing shared by every codec.
-
-    An immutable value, compared and hashed by its configuration; runtime state lives with whoever
-    runs it (an exchange's setups, :class:`_ThreadState`). Subclasses define ``PARAMS`` (spec
-    parameter -> parser, in canonical order), ``_fields()``, ``_kernel_table()`` or the encode steps."""
+    """Base class: the payload plumbing shared by every codec. An immutable value, compared and hashed
+    by its configuration; runtime state lives with whoever runs it (an exchange's setups,
+    :class:`_ThreadState`). Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical
+    order), ``_fields()``, ``_kernel_table()`` or the encode steps."""
 
     name = None
     PARAMS = {}
     _method = None
     stochastic = False          # whether encode draws noise (then ``noise_key`` keys it)
     seed = None
-    # the dtype of the values a raw payload carries (fp16, none, QSGD's fake mode); None: kernel codes
-    _raw_values = None
-    # how PayloadError spells a header field: field -> (spec parameter, {code: value})
-    _FIELD_TEXT = {}
-    # whether the CUDA ops take device pointers, or Numba device arrays (SortQuant, KMeans)
-    _device_pointers = True
+    _raw_values = None          # the dtype of a raw payload's values (fp16, none, fake mode); None: codes
+    _FIELD_TEXT = {}            # how PayloadError spells a header field: field -> (parameter, {code: value})
+    _device_pointers = True     # whether the CUDA ops take device pointers, or Numba arrays (SortQuant, KMeans)
 
     def _freeze(self, **config):
         self.__dict__.update(config)
@@ -195,8 +182,7 @@ class Codec:
         return STOCK_COMPRESS(self, tensor)
 
     def decompress(self, tensor, ctx):
-        """Horovod's ``decompress``: the ctx finishes itself (``ctx.stock_decompress(summed)``); a
-        ctx without one (a tensor Horovod reduced itself) gives back what Horovod reduced."""
+        """Horovod's ``decompress``: ``ctx.stock_decompress(summed)``, else what Horovod reduced."""
         finish = getattr(ctx, "stock_decompress", None)
         return tensor if finish is None else finish(tensor)
 
@@ -219,23 +205,18 @@ class Codec:
     @functools.lru_cache(maxsize=4096)
     def header_plan(self, shape, dtype_name, name):
         """(name hash, header words, layout) of an input sent under ``name``: :meth:`encode_into`'s."""
-        method, bits, mode, param, bs = self._fields()
-        header = wire.Header(method, bits, mode, param, bs, wire.DTYPES[dtype_name], shape,
-                             name_hash=wire.name_hash(name))
+        header = wire.Header(*self._fields(), wire.DTYPES[dtype_name], shape, name_hash=wire.name_hash(name))
         words = header.words()              # validates rank and dims before any work
         return header.name_hash, words, self._layout(header.numel)
 
     @functools.lru_cache(maxsize=4096)
     def expectation(self, numel, name):
-        """What a receiver expects of the header of a payload of ``numel`` elements sent under
-        ``name`` (``wire.Expect``, the decoders' ``expect``)."""
-        method, bits, mode, param, bs = self._fields()
-        return wire.Expect(method, bits, mode, param, bs, int(numel), wire.name_hash(name), name is not None)
+        """The ``wire.Expect`` (decoders' ``expect``) of a payload of ``numel`` elements sent under ``name``."""
+        return wire.Expect(*self._fields(), int(numel), wire.name_hash(name), name is not None)
 
     @functools.lru_cache(maxsize=4096)
     def _header(self, header_bytes, nbytes, name):
-        """The header of a payload of ``nbytes`` bytes, checked against this configuration and ``name``
-        (PayloadError otherwise); memoised: an exchange receives the same headers every step."""
+        """The header of a payload of ``nbytes`` bytes, checked against this configuration and ``name``."""
         h = wire.parse_header(header_bytes, nbytes)
         method, bits, mode, param, bs = self._fields()
         if h.method != method:
@@ -257,8 +238,7 @@ class Codec:
 
     # -- noise ---------------------------------------------------------------------------------------
     def _direct_key(self, nh, step, rank):
-        """The noise key of a direct :meth:`encode` call (see the codec's docstring on seeds). ``step``
-        and ``rank`` are checked even where they choose nothing (no seed, no noise)."""
+        """The noise key of a direct :meth:`encode` call; ``step`` and ``rank`` are checked always."""
         if step is not None:
             step = _check_int("step", step, 0)
         if rank is not None:
@@ -272,9 +252,7 @@ class Codec:
 
     # -- public API ----------------------------------------------------------------------------------
     def encode(self, x, name=None, step=None, rank=None):
-        """Encode float ``x`` (NumPy, torch CPU/CUDA, eager TensorFlow) into a 1-D uint8 payload of its
-        kind and device, ``name`` hashed into the header; ``step=s, rank=r``: the exchange's payload
-        for that name at step s from rank r (docs/CODECS.md, "Noise and seeds")."""
+        """Float ``x`` as a 1-D uint8 payload of its kind and device (docs/CODECS.md, "Noise and seeds")."""
         if name is not None and type(name) is not str:
             name = _name_arg(name)
         arrays = adapter_for(x)
@@ -292,9 +270,8 @@ class Codec:
         return arrays.wrap_payload(pay, x)
 
     def encode_into(self, x, payload, words, lay, key, arrays=None, residual=None):
-        """Encode ``x`` (``lay.numel`` elements) into ``payload`` (``lay.total`` bytes of the same kind
-        and device) with header ``words`` and noise ``key`` (:meth:`header_plan`, :func:`noise_key`).
-        ``arrays``: ``x``'s adapter, if known. ``residual`` (flat float32, or None): also write
+        """Encode ``x`` (``lay.numel`` elements) into ``payload`` (``lay.total`` bytes, same kind and
+        device) with header ``words`` and noise ``key``; ``residual`` (flat float32): also write
         ``x - decode(payload)`` there, bit-identical to decoding and subtracting."""
         arrays = arrays or adapter_for(x)
         if arrays.numel(x) != lay.numel or arrays.payload_nbytes(payload) != lay.total:
@@ -310,9 +287,7 @@ class Codec:
         return payload
 
     def decode(self, payload, name=None, shape=None, dtype=None):
-        """Decode a payload to a tensor of the encoded shape and dtype (same kind/device as ``payload``).
-        A device payload given ``shape`` and ``dtype`` is checked on the device (as in
-        :meth:`decode_into`); without them its header is copied to the host and validated there."""
+        """A payload as a tensor of the encoded shape and dtype (docs/CODECS.md, "Errors")."""
         name = _name_arg(name)
         shape = None if shape is None else _shape_arg(shape)
         arrays = adapter_for(payload)
@@ -338,10 +313,9 @@ class Codec:
         return arrays.result(out, dtype_name, shape)
 
     def decode_into(self, payload, out, accumulate=False, name=None, expect=None, arrays=None):
-        """Write or add (``accumulate``) the decoded values into ``out``, flat float32 of the payload's
-        kind and element count (TensorFlow: a ``tf.Variable``); returns ``out``. A bad device payload
-        decodes to NaN and :meth:`check_device_errors` raises (docs/CODECS.md, "Errors").
-        ``expect`` (instead of ``name``) and ``arrays`` (the adapter) spare the per-call preparation."""
+        """``out`` (+)= the decoded values; ``out``: flat float32 of the payload's kind and element count
+        (TensorFlow: a ``tf.Variable``); returns ``out`` (docs/CODECS.md, "Errors"). ``expect`` (for
+        ``name``) and ``arrays`` (the adapter) spare the per-call preparation."""
         if name is not None and type(name) is not str:
             name = _name_arg(name)
         arrays = arrays or adapter_for(payload)
@@ -374,8 +348,7 @@ class Codec:
         return self.wire_nbytes(numel), self.bind_decode(arrays, numel, accumulate, expect, payload)
 
     def check_device_errors(self):
-        """Raise PayloadError if a device payload decoded by this codec since the last call failed its
-        on-device header check (reads and resets the status words: synchronises)."""
+        """Raise PayloadError if a device payload decoded since the last call failed its header check."""
         problems = []
         for key, arrays, status_t in device_statuses(self):
             bits = arrays.read_status(status_t)
@@ -477,13 +450,11 @@ class Codec:
 
     # -- kernels -------------------------------------------------------------------------------------
     def _kernel_table(self):
-        """Kind ("encode", "decode", "decode_sum", ...) -> the parameters :func:`numba_kernels.prepare`
-        takes for this configuration (but ``accumulate`` and ``chunk``); a kind left out has no kernel."""
+        """Kind ("encode", "decode", ...) -> :func:`numba_kernels.prepare`'s parameters; none: no kernel."""
         return {}
 
     def _op(self, kind, device, numel, accumulate=None, chunk=None):
-        """A new prepared op ``kind`` for ``numel`` elements on a CUDA device or the CPU, owned by the
-        caller (an exchange's plan, or :func:`_thread_op`); None where the codec has no such kernel."""
+        """A new prepared op ``kind`` for ``numel`` elements, owned by the caller; None: no such kernel."""
         params = self._kernel_table().get(kind)
         if params is None:
             return None
@@ -530,9 +501,8 @@ class Codec:
             out[...] = vals
 
     def _decode_into_dev(self, arrays, payload, out, accumulate, expect, status):
-        """out (+)= the values of device ``payload``, its header checked on the device against
-        ``expect`` into ``status`` (``expect`` None: checked on the host already); raw values with
-        framework ops, NaN where the check failed."""
+        """out (+)= the values of device ``payload``, its header checked against ``expect`` into
+        ``status`` (``expect`` None: checked on the host already)."""
         numel, nbytes = arrays.numel(out), arrays.payload_nbytes(payload)
         if nbytes != self.wire_nbytes(numel):
             raise PayloadError(f"payload has {nbytes} bytes; out has {numel} elements, which take "

@@ -1,9 +1,7 @@
-"""Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler
-(docs/EXCHANGE.md: "Stock Horovod", "The placeholder trick", "Names and error detection"). It reads
-Horovod's context from the calling frame, hands Horovod placeholders, finds step boundaries (a
-gradient seen again starts the next step) and gives the state an owner (:func:`state_of`). A Horovod
-PyTorch optimizer's gradients run through a :class:`hvd_quant.scheduler.StepScheduler`, elsewhere each
-tensor is its own exchange; ``hvd_quant.dispatch.STOCK_HOOKS`` (TensorFlow's graphs) may take over.
+"""Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler that reads
+Horovod's context from the calling frame, hands Horovod placeholders, finds step boundaries (a gradient
+seen again) and gives the state an owner (:func:`state_of`); ``hvd_quant.dispatch.STOCK_HOOKS``
+(TensorFlow's graphs) may take over. docs/EXCHANGE.md, "Stock Horovod" and "The placeholder trick".
 """
 import collections
 import functools
@@ -40,8 +38,7 @@ _Ctx = collections.namedtuple("_Ctx", "stock_decompress")
 
 
 def uncompressed(adapter, tensor, info):
-    """``(tensor Horovod allreduces, ctx)`` for a tensor sent uncompressed: itself, or a float32 copy
-    where Horovod cannot reduce its dtype (bfloat16), cast back in ``decompress``."""
+    """``(tensor Horovod allreduces, ctx)`` of a tensor sent uncompressed (bfloat16: as float32)."""
     sendable = adapter.sendable(tensor)
     if sendable is tensor:
         return tensor, None         # decompress gives back what Horovod reduced
@@ -55,8 +52,8 @@ def header(name, shape):
 
 
 class _Session:
-    """The exchanges of one backend and process set (one per reduction, sharing one memory);
-    ``exchange``: the configured reduction's (SRA's under ``"auto"``) for what is not planned."""
+    """The exchanges of one backend and process set, one per reduction sharing one memory; ``exchange``
+    serves what is not planned (SRA under ``"auto"``)."""
 
     def __init__(self, backend, process_set, config):
         self.coll, self.ops = backend.stock_backend(process_set)
@@ -111,8 +108,8 @@ def _frame_context(tensor):
 
 
 class _Group:
-    """One Horovod optimizer's gradients: its plan (made at its first ``compress``), where each
-    parameter goes, its placeholders and the :class:`~hvd_quant.scheduler.StepScheduler` of its steps."""
+    """One Horovod optimizer's gradients: its plan, where each parameter goes, its placeholders and
+    the :class:`~hvd_quant.scheduler.StepScheduler` of its steps."""
 
     def __init__(self, sc, session, owner, backend, process_set):
         self.session, self.backend, self.process_set = session, backend, process_set
@@ -169,7 +166,7 @@ class _Group:
 
     def placeholder(self, param, tensor):
         """``param``'s placeholder (not read: the scheduler scales by the optimizer's op), a view of one
-        buffer per dtype and device refilled with ones at each step's first gradient."""
+        buffer of ones per dtype and device, refilled at each step's start."""
         key = (tensor.dtype, tensor.device)
         ones = self.ones.get(key)
         if ones is None:
@@ -209,9 +206,7 @@ class StockCompression:
 
     def __init__(self, codec, reduction="auto", min_compress_numel=1024, compress_1d=False,
                  error_feedback=None, bucket_bytes=_plan.BUCKET_BYTES):
-        # a codec, a spec string, another StockCompression (its codec) or None (no compression)
-        codec = resolve_codec(codec)
-        self.config = _plan.configure(codec, reduction=reduction, bucket_bytes=bucket_bytes,
+        self.config = _plan.configure(resolve_codec(codec), reduction=reduction, bucket_bytes=bucket_bytes,
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
                                       predivide=None)
@@ -235,8 +230,7 @@ class StockCompression:
         return handshake_record(self.config.summary(), (name, tuple(shape)))
 
     def number(self, name, record):
-        """``(step, record)`` of the next exchange named ``name``: how many started before (the noise
-        step), and ``record`` for the first, which carries the handshake (None after)."""
+        """``(noise step, record)`` of the next exchange named ``name``; ``record`` None after the first."""
         step = self._steps.get(name)
         self._steps[name] = (step or 0) + 1
         return (0, record) if step is None else (step, None)
@@ -262,8 +256,7 @@ class StockCompression:
         s.coll = coll
         for ex in s.exchanges.values():
             ex.coll = coll
-        # Another world: the ranks that joined start their exchanges afresh, so every rank does
-        # (handshake with the first exchange of each name, step counts, auto's schedule).
+        # another world: the ranks that joined start afresh (handshakes, step counts, auto), so all do
         self._steps.clear()
         for _, group in self._groups.values():
             if group.session is s:
@@ -271,7 +264,7 @@ class StockCompression:
         return True
 
     def compressible(self, info):
-        """Whether a tensor ``adapter.describe`` described is compressed (:class:`hvd_quant.plan.Config`)."""
+        """Whether a tensor (``info``: ``adapter.describe``'s) is compressed."""
         return self.config.compressible(info.shape, info.is_float)
 
     def _group_of(self, optimizer):
@@ -279,16 +272,14 @@ class StockCompression:
         return None if entry is None or entry[0]() is not optimizer else entry[1]
 
     def step_metrics(self, optimizer):
-        """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step (bytes since the last
-        call; ``exchange_s`` None), or None before its first gradient."""
+        """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step, or None before it."""
         group = self._group_of(optimizer)
         if group is None:
             return None
         return step_metrics(group.plan, take_traffic(self), list(group.sched.routes), self.codec.spec())
 
     def reduction_in_use(self, optimizer):
-        """How ``optimizer``'s next step's buckets travel on this path (``"sra"``, ``"allgather"``,
-        ``"allreduce"``), or None before its first gradient."""
+        """How ``optimizer``'s next step's buckets travel (``"sra"``, ...), or None before its first gradient."""
         group = self._group_of(optimizer)
         return None if group is None else group.sched.route()
 
@@ -297,8 +288,7 @@ class StockCompression:
     decompress = _codec.Codec.decompress
 
     def compress_on(self, backend, tensor, caller=None):
-        """``compress`` through ``backend`` (a frontend, or another object with the stock path's
-        interface) with its hook skipped."""
+        """``compress`` through ``backend`` (a frontend) with its hook skipped."""
         if caller is None:
             caller = _frame_context(tensor)
         if caller.param is not None:
@@ -327,8 +317,8 @@ class StockCompression:
                                                                   ex.coll.size))
 
     def _member(self, group, param, tensor, direct=False):
-        """``compress`` of ``param``'s gradient: ``(what Horovod allreduces, ctx)``, or where ``direct``
-        took it to its bucket or plain group ``(None, a callable giving the result)``."""
+        """``compress`` of ``param``'s gradient: ``(what Horovod allreduces, ctx)``, or ``direct``:
+        ``(None, a callable giving the result)``."""
         self._arrived(group, param)
         session, sched = group.session, group.sched
         info = group.describe(param, tensor)
@@ -353,8 +343,7 @@ class StockCompression:
         return out
 
     def _arrived(self, group, param):
-        """Note a gradient of ``group``; one seen before in this step ends it and begins the next (where
-        ``auto`` may decide, alike on every rank), following the world's changes (elastic)."""
+        """Note a gradient of ``group``; one seen before in this step ends it and begins the next."""
         repeat = param in group.seen
         if not repeat:
             group.seen.add(param)
@@ -383,8 +372,7 @@ class StockCompression:
             raise ValueError("hvd_quant: op=hvd.Adasum is not supported with an hvd_quant codec as "
                              "compression=: Adasum combines gradients pairwise with dot products, which "
                              "quantized payloads do not provide. Use op=hvd.Average or op=hvd.Sum.")
-        group = _Group(self, self.session(backend, caller.process_set), owner, backend,
-                       caller.process_set)
+        group = _Group(self, self.session(backend, caller.process_set), owner, backend, caller.process_set)
         if group.sched.auto is not None:
             self._restore_auto(group.key, group.sched.auto)
         self._groups[id(owner)] = (weakref.ref(owner), group)
@@ -425,7 +413,7 @@ class StockCompression:
         group.taken_over = True
 
     def _finish_alone(self, session, pending, info, size, summed):
-        """``decompress`` of a tensor exchanged alone, after advancing every such exchange started."""
+        """``decompress`` of a tensor exchanged alone (every such exchange started advanced first)."""
         started, self._unadvanced = self._unadvanced, []
         for exchange, started_one in started:
             exchange.advance(started_one)
@@ -501,8 +489,7 @@ def _go_direct(group):
 
 
 def _finish(group, k, i, info, summed=None):
-    """Member ``i``'s result: its piece of the scheduler's group ``k`` (a bucket or a plain group),
-    cast back to its dtype and shape (Horovod's ``summed`` placeholder is not read)."""
+    """Member ``i``'s piece of the scheduler's group ``k``, in its dtype and shape (``summed`` not read)."""
     sched = group.sched
     if k < sched.nb and group.taken_over and not group.direct:
         _go_direct(group)
@@ -516,8 +503,7 @@ _STATE_ATTR = "_hvd_quant_stock"
 
 
 def _owned_state(codec, caller, backend):
-    """The :class:`StockCompression` of ``codec`` for this call: itself, the calling Horovod
-    optimizer's (kept on it), else the process set's (one per codec value)."""
+    """``codec``'s :class:`StockCompression`: itself, the calling optimizer's, else the process set's."""
     if isinstance(codec, StockCompression):
         return codec
     if caller.owner is not None:

@@ -39,8 +39,7 @@ def register(name, *aliases):
     return deco
 
 
-# ---- spec value parsers: each raises ValueError naming the parameter and the value -----------------
-
+# spec value parsers: each raises ValueError naming the parameter and the value
 def _p_int(key, text):
     try:
         return int(text, 10) if text.lstrip("+-").isdigit() else int(text, 0)     # "08", "0x200"
@@ -66,9 +65,8 @@ def _p_str(key, text):
 
 
 def from_spec(spec):
-    """Build a codec from a string spec, ``"name"`` or ``"name:key=value,key=value"`` (``"fp16"``,
-    ``"onebit:bucket_size=64,scale=mean_abs"``); a codec is returned as it is. Unknown names and keys,
-    malformed items and bad values raise ``ValueError`` naming the bad part."""
+    """A codec from a spec, ``"name"`` or ``"name:key=value,..."`` (a codec is returned as it is);
+    unknown names and keys, malformed items and bad values raise ``ValueError`` naming the part."""
     if isinstance(spec, Codec):
         return spec
     if not isinstance(spec, str):
@@ -111,15 +109,10 @@ _NORM_NAMES = {v: k for k, v in wire.NORMS.items()}
 
 @register("qsgd")
 class QSGD(Codec):
-    """Bucketed QSGD (Alistarh et al., 2017): ``bits``-bit codes with one float32 scale per bucket.
-
-    Per bucket of ``bucket_size`` elements, scale = max|x| (``norm="max"``) or ||x||_2 (``"l2"``)
-    and s = 2**(bits-1) - 1 levels per sign; each element sends its level in ``bits`` bits.
-    ``mode="stochastic"`` rounds **unbiased**, ``"deterministic"`` to nearest (**biased**, error at
-    most half a level); ``"fake"`` quantizes and dequantizes locally and sends float32 (the numerics
-    of "stochastic", **no savings**: for accuracy studies only). bits 2..16, bucket_size >= 1.
-    ``seed=None``: fresh noise on every call (docs/CODECS.md, "Noise and seeds" and "QSGD").
-    """
+    """Bucketed QSGD (Alistarh et al., 2017): ``bits``-bit codes (:attr:`levels` per sign) with one
+    float32 scale per bucket, max|x| or ||x||_2 (``norm``). ``mode="stochastic"`` is **unbiased**,
+    ``"deterministic"`` **biased**; ``"fake"`` sends float32 (stochastic's numerics, **no savings**:
+    for accuracy studies). ``seed=None``: fresh noise per call (docs/CODECS.md, "QSGD")."""
 
     PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
     _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("norm", _NORM_NAMES)}
@@ -186,12 +179,9 @@ _SCALE_NAMES = {v: k for k, v in wire.ONEBIT_SCALES.items()}
 
 @register("onebit", "1bit")
 class OneBit(Codec):
-    """1-bit SGD (Seide et al., 2014): one sign bit per element and float32 scales per bucket.
-
-    ``scale="two_mean"``: the means of a bucket's non-negative and negative elements (its **sum is
-    preserved**); ``"mean_abs"``: EF-SignSGD's (||x||_1/d)·sign(x). Both **biased**: error feedback
-    (``error_feedback=True``). ``bucket_size=None``: one bucket per tensor. docs/CODECS.md, "1-bit".
-    """
+    """1-bit SGD (Seide et al., 2014): one sign bit per element and float32 scales per bucket,
+    ``"two_mean"`` (the **sum is preserved**) or ``"mean_abs"`` (EF-SignSGD's). Both **biased**: error
+    feedback. ``bucket_size=None``: one bucket per tensor (docs/CODECS.md, "1-bit")."""
 
     PARAMS = {"bucket_size": _p_opt_int, "scale": _p_str, "error_feedback": _p_bool}
     _FIELD_TEXT = {"mode": ("scale", _SCALE_NAMES), "bucket_size": ("bucket_size", {0: None})}
@@ -216,12 +206,9 @@ class OneBit(Codec):
 @register("sortquant")
 class SortQuant(Codec):
     """Sort quantization: per bucket, ``2**split_bits`` groups of equal count by rank of value, each
-    quantized uniformly within its own (min, max) range (reference/004 in the project's sources).
-
-    Each element sends its group in ``split_bits`` bits and its level in ``bits - split_bits``;
-    ``mode="stochastic"`` rounds **unbiased** within the group, ``"deterministic"`` to nearest. bits
-    2..16, split_bits 1..bits-1, bucket_size >= 1 (at most 4096 on CUDA). docs/CODECS.md, "Sort quantization".
-    """
+    quantized uniformly in its (min, max); an element sends its group in ``split_bits`` bits and its
+    level in ``bits - split_bits``. ``"stochastic"`` is **unbiased**, ``"deterministic"`` **biased**;
+    bucket_size at most 4096 on CUDA (docs/CODECS.md, "Sort quantization")."""
 
     PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,
               "seed": _p_opt_int}
@@ -248,13 +235,8 @@ class SortQuant(Codec):
 @register("kmeans")
 class KMeans(Codec):
     """K-means quantization: per bucket a codebook of ``2**bits`` float32 centroids fitted by Lloyd
-    iterations, each element sent as the ``bits``-bit index of its nearest centroid (**biased**).
-
-    The fit starts from a sample drawn with ``seed`` (keyed as :class:`QSGD`'s noise) and sums in
-    fixed point: CPU, CUDA and the NumPy reference agree bit for bit. ``bucket_size=None``: one
-    codebook per tensor. bits 1..8, iters 0..1000. No fused reduce kernels. docs/CODECS.md,
-    "K-means quantization".
-    """
+    iterations from a ``seed``ed sample, each element sent as its nearest centroid's index (**biased**).
+    ``bucket_size=None``: one codebook per tensor (docs/CODECS.md, "K-means quantization")."""
 
     PARAMS = {"bits": _p_int, "iters": _p_int, "bucket_size": _p_opt_int, "seed": _p_opt_int}
     stochastic = True           # the sample is drawn with the noise key
@@ -331,10 +313,8 @@ class Compression:
 
 
 def resolve_codec(compression, horovod_compression=None):
-    """A codec from what users pass as ``compression=``: an hvd_quant codec, a spec string, a
-    :class:`hvd_quant.StockCompression` (its codec), None (no compression), or Horovod's
-    ``Compression.none`` / ``Compression.fp16`` of the framework whose ``Compression`` namespace is
-    given as ``horovod_compression`` (``horovod.torch.compression.Compression`` and so on)."""
+    """A codec from a ``compression=``: a codec, a spec, a :class:`hvd_quant.StockCompression`, None (no
+    compression), or ``horovod_compression``'s (a framework's Horovod ``Compression``) ``none``/``fp16``."""
     if compression is None:
         return NoCompression()
     if isinstance(compression, str):

@@ -1,7 +1,6 @@
-"""Which frontend serves an object, read by the codecs (``hvd_quant._arrays``) and the stock path:
-the top-level module of ``type(obj)`` (``"torch"``) -> a :class:`hvd_quant.frontend.Frontend` (the
-codecs need only its ``adapter(obj)``) or its import path, ``"package.module[:attribute]"``,
-imported when an object of that framework first comes by. Resolved once per type.
+"""Which frontend serves an object (the codecs and the stock path ask): the top-level module of
+``type(obj)`` (``"torch"``) -> a :class:`hvd_quant.frontend.Frontend` or its import path,
+``"package.module[:attribute]"``, imported at that framework's first object. Resolved once per type.
 """
 import importlib
 
@@ -16,9 +15,8 @@ FRONTENDS = {
 # ml_dtypes' scalar and array types (bfloat16 NumPy values, what TensorFlow's .numpy() gives) are NumPy's
 _SAME_AS = {"ml_dtypes": "numpy"}
 
-# The stock path's own compress of a framework: ``hook(stock_compression, tensor)`` returns ``(tensor,
-# ctx)`` or None (the generic path). TensorFlow's builds graphs; its module builds on the frontend,
-# so it is registered here beside it rather than reached through it.
+# A framework's own stock compress, ``hook(stock_compression, tensor)`` -> ``(tensor, ctx)`` or None (the
+# generic path): TensorFlow's graphs, a module that builds on the frontend, so registered beside it.
 STOCK_HOOKS = {
     "tensorflow": "hvd_quant.tensorflow._graph:stock_compress",
 }

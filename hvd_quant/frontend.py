@@ -1,8 +1,7 @@
-"""One object per framework (``FRONTEND`` of ``hvd_quant.torch._backend`` and of
-``hvd_quant.tensorflow._backend``): what the core asks of it, the glue both share written once here.
-A subclass fills in ``make_collectives``, ``adapter`` and the stock path's primitives (``is_floating``,
-``describe`` -> :class:`TensorInfo`, ``ones``, ``cast``, ``split``, ``as_float``, ``restore``).
-"""
+"""One object per framework (``FRONTEND`` of ``hvd_quant.torch._backend`` and ``hvd_quant.tensorflow._backend``):
+what the core asks of it, the glue both share written once. A subclass fills in ``make_collectives``,
+``adapter`` and the stock path's primitives (``is_floating``, ``describe`` -> :class:`TensorInfo`,
+``ones``, ``cast``, ``split``, ``as_float``, ``restore``)."""
 import importlib
 import math
 
@@ -28,10 +27,9 @@ class TensorInfo:
 
 
 class Frontend:
-    """One framework as the core sees it (module doc), made with its ArrayOps table and the codecs'
-    adapter for its host tensors. A subclass sets ``name`` (the top-level module of its tensor
-    types), ``horovod`` (its Horovod module), ``float32`` and ``horovod_floats`` (the floating
-    dtypes Horovod's allreduce takes)."""
+    """One framework as the core sees it (module doc), made with its ArrayOps table and host adapter. A
+    subclass sets ``name`` (its tensors' top-level module), ``horovod`` (its Horovod module),
+    ``float32`` and ``horovod_floats`` (the floating dtypes Horovod's allreduce takes)."""
     name = horovod = None
     float32 = None
     horovod_floats = ()
@@ -39,19 +37,21 @@ class Frontend:
     def __init__(self, ops, host_adapter):
         self.ops, self.host_adapter = ops, host_adapter
         self._collectives = {}          # process set -> Collectives
+        self._hvd_ops = None            # core op name -> Horovod's op constant
 
     def __repr__(self):
         return f"<hvd_quant frontend {self.name}>"
 
     # -- Horovod --------------------------------------------------------------------------------------
     def hvd(self):
-        """The framework's Horovod module (imported on first use: the codecs need no Horovod)."""
+        """The framework's Horovod module (imported on use: the codecs need no Horovod)."""
         return importlib.import_module(self.horovod)
 
     def hvd_op(self, op):
-        """Core op name -> Horovod's op constant."""
-        hvd = self.hvd()
-        return {AVERAGE: hvd.Average, SUM: hvd.Sum}[op]
+        """Core op name -> Horovod's op constant (the table built on first use)."""
+        if self._hvd_ops is None:
+            self._hvd_ops = {AVERAGE: self.hvd().Average, SUM: self.hvd().Sum}
+        return self._hvd_ops[op]
 
     def core_op(self, op):
         """Horovod's op constant (or a core op name, or None: Average) -> core op name; Adasum raises."""
@@ -99,10 +99,9 @@ class Frontend:
 
 def bytes_sent_per_step(obj):
     """``{"sent": bytes, "fp32": bytes, "ratio": fp32/sent, "gbps": GB/s}`` of ``obj``'s last step: what
-    this rank sent, what an fp32 ring allreduce would have sent, and the exchange's effective
-    bandwidth (None where untimed). ``obj``: anything with ``bytes_per_step()`` (or an
-    ``hvd_quant_reducer`` that has one); a stock Horovod optimizer whose ``compression=`` is ours, or
-    that codec: the bytes since the last call."""
+    this rank sent, what an fp32 ring allreduce would have sent, and the effective bandwidth (None
+    where untimed). ``obj``: anything with ``bytes_per_step()`` (or its ``hvd_quant_reducer``); a stock
+    Horovod optimizer whose ``compression=`` is ours, or that codec: the bytes since the last call."""
     own = getattr(obj, "hvd_quant_reducer", obj)
     t = own.bytes_per_step() if hasattr(own, "bytes_per_step") else None
     if t is None:

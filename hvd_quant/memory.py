@@ -72,9 +72,7 @@ class Memory:
         d[key] = residual
 
     def clear(self):
-        for d in self._residuals.values():
-            d.clear()
-        self._ready.clear()
+        self.load_state_dict({})
 
     def state_dict(self):
         """``{Memory.WORKER: {key: copy}, Memory.SERVER: {key: copy}}``; tensors, so ``torch.save``

@@ -1,10 +1,7 @@
 """``reduction="two_level"`` of :class:`hvd_quant.exchange.Exchange`: the node's fp32 sum, the codec
 across nodes on this rank's shard of it, the shards gathered inside the node (docs/EXCHANGE.md, "Two
-levels"). An exchange made with that reduction hands its buckets to :class:`TwoLevel`, registered
-in ``exchange.LEVELLED`` when this module is imported (``hvd_quant`` imports it).
-
-The levels are Horovod process sets of the nodes (:func:`node_levels`, a method of every
-:class:`hvd_quant.frontend.Frontend`).
+levels"). :class:`TwoLevel` is registered in ``exchange.LEVELLED`` on import; the levels are the
+nodes' Horovod process sets (:func:`node_levels`, a method of every ``Frontend``).
 """
 import importlib
 import os
@@ -16,15 +13,12 @@ __all__ = ["TwoLevel", "node_levels", "node_ranks"]
 
 
 class TwoLevel:
-    """``reduction="two_level"`` of an :class:`Exchange` (:mod:`hvd_quant.exchange`'s doc): the node's
-    fp32 sum, the codec across nodes on this rank's shard of it, the shards gathered inside the node.
-
-    The levels come from ``Collectives.levels()`` of the exchange's ``coll``, taken again when that
-    changes (elastic). Across two nodes the shards go by allgather (the same bytes as SRA, one
-    quantization and one round instead of two), across more by SRA. Error feedback: the worker
-    residual of a bucket stays bucket-sized in the exchange's memory, this rank's shard of it
-    written and the rest zero (:class:`_ShardMemory`), so checkpoints keep per-tensor residuals as
-    with the flat reductions; the server residual is keyed by the cross-node rank and size.
+    """``reduction="two_level"`` of an :class:`Exchange` (module doc). The levels come from
+    ``Collectives.levels()`` of the exchange's ``coll``, taken again when that changes (elastic).
+    Across two nodes the shards go by allgather (SRA's bytes, one quantization and one round instead
+    of two), across more by SRA. Error feedback: a bucket's worker residual stays bucket-sized in the
+    exchange's memory, this rank's shard of it written, the rest zero (:class:`_ShardMemory`), so
+    checkpoints keep per-tensor residuals; the server residual is keyed by the cross-node rank and size.
     """
 
     class Pending(Pending):
