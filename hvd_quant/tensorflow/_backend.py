@@ -195,8 +195,6 @@ class TFHostAdapter(HostAdapter):
         return np.asarray(_value(x)).reshape(-1)
 
     def input_f32(self, x):
-        if x.dtype != tf.float32:
-            x = tf.cast(x, tf.float32)
         return np.ascontiguousarray(_value(x), dtype=np.float32).reshape(-1)
 
     def payload_np(self, payload):
@@ -220,11 +218,7 @@ class TFHostAdapter(HostAdapter):
         return tmp, lambda: out.assign(tmp.reshape(tuple(out.shape)))
 
     def wrap_result(self, arr_f32, dtype_name, shape, like):
-        if dtype_name == "bfloat16":
-            t = tf.cast(tf.convert_to_tensor(arr_f32), tf.bfloat16)
-        else:
-            t = tf.convert_to_tensor(arr_f32.astype(numpy_dtype(dtype_name), copy=False))
-        return tf.reshape(t, shape)
+        return tf.reshape(tf.convert_to_tensor(arr_f32.astype(numpy_dtype(dtype_name), copy=False)), shape)
 
 
 FRONTEND = TensorFlowFrontend(OPS, TFHostAdapter())

@@ -1,8 +1,5 @@
-"""The core exchange inside a TensorFlow graph (docs/TENSORFLOW.md, "Graph mode and eager mode"):
-``tf.numpy_function`` steps calling ``Exchange.start`` / ``advance`` / ``finish``, Horovod's graph
-collectives between them. The core talks to a *recording* Collectives table: its collectives only
-record what to send, ``synchronize`` returns what the graph op delivered. No step waits for another
-rank, so graph order may differ between ranks without deadlock.
+"""The core exchange inside a TensorFlow graph, as ``tf.numpy_function`` steps around Horovod's graph
+collectives, on a *recording* Collectives table (docs/TENSORFLOW.md, "Graph mode and eager mode").
 
 Stock path: :func:`stock_compress` is ``hvd_quant._stock``'s hook for TensorFlow tensors, this module
 the backend of its graph sessions. Inside Horovod's ``allreduce_grads`` the first ``compress`` of a
@@ -225,8 +222,7 @@ def stock_backend(process_set=None):
     return graph_collectives(process_set), OPS
 
 
-def stock_adapter():
-    return _backend.FRONTEND
+stock_adapter = _backend.FRONTEND.stock_adapter
 
 
 _CONTEXT = ("name", "process_set", "variable", "grads", "variables", "index", "op", "prescale", "postscale")
@@ -302,6 +298,7 @@ def describe_gradient(name, g):
                         isinstance(g, tf.Tensor) and g.dtype in _backend.FLOATS and static)
 
 
+# the stock sessions' exchanges -> their GraphExchange
 _ENGINES = weakref.WeakKeyDictionary()
 _ENGINES_LOCK = threading.Lock()
 
@@ -311,11 +308,9 @@ def _engine(sc, process_set, reduction=None):
     session = sc.session(sys.modules[__name__], process_set)
     exchange = session.exchange if reduction is None else session.exchange_for(reduction)
     with _ENGINES_LOCK:
-        engines = _ENGINES.setdefault(session, {})
-        eng = engines.get(exchange.reduction)
-        if eng is None:
-            eng = engines[exchange.reduction] = GraphExchange(exchange, exchange.coll.process_set)
-    return eng
+        if exchange not in _ENGINES:
+            _ENGINES[exchange] = GraphExchange(exchange, exchange.coll.process_set)
+        return _ENGINES[exchange]
 
 
 # reduction="auto" of the stock path: StockCompression -> {(process set id, plan record): GraphAuto}
@@ -328,8 +323,7 @@ class _GraphCtx:
     __slots__ = ("result", "info", "size", "plain")
 
     def __init__(self, result, info, size, plain=None):
-        # size: a Python int, as in Horovod's own allreduce (this path refuses elastic Horovod); a
-        # size op (stateful) would run every gradient's branch in program order
+        # size: a Python int (this path refuses elastic Horovod); a stateful size op would order the branches
         self.result, self.info, self.size, self.plain = result, info, size, plain
 
     def stock_decompress(self, summed_placeholder):

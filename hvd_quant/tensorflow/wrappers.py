@@ -102,13 +102,9 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
                             scale_local_gradients=True, reduction="sra", bucket_bytes=_plan.BUCKET_BYTES,
                             min_compress_numel=1024, warmup_steps=0, error_feedback=None,
                             compress_1d=False, device_exchange=False, reducer=None):
-    """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange.
-
-    Horovod's arguments keep their meaning (the sources may also be Keras 3 variables); the others
-    are :class:`GradientReducer`'s. ``reducer``: a :class:`GradientReducer` to use (and checkpoint);
-    by default tapes made with the same arguments (equal codecs, or the same spec string) share one,
-    ``tape.hvd_quant_reducer``, so state survives the per-step tape. One reduction per reducer per
-    step: a persistent tape whose ``gradient()`` is called twice a step wants a ``reducer=`` per call.
+    """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange: Horovod's
+    arguments (the sources may be Keras 3 variables) and :class:`GradientReducer`'s. ``reducer``: one
+    to use; by default tapes made with equal arguments share one (docs/TENSORFLOW.md).
     """
     if isinstance(groups, (list, tuple)):
         groups = [[_tf_variable(v) for v in g] for g in groups]
@@ -164,10 +160,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                          reduction="sra", bucket_bytes=_plan.BUCKET_BYTES, min_compress_numel=1024,
                          warmup_steps=0, error_feedback=None, compress_1d=False,
                          device_exchange=False):
-    """``horovod.tensorflow.DistributedOptimizer`` with a compressed gradient exchange: a
-    ``tf.compat.v1.train.Optimizer`` or a Keras optimizer (which goes to the Keras wrapper, as in
-    Horovod). Extra arguments as :func:`DistributedGradientTape`; the reducer is
-    ``opt.hvd_quant_reducer`` and is tracked by the optimizer's checkpoint as ``hvd_quant``."""
+    """``horovod.tensorflow.DistributedOptimizer`` with a compressed gradient exchange (a Keras optimizer
+    goes to the Keras wrapper); the reducer, ``opt.hvd_quant_reducer``, is checkpointed as ``hvd_quant``."""
     return _wrap_optimizer(hvd.DistributedOptimizer, locals(), use_locking=use_locking)
 
 
