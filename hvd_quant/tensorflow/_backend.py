@@ -182,9 +182,8 @@ def _value(t):
 
 
 class TFHostAdapter(HostAdapter):
-    """The codecs' adapter: eager CPU tensors through NumPy; payloads and results come back with
-    ``tf.convert_to_tensor``. ``decode_into`` needs a ``tf.Variable`` as ``out`` (decoded into a
-    NumPy temporary, then ``assign``): TensorFlow tensors are immutable."""
+    """The codecs' adapter: eager CPU tensors through NumPy; ``decode_into`` needs a ``tf.Variable``
+    as ``out`` (decoded into a NumPy temporary, then ``assign``): TensorFlow tensors are immutable."""
     views = False
 
     def describe(self, x):

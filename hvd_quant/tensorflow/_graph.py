@@ -230,11 +230,9 @@ _CONTEXT = ("name", "process_set", "variable", "grads", "variables", "index", "o
 
 @tf.autograph.experimental.do_not_convert
 def horovod_context(tensor):
-    """Name, process set and variable name of the gradient Horovod is compressing, read from
-    Horovod's frames: ``allreduce`` / ``grouped_allreduce`` (``name``, ``process_set``), then
-    ``allreduce_grads(grads, vars)`` (``grads``, ``vars``, and the gradient's index in ``grads``: by
-    identity, else the ``i`` of the comprehension over ``enumerate(grads)``), autograph's converted
-    copies (``tf__*``, ``else_body_*``, lambdas) included."""
+    """What Horovod's frames (autograph's converted copies included) say of the gradient it compresses:
+    ``allreduce`` / ``grouped_allreduce``'s arguments, then ``allreduce_grads(grads, vars)``'s lists
+    and the gradient's index (by identity, else the ``i`` of the comprehension over ``enumerate(grads)``)."""
     ctx = types.SimpleNamespace(**dict.fromkeys(_CONTEXT))
     seen, index = False, None
     f = sys._getframe(1)
@@ -336,10 +334,8 @@ class _GraphCtx:
 
 
 class GraphAuto:
-    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`): :meth:`route`, an op
-    run once per step, gives the index in ``CANDIDATES`` of this step's way (a step: the host time
-    between two runs). At the schedule's end the ranks allgather their medians (in a ``tf.cond``) and
-    take the same choice; rank 0 logs it."""
+    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`): :meth:`route`, run once
+    a step (the host time between two runs), gives the index in ``CANDIDATES`` of the step's way."""
     CANDIDATES = AutoChoice.CANDIDATES
 
     def __init__(self, name, process_set, engines):
@@ -397,9 +393,8 @@ _FUSED = weakref.WeakKeyDictionary()
 
 def _fused(sc, ps, hctx):
     """``({gradient index: float32 sum over ranks}, GraphAuto or None, its route op, the names)`` of
-    the ``allreduce_grads`` call of ``hctx``: its gradients planned and built once, at its first
-    ``compress``, in the graph that holds them (not in the ``tf.cond`` branch of Horovod's
-    allreduce). ``reduction="auto"``: a :class:`GraphAuto` per plan and process set, across traces."""
+    ``hctx``'s ``allreduce_grads`` call, built once, at its first ``compress``, in the graph that holds
+    the gradients (not in Horovod's ``tf.cond`` branch). A :class:`GraphAuto` serves every trace."""
     grads = hctx.grads
     outer = next(g.graph for g in grads if isinstance(g, tf.Tensor))
     key = (id(grads), id(sc), ps.process_set_id)

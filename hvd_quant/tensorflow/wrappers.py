@@ -131,10 +131,8 @@ _HOROVOD_OPTIMIZER_ARGS = ("name", "device_dense", "device_sparse", "sparse_as_d
 
 def _keras_major(optimizer):
     """The major version of the ``keras`` package of ``optimizer``'s class; 0 for any other package."""
-    root = sys.modules.get(type(optimizer).__module__.partition(".")[0])
-    if root is None or root.__name__ != "keras":
-        return 0
-    return int(str(getattr(root, "__version__", "0")).split(".")[0])
+    top = type(optimizer).__module__.partition(".")[0]
+    return int(str(getattr(sys.modules[top], "__version__", "0")).split(".")[0]) if top == "keras" else 0
 
 
 def _wrap_optimizer(factory, args, **extra):
