@@ -290,10 +290,8 @@ def describe_gradient(name, g):
     """A gradient as :func:`hvd_quant.plan.make_plan` sees it (None stays None: no gradient)."""
     if g is None:
         return None
-    shape = g.shape
-    static = shape.rank is not None and shape.is_fully_defined()
-    return _plan.Tensor(name, tuple(shape.as_list()) if shape.rank is not None else None,
-                        isinstance(g, tf.Tensor) and g.dtype in _backend.FLOATS and static)
+    info = _backend.FRONTEND.describe(g)        # tf.IndexedSlices are not dense: never compressed
+    return _plan.Tensor(name, info.shape, info.is_float and isinstance(g, tf.Tensor))
 
 
 # the stock sessions' exchanges -> their GraphExchange
