@@ -1,11 +1,7 @@
-"""The TensorFlow frontend: :data:`FRONTEND` (a ``hvd_quant.frontend.Frontend``, registered in
-``hvd_quant.dispatch``).
-
-TensorFlow tensors are immutable and have no views, so the core runs on **NumPy arrays in host
-memory** (:data:`OPS`): reads of CPU tensors are read-only views of TensorFlow's buffer, results the
-NumPy arrays the core wrote. The eager Collectives run each Horovod collective on a thread of its own
-(eager Horovod ops block their caller) through a cached ``tf.function`` per name (Horovod's eager ops
-ignore ``name=``). Inside a graph ``_graph.py`` takes over. GPU tensors: docs/TENSORFLOW.md, "GPU".
+"""The TensorFlow frontend :data:`FRONTEND`. TensorFlow tensors are immutable and have no views, so
+the core runs on **NumPy arrays in host memory** (:data:`OPS`). The eager Collectives run each Horovod
+collective on a thread of its own (eager Horovod ops block their caller) through a cached
+``tf.function`` per name (Horovod's eager ops ignore ``name=``). Graphs: ``_graph.py``.
 """
 import concurrent.futures
 import re
@@ -23,9 +19,8 @@ __all__ = ["FRONTEND", "TensorFlowFrontend", "OPS", "collectives", "hvd_op", "co
 
 GPU_REFUSED = (
     "hvd_quant does not take TensorFlow GPU tensors in its codecs, nor keep a TensorFlow exchange on "
-    "the GPU (device_exchange=True): no machine it is tested on has TensorFlow with a GPU, so that "
-    "path was never run (docs/TENSORFLOW.md, \"GPU\"). hvd_quant.tensorflow's tape and optimizers "
-    "reduce GPU gradients through host steps; for a codec, copy the tensor to the host first "
+    "the GPU (device_exchange=True): that path was never run (docs/TENSORFLOW.md, \"GPU\"). Its tape "
+    "and optimizers reduce GPU gradients through host steps; for a codec, copy the tensor to the host "
     "(with tf.device(\"/cpu:0\"): tf.identity(t)) or pass its NumPy value")
 
 FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)     # the dtypes the codecs take

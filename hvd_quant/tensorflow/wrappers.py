@@ -75,8 +75,7 @@ def _tape_key(kw):
 
 
 def _tf_variable(v):
-    """A Keras 3 variable (no ``.ref()``, by which Horovod 0.28.1's tape keys its sources) as the
-    ``tf.Variable`` it holds; anything else unchanged."""
+    """A Keras 3 variable (no ``.ref()``, which Horovod's tape needs) as its ``tf.Variable``; else ``v``."""
     if not hasattr(v, "ref") and isinstance(getattr(v, "value", None), tf.Variable):
         return v.value
     return v
@@ -139,11 +138,9 @@ def _wrap_optimizer(factory, args, **extra):
     """Horovod's optimizer wrapper ``factory`` with no compression of its own, and our reducer."""
     if _keras_major(args["optimizer"]) >= 3:
         raise TypeError(
-            f"{type(args['optimizer']).__name__} is a Keras 3 optimizer: Horovod 0.28.1's Keras wrapper "
-            "leaves its gradients unreduced (every rank would train on its own). Install tf_keras and "
-            "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then Keras 2), or "
-            "reduce in a custom loop with hvd_quant.tensorflow.DistributedGradientTape "
-            "(docs/TENSORFLOW.md, \"TensorFlow 2.19 and Keras 3\")")
+            f"{type(args['optimizer']).__name__} is a Keras 3 optimizer, whose gradients Horovod 0.28.1 leaves "
+            "unreduced: install tf_keras and set TF_USE_LEGACY_KERAS=1 before importing TensorFlow, or use "
+            "hvd_quant.tensorflow.DistributedGradientTape (docs/TENSORFLOW.md, \"TensorFlow 2.19 and Keras 3\")")
     kw = _reducer_args(args, args["backward_passes_per_step"])
     opt = factory(args["optimizer"], compression=_HvdCompression.none, groups=kw["groups"],
                   op=_backend.hvd_op(kw["op"]), **{k: args[k] for k in _HOROVOD_OPTIMIZER_ARGS}, **extra)
@@ -178,6 +175,5 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
 
 
 def step_metrics(obj):
-    """What the last step of an hvd_quant tape, optimizer or reducer did
-    (:func:`hvd_quant.scheduler.step_metrics`); None before its first step."""
+    """:func:`hvd_quant.scheduler.step_metrics` of an hvd_quant tape, optimizer or reducer's last step."""
     return reducer_of(obj).step_metrics()
