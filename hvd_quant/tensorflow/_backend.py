@@ -114,8 +114,7 @@ def _start(kind, name, ps, t, *args, more=()):
 
 
 class TensorFlowFrontend(Frontend):
-    """TensorFlow's primitives for :class:`hvd_quant.frontend.Frontend`; eager and symbolic tensors
-    alike for the stock path (a symbolic tensor's shape may be unknown: ``describe`` says so)."""
+    """TensorFlow's primitives for :class:`hvd_quant.frontend.Frontend`; symbolic tensors too (stock path)."""
     name, horovod = "tensorflow", "horovod.tensorflow"
     float32 = tf.float32
     horovod_floats = (tf.float16, tf.float32, tf.float64)      # no bfloat16
@@ -127,9 +126,6 @@ class TensorFlowFrontend(Frontend):
         return self.host_adapter
 
     def make_collectives(self, ps):
-        def allgather_async(t, name, sizes=None):      # (Horovod gathers the lengths itself)
-            return _start("allgather", name, ps, t)
-
         def alltoall_async(t, splits, name):
             return _start("alltoall", name, ps, t, more=(tf.constant(list(map(int, splits)), tf.int32),))
 
@@ -137,10 +133,10 @@ class TensorFlowFrontend(Frontend):
             return _start("allreduce", name, ps, t, op, float(prescale_factor), float(postscale_factor))
 
         levels = (lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None
-        return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
+        return Collectives(rank=ps.rank(), size=ps.size(), process_set=ps, levels=levels,
+                           allgather_async=lambda t, name, sizes=None: _start("allgather", name, ps, t),
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
-                           synchronize=lambda future: to_numpy(future.result()), process_set=ps,
-                           levels=levels)
+                           synchronize=lambda future: to_numpy(future.result()))
 
     # -- primitives of the stock path -------------------------------------------------------------
     is_floating = staticmethod(lambda dtype: dtype.is_floating)

@@ -91,9 +91,8 @@ class GraphExchange:
         self._levels = None        # reduction="two_level": its GraphTwoLevel
 
     def rebind(self):
-        """Bind the exchange to the process set's rank and size now (under ``lock``, at run time):
-        elastic Horovod changes them under a trace. In a new world every rank runs the handshakes
-        again and restarts the exchange counters from zero (a worker that joins has none)."""
+        """Bind the exchange to the process set's rank and size now (under ``lock``): elastic Horovod
+        changes them under a trace. A new world runs the handshakes again, its counters from zero."""
         coll = graph_collectives(self.process_set)
         if coll is self.exchange.coll:
             return
@@ -337,8 +336,7 @@ class GraphAuto:
     CANDIDATES = AutoChoice.CANDIDATES
 
     def __init__(self, name, process_set, engines):
-        self.name, self.process_set = name, process_set
-        self.engines = engines           # reduction -> GraphExchange
+        self.name, self.process_set, self.engines = name, process_set, engines     # reduction -> GraphExchange
         self.choice = AutoChoice()
         self.ticked = False
         self.lock = threading.Lock()
@@ -412,13 +410,12 @@ def _fused(sc, ps, hctx):
             if not plan.buckets:
                 out = {}
             elif sc.reduction == _plan.AUTO:
-                autos = _AUTOS.setdefault(sc, {})
-                auto = autos.get((ps.process_set_id, plan.record))
-                if auto is None:
+                autos, akey = _AUTOS.setdefault(sc, {}), (ps.process_set_id, plan.record)
+                if akey not in autos:
                     engines = {r: _engine(sc, ps, r) for r in ("allgather", "sra")}
-                    auto = autos[(ps.process_set_id, plan.record)] = GraphAuto(
-                        f"hvdq.stock.{plan.key}", ps, engines)
-                    sc.adopt_auto(plan.key, auto.choice)
+                    autos[akey] = GraphAuto(f"hvdq.stock.{plan.key}", ps, engines)
+                    sc.adopt_auto(plan.key, autos[akey].choice)
+                auto = autos[akey]
                 route = auto.route()
                 out = {i: piece for b in plan.buckets
                        for i, piece in zip(b.members, auto.bucket(route, b, grads))}

@@ -177,11 +177,10 @@ class GradientReducer(_Trackable):
 
     def _account(self, engine, trace, warm):
         """The step's traffic (fp32 allreduces: the plain gradients, and in warm-up every one)."""
-        seconds = engine.take_seconds()
         with engine.lock:
             t = engine.exchange.traffic
             t.add_allreduce(*(trace.warm if warm else trace.plain), engine.exchange.coll.size)
-            t.seconds = seconds
+            t.seconds = engine.take_seconds()
             self.last_traffic = t.copy()
             t.reset()
         self._last = (trace.plan, [_plan.ALLREDUCE if warm else self.reduction] * len(trace.plan.buckets))

@@ -51,8 +51,7 @@ _REDUCER_ARGS = ("compression", "op", "reduction", "bucket_bytes", "min_compress
 
 
 def _reducer_args(args, backward_passes_per_step=1):
-    """The GradientReducer arguments among a wrapper's ``locals()``, checked: ``op`` as the core's,
-    ``num_groups`` folded into ``groups`` as Horovod does."""
+    """The GradientReducer arguments among a wrapper's ``locals()``, checked (``num_groups`` as ``groups``)."""
     if args["device_exchange"]:
         raise ValueError(f"hvd_quant: {_backend.GPU_REFUSED}")
     _plan.check_backward_passes(backward_passes_per_step)
