@@ -167,9 +167,8 @@ def _value(t):
         return t.numpy()
     except (AttributeError, NotImplementedError):
         raise UnsupportedInputError(
-            "hvd_quant codecs take eager TensorFlow tensors; inside a tf.function use "
-            "hvd_quant.tensorflow.GradientReducer / DistributedGradientTape (or Horovod's, with "
-            "compression=codec), or call the codec through tf.py_function") from None
+            "hvd_quant codecs take eager TensorFlow tensors; inside a tf.function use hvd_quant.tensorflow's "
+            "GradientReducer / DistributedGradientTape (or Horovod's, compression=codec), or tf.py_function") from None
 
 
 class TFHostAdapter(HostAdapter):
