@@ -336,7 +336,7 @@ class GraphAuto:
     CANDIDATES = AutoChoice.CANDIDATES
 
     def __init__(self, name, process_set, engines):
-        self.name, self.process_set, self.engines = name, process_set, engines     # reduction -> GraphExchange
+        self.name, self.process_set, self.engines = name, process_set, engines    # engines: reduction -> GraphExchange
         self.choice = AutoChoice()
         self.ticked = False
         self.lock = threading.Lock()
