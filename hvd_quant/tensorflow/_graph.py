@@ -293,8 +293,7 @@ def describe_gradient(name, g):
     return _plan.Tensor(name, info.shape, info.is_float and isinstance(g, tf.Tensor))
 
 
-# the stock sessions' exchanges -> their GraphExchange
-_ENGINES = weakref.WeakKeyDictionary()
+_ENGINES = weakref.WeakKeyDictionary()      # stock session -> {reduction: its GraphExchange}
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -303,9 +302,10 @@ def _engine(sc, process_set, reduction=None):
     session = sc.session(sys.modules[__name__], process_set)
     exchange = session.exchange if reduction is None else session.exchange_for(reduction)
     with _ENGINES_LOCK:
-        if exchange not in _ENGINES:
-            _ENGINES[exchange] = GraphExchange(exchange, exchange.coll.process_set)
-        return _ENGINES[exchange]
+        engines = _ENGINES.setdefault(session, {})
+        if exchange.reduction not in engines:
+            engines[exchange.reduction] = GraphExchange(exchange, exchange.coll.process_set)
+        return engines[exchange.reduction]
 
 
 # reduction="auto" of the stock path: StockCompression -> {(process set id, plan record): GraphAuto}
