@@ -1,8 +1,5 @@
-"""TensorFlow frontend (TensorFlow 2.15, 2.19 or 2.20 with Keras 2, Horovod 0.28.1): docs/TENSORFLOW.md.
-
-:func:`DistributedGradientTape`, :func:`DistributedOptimizer` (and ``.keras.DistributedOptimizer``):
-Horovod's wrappers with the compressed exchange of a :class:`GradientReducer`; :data:`OPS` /
-:func:`collectives`: the core's tables for TensorFlow. Attributes are imported on first use.
+"""TensorFlow frontend (docs/TENSORFLOW.md): Horovod's wrappers with the compressed exchange of a
+:class:`GradientReducer`; :data:`OPS` / :func:`collectives`, the core's tables. Imported on first use.
 """
 from .._lazy import lazy_exports
 

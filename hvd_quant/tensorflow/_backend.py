@@ -1,11 +1,7 @@
-"""The TensorFlow frontend: :data:`FRONTEND` (a ``hvd_quant.frontend.Frontend``, registered in
-``hvd_quant.dispatch``).
-
-TensorFlow tensors are immutable and have no views, so the core runs on **NumPy arrays in host
-memory** (:data:`OPS`): reads of CPU tensors are read-only views of TensorFlow's buffer, results the
-NumPy arrays the core wrote. The eager Collectives run each Horovod collective on a thread of its own
-(eager Horovod ops block their caller) through a cached ``tf.function`` per name (Horovod's eager ops
-ignore ``name=``). Inside a graph ``_graph.py`` takes over. GPU tensors: docs/TENSORFLOW.md, "GPU".
+"""The TensorFlow frontend :data:`FRONTEND`. TensorFlow tensors are immutable and have no views, so
+the core runs on **NumPy arrays in host memory** (:data:`OPS`). The eager Collectives run each Horovod
+collective on a thread of its own (eager Horovod ops block their caller) through a cached
+``tf.function`` per name (Horovod's eager ops ignore ``name=``). Graphs: ``_graph.py``.
 """
 import concurrent.futures
 import re
@@ -23,9 +19,8 @@ __all__ = ["FRONTEND", "TensorFlowFrontend", "OPS", "collectives", "hvd_op", "co
 
 GPU_REFUSED = (
     "hvd_quant does not take TensorFlow GPU tensors in its codecs, nor keep a TensorFlow exchange on "
-    "the GPU (device_exchange=True): no machine it is tested on has TensorFlow with a GPU, so that "
-    "path was never run (docs/TENSORFLOW.md, \"GPU\"). hvd_quant.tensorflow's tape and optimizers "
-    "reduce GPU gradients through host steps; for a codec, copy the tensor to the host first "
+    "the GPU (device_exchange=True): that path was never run (docs/TENSORFLOW.md, \"GPU\"). Its tape "
+    "and optimizers reduce GPU gradients through host steps; for a codec, copy the tensor to the host "
     "(with tf.device(\"/cpu:0\"): tf.identity(t)) or pass its NumPy value")
 
 FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)     # the dtypes the codecs take
@@ -119,8 +114,7 @@ def _start(kind, name, ps, t, *args, more=()):
 
 
 class TensorFlowFrontend(Frontend):
-    """TensorFlow's primitives for :class:`hvd_quant.frontend.Frontend`; eager and symbolic tensors
-    alike for the stock path (a symbolic tensor's shape may be unknown: ``describe`` says so)."""
+    """TensorFlow's primitives for :class:`hvd_quant.frontend.Frontend`; symbolic tensors too (stock path)."""
     name, horovod = "tensorflow", "horovod.tensorflow"
     float32 = tf.float32
     horovod_floats = (tf.float16, tf.float32, tf.float64)      # no bfloat16
@@ -132,9 +126,6 @@ class TensorFlowFrontend(Frontend):
         return self.host_adapter
 
     def make_collectives(self, ps):
-        def allgather_async(t, name, sizes=None):      # (Horovod gathers the lengths itself)
-            return _start("allgather", name, ps, t)
-
         def alltoall_async(t, splits, name):
             return _start("alltoall", name, ps, t, more=(tf.constant(list(map(int, splits)), tf.int32),))
 
@@ -142,10 +133,10 @@ class TensorFlowFrontend(Frontend):
             return _start("allreduce", name, ps, t, op, float(prescale_factor), float(postscale_factor))
 
         levels = (lambda probe=False: self.node_levels(ps, probe)) if ps.process_set_id == 0 else None
-        return Collectives(rank=ps.rank(), size=ps.size(), allgather_async=allgather_async,
+        return Collectives(rank=ps.rank(), size=ps.size(), process_set=ps, levels=levels,
+                           allgather_async=lambda t, name, sizes=None: _start("allgather", name, ps, t),
                            alltoall_async=alltoall_async, allreduce_async=allreduce_async,
-                           synchronize=lambda future: to_numpy(future.result()), process_set=ps,
-                           levels=levels)
+                           synchronize=lambda future: to_numpy(future.result()))
 
     # -- primitives of the stock path -------------------------------------------------------------
     is_floating = staticmethod(lambda dtype: dtype.is_floating)
@@ -176,15 +167,13 @@ def _value(t):
         return t.numpy()
     except (AttributeError, NotImplementedError):
         raise UnsupportedInputError(
-            "hvd_quant codecs take eager TensorFlow tensors; inside a tf.function use "
-            "hvd_quant.tensorflow.GradientReducer / DistributedGradientTape (or Horovod's, with "
-            "compression=codec), or call the codec through tf.py_function") from None
+            "hvd_quant codecs take eager TensorFlow tensors; inside a tf.function use hvd_quant.tensorflow's "
+            "GradientReducer / DistributedGradientTape (or Horovod's, compression=codec), or tf.py_function") from None
 
 
 class TFHostAdapter(HostAdapter):
-    """The codecs' adapter: eager CPU tensors through NumPy; payloads and results come back with
-    ``tf.convert_to_tensor``. ``decode_into`` needs a ``tf.Variable`` as ``out`` (decoded into a
-    NumPy temporary, then ``assign``): TensorFlow tensors are immutable."""
+    """The codecs' adapter: eager CPU tensors through NumPy; ``decode_into`` needs a ``tf.Variable``
+    as ``out`` (decoded into a NumPy temporary, then ``assign``): TensorFlow tensors are immutable."""
     views = False
 
     def describe(self, x):
@@ -195,8 +184,6 @@ class TFHostAdapter(HostAdapter):
         return np.asarray(_value(x)).reshape(-1)
 
     def input_f32(self, x):
-        if x.dtype != tf.float32:
-            x = tf.cast(x, tf.float32)
         return np.ascontiguousarray(_value(x), dtype=np.float32).reshape(-1)
 
     def payload_np(self, payload):
@@ -220,11 +207,7 @@ class TFHostAdapter(HostAdapter):
         return tmp, lambda: out.assign(tmp.reshape(tuple(out.shape)))
 
     def wrap_result(self, arr_f32, dtype_name, shape, like):
-        if dtype_name == "bfloat16":
-            t = tf.cast(tf.convert_to_tensor(arr_f32), tf.bfloat16)
-        else:
-            t = tf.convert_to_tensor(arr_f32.astype(numpy_dtype(dtype_name), copy=False))
-        return tf.reshape(t, shape)
+        return tf.reshape(tf.convert_to_tensor(arr_f32.astype(numpy_dtype(dtype_name), copy=False)), shape)
 
 
 FRONTEND = TensorFlowFrontend(OPS, TFHostAdapter())

@@ -1,8 +1,5 @@
-"""The core exchange inside a TensorFlow graph (docs/TENSORFLOW.md, "Graph mode and eager mode"):
-``tf.numpy_function`` steps calling ``Exchange.start`` / ``advance`` / ``finish``, Horovod's graph
-collectives between them. The core talks to a *recording* Collectives table: its collectives only
-record what to send, ``synchronize`` returns what the graph op delivered. No step waits for another
-rank, so graph order may differ between ranks without deadlock.
+"""The core exchange inside a TensorFlow graph, as ``tf.numpy_function`` steps around Horovod's graph
+collectives, on a *recording* Collectives table (docs/TENSORFLOW.md, "Graph mode and eager mode").
 
 Stock path: :func:`stock_compress` is ``hvd_quant._stock``'s hook for TensorFlow tensors, this module
 the backend of its graph sessions. Inside Horovod's ``allreduce_grads`` the first ``compress`` of a
@@ -94,9 +91,8 @@ class GraphExchange:
         self._levels = None        # reduction="two_level": its GraphTwoLevel
 
     def rebind(self):
-        """Bind the exchange to the process set's rank and size now (under ``lock``, at run time):
-        elastic Horovod changes them under a trace. In a new world every rank runs the handshakes
-        again and restarts the exchange counters from zero (a worker that joins has none)."""
+        """Bind the exchange to the process set's rank and size now (under ``lock``): elastic Horovod
+        changes them under a trace. A new world runs the handshakes again, its counters from zero."""
         coll = graph_collectives(self.process_set)
         if coll is self.exchange.coll:
             return
@@ -225,8 +221,7 @@ def stock_backend(process_set=None):
     return graph_collectives(process_set), OPS
 
 
-def stock_adapter():
-    return _backend.FRONTEND
+stock_adapter = _backend.FRONTEND.stock_adapter
 
 
 _CONTEXT = ("name", "process_set", "variable", "grads", "variables", "index", "op", "prescale", "postscale")
@@ -234,11 +229,9 @@ _CONTEXT = ("name", "process_set", "variable", "grads", "variables", "index", "o
 
 @tf.autograph.experimental.do_not_convert
 def horovod_context(tensor):
-    """Name, process set and variable name of the gradient Horovod is compressing, read from
-    Horovod's frames: ``allreduce`` / ``grouped_allreduce`` (``name``, ``process_set``), then
-    ``allreduce_grads(grads, vars)`` (``grads``, ``vars``, and the gradient's index in ``grads``: by
-    identity, else the ``i`` of the comprehension over ``enumerate(grads)``), autograph's converted
-    copies (``tf__*``, ``else_body_*``, lambdas) included."""
+    """What Horovod's frames (autograph's converted copies included) say of the gradient it compresses:
+    ``allreduce`` / ``grouped_allreduce``'s arguments, then ``allreduce_grads(grads, vars)``'s lists
+    and the gradient's index (by identity, else the ``i`` of the comprehension over ``enumerate(grads)``)."""
     ctx = types.SimpleNamespace(**dict.fromkeys(_CONTEXT))
     seen, index = False, None
     f = sys._getframe(1)
@@ -296,13 +289,11 @@ def describe_gradient(name, g):
     """A gradient as :func:`hvd_quant.plan.make_plan` sees it (None stays None: no gradient)."""
     if g is None:
         return None
-    shape = g.shape
-    static = shape.rank is not None and shape.is_fully_defined()
-    return _plan.Tensor(name, tuple(shape.as_list()) if shape.rank is not None else None,
-                        isinstance(g, tf.Tensor) and g.dtype in _backend.FLOATS and static)
+    info = _backend.FRONTEND.describe(g)        # tf.IndexedSlices are not dense: never compressed
+    return _plan.Tensor(name, info.shape, info.is_float and isinstance(g, tf.Tensor))
 
 
-_ENGINES = weakref.WeakKeyDictionary()
+_ENGINES = weakref.WeakKeyDictionary()      # stock session -> {reduction: its GraphExchange}
 _ENGINES_LOCK = threading.Lock()
 
 
@@ -312,10 +303,9 @@ def _engine(sc, process_set, reduction=None):
     exchange = session.exchange if reduction is None else session.exchange_for(reduction)
     with _ENGINES_LOCK:
         engines = _ENGINES.setdefault(session, {})
-        eng = engines.get(exchange.reduction)
-        if eng is None:
-            eng = engines[exchange.reduction] = GraphExchange(exchange, exchange.coll.process_set)
-    return eng
+        if exchange.reduction not in engines:
+            engines[exchange.reduction] = GraphExchange(exchange, exchange.coll.process_set)
+        return engines[exchange.reduction]
 
 
 # reduction="auto" of the stock path: StockCompression -> {(process set id, plan record): GraphAuto}
@@ -328,8 +318,7 @@ class _GraphCtx:
     __slots__ = ("result", "info", "size", "plain")
 
     def __init__(self, result, info, size, plain=None):
-        # size: a Python int, as in Horovod's own allreduce (this path refuses elastic Horovod); a
-        # size op (stateful) would run every gradient's branch in program order
+        # size: a Python int (this path refuses elastic Horovod); a stateful size op would order the branches
         self.result, self.info, self.size, self.plain = result, info, size, plain
 
     def stock_decompress(self, summed_placeholder):
@@ -342,15 +331,12 @@ class _GraphCtx:
 
 
 class GraphAuto:
-    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`): :meth:`route`, an op
-    run once per step, gives the index in ``CANDIDATES`` of this step's way (a step: the host time
-    between two runs). At the schedule's end the ranks allgather their medians (in a ``tf.cond``) and
-    take the same choice; rank 0 logs it."""
+    """``reduction="auto"`` in a graph (:class:`hvd_quant.scheduler.AutoChoice`): :meth:`route`, run once
+    a step (the host time between two runs), gives the index in ``CANDIDATES`` of the step's way."""
     CANDIDATES = AutoChoice.CANDIDATES
 
     def __init__(self, name, process_set, engines):
-        self.name, self.process_set = name, process_set
-        self.engines = engines           # reduction -> GraphExchange
+        self.name, self.process_set, self.engines = name, process_set, engines    # engines: reduction -> GraphExchange
         self.choice = AutoChoice()
         self.ticked = False
         self.lock = threading.Lock()
@@ -403,9 +389,8 @@ _FUSED = weakref.WeakKeyDictionary()
 
 def _fused(sc, ps, hctx):
     """``({gradient index: float32 sum over ranks}, GraphAuto or None, its route op, the names)`` of
-    the ``allreduce_grads`` call of ``hctx``: its gradients planned and built once, at its first
-    ``compress``, in the graph that holds them (not in the ``tf.cond`` branch of Horovod's
-    allreduce). ``reduction="auto"``: a :class:`GraphAuto` per plan and process set, across traces."""
+    ``hctx``'s ``allreduce_grads`` call, built once, at its first ``compress``, in the graph that holds
+    the gradients (not in Horovod's ``tf.cond`` branch). A :class:`GraphAuto` serves every trace."""
     grads = hctx.grads
     outer = next(g.graph for g in grads if isinstance(g, tf.Tensor))
     key = (id(grads), id(sc), ps.process_set_id)
@@ -425,13 +410,12 @@ def _fused(sc, ps, hctx):
             if not plan.buckets:
                 out = {}
             elif sc.reduction == _plan.AUTO:
-                autos = _AUTOS.setdefault(sc, {})
-                auto = autos.get((ps.process_set_id, plan.record))
-                if auto is None:
+                autos, akey = _AUTOS.setdefault(sc, {}), (ps.process_set_id, plan.record)
+                if akey not in autos:
                     engines = {r: _engine(sc, ps, r) for r in ("allgather", "sra")}
-                    auto = autos[(ps.process_set_id, plan.record)] = GraphAuto(
-                        f"hvdq.stock.{plan.key}", ps, engines)
-                    sc.adopt_auto(plan.key, auto.choice)
+                    autos[akey] = GraphAuto(f"hvdq.stock.{plan.key}", ps, engines)
+                    sc.adopt_auto(plan.key, autos[akey].choice)
+                auto = autos[akey]
                 route = auto.route()
                 out = {i: piece for b in plan.buckets
                        for i, piece in zip(b.members, auto.bucket(route, b, grads))}

@@ -80,12 +80,10 @@ class GradientReducer(_Trackable):
 
     # -- configuration --------------------------------------------------------------------------------
     def _connect(self):
-        ps = self.process_set
-        coll = graph_collectives(ps)
+        coll = graph_collectives(self.process_set)
         if self._engine is None or self._engine.exchange.coll is not coll:
-            exchange = Exchange(self.codec, coll, OPS, reduction=self.reduction, memory=self.memory,
-                                prefix=_PREFIX)
-            self._engine = GraphExchange(exchange, ps, self._steps)
+            exchange = Exchange(self.codec, coll, OPS, reduction=self.reduction, memory=self.memory, prefix=_PREFIX)
+            self._engine = GraphExchange(exchange, self.process_set, self._steps)
         return self._engine
 
     # -- plan -----------------------------------------------------------------------------------------
@@ -179,19 +177,17 @@ class GradientReducer(_Trackable):
 
     def _account(self, engine, trace, warm):
         """The step's traffic (fp32 allreduces: the plain gradients, and in warm-up every one)."""
-        seconds = engine.take_seconds()
         with engine.lock:
             t = engine.exchange.traffic
             t.add_allreduce(*(trace.warm if warm else trace.plain), engine.exchange.coll.size)
-            t.seconds = seconds
+            t.seconds = engine.take_seconds()
             self.last_traffic = t.copy()
             t.reset()
         self._last = (trace.plan, [_plan.ALLREDUCE if warm else self.reduction] * len(trace.plan.buckets))
         return np.int64(0)
 
     def bytes_per_step(self):
-        """:class:`hvd_quant.exchange.Traffic` of the last reduction (``.sent_bytes``, ``.fp32_bytes``,
-        ``.ratio``)."""
+        """:class:`hvd_quant.exchange.Traffic` of the last reduction."""
         return self.last_traffic
 
     def step_metrics(self):
@@ -205,8 +201,7 @@ class GradientReducer(_Trackable):
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self):
         """``{"step", "codec", "reduction", "residuals": {var name: array}, "server_residuals":
-        {(bucket header, rank, size): array}, "exchange_steps": {bucket: count}}``: this rank's, as
-        NumPy copies. The exchange counters key the stochastic rounding (a resumed run draws the same noise)."""
+        {(bucket header, rank, size): array}, "exchange_steps": {bucket: count}}``: this rank's, copied."""
         with self._lock:
             residuals, server = dict(self._restored), dict(self._restored_server)
             for trace in self._traces.values() if self.memory is not None else ():
@@ -220,8 +215,7 @@ class GradientReducer(_Trackable):
                 "exchange_steps": steps}
 
     def load_state_dict(self, state):
-        """Restore what :meth:`state_dict` returned (server residuals keyed otherwise than by
-        ``(bucket header, rank, size)`` are ignored)."""
+        """Restore what :meth:`state_dict` returned."""
         with self._lock:
             self.step.assign(int(state.get("step", 0)))
             self._steps.clear()

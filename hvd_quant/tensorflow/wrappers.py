@@ -51,8 +51,7 @@ _REDUCER_ARGS = ("compression", "op", "reduction", "bucket_bytes", "min_compress
 
 
 def _reducer_args(args, backward_passes_per_step=1):
-    """The GradientReducer arguments among a wrapper's ``locals()``, checked: ``op`` as the core's,
-    ``num_groups`` folded into ``groups`` as Horovod does."""
+    """The GradientReducer arguments among a wrapper's ``locals()``, checked (``num_groups`` as ``groups``)."""
     if args["device_exchange"]:
         raise ValueError(f"hvd_quant: {_backend.GPU_REFUSED}")
     _plan.check_backward_passes(backward_passes_per_step)
@@ -75,8 +74,7 @@ def _tape_key(kw):
 
 
 def _tf_variable(v):
-    """A Keras 3 variable (no ``.ref()``, by which Horovod 0.28.1's tape keys its sources) as the
-    ``tf.Variable`` it holds; anything else unchanged."""
+    """A Keras 3 variable (no ``.ref()``, which Horovod's tape needs) as its ``tf.Variable``; else ``v``."""
     if not hasattr(v, "ref") and isinstance(getattr(v, "value", None), tf.Variable):
         return v.value
     return v
@@ -102,13 +100,9 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
                             scale_local_gradients=True, reduction="sra", bucket_bytes=_plan.BUCKET_BYTES,
                             min_compress_numel=1024, warmup_steps=0, error_feedback=None,
                             compress_1d=False, device_exchange=False, reducer=None):
-    """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange.
-
-    Horovod's arguments keep their meaning (the sources may also be Keras 3 variables); the others
-    are :class:`GradientReducer`'s. ``reducer``: a :class:`GradientReducer` to use (and checkpoint);
-    by default tapes made with the same arguments (equal codecs, or the same spec string) share one,
-    ``tape.hvd_quant_reducer``, so state survives the per-step tape. One reduction per reducer per
-    step: a persistent tape whose ``gradient()`` is called twice a step wants a ``reducer=`` per call.
+    """``horovod.tensorflow.DistributedGradientTape`` with a compressed gradient exchange: Horovod's
+    arguments (the sources may be Keras 3 variables) and :class:`GradientReducer`'s. ``reducer``: one
+    to use; by default tapes made with equal arguments share one (docs/TENSORFLOW.md).
     """
     if isinstance(groups, (list, tuple)):
         groups = [[_tf_variable(v) for v in g] for g in groups]
@@ -135,21 +129,17 @@ _HOROVOD_OPTIMIZER_ARGS = ("name", "device_dense", "device_sparse", "sparse_as_d
 
 def _keras_major(optimizer):
     """The major version of the ``keras`` package of ``optimizer``'s class; 0 for any other package."""
-    root = sys.modules.get(type(optimizer).__module__.partition(".")[0])
-    if root is None or root.__name__ != "keras":
-        return 0
-    return int(str(getattr(root, "__version__", "0")).split(".")[0])
+    top = type(optimizer).__module__.partition(".")[0]
+    return int(str(getattr(sys.modules[top], "__version__", "0")).split(".")[0]) if top == "keras" else 0
 
 
 def _wrap_optimizer(factory, args, **extra):
     """Horovod's optimizer wrapper ``factory`` with no compression of its own, and our reducer."""
     if _keras_major(args["optimizer"]) >= 3:
         raise TypeError(
-            f"{type(args['optimizer']).__name__} is a Keras 3 optimizer: Horovod 0.28.1's Keras wrapper "
-            "leaves its gradients unreduced (every rank would train on its own). Install tf_keras and "
-            "set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then Keras 2), or "
-            "reduce in a custom loop with hvd_quant.tensorflow.DistributedGradientTape "
-            "(docs/TENSORFLOW.md, \"TensorFlow 2.19 and Keras 3\")")
+            f"{type(args['optimizer']).__name__} is a Keras 3 optimizer, whose gradients Horovod 0.28.1 leaves "
+            "unreduced: install tf_keras and set TF_USE_LEGACY_KERAS=1 before importing TensorFlow, or use "
+            "hvd_quant.tensorflow.DistributedGradientTape (docs/TENSORFLOW.md, \"TensorFlow 2.19 and Keras 3\")")
     kw = _reducer_args(args, args["backward_passes_per_step"])
     opt = factory(args["optimizer"], compression=_HvdCompression.none, groups=kw["groups"],
                   op=_backend.hvd_op(kw["op"]), **{k: args[k] for k in _HOROVOD_OPTIMIZER_ARGS}, **extra)
@@ -164,10 +154,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                          reduction="sra", bucket_bytes=_plan.BUCKET_BYTES, min_compress_numel=1024,
                          warmup_steps=0, error_feedback=None, compress_1d=False,
                          device_exchange=False):
-    """``horovod.tensorflow.DistributedOptimizer`` with a compressed gradient exchange: a
-    ``tf.compat.v1.train.Optimizer`` or a Keras optimizer (which goes to the Keras wrapper, as in
-    Horovod). Extra arguments as :func:`DistributedGradientTape`; the reducer is
-    ``opt.hvd_quant_reducer`` and is tracked by the optimizer's checkpoint as ``hvd_quant``."""
+    """``horovod.tensorflow.DistributedOptimizer`` with a compressed gradient exchange (a Keras optimizer
+    goes to the Keras wrapper); the reducer, ``opt.hvd_quant_reducer``, is checkpointed as ``hvd_quant``."""
     return _wrap_optimizer(hvd.DistributedOptimizer, locals(), use_locking=use_locking)
 
 
@@ -186,6 +174,5 @@ def KerasDistributedOptimizer(optimizer, name=None, device_dense='', device_spar
 
 
 def step_metrics(obj):
-    """What the last step of an hvd_quant tape, optimizer or reducer did
-    (:func:`hvd_quant.scheduler.step_metrics`); None before its first step."""
+    """:func:`hvd_quant.scheduler.step_metrics` of an hvd_quant tape, optimizer or reducer's last step."""
     return reducer_of(obj).step_metrics()

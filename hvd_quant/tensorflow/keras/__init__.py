@@ -1,6 +1,5 @@
-"""``hvd_quant.tensorflow.keras.DistributedOptimizer``: Horovod's Keras optimizer wrapper with a
-compressed gradient exchange, for ``model.fit`` with Keras 2 (a Keras 3 optimizer is refused:
-docs/TENSORFLOW.md). Horovod's Keras ``callbacks`` work unchanged and are re-exported here.
+"""``DistributedOptimizer``: Horovod's Keras wrapper with a compressed gradient exchange, for ``model.fit``
+with Keras 2 (docs/TENSORFLOW.md); Horovod's Keras ``callbacks``, re-exported unchanged.
 """
 from horovod.tensorflow.keras import callbacks  # noqa: F401
 
