@@ -393,6 +393,13 @@ class _Encode(_Op):
         else:
             self._launch(raw, px, ps, _stream(stream))
 
+    def bind(self, h, words):
+        """The per-step call of ``Codec.bind_encode`` on ``x``'s stream; ``h``: the adapter's converters
+        ``(input, payload, out, stream, status)`` (so are the other ops' ``bind``)."""
+        f32, pay, to_out, stream = h[:4]
+        return lambda x, payload, key, residual=None: self(f32(x)[1], pay(payload), words, key, stream(x),
+                                                          None if residual is None else to_out(residual)[0])
+
 
 class _ReduceRequantize(_Encode):
     """A prepared reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
@@ -423,6 +430,12 @@ class _ReduceRequantize(_Encode):
                 r.slots[i + 10].value = pr
                 r.slots[i + 11].value = resid
         self._launch(raw, 0, pp + self.scales_off, _stream(stream))
+
+    def bind(self, h, words, expect):
+        _, pay, to_out, stream, status = h
+        return lambda payloads, n, residual, out_payload, key: self(
+            pay(payloads), n, None if residual is None else to_out(residual)[0], pay(out_payload), words, key,
+            stream(out_payload), status, expect)
 
 
 class _Decode(_Op):
@@ -503,6 +516,10 @@ class _Decode(_Op):
             raw.set_check(4, status, expect)
         raw.launch(self.grid, BLOCK, _stream(stream))
 
+    def bind(self, h, expect):
+        _, pay, to_out, stream, status = h
+        return lambda payload, out: self(pay(payload), to_out(out)[0], stream(out), status, expect)
+
     def _launch(self, payloads, n, out, stream, status, expect, name_hashes):
         if name_hashes is not None and expect is None:
             if self._names_only is None:
@@ -527,6 +544,11 @@ class _DecodeSum(_Decode):
     def __call__(self, payloads, n, out, stream=None, status=None, expect=None):
         self._launch(payloads, n, out, stream, status, expect, None)
 
+    def bind(self, h, expect):
+        _, pay, to_out, stream, status = h
+        return lambda payloads, n, out: self._launch(pay(payloads), n, to_out(out)[0], stream(out), status,
+                                                     expect, None)
+
 
 class _DecodeChunks(_Decode):
     """``(gathered, out, stream, status, name_hashes, expect)``."""
@@ -534,6 +556,11 @@ class _DecodeChunks(_Decode):
 
     def __call__(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
         self._launch(gathered, 1, out, stream, status, expect, name_hashes)
+
+    def bind(self, h, name_hashes, expect):
+        _, pay, to_out, stream, status = h
+        return lambda gathered, out: self._launch(pay(gathered), 1, to_out(out)[0], stream(out), status, expect,
+                                                  name_hashes)
 
 
 # ---- the table: QSGD's and 1-bit's parameters to each kind's prepared op -------------------------------
