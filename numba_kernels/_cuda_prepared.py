@@ -448,7 +448,7 @@ class _Decode(_Op):
         qsgd = two_mean is None
         kind = DEC_QSGD if qsgd else DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS
         method = wire.METHODS["qsgd" if qsgd else "onebit"]
-        lmode = 0 if qsgd else _onebit_mode(two_mean)
+        lmode = 0 if qsgd else wire.onebit_mode(two_mean)
         # decode_chunks given name hashes and no expect checks them alone (1-bit: nothing else to know)
         self._names_only = None if qsgd else wire.Expect(method, 1, lmode, 0, bucket_size, 0)
         bs = bucket_size or max(numel, 1)
@@ -565,17 +565,13 @@ class _DecodeChunks(_Decode):
 
 # ---- the table: QSGD's and 1-bit's parameters to each kind's prepared op -------------------------------
 
-def _onebit_mode(two_mean):
-    return wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-
-
 def _qsgd(cls, numel, bits, bucket_size, stochastic, norm_l2):
     lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
     return cls(numel, bits, bucket_size, L2 if norm_l2 else MAX, PACK_STOCH if stochastic else PACK_DET, lay)
 
 
 def _onebit(cls, numel, bucket_size, two_mean):
-    lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, _onebit_mode(two_mean))
+    lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, wire.onebit_mode(two_mean))
     return cls(numel, 1, bucket_size or max(numel, 1), TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, lay)
 
 

@@ -119,7 +119,7 @@ _U64 = np.uint64
 
 
 def _mode(method, two_mean):
-    return wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"] if method == "onebit" else 0
+    return wire.onebit_mode(two_mean) if method == "onebit" else 0
 
 
 def _layout(method, numel, bits, bucket_size, two_mean=False, split_bits=0):
