@@ -113,12 +113,11 @@ def _thread_op(codec, kind, device, numel, accumulate=None):
 
 
 def _handles(arrays, status=(None, None)):
-    """``(payload, out, stream, status)``: the adapter's converters of a uint8 payload and of a float32
-    out (``[0]`` of its result), its stream getter and the status word's device array (the last two
-    None on the host). No wrappers: the bound launches are the exchange's hot path."""
+    """What a prepared op's ``bind`` takes: the adapter's converters of a float32 input, a uint8 payload
+    and a float32 out, its stream getter and the status word's device array (the last two None on the host)."""
     if arrays.device:
-        return arrays.bytes_dev, arrays.out_dev, arrays.stream, status[1]
-    return arrays.payload_np, arrays.out_np, None, None
+        return arrays.input_f32, arrays.bytes_dev, arrays.out_dev, arrays.stream, status[1]
+    return arrays.input_f32, arrays.payload_np, arrays.out_np, None, None
 
 
 def _nb(arrays, t, dev):
@@ -366,13 +365,7 @@ class Codec:
         if launch is None:
             return lambda x, payload, key, residual=None: self.encode_into(
                 x, payload, words, lay, key, arrays=arrays, residual=residual)
-        pay, to_out, stream, _ = _handles(arrays)
-        f32, dev = arrays.input_f32, arrays.device
-
-        def encode(x, payload, key, residual=None):
-            launch(f32(x)[1] if dev else f32(x), pay(payload), words, key, stream and stream(x),
-                   None if residual is None else to_out(residual)[0])
-        return encode
+        return launch.bind(_handles(arrays), words)
 
     def bind_decode(self, arrays, numel, accumulate, expect, like, status=None):
         """``f(payload, out)``: :meth:`decode_into` of payloads of ``numel`` elements checked against
@@ -386,22 +379,7 @@ class Codec:
                                                                   status)
             return lambda payload, out: self.decode_into(payload, out, accumulate=accumulate, expect=expect,
                                                          arrays=arrays)
-        pay, to_out, stream, status_dev = _handles(arrays, status)
-        if arrays.device:
-            return lambda payload, out: launch(pay(payload), to_out(out)[0], stream(out), status_dev, expect)
-        total = self._layout(numel).total
-
-        def decode(payload, out):
-            p = pay(payload)
-            if p.size != total:
-                raise PayloadError(f"payload has {p.size} bytes; {numel} elements take {total}")
-            h = self._header(p[:_HDR].tobytes(), total, None)
-            if h.numel != numel or (expect.check_name and h.name_hash != expect.name_hash):
-                raise PayloadError(f"payload holds {h.numel} elements with name hash "
-                                   f"{h.name_hash:#010x}; expected {numel} with "
-                                   f"{expect.name_hash:#010x}: it belongs to another tensor")
-            launch(p, to_out(out)[0])
-        return decode
+        return launch.bind(_handles(arrays, status), expect)
 
     # fused launches: one per exchange phase
     def bind_decode_sum(self, arrays, numel, expect, like, status=None):
@@ -409,11 +387,8 @@ class Codec:
         elements held back to back in ``payloads``, each checked against ``expect``: one launch (the
         allgather's decode). None where this codec has no fused kernel (the caller loops)."""
         launch = self._op("decode_sum", arrays.device, numel) if numel and arrays.views else None
-        if launch is None:
-            return None
-        pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
-        return lambda payloads, n, out: launch(pay(payloads), n, to_out(out)[0], stream and stream(out), status,
-                                               expect)
+        return None if launch is None else launch.bind(
+            _handles(arrays, self._status(arrays, like, status)), expect)
 
     def bind_reduce_requantize(self, arrays, lay, words, expect, like, status=None):
         """``f(payloads, n, residual, out_payload, key)``: SRA's middle phase in one launch: sum the
@@ -422,14 +397,8 @@ class Codec:
         ``key``, and overwrite ``residual`` with what that encode lost. None where unfused."""
         launch = (self._op("reduce_requantize", arrays.device, lay.numel) if lay.numel and arrays.views
                   else None)
-        if launch is None:
-            return None
-        pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
-
-        def reduce(payloads, n, residual, out_payload, key):
-            launch(pay(payloads), n, None if residual is None else to_out(residual)[0], pay(out_payload),
-                   words, key, stream and stream(out_payload), status, expect)
-        return reduce
+        return None if launch is None else launch.bind(
+            _handles(arrays, self._status(arrays, like, status)), words, expect)
 
     def bind_decode_chunks(self, arrays, numel, chunk, name_hashes, expect, like, status=None):
         """``f(gathered, out)``: SRA's last phase in one launch: chunk j of ``out`` (elements
@@ -438,11 +407,8 @@ class Codec:
         built once by the caller. None where unfused."""
         launch = (self._op("decode_chunks", arrays.device, numel, chunk=chunk)
                   if numel and arrays.views and getattr(self, "bucket_size", None) else None)
-        if launch is None:
-            return None
-        pay, to_out, stream, status = _handles(arrays, self._status(arrays, like, status))
-        return lambda gathered, out: launch(pay(gathered), to_out(out)[0], stream and stream(out), status,
-                                            name_hashes, expect)
+        return None if launch is None else launch.bind(
+            _handles(arrays, self._status(arrays, like, status)), name_hashes, expect)
 
     def _status(self, arrays, like, status):
         """A device bind's status word: the caller's, else this codec's on ``like``'s device."""

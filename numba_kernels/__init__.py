@@ -15,7 +15,8 @@
   and KMeans encode and decode. Each op has the semantics of its ``*_ref`` twin and gives the same bytes
   and float32 values, bit for bit (tests/test_kernels.py, tests/test_fused_kernels.py). A prepared op
   belongs to its caller: it writes its parameter buffer (and, on a device, its scratch) on every call,
-  so one op serves one thread.
+  so one op serves one thread. An op whose arrays are pointers (the CPU's, QSGD's and 1-bit's on a
+  device) has ``bind(converters, ...)``: the per-step closure that ``hvd_quant``'s ``Codec.bind_*`` return.
 * :mod:`numba_kernels.cpu` and :mod:`numba_kernels.cuda` -- the ops (modules per codec: see
   docs/ARCHITECTURE.md). ``cuda`` is imported on first use, so that ``numba.cuda`` is not imported
   (and ``NUMBA_ENABLE_CUDASIM`` may still be set) until someone asks for a CUDA op.

@@ -393,6 +393,13 @@ class _Encode(_Op):
         else:
             self._launch(raw, px, ps, _stream(stream))
 
+    def bind(self, h, words):
+        """The per-step call of ``Codec.bind_encode`` on ``x``'s stream; ``h``: the adapter's converters
+        ``(input, payload, out, stream, status)`` (so are the other ops' ``bind``)."""
+        f32, pay, to_out, stream = h[:4]
+        return lambda x, payload, key, residual=None: self(f32(x)[1], pay(payload), words, key, stream(x),
+                                                          None if residual is None else to_out(residual)[0])
+
 
 class _ReduceRequantize(_Encode):
     """A prepared reduce_requantize: ``(payloads, n, residual, out_payload, header, key, stream,
@@ -424,6 +431,12 @@ class _ReduceRequantize(_Encode):
                 r.slots[i + 11].value = resid
         self._launch(raw, 0, pp + self.scales_off, _stream(stream))
 
+    def bind(self, h, words, expect):
+        _, pay, to_out, stream, status = h
+        return lambda payloads, n, residual, out_payload, key: self(
+            pay(payloads), n, None if residual is None else to_out(residual)[0], pay(out_payload), words, key,
+            stream(out_payload), status, expect)
+
 
 class _Decode(_Op):
     """A prepared decode ``(payload, out, stream, status, expect)`` of QSGD (``two_mean`` None) or
@@ -435,7 +448,7 @@ class _Decode(_Op):
         qsgd = two_mean is None
         kind = DEC_QSGD if qsgd else DEC_TWO_MEAN if two_mean else DEC_MEAN_ABS
         method = wire.METHODS["qsgd" if qsgd else "onebit"]
-        lmode = 0 if qsgd else _onebit_mode(two_mean)
+        lmode = 0 if qsgd else wire.onebit_mode(two_mean)
         # decode_chunks given name hashes and no expect checks them alone (1-bit: nothing else to know)
         self._names_only = None if qsgd else wire.Expect(method, 1, lmode, 0, bucket_size, 0)
         bs = bucket_size or max(numel, 1)
@@ -503,6 +516,10 @@ class _Decode(_Op):
             raw.set_check(4, status, expect)
         raw.launch(self.grid, BLOCK, _stream(stream))
 
+    def bind(self, h, expect):
+        _, pay, to_out, stream, status = h
+        return lambda payload, out: self(pay(payload), to_out(out)[0], stream(out), status, expect)
+
     def _launch(self, payloads, n, out, stream, status, expect, name_hashes):
         if name_hashes is not None and expect is None:
             if self._names_only is None:
@@ -527,6 +544,11 @@ class _DecodeSum(_Decode):
     def __call__(self, payloads, n, out, stream=None, status=None, expect=None):
         self._launch(payloads, n, out, stream, status, expect, None)
 
+    def bind(self, h, expect):
+        _, pay, to_out, stream, status = h
+        return lambda payloads, n, out: self._launch(pay(payloads), n, to_out(out)[0], stream(out), status,
+                                                     expect, None)
+
 
 class _DecodeChunks(_Decode):
     """``(gathered, out, stream, status, name_hashes, expect)``."""
@@ -535,12 +557,13 @@ class _DecodeChunks(_Decode):
     def __call__(self, gathered, out, stream=None, status=None, name_hashes=None, expect=None):
         self._launch(gathered, 1, out, stream, status, expect, name_hashes)
 
+    def bind(self, h, name_hashes, expect):
+        _, pay, to_out, stream, status = h
+        return lambda gathered, out: self._launch(pay(gathered), 1, to_out(out)[0], stream(out), status, expect,
+                                                  name_hashes)
+
 
 # ---- the table: QSGD's and 1-bit's parameters to each kind's prepared op -------------------------------
-
-def _onebit_mode(two_mean):
-    return wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-
 
 def _qsgd(cls, numel, bits, bucket_size, stochastic, norm_l2):
     lay = wire.layout(wire.METHODS["qsgd"], numel, bits, bucket_size)
@@ -548,7 +571,7 @@ def _qsgd(cls, numel, bits, bucket_size, stochastic, norm_l2):
 
 
 def _onebit(cls, numel, bucket_size, two_mean):
-    lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, _onebit_mode(two_mean))
+    lay = wire.layout(wire.METHODS["onebit"], numel, 1, bucket_size, wire.onebit_mode(two_mean))
     return cls(numel, 1, bucket_size or max(numel, 1), TWO_MEAN if two_mean else MEAN_ABS, PACK_ONEBIT, lay)
 
 

@@ -119,7 +119,7 @@ _U64 = np.uint64
 
 
 def _mode(method, two_mean):
-    return wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"] if method == "onebit" else 0
+    return wire.onebit_mode(two_mean) if method == "onebit" else 0
 
 
 def _layout(method, numel, bits, bucket_size, two_mean=False, split_bits=0):
@@ -164,6 +164,13 @@ class _Encode(_Prepared):
         kernel = self._serial or self._kernel.pick(self.nchunks)
         kernel(x, payload, _words(header), *self.args, _U64(key), self.k, res, residual is not None)
 
+    def bind(self, h, words):
+        """The per-step call of ``Codec.bind_encode``; ``h``: the adapter's converters ``(input, payload,
+        out, stream, status)``, the last two None here (so are the other ops' ``bind``)."""
+        f32, pay, to_out = h[:3]
+        return lambda x, payload, key, residual=None: self(f32(x), pay(payload), words, key, None,
+                                                          None if residual is None else to_out(residual)[0])
+
 
 class _Decode(_Prepared):
     """``(payload, out, stream=None, status=None, expect=None)``: out (+)= the payload's values;
@@ -188,6 +195,10 @@ class _Decode(_Prepared):
             kernel = self._serial or self._kernel.pick(self.nchunks)
             kernel(payload, out, *self.args, self.k)
 
+    def bind(self, h, expect):
+        pay, to_out = h[1:3]
+        return lambda payload, out: self(pay(payload), to_out(out)[0], None, None, expect)
+
 
 class _DecodeSum(_Decode):
     """``(payloads, n, out, stream=None, status=None, expect=None)``: out = the sum of the ``n``
@@ -205,6 +216,10 @@ class _DecodeSum(_Decode):
         out = _sized(out, self.numel, "out")
         check_payloads(payloads, n, self.total, expect, _check_expect)
         self.run(payloads, n, out, None)
+
+    def bind(self, h, expect):
+        pay, to_out = h[1:3]
+        return lambda payloads, n, out: self(pay(payloads), n, to_out(out)[0], None, None, expect)
 
 
 class _ReduceRequantize:
@@ -226,6 +241,12 @@ class _ReduceRequantize:
         c = np.empty(self.sum.numel, np.float32)
         self.sum.run(payloads, n, c, residual)
         self.encode(c, out_payload, header, key, stream, residual)
+
+    def bind(self, h, words, expect):
+        pay, to_out = h[1:3]
+        return lambda payloads, n, residual, out_payload, key: self(
+            pay(payloads), n, None if residual is None else to_out(residual)[0], pay(out_payload), words, key,
+            None, None, expect)
 
 
 class _DecodeChunks(_Prepared):
@@ -263,6 +284,10 @@ class _DecodeChunks(_Prepared):
         if self.numel:
             kernel = self._serial or self._kernel.pick(self.nchunks)
             kernel(gathered, out, *self.args, self.k)
+
+    def bind(self, h, name_hashes, expect):
+        pay, to_out = h[1:3]
+        return lambda gathered, out: self(pay(gathered), to_out(out)[0], None, None, name_hashes, expect)
 
 
 def _onebit_encode_op(numel, bucket_size, two_mean):

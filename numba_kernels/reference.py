@@ -366,17 +366,13 @@ def kmeans_decode_ref(payload, out, bits, bucket_size, accumulate, stream=None, 
     _store(out, book.reshape(-1, 1 << bits)[b, codes], accumulate)
 
 
-def _onebit_mode(two_mean):
-    return wire.ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
-
-
 def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None, residual=None):
     """1-bit SGD: bit = (x >= 0) (NaN -> 0); scales two_mean (2 per bucket) or mean_abs (1 per bucket).
 
     ``bucket_size`` 0: one bucket for the whole tensor."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     scales = bucket_scales_ref(x, bucket_size or max(x.size, 1), "two_mean" if two_mean else "mean_abs")
-    lay = wire.layout(wire.METHODS["onebit"], x.size, 1, bucket_size, _onebit_mode(two_mean))
+    lay = wire.layout(wire.METHODS["onebit"], x.size, 1, bucket_size, wire.onebit_mode(two_mean))
     _write(payload, header, lay, (x >= F0).astype(np.int64), 1, scales, x, residual,
            lambda p, d: onebit_decode_ref(p, d, bucket_size, two_mean, False))
 
@@ -384,7 +380,7 @@ def onebit_encode_ref(x, payload, header, bucket_size, two_mean, stream=None, re
 def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=None, status=None,
                       expect=None):
     """out (+)= 1-bit decoded values (header checked against ``expect`` if given)."""
-    bits, sc, b = _read(payload, out.size, expect, "onebit", 1, bucket_size, _onebit_mode(two_mean))
+    bits, sc, b = _read(payload, out.size, expect, "onebit", 1, bucket_size, wire.onebit_mode(two_mean))
     bits = bits.astype(bool)
     if two_mean:
         sc = sc.reshape(-1, 2)
@@ -461,7 +457,7 @@ class _Fused:
             self.decode = lambda p, out, acc: qsgd_decode_ref(p, out, bits, bucket_size, acc)
         else:
             self.method = wire.METHODS["onebit"]
-            self.mode = _onebit_mode(two_mean)
+            self.mode = wire.onebit_mode(two_mean)
             self.decode = lambda p, out, acc: onebit_decode_ref(p, out, bucket_size, two_mean, acc)
 
     def layout(self, m):

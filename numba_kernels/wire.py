@@ -117,6 +117,11 @@ class PayloadError(ValueError):
     """A payload was refused: not a payload, another configuration, wrong size, corrupt, wrong tensor."""
 
 
+def onebit_mode(two_mean):
+    """The header's mode of a 1-bit payload: two means per bucket, else the mean of |x|."""
+    return ONEBIT_SCALES["two_mean" if two_mean else "mean_abs"]
+
+
 def describe_error_bits(bits):
     """Human-readable list of the problems encoded in a device error word."""
     return "; ".join(msg for b, msg in ERROR_BITS.items() if bits & b) or "no error"
