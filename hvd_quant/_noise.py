@@ -1,5 +1,6 @@
-"""The keys of stochastic rounding: an integer mix of (seed, rank, name hash, k), and fresh seeds.
-The kernels hash a key with each element's index into one uniform per element (``numba_kernels._scalar``).
+"""The keys of stochastic rounding: an integer mix of (seed, rank, name hash) xor k, and fresh seeds.
+Every encode kernel first finishes its key with one more mix, then hashes it with each element's index
+into one uniform per element (``numba_kernels._scalar``).
 """
 import os
 import random
@@ -18,9 +19,10 @@ def noise_base(seed, rank, name_hash):
 
 
 def noise_key(seed, k, rank, name_hash):
-    """The 64-bit key of stochastic rounding; ``k`` counts draws for the same name (a direct
-    ``Codec.encode``'s call count, the exchange's training step: docs/CODECS.md, "Noise and seeds")."""
-    return mix64_py(noise_base(seed, rank, name_hash) ^ (k & MASK64))
+    """The 64-bit key of stochastic rounding that encodes take (they finish it with one more mix); ``k``
+    counts draws for the same name (a direct ``Codec.encode``'s call count, the exchange's training
+    step: docs/CODECS.md, "Noise and seeds")."""
+    return noise_base(seed, rank, name_hash) ^ (k & MASK64)
 
 
 _FRESH = random.Random(os.urandom(32))

@@ -20,7 +20,6 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
-from numba_kernels._scalar import mix64_py
 from numba_kernels.wire import MASK64, describe_error_bits
 
 from ._arrays import adapter_for
@@ -279,7 +278,7 @@ class _Chunk:
 
     def key(self, step):
         """The noise key of this payload at ``step`` (``_noise.noise_key``); 0 without noise."""
-        return 0 if self.noise is None else mix64_py(self.noise ^ (step & MASK64))
+        return 0 if self.noise is None else self.noise ^ (step & MASK64)
 
 
 class _Setup:

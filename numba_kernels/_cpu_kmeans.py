@@ -5,7 +5,7 @@ import numpy as np
 from numba import prange
 
 from ._cpu_base import (INF_BITS, _BITS, _Widths, _chunk_codes, _extremes, _inline, _km_draw, _km_fixed,
-                        _km_index, _km_mean, _km_mids, _km_scale, _km_starts, _lookup, _pack, _wide,
+                        _km_index, _mix64, _km_mean, _km_mids, _km_scale, _km_starts, _lookup, _pack, _wide,
                         _encode_preamble, _nan_bucket, decoders)
 from ._cpu_sortquant import _sort_key, _sort_values
 from ._scalar import F0, KMEANS_SAMPLE
@@ -119,6 +119,7 @@ def _kmeans_fit(x, st, n, b, iters, key, amax, lo, hi, cent, mids, sample, comp,
 def _kmeans_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, iters, key, kchunk,
                    residual, has_res):
     """KMeans (``kmeans_encode_ref``): per bucket the codebook, then each element's centroid index."""
+    key = _mix64(key)           # the caller's key, finished (docs/CODECS.md, "Noise and seeds")
     numel = x.size
     scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     nchunks = (nb + kchunk - 1) // kchunk

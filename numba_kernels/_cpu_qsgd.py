@@ -47,6 +47,7 @@ def _qsgd_levels(x, st, en, codes, c0, unit, sf, s, stochastic, key):
 @_Widths
 def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, bs, stochastic,
                  norm_l2, key, kchunk, residual, has_res):
+    key = _mix64(key)           # the caller's key, finished (docs/CODECS.md, "Noise and seeds")
     numel = x.size
     scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     scale_bits = scales.view(np.int32)

@@ -170,6 +170,7 @@ def _sortquant_encode(x, payload, header, codes_off, codes_end, scales_off, nsca
                       stochastic, key, kchunk, residual, has_res):
     """Sort quantization (``sortquant_encode_ref``): per bucket each element's group and the groups'
     (min, max) (:func:`_sq_by_bins`, else :func:`_sort_values`), then the levels in index order."""
+    key = _mix64(key)           # the caller's key, finished (docs/CODECS.md, "Noise and seeds")
     numel = x.size
     scales, nb = _encode_preamble(payload, header, codes_end, scales_off, nscales, numel, bs)
     nchunks = (nb + kchunk - 1) // kchunk

@@ -21,7 +21,7 @@ from numba import cuda, float32, int32, int64
 
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, PACK_ONEBIT, PACK_STOCH,
                            SHARED, SIMULATOR, TWO_MEAN, add_term, block_bad, bucket_of, hdr_err, header_byte,
-                           header_errors, code_levels, max_nan, mul, onebit_scales, publish, put, qsgd_code,
+                           header_errors, code_levels, max_nan, mix64, mul, onebit_scales, publish, put, qsgd_code,
                            sqrt32)
 from ._scalar import F0, FNAN, SEGMENT
 
@@ -321,6 +321,7 @@ def make_encode(spec):
     def block_encode(x, payload, words, scales, header, n, nb, bs, inv_bs, G, fused, key, residual,
                      ppay, pwords, pscales, status, expect, check, check_name, npay, pw, psoff, rin,
                      has_rin):
+        key = mix64(key)            # the caller's key, finished (docs/CODECS.md, "Noise and seeds")
         tid = cuda.threadIdx.x
         blk = cuda.blockIdx.x
         nthr = cuda.blockDim.x

@@ -24,7 +24,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, int64
 
 from ._cuda_device import (SHARED, kmeans_draw, kmeans_fixed, kmeans_index, kmeans_mean, kmeans_mids,
-                           kmeans_scale, kmeans_starts, put)
+                           kmeans_scale, kmeans_starts, mix64, put)
 from ._cuda_sortquant import sort_pairs
 from ._scalar import F0, FINF, FNAN, KMEANS_SAMPLE
 
@@ -85,6 +85,7 @@ def k_stats(x, xu, amax, lo, hi, bs, tpb):
 @cuda.jit
 def k_start(x, cent, amax, lo, hi, bs, K, key):
     """Block b: the starting centroids of bucket b (``_kmeans_bucket`` in the reference)."""
+    key = mix64(key)                # the caller's key, finished (docs/CODECS.md, "Noise and seeds")
     smp = cuda.shared.array(KMEANS_SAMPLE, float32)
     sidx = cuda.shared.array(KMEANS_SAMPLE, int32)
     comp = cuda.shared.array(KMEANS_SAMPLE, float64)

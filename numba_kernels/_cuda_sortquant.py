@@ -15,7 +15,7 @@ Written for clarity, not tuned: the encode's cost is its sort (log2(P)^2 / 2 bar
 import numpy as np
 from numba import cuda, float32, int32
 
-from ._cuda_device import SHARED, put, sortquant_level, sortquant_value, uniform24
+from ._cuda_device import SHARED, mix64, put, sortquant_level, sortquant_value, uniform24
 from ._scalar import F0, FINF, FNAN
 
 MAX_BUCKET = 4096           # shared memory: 8 bytes per element
@@ -52,6 +52,7 @@ def make_encode(P):
 
     @cuda.jit
     def k_encode(x, scales, codes, bs, split_bits, lbits, stochastic, key, residual, has_res):
+        key = mix64(key)            # the caller's key, finished (docs/CODECS.md, "Noise and seeds")
         sval = cuda.shared.array(P, float32)
         sidx = cuda.shared.array(P, int32)
         sok = cuda.shared.array(SHARED, int32)

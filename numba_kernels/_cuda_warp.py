@@ -295,6 +295,7 @@ def make_encode(spec):
     def warp_encode(x, payload, words, scales, header, n, nb, bs, K, ngroups, key, residual,
                     ppay, pwords, pscales, status, expect, check, check_name, npay, pw, psoff, rin,
                     has_rin):
+        key = mix64(key)            # the caller's key, finished (docs/CODECS.md, "Noise and seeds")
         # indices are 32-bit unsigned (n < 2**31; unsigned: no negative-index wraparound code)
         tid = cuda.threadIdx.x
         lane = np.int32(tid & 31)

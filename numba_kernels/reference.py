@@ -15,7 +15,7 @@ Every float32 sum (l2, two_mean, mean_abs) is taken in the canonical order of do
 import numpy as np
 
 from . import wire
-from ._scalar import F0, F2_24, FHALF, FINF, GAMMA, KMEANS_SAMPLE, SEGMENT, U40, mix64_np
+from ._scalar import F0, F2_24, FHALF, FINF, GAMMA, KMEANS_SAMPLE, SEGMENT, U40, mix64_np, mix64_py
 
 __all__ = ["lane_sum_ref", "bucket_scales_ref", "qsgd_encode_ref", "qsgd_decode_ref",
            "onebit_encode_ref", "onebit_decode_ref", "write_header_ref", "uniform24_ref",
@@ -198,6 +198,7 @@ def check_expect_ref(payload, expect):
 def qsgd_encode_ref(x, payload, header, bits, bucket_size, stochastic, norm_l2, key, stream=None,
                     residual=None):
     """Bucketed QSGD of float32 ``x`` into ``payload`` (header words, codes, padding, scales)."""
+    key = mix64_py(key)         # every encode first finishes the caller's key (docs/CODECS.md)
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     lay = wire.layout(wire.METHODS["qsgd"], x.size, bits, bucket_size)
     scales = bucket_scales_ref(x, bucket_size, "l2" if norm_l2 else "max")
@@ -257,6 +258,7 @@ def _sortquant_bucket(xb, idx, split_bits, lb, stochastic, key):
 def sortquant_encode_ref(x, payload, header, bits, split_bits, bucket_size, stochastic, key, stream=None,
                          residual=None):
     """Sort quantization of float32 ``x`` into ``payload`` (header words, codes, padding, scales)."""
+    key = mix64_py(key)
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     lay = wire.layout(wire.METHODS["sortquant"], x.size, bits, bucket_size, 0, split_bits)
     codes = np.zeros(x.size, np.int64)
@@ -348,6 +350,7 @@ def _kmeans_bucket(xb, b, bits, iters, key):
 def kmeans_encode_ref(x, payload, header, bits, bucket_size, iters, key, stream=None, residual=None):
     """KMeans encode of float32 ``x`` into ``payload``: per bucket (``bucket_size`` 0: one per tensor)
     a codebook of 2**bits centroids (:func:`_kmeans_bucket`) and each element's centroid index."""
+    key = mix64_py(key)
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     lay = wire.layout(wire.METHODS["kmeans"], x.size, bits, bucket_size)
     bs = bucket_size or max(x.size, 1)
