@@ -322,6 +322,15 @@ def _payload(payload):
     return payload
 
 
+def _out(out, cuda):
+    device = "cuda" if cuda else "cpu"
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
+            or out.device.type != device:
+        raise UnsupportedInputError(f"decode_into needs a contiguous float32 {device} tensor; got "
+                                    f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'device', '')}")
+    return out
+
+
 class TorchHostAdapter(HostAdapter):
     describe = staticmethod(_describe)
 
@@ -341,11 +350,7 @@ class TorchHostAdapter(HostAdapter):
         return torch.from_numpy(arr)
 
     def out_np(self, out):
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
-                or out.device.type != "cpu":
-            raise UnsupportedInputError("decode_into needs a contiguous float32 tensor of the payload's "
-                                        f"kind and device; got {type(out).__name__} {getattr(out, 'dtype', '')}")
-        return out.detach().view(-1).numpy(), None
+        return _out(out, False).detach().view(-1).numpy(), None
 
     def wrap_result(self, arr_f32, dtype_name, shape, like):
         t = torch.from_numpy(arr_f32)
@@ -432,12 +437,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return ptr
 
     def out_dev(self, out):
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
-                or not out.is_cuda:
-            raise UnsupportedInputError("decode_into needs a contiguous float32 CUDA tensor; got "
-                                        f"{type(out).__name__} {getattr(out, 'dtype', '')} "
-                                        f"{getattr(out, 'device', '')}")
-        return out.data_ptr(), None
+        return _out(out, True).data_ptr(), None
 
     def read_status(self, status):
         bits = int(status[1].item())
