@@ -6,7 +6,7 @@ import struct
 import time
 
 from .exchange import SUM, TWO_LEVEL, Exchange
-from .plan import ALLREDUCE, AUTO, save_residuals
+from .plan import ALLREDUCE, AUTO, restore_residuals, save_residuals
 
 __all__ = ["StepScheduler", "StepOwner", "AutoChoice", "Presence", "in_plan_order", "step_metrics"]
 
@@ -267,6 +267,17 @@ class StepOwner:
         return {"step": step, "codec": self.config.codec.spec(), "reduction": self.config.reduction,
                 "residuals": residuals, "server_residuals": server,
                 "auto": None if s is None or s.auto is None else s.auto.state_dict()}
+
+    def _load_plan_state(self, state, like):
+        """Restore :meth:`_plan_state`'s ``auto`` and residuals (onto ``like``'s device); the step is the caller's."""
+        s, mem = self._sched, self._memory
+        if s.auto is not None and state.get("auto") is not None:
+            s.auto.load_state_dict(state["auto"])
+        if mem is not None:
+            mem.clear()
+            restore_residuals(mem, s.buckets, dict(state.get("residuals", {})),
+                              {k: v for k, v in state.get("server_residuals", {}).items() if isinstance(k, tuple)},
+                              lambda ts: mem.ops.to_like(mem.ops.flatten(ts), like))
 
     def bytes_per_step(self):
         """The last step's :class:`hvd_quant.exchange.Traffic` (``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""

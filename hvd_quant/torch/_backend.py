@@ -18,10 +18,9 @@ from numba_kernels.wire import HEADER_NBYTES, PayloadError
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
 from ..exchange import AVERAGE, ArrayOps, Collectives, handshake
 from ..frontend import Frontend, TensorInfo
-from ..plan import restore_residuals
 
 __all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec",
-           "sendable_dtype", "host_one", "wait_for", "payload_group", "load_state",
+           "sendable_dtype", "host_one", "wait_for", "payload_group",
            "PayloadGroup", "GroupWork", "PAYLOAD_GROUP", "STORE_TIMEOUT_S"]
 
 
@@ -41,19 +40,6 @@ def _mark(like):
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(like.device))
     return event
-
-
-def load_state(state, memory, buckets, auto, device):
-    """Restore ``StepOwner._plan_state``'s ``auto`` and residuals (moved to ``device``); the step is the
-    caller's."""
-    if auto is not None and state.get("auto") is not None:
-        auto.load_state_dict(state["auto"])
-    if memory is not None:
-        memory.clear()
-        restore_residuals(
-            memory, buckets, dict(state.get("residuals", {})),
-            {k: v for k, v in state.get("server_residuals", {}).items() if isinstance(k, tuple)},
-            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
 
 
 OPS = ArrayOps(

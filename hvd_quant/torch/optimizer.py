@@ -309,8 +309,7 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
         if ours is None:
             return
         self._step = int(ours.get("step", 0))
-        device = next((ps[0].device for ps in self._bucket_params), torch.device("cpu"))
-        _backend.load_state(ours, self._memory, self._buckets, self._sched.auto, device)
+        self._load_plan_state(ours, self._bucket_params[0][0] if self._buckets else None)
         if self._coll is not None and self._memory is not None:
             self._connect()
 
