@@ -23,16 +23,13 @@ ALLREDUCE = "allreduce"
 def core_op(op, average, sum_, adasum):
     """A framework's Horovod op constant (``average``, ``sum_``, ``adasum``: its own), a core op name
     or None (Average) -> :data:`~hvd_quant.exchange.AVERAGE` / :data:`~hvd_quant.exchange.SUM`."""
-    if op is None:
+    if isinstance(op, str) and op in (AVERAGE, SUM):
+        return op
+    if op is None or op == average:
         return AVERAGE
-    if isinstance(op, str):
-        if op in (AVERAGE, SUM):
-            return op
-    elif op == average:
-        return AVERAGE
-    elif op == sum_:
+    if op == sum_:
         return SUM
-    elif op == adasum:
+    if op == adasum:
         raise ValueError("hvd_quant: op=hvd.Adasum is not supported: Adasum combines gradients "
                          "pairwise with dot products, which quantized payloads do not provide. "
                          "Use op=hvd.Average or op=hvd.Sum.")

@@ -12,9 +12,8 @@ __all__ = ["StepScheduler", "StepOwner", "AutoChoice", "Presence", "in_plan_orde
 
 
 def in_plan_order(complete, next_start):
-    """Buckets that start in plan order (a payload channel matches collectives by order): of the
-    ``complete`` bucket indices, the run starting at ``next_start`` starts now and the rest wait.
-    Returns ``(start, waiting, next_start)``."""
+    """Of the ``complete`` bucket indices, the run from ``next_start`` starts now, the rest wait (a payload
+    channel matches collectives by order): ``(start, waiting, next_start)``."""
     waiting, start = sorted(complete), []
     while waiting and waiting[0] == next_start:
         start.append(waiting.pop(0))
@@ -409,7 +408,6 @@ class Presence:
 
     def start(self, coll):
         self.handle = coll.allreduce_async(self.one(), self.name, SUM)
-        self.count = None
 
     def known(self, coll, wait):
         """True once this step's count is known (``wait``: block for it); False while in flight."""

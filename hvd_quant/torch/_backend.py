@@ -66,10 +66,7 @@ class TorchFrontend(Frontend):
     float32 = torch.float32
     # dtypes horovod.torch 0.28.1 can allreduce (bfloat16 raises "Tensor type ... is not supported")
     horovod_floats = (torch.float16, torch.float32, torch.float64)
-
-    def __init__(self, ops, host_adapter):
-        super().__init__(ops, host_adapter)
-        self._cuda = None               # the CUDA adapter, made at the first CUDA tensor
+    _cuda = None                        # the CUDA adapter, made at the first CUDA tensor
 
     def adapter(self, obj):
         """The codecs' adapter for a torch tensor: host (CPU) or CUDA; other devices raise."""
@@ -199,27 +196,23 @@ class PayloadGroup:
         on = os.environ.get("HVD_QUANT_PAYLOAD_GROUP", "1").strip() != "0"
         if size == 1:       # nobody to reach: a store in this process
             return cls(dist.HashStore(), process_set, backend, device) if on else None
-        if process_set.rank() == 0:
-            store = where = None
-            if on:
-                host = _store_host()
-                try:
-                    store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False,
-                                          timeout=timeout)
-                    where = (host, store.port)
-                except Exception as e:  # noqa: BLE001 -- torch raises several kinds; tell every rank
-                    where = f"rank 0 could not serve its payload group's store at {host} ({e}); {way_out}"
-            hvd.broadcast_object(where, root_rank=root, process_set=process_set, name=name)
-        else:
-            where = hvd.broadcast_object(None, root_rank=root, process_set=process_set, name=name)
-            if isinstance(where, tuple):
-                try:
-                    store = dist.TCPStore(*where, size, is_master=False, timeout=timeout)
-                except Exception as e:  # noqa: BLE001
-                    raise RuntimeError(f"hvd_quant: this rank could not reach rank 0's payload group "
-                                       f"store at {where[0]}:{where[1]} ({e}); {way_out}") from e
+        store = where = None
+        if process_set.rank() == 0 and on:
+            host = _store_host()
+            try:
+                store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
+                where = (host, store.port)
+            except Exception as e:  # noqa: BLE001 -- torch raises several kinds; tell every rank
+                where = f"rank 0 could not serve its payload group's store at {host} ({e}); {way_out}"
+        where = hvd.broadcast_object(where, root_rank=root, process_set=process_set, name=name)
         if isinstance(where, str):
             raise RuntimeError(f"hvd_quant: {where}")
+        if where is not None and store is None:        # not rank 0: reach its store
+            try:
+                store = dist.TCPStore(*where, size, is_master=False, timeout=timeout)
+            except Exception as e:  # noqa: BLE001
+                raise RuntimeError(f"hvd_quant: this rank could not reach rank 0's payload group "
+                                   f"store at {where[0]}:{where[1]} ({e}); {way_out}") from e
         return None if where is None else cls(store, process_set, backend, device)
 
     def allgather(self, t, each=None, total=None):

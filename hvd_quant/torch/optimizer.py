@@ -140,8 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
             for p in param_group['params']:
                 if p.requires_grad:
                     self._requires_update.add(p)
-                    p_tmp = p.expand_as(p)
-                    grad_acc = p_tmp.grad_fn.next_functions[0][0]
+                    grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
                     grad_acc.register_hook(self._make_hook(p))
                     self._grad_accs.append(grad_acc)
 
