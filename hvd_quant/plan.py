@@ -184,17 +184,15 @@ class Plan:
 def fuse(idxs, numels, bucket_bytes):
     """Greedy, in the given order: groups of at most ``bucket_bytes`` of float32 (a bigger tensor
     alone); one group for 0 or None."""
-    groups, current, size = [], [], 0
+    groups, size = [], 0
     limit = max(1, int(bucket_bytes) // 4) if bucket_bytes else None
     for i in idxs:
         n = numels[i]
-        if limit is not None and current and size + n > limit:
-            groups.append(current)
-            current, size = [], 0
-        current.append(i)
+        if not groups or (limit is not None and size + n > limit):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
         size += n
-    if current:
-        groups.append(current)
     return groups
 
 

@@ -315,9 +315,7 @@ class TorchHostAdapter(HostAdapter):
 
     def input_np(self, x):
         x = _flat(x).contiguous()
-        if x.dtype == torch.bfloat16:
-            return x.float().numpy()
-        return x.numpy()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def input_f32(self, x):
         return _flat(x).to(torch.float32).contiguous().numpy()

@@ -338,15 +338,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     Arguments:
         compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ...), a spec string
             (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``. Default: none.
-        reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"``, ``"sra"`` or,
-            on several nodes of several ranks, ``"two_level"``, whichever gave the fastest steps
-            at the start, the same on every rank; :class:`hvd_quant.scheduler.AutoChoice`),
-            ``"sra"`` (scatter-reduce-allgather: traffic flat in the number of ranks),
-            ``"allgather"`` (one quantization) or ``"two_level"`` (fp32 inside each node, the
-            codec between nodes; needs ``hvd.init(process_sets="dynamic")`` or the nodes' sets).
+        reduction: ``"auto"`` (default: whichever of Horovod's fp32 allreduce and the ways below gave
+            the fastest steps at the start, the same on every rank), ``"sra"`` (scatter-reduce-allgather:
+            traffic flat in the number of ranks), ``"allgather"`` (one quantization) or ``"two_level"``
+            (fp32 inside each node, the codec between nodes; needs ``hvd.init(process_sets="dynamic")``
+            or the nodes' sets); docs/EXCHANGE.md, "The reductions".
         bucket_bytes: compressed gradients are fused into buckets of at most this many float32
-            bytes, in reverse parameter order (the last bucket's last tensors, up to an eighth of
-            it, travel alone); 0: one bucket. Default 25 MiB.
+            bytes, in reverse parameter order; 0: one bucket. Default 25 MiB.
         min_compress_numel: smaller gradients go uncompressed through Horovod's allreduce (float32
             ones fused into groups of ``bucket_bytes``), as do 1-D ones unless ``compress_1d``.
         warmup_steps: full-precision allreduce for this many first steps. Default 0.
