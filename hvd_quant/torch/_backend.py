@@ -19,9 +19,8 @@ from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_f
 from ..exchange import AVERAGE, ArrayOps, Collectives, handshake
 from ..frontend import Frontend, TensorInfo
 
-__all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec",
-           "sendable_dtype", "host_one", "wait_for", "payload_group",
-           "PayloadGroup", "GroupWork", "PAYLOAD_GROUP", "STORE_TIMEOUT_S"]
+__all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec", "host_one",
+           "wait_for", "PayloadGroup", "GroupWork", "PAYLOAD_GROUP", "STORE_TIMEOUT_S"]
 
 
 def _flatten(tensors):
@@ -452,5 +451,4 @@ class TorchCudaAdapter(DeviceAdapter):
 
 FRONTEND = TorchFrontend(OPS, TorchHostAdapter())
 collectives, hvd_op, core_op = FRONTEND.collectives, FRONTEND.hvd_op, FRONTEND.core_op
-resolve_codec, sendable_dtype = FRONTEND.resolve_codec, FRONTEND.sendable_dtype
-host_one, wait_for, payload_group = FRONTEND.host_one, FRONTEND.wait_for, FRONTEND.payload_group
+resolve_codec, host_one, wait_for = FRONTEND.resolve_codec, FRONTEND.host_one, FRONTEND.wait_for

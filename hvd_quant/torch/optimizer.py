@@ -131,7 +131,7 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
             ex.coll = coll
         self._sched.bind(coll)          # another world: routes and auto start over
         # CUDA payloads travel on process groups of this optimizer's own (from a route's second step)
-        self._sched.channel = (coll, _backend.payload_group(
+        self._sched.channel = (coll, _backend.PayloadGroup.open(
             self.process_set, self._bucket_params[0][0].device, self._prefix) if self._buckets else None)
 
     # -- hooks --------------------------------------------------------------------------------------
