@@ -330,9 +330,7 @@ class TorchHostAdapter(HostAdapter):
 
     def wrap_result(self, arr_f32, dtype_name, shape, like):
         t = torch.from_numpy(arr_f32)
-        if dtype_name != "float32":
-            t = t.to(_FROM_NAME[dtype_name])
-        return t.reshape(shape)
+        return (t if dtype_name == "float32" else t.to(_FROM_NAME[dtype_name])).reshape(shape)
 
 
 def _with_ptr(t):
@@ -397,10 +395,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return _with_ptr(torch.from_numpy(np.asarray(values, np.uint32).view(np.int32)).to(like.device))
 
     def input_f32(self, x):
-        if x.dtype == torch.float32 and x.is_contiguous():
-            t = x
-        else:
-            t = _flat(x).to(torch.float32).contiguous()
+        t = x if x.dtype == torch.float32 and x.is_contiguous() else _flat(x).to(torch.float32).contiguous()
         return _with_ptr(t)
 
     def bytes_dev(self, payload):
@@ -422,9 +417,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return bits
 
     def result(self, f32, dtype_name, shape):
-        if dtype_name != "float32":
-            f32 = f32.to(_FROM_NAME[dtype_name])
-        return f32.reshape(shape)
+        return (f32 if dtype_name == "float32" else f32.to(_FROM_NAME[dtype_name])).reshape(shape)
 
     def raw_encode_into(self, x, value_dtype, payload):
         """x as ``value_dtype`` after ``payload``'s header (the codec writes it), then zero padding."""
