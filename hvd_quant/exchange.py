@@ -1,11 +1,8 @@
-"""The compressed gradient exchange, written once for every framework.
-
-Quantized codes cannot be summed, so the reductions here move payloads with ``alltoall`` and
-``allgather`` and return the float32 **sum** over ranks (the caller divides by N): ``"sra"``
-(scatter-reduce-allgather: chunk j to rank j, which sums and requantizes it, then every rank decodes
-the same gathered bytes), ``"allgather"`` (every payload to every rank) and ``"two_level"``
-(:mod:`hvd_quant.two_level`, registered in :data:`LEVELLED`); docs/EXCHANGE.md, "The reductions".
-Frameworks are reached only through :class:`Collectives` and :class:`ArrayOps` (docs/ARCHITECTURE.md).
+"""The compressed gradient exchange, written once for every framework: ``"sra"``, ``"allgather"`` and
+``"two_level"`` (:mod:`hvd_quant.two_level`, registered in :data:`LEVELLED`) move quantized payloads,
+which cannot be summed, with ``alltoall`` and ``allgather`` and return the float32 **sum** over ranks
+(docs/EXCHANGE.md, "The reductions"). Frameworks are reached only through :class:`Collectives` and
+:class:`ArrayOps` (docs/ARCHITECTURE.md).
 
 An exchange (:class:`Pending`) is ``start`` (encode, submit the first collective) -> ``advance``
 (SRA: reduce, requantize, submit the allgather) -> ``finish`` (wait, decode); callers advance every
@@ -236,10 +233,8 @@ def check_handshake(coll, ops, record, gathered, what):
     records = [data[i * _HANDSHAKE_BYTES:(i + 1) * _HANDSHAKE_BYTES] for i in range(coll.size)]
     if all(r == records[0] for r in records):
         return
-    lines = []
-    for i, r in enumerate(records):
-        summary = r[_DIGEST_BYTES:].rstrip(b"\0").decode(errors="replace")
-        lines.append(f"  rank {i}: {summary} [{r[:4].hex()}]")
+    lines = [f"  rank {i}: {r[_DIGEST_BYTES:].rstrip(bytes(1)).decode(errors='replace')} [{r[:4].hex()}]"
+             for i, r in enumerate(records)]
     summaries = {r[_DIGEST_BYTES:] for r in records}
     hint = ("their summaries agree, so they differ in the parameter layout (names, sizes, grouping "
             "or order of the tensors)" if len(summaries) == 1 else "see the summaries")
@@ -604,11 +599,10 @@ class Exchange:
                 if c.b > c.a:
                     decode = c.accumulate if j and setup.reduced is None else c.decode
                     self._decode(p, j, decode, ops.slice(data, c.off, c.off + c.size), ops.slice(out, c.a, c.b))
-        if p.name not in self._verified:
-            # Device payloads are checked by a kernel that writes NaN on a bad header; read the setup's
-            # status word once per exchange name (the first step only) so that a misconfiguration raises.
+        if setup.status is not None and p.name not in self._verified:
+            # a device decode writes NaN on a bad header: read the status word at each name's first step
             self._verified.add(p.name)
-            bits = setup.arrays.read_status(setup.status[0]) if setup.status is not None else 0
+            bits = setup.arrays.read_status(setup.status[0])
             if bits:
                 raise PayloadMismatchError(f"hvd_quant: a payload for {p.name!r} was refused on the device "
                                            f"(its decode wrote NaN): {describe_error_bits(bits)}")

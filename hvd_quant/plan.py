@@ -23,16 +23,13 @@ ALLREDUCE = "allreduce"
 def core_op(op, average, sum_, adasum):
     """A framework's Horovod op constant (``average``, ``sum_``, ``adasum``: its own), a core op name
     or None (Average) -> :data:`~hvd_quant.exchange.AVERAGE` / :data:`~hvd_quant.exchange.SUM`."""
-    if op is None:
+    if isinstance(op, str) and op in (AVERAGE, SUM):
+        return op
+    if op is None or op == average:
         return AVERAGE
-    if isinstance(op, str):
-        if op in (AVERAGE, SUM):
-            return op
-    elif op == average:
-        return AVERAGE
-    elif op == sum_:
+    if op == sum_:
         return SUM
-    elif op == adasum:
+    if op == adasum:
         raise ValueError("hvd_quant: op=hvd.Adasum is not supported: Adasum combines gradients "
                          "pairwise with dot products, which quantized payloads do not provide. "
                          "Use op=hvd.Average or op=hvd.Sum.")
@@ -187,17 +184,15 @@ class Plan:
 def fuse(idxs, numels, bucket_bytes):
     """Greedy, in the given order: groups of at most ``bucket_bytes`` of float32 (a bigger tensor
     alone); one group for 0 or None."""
-    groups, current, size = [], [], 0
+    groups, size = [], 0
     limit = max(1, int(bucket_bytes) // 4) if bucket_bytes else None
     for i in idxs:
         n = numels[i]
-        if limit is not None and current and size + n > limit:
-            groups.append(current)
-            current, size = [], 0
-        current.append(i)
+        if not groups or (limit is not None and size + n > limit):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
         size += n
-    if current:
-        groups.append(current)
     return groups
 
 

@@ -6,15 +6,14 @@ import struct
 import time
 
 from .exchange import SUM, TWO_LEVEL, Exchange
-from .plan import ALLREDUCE, AUTO, save_residuals
+from .plan import ALLREDUCE, AUTO, restore_residuals, save_residuals
 
 __all__ = ["StepScheduler", "StepOwner", "AutoChoice", "Presence", "in_plan_order", "step_metrics"]
 
 
 def in_plan_order(complete, next_start):
-    """Buckets that start in plan order (a payload channel matches collectives by order): of the
-    ``complete`` bucket indices, the run starting at ``next_start`` starts now and the rest wait.
-    Returns ``(start, waiting, next_start)``."""
+    """Of the ``complete`` bucket indices, the run from ``next_start`` starts now, the rest wait (a payload
+    channel matches collectives by order): ``(start, waiting, next_start)``."""
     waiting, start = sorted(complete), []
     while waiting and waiting[0] == next_start:
         start.append(waiting.pop(0))
@@ -268,6 +267,17 @@ class StepOwner:
                 "residuals": residuals, "server_residuals": server,
                 "auto": None if s is None or s.auto is None else s.auto.state_dict()}
 
+    def _load_plan_state(self, state, like):
+        """Restore :meth:`_plan_state`'s ``auto`` and residuals (onto ``like``'s device); the step is the caller's."""
+        s, mem = self._sched, self._memory
+        if s.auto is not None and state.get("auto") is not None:
+            s.auto.load_state_dict(state["auto"])
+        if mem is not None:
+            mem.clear()
+            restore_residuals(mem, s.buckets, dict(state.get("residuals", {})),
+                              {k: v for k, v in state.get("server_residuals", {}).items() if isinstance(k, tuple)},
+                              lambda ts: mem.ops.to_like(mem.ops.flatten(ts), like))
+
     def bytes_per_step(self):
         """The last step's :class:`hvd_quant.exchange.Traffic` (``.sent_bytes``, ``.fp32_bytes``, ``.ratio``)."""
         return self.last_traffic
@@ -398,7 +408,6 @@ class Presence:
 
     def start(self, coll):
         self.handle = coll.allreduce_async(self.one(), self.name, SUM)
-        self.count = None
 
     def known(self, coll, wait):
         """True once this step's count is known (``wait``: block for it); False while in flight."""

@@ -39,7 +39,7 @@ def test_resnet50_trains_on_the_payload_groups(tmp_path):
     """ResNet-50 (torchvision, batch 64) for 16 steps on 2 GPUs over NVLink, through both entry points
     with SRA and ``auto`` (and 1-bit SRA, with its residuals), as ``python -m hvd_quant.bench train``
     runs it: every job ends and its replicas are identical. With the payload groups carrying a
-    route's first step, SRA's jobs hung there (CUDA's lazy loading; ``hvd_quant.torch.payload_group.
+    route's first step, SRA's jobs hung there (CUDA's lazy loading; ``hvd_quant.torch._backend.
     PayloadGroup``), which the tiny models of the workers above never showed."""
     pytest.importorskip("torchvision")
     out = tmp_path / "bench"

@@ -18,11 +18,9 @@ from numba_kernels.wire import HEADER_NBYTES, PayloadError
 from .._arrays import DeviceAdapter, HostAdapter, UnsupportedInputError, check_float
 from ..exchange import AVERAGE, ArrayOps, Collectives, handshake
 from ..frontend import Frontend, TensorInfo
-from ..plan import restore_residuals
 
-__all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec",
-           "sendable_dtype", "host_one", "wait_for", "payload_group", "load_state",
-           "PayloadGroup", "GroupWork", "PAYLOAD_GROUP", "STORE_TIMEOUT_S"]
+__all__ = ["FRONTEND", "TorchFrontend", "OPS", "collectives", "hvd_op", "core_op", "resolve_codec", "host_one",
+           "wait_for", "PayloadGroup", "GroupWork", "PAYLOAD_GROUP", "STORE_TIMEOUT_S"]
 
 
 def _flatten(tensors):
@@ -41,19 +39,6 @@ def _mark(like):
     event = torch.cuda.Event(enable_timing=True)
     event.record(torch.cuda.current_stream(like.device))
     return event
-
-
-def load_state(state, memory, buckets, auto, device):
-    """Restore ``StepOwner._plan_state``'s ``auto`` and residuals (moved to ``device``); the step is the
-    caller's."""
-    if auto is not None and state.get("auto") is not None:
-        auto.load_state_dict(state["auto"])
-    if memory is not None:
-        memory.clear()
-        restore_residuals(
-            memory, buckets, dict(state.get("residuals", {})),
-            {k: v for k, v in state.get("server_residuals", {}).items() if isinstance(k, tuple)},
-            lambda ts: torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in ts]))
 
 
 OPS = ArrayOps(
@@ -80,10 +65,7 @@ class TorchFrontend(Frontend):
     float32 = torch.float32
     # dtypes horovod.torch 0.28.1 can allreduce (bfloat16 raises "Tensor type ... is not supported")
     horovod_floats = (torch.float16, torch.float32, torch.float64)
-
-    def __init__(self, ops, host_adapter):
-        super().__init__(ops, host_adapter)
-        self._cuda = None               # the CUDA adapter, made at the first CUDA tensor
+    _cuda = None                        # the CUDA adapter, made at the first CUDA tensor
 
     def adapter(self, obj):
         """The codecs' adapter for a torch tensor: host (CPU) or CUDA; other devices raise."""
@@ -213,27 +195,23 @@ class PayloadGroup:
         on = os.environ.get("HVD_QUANT_PAYLOAD_GROUP", "1").strip() != "0"
         if size == 1:       # nobody to reach: a store in this process
             return cls(dist.HashStore(), process_set, backend, device) if on else None
-        if process_set.rank() == 0:
-            store = where = None
-            if on:
-                host = _store_host()
-                try:
-                    store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False,
-                                          timeout=timeout)
-                    where = (host, store.port)
-                except Exception as e:  # noqa: BLE001 -- torch raises several kinds; tell every rank
-                    where = f"rank 0 could not serve its payload group's store at {host} ({e}); {way_out}"
-            hvd.broadcast_object(where, root_rank=root, process_set=process_set, name=name)
-        else:
-            where = hvd.broadcast_object(None, root_rank=root, process_set=process_set, name=name)
-            if isinstance(where, tuple):
-                try:
-                    store = dist.TCPStore(*where, size, is_master=False, timeout=timeout)
-                except Exception as e:  # noqa: BLE001
-                    raise RuntimeError(f"hvd_quant: this rank could not reach rank 0's payload group "
-                                       f"store at {where[0]}:{where[1]} ({e}); {way_out}") from e
+        store = where = None
+        if process_set.rank() == 0 and on:
+            host = _store_host()
+            try:
+                store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
+                where = (host, store.port)
+            except Exception as e:  # noqa: BLE001 -- torch raises several kinds; tell every rank
+                where = f"rank 0 could not serve its payload group's store at {host} ({e}); {way_out}"
+        where = hvd.broadcast_object(where, root_rank=root, process_set=process_set, name=name)
         if isinstance(where, str):
             raise RuntimeError(f"hvd_quant: {where}")
+        if where is not None and store is None:        # not rank 0: reach its store
+            try:
+                store = dist.TCPStore(*where, size, is_master=False, timeout=timeout)
+            except Exception as e:  # noqa: BLE001
+                raise RuntimeError(f"hvd_quant: this rank could not reach rank 0's payload group "
+                                   f"store at {where[0]}:{where[1]} ({e}); {way_out}") from e
         return None if where is None else cls(store, process_set, backend, device)
 
     def allgather(self, t, each=None, total=None):
@@ -322,14 +300,21 @@ def _payload(payload):
     return payload
 
 
+def _out(out, cuda):
+    device = "cuda" if cuda else "cpu"
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
+            or out.device.type != device:
+        raise UnsupportedInputError(f"decode_into needs a contiguous float32 {device} tensor; got "
+                                    f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'device', '')}")
+    return out
+
+
 class TorchHostAdapter(HostAdapter):
     describe = staticmethod(_describe)
 
     def input_np(self, x):
         x = _flat(x).contiguous()
-        if x.dtype == torch.bfloat16:
-            return x.float().numpy()
-        return x.numpy()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def input_f32(self, x):
         return _flat(x).to(torch.float32).contiguous().numpy()
@@ -341,17 +326,11 @@ class TorchHostAdapter(HostAdapter):
         return torch.from_numpy(arr)
 
     def out_np(self, out):
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
-                or out.device.type != "cpu":
-            raise UnsupportedInputError("decode_into needs a contiguous float32 tensor of the payload's "
-                                        f"kind and device; got {type(out).__name__} {getattr(out, 'dtype', '')}")
-        return out.detach().view(-1).numpy(), None
+        return _out(out, False).detach().view(-1).numpy(), None
 
     def wrap_result(self, arr_f32, dtype_name, shape, like):
         t = torch.from_numpy(arr_f32)
-        if dtype_name != "float32":
-            t = t.to(_FROM_NAME[dtype_name])
-        return t.reshape(shape)
+        return (t if dtype_name == "float32" else t.to(_FROM_NAME[dtype_name])).reshape(shape)
 
 
 def _with_ptr(t):
@@ -416,10 +395,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return _with_ptr(torch.from_numpy(np.asarray(values, np.uint32).view(np.int32)).to(like.device))
 
     def input_f32(self, x):
-        if x.dtype == torch.float32 and x.is_contiguous():
-            t = x
-        else:
-            t = _flat(x).to(torch.float32).contiguous()
+        t = x if x.dtype == torch.float32 and x.is_contiguous() else _flat(x).to(torch.float32).contiguous()
         return _with_ptr(t)
 
     def bytes_dev(self, payload):
@@ -432,12 +408,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return ptr
 
     def out_dev(self, out):
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous() \
-                or not out.is_cuda:
-            raise UnsupportedInputError("decode_into needs a contiguous float32 CUDA tensor; got "
-                                        f"{type(out).__name__} {getattr(out, 'dtype', '')} "
-                                        f"{getattr(out, 'device', '')}")
-        return out.data_ptr(), None
+        return _out(out, True).data_ptr(), None
 
     def read_status(self, status):
         bits = int(status[1].item())
@@ -446,9 +417,7 @@ class TorchCudaAdapter(DeviceAdapter):
         return bits
 
     def result(self, f32, dtype_name, shape):
-        if dtype_name != "float32":
-            f32 = f32.to(_FROM_NAME[dtype_name])
-        return f32.reshape(shape)
+        return (f32 if dtype_name == "float32" else f32.to(_FROM_NAME[dtype_name])).reshape(shape)
 
     def raw_encode_into(self, x, value_dtype, payload):
         """x as ``value_dtype`` after ``payload``'s header (the codec writes it), then zero padding."""
@@ -475,5 +444,4 @@ class TorchCudaAdapter(DeviceAdapter):
 
 FRONTEND = TorchFrontend(OPS, TorchHostAdapter())
 collectives, hvd_op, core_op = FRONTEND.collectives, FRONTEND.hvd_op, FRONTEND.core_op
-resolve_codec, sendable_dtype = FRONTEND.resolve_codec, FRONTEND.sendable_dtype
-host_one, wait_for, payload_group = FRONTEND.host_one, FRONTEND.wait_for, FRONTEND.payload_group
+resolve_codec, host_one, wait_for = FRONTEND.resolve_codec, FRONTEND.host_one, FRONTEND.wait_for

@@ -30,7 +30,7 @@ from ..codecs import resolve_codec
 from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Traffic, handshake
 from ..memory import Memory
 from ..scheduler import StepOwner, StepScheduler
-from ._backend import FRONTEND, OPS, GroupWork, load_state, wait_for
+from ._backend import FRONTEND, OPS, GroupWork, wait_for
 
 __all__ = ["ddp_comm_hook", "DDPCommState", "collectives", "shutdown"]
 
@@ -291,7 +291,7 @@ class DDPCommState(StepOwner):
         if self._plan is None:
             self._loaded = state
             return
-        load_state(state, self._memory, self._plan.buckets, self._sched.auto, self._params[0].device)
+        self._load_plan_state(state, self._params[0])
 
 
 def _hook(state, bucket):

@@ -131,7 +131,7 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
             ex.coll = coll
         self._sched.bind(coll)          # another world: routes and auto start over
         # CUDA payloads travel on process groups of this optimizer's own (from a route's second step)
-        self._sched.channel = (coll, _backend.payload_group(
+        self._sched.channel = (coll, _backend.PayloadGroup.open(
             self.process_set, self._bucket_params[0][0].device, self._prefix) if self._buckets else None)
 
     # -- hooks --------------------------------------------------------------------------------------
@@ -140,8 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
             for p in param_group['params']:
                 if p.requires_grad:
                     self._requires_update.add(p)
-                    p_tmp = p.expand_as(p)
-                    grad_acc = p_tmp.grad_fn.next_functions[0][0]
+                    grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
                     grad_acc.register_hook(self._make_hook(p))
                     self._grad_accs.append(grad_acc)
 
@@ -309,8 +308,7 @@ class _DistributedOptimizer(torch.optim.Optimizer, StepOwner):
         if ours is None:
             return
         self._step = int(ours.get("step", 0))
-        device = next((ps[0].device for ps in self._bucket_params), torch.device("cpu"))
-        _backend.load_state(ours, self._memory, self._buckets, self._sched.auto, device)
+        self._load_plan_state(ours, self._bucket_params[0][0] if self._buckets else None)
         if self._coll is not None and self._memory is not None:
             self._connect()
 
@@ -340,15 +338,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     Arguments:
         compression: an hvd_quant codec (``hvd_quant.QSGD(bits=4)``, ...), a spec string
             (``"qsgd:bits=4,bucket_size=512"``) or ``hvd.Compression.none/fp16``. Default: none.
-        reduction: ``"auto"`` (default: Horovod's fp32 allreduce, ``"allgather"``, ``"sra"`` or,
-            on several nodes of several ranks, ``"two_level"``, whichever gave the fastest steps
-            at the start, the same on every rank; :class:`hvd_quant.scheduler.AutoChoice`),
-            ``"sra"`` (scatter-reduce-allgather: traffic flat in the number of ranks),
-            ``"allgather"`` (one quantization) or ``"two_level"`` (fp32 inside each node, the
-            codec between nodes; needs ``hvd.init(process_sets="dynamic")`` or the nodes' sets).
+        reduction: ``"auto"`` (default: whichever of Horovod's fp32 allreduce and the ways below gave
+            the fastest steps at the start, the same on every rank), ``"sra"`` (scatter-reduce-allgather:
+            traffic flat in the number of ranks), ``"allgather"`` (one quantization) or ``"two_level"``
+            (fp32 inside each node, the codec between nodes; needs ``hvd.init(process_sets="dynamic")``
+            or the nodes' sets); docs/EXCHANGE.md, "The reductions".
         bucket_bytes: compressed gradients are fused into buckets of at most this many float32
-            bytes, in reverse parameter order (the last bucket's last tensors, up to an eighth of
-            it, travel alone); 0: one bucket. Default 25 MiB.
+            bytes, in reverse parameter order; 0: one bucket. Default 25 MiB.
         min_compress_numel: smaller gradients go uncompressed through Horovod's allreduce (float32
             ones fused into groups of ``bucket_bytes``), as do 1-D ones unless ``compress_1d``.
         warmup_steps: full-precision allreduce for this many first steps. Default 0.

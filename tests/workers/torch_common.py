@@ -33,8 +33,8 @@ def init(**kwargs):
 
 
 def _payload_groups():
-    from hvd_quant.torch import payload_group
-    return payload_group.PAYLOAD_GROUP
+    from hvd_quant.torch import _backend
+    return _backend.PAYLOAD_GROUP
 
 
 @contextlib.contextmanager

@@ -41,8 +41,8 @@ MODES = sys.argv[1].split(",")
 
 hvd.init()
 if os.environ.get("HVDQ_TEST_PAYLOAD_GROUP"):   # the payload groups on the CPU too, as on CUDA
-    from hvd_quant.torch import payload_group
-    payload_group.PAYLOAD_GROUP["cpu"] = os.environ["HVDQ_TEST_PAYLOAD_GROUP"]
+    from hvd_quant.torch import _backend
+    _backend.PAYLOAD_GROUP["cpu"] = os.environ["HVDQ_TEST_PAYLOAD_GROUP"]
 check = _checks.Checks(hvd)
 torch.manual_seed(1234)
 

@@ -350,7 +350,7 @@ def option_cases():
     F.cross_entropy(m(x), y).backward()
     stage, channel = opt._sched.pending[kb][1].stage, opt._sched.pending[kb][1].channel
     opt.step()
-    from hvd_quant.torch.payload_group import PAYLOAD_GROUP
+    from hvd_quant.torch._backend import PAYLOAD_GROUP
     check(stage == "second" and (channel is not None) == (DEVICE.type in PAYLOAD_GROUP),
           "ours/sra: second phase started during backward", f"stage {stage}, channel {channel}")
     # The stock path fuses: one optimizer's compressed gradients travel as one bucket per step.
@@ -662,7 +662,7 @@ def process_set_cases():
 
 
 def payload_group_cases():
-    """Process groups of the optimizer's own for the payloads (``torch.payload_group.PayloadGroup``: NCCL
+    """Process groups of the optimizer's own for the payloads (``torch._backend.PayloadGroup``: NCCL
     on CUDA by default; forced onto the CPU here with Gloo), both reductions: with buckets that
     complete in an order differing between ranks, every compressed gradient equals, bit for bit, that
     of the same steps through Horovod's collectives (deterministic codecs: the payloads do not depend
@@ -671,7 +671,7 @@ def payload_group_cases():
     go straight into their buckets).
     ``HVD_QUANT_PAYLOAD_GROUP=0`` on rank 0 turns the group off on every rank; on another rank alone
     it changes nothing (rank 0 decides)."""
-    from hvd_quant.torch.payload_group import PayloadGroup
+    from hvd_quant.torch._backend import PayloadGroup
     calls = [0]
     plain = PayloadGroup.allgather, PayloadGroup.alltoall
 
