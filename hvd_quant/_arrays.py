@@ -28,7 +28,6 @@ def adapter_for(obj):
 
 # The int32[2] status words (wire.ERROR_BITS) of direct device decodes, one per codec configuration and
 # device, read by ``Codec.check_device_errors`` (docs/CODECS.md, "Errors"); exchange plans own theirs.
-
 _STATUS = {}            # (codec, device key) -> (adapter, status tensor, device array)
 _status_lock = threading.Lock()
 
@@ -67,8 +66,7 @@ def check_float(dtype_name, what="input"):
 
 
 class HostAdapter:
-    """Host memory: the codec works on NumPy arrays; a subclass converts (docs/ARCHITECTURE.md, "Array
-    adapters")."""
+    """Host memory: the codec works on NumPy arrays; a subclass converts (docs/ARCHITECTURE.md, "Array adapters")."""
     device = False
     views = True        # out_np gives out's own memory (TensorFlow: a temporary, then a commit)
 
@@ -87,16 +85,9 @@ class HostAdapter:
 
 
 class DeviceAdapter:
-    """Device memory: kernels on the framework's memory and stream (docs/ARCHITECTURE.md, "Array
-    adapters")."""
+    """Device memory: kernels on the framework's memory and stream (docs/ARCHITECTURE.md, "Array adapters")."""
     device = True
     views = True        # out_dev gives out's own memory
-
-    def constant_u32(self, values, like):
-        """(keepalive, device handle) of a small uint32 array on ``like``'s device, made once."""
-        from numba import cuda
-        d = cuda.to_device(np.asarray(values, np.uint32))
-        return d, d
 
 
 # ---- NumPy arrays (host; bfloat16 arrays come from ml_dtypes, what TensorFlow's .numpy() gives) ----
@@ -136,8 +127,7 @@ class NumpyAdapter(HostAdapter):
 
     def out_np(self, out):
         if not isinstance(out, np.ndarray) or (out.dtype is not _F32 and out.dtype != _F32) \
-                or not out.flags.c_contiguous \
-                or not out.flags.writeable:
+                or not out.flags.c_contiguous or not out.flags.writeable:
             raise UnsupportedInputError("decode_into needs a writable C-contiguous float32 NumPy array; "
                                         f"got {type(out).__name__} {getattr(out, 'dtype', '')}")
         return out.reshape(-1), None

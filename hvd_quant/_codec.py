@@ -23,9 +23,7 @@ STOCK_COMPRESS = None
 
 
 def _fmt(v):
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return "none" if v is None else str(v)
+    return str(v).lower() if v is None or isinstance(v, bool) else str(v)      # true, false, none
 
 
 def _name_arg(name):
@@ -74,8 +72,7 @@ class _ThreadState(threading.local):
     the ``k`` of :func:`noise_key`; ``ops``, prepared ops (they write their buffers on every call)."""
 
     def __init__(self):
-        self.calls = {}
-        self.ops = {}
+        self.calls, self.ops = {}, {}
 
 
 _THREAD = _ThreadState()
@@ -126,10 +123,9 @@ def _nb(arrays, t, dev):
 
 
 class Codec:
-    """Base class: the payload plumbing shared by every codec. An immutable value, compared and hashed
-    by its configuration; runtime state lives with whoever runs it (an exchange's setups,
-    :class:`_ThreadState`). Subclasses define ``PARAMS`` (spec parameter -> parser, in canonical
-    order), ``_fields()``, ``_kernel_table()`` or the encode steps."""
+    """Base class: the payload plumbing of every codec, an immutable value compared and hashed by its
+    configuration (runtime state lives with whoever runs it). Subclasses define ``PARAMS`` (spec
+    parameter -> parser, in canonical order), ``_fields()``, ``_kernel_table()`` or the encode steps."""
 
     name = None
     PARAMS = {}
@@ -348,19 +344,15 @@ class Codec:
 
     def check_device_errors(self):
         """Raise PayloadError if a device payload decoded since the last call failed its header check."""
-        problems = []
-        for key, arrays, status_t in device_statuses(self):
-            bits = arrays.read_status(status_t)
-            if bits:
-                problems.append(f"{key}: {wire.describe_error_bits(bits)}")
+        bits = [(key, arrays.read_status(status_t)) for key, arrays, status_t in device_statuses(self)]
+        problems = [f"{key}: {wire.describe_error_bits(b)}" for key, b in bits if b]
         if problems:
             raise PayloadError("device payload(s) refused (their decode wrote NaN): " + "; ".join(problems))
 
     # -- the exchange's hot path: everything resolved once, then called every step --------------------
     def bind_encode(self, arrays, lay, words, like):
-        """``f(x, payload, key, residual=None)``: :meth:`encode_into` for inputs of ``lay.numel``
-        elements like ``like`` with header ``words``, the launch resolved now. Sizes are the caller's
-        promise (the exchange's plans hold them); on a device, on the framework's current stream."""
+        """``f(x, payload, key, residual=None)``: :meth:`encode_into` for inputs of ``lay.numel`` elements
+        like ``like`` with header ``words``, resolved now (sizes unchecked); on the framework's stream."""
         launch = self._bound_kernel(arrays, lay.numel, None)
         if launch is None:
             return lambda x, payload, key, residual=None: self.encode_into(
@@ -369,8 +361,7 @@ class Codec:
 
     def bind_decode(self, arrays, numel, accumulate, expect, like, status=None):
         """``f(payload, out)``: :meth:`decode_into` of payloads of ``numel`` elements checked against
-        ``expect``, resolved now. On a device the check reports through ``status`` (the caller's
-        ``arrays.new_status(like)``), else through the word :meth:`check_device_errors` reads."""
+        ``expect``, resolved now; on a device into ``status``, else the word :meth:`check_device_errors` reads."""
         launch = self._bound_kernel(arrays, numel, bool(accumulate))
         status = self._status(arrays, like, status)
         if launch is None:
@@ -381,34 +372,28 @@ class Codec:
                                                          arrays=arrays)
         return launch.bind(_handles(arrays, status), expect)
 
-    # fused launches: one per exchange phase
+    # fused launches, one per exchange phase: None where this codec has no fused kernel (the caller loops)
     def bind_decode_sum(self, arrays, numel, expect, like, status=None):
         """``f(payloads, n, out)``: ``out`` = the sum, in order, of the ``n`` payloads of ``numel``
-        elements held back to back in ``payloads``, each checked against ``expect``: one launch (the
-        allgather's decode). None where this codec has no fused kernel (the caller loops)."""
-        launch = self._op("decode_sum", arrays.device, numel) if numel and arrays.views else None
-        return None if launch is None else launch.bind(
-            _handles(arrays, self._status(arrays, like, status)), expect)
+        elements held back to back in ``payloads``, each checked against ``expect`` (the allgather's)."""
+        return self._bind_fused("decode_sum", arrays, numel, like, status, expect)
 
     def bind_reduce_requantize(self, arrays, lay, words, expect, like, status=None):
-        """``f(payloads, n, residual, out_payload, key)``: SRA's middle phase in one launch: sum the
-        ``n`` received payloads of ``lay.numel`` elements (checked against ``expect``), add
-        ``residual`` if given, encode the result into ``out_payload`` with header ``words`` and noise
-        ``key``, and overwrite ``residual`` with what that encode lost. None where unfused."""
-        launch = (self._op("reduce_requantize", arrays.device, lay.numel) if lay.numel and arrays.views
-                  else None)
-        return None if launch is None else launch.bind(
-            _handles(arrays, self._status(arrays, like, status)), words, expect)
+        """``f(payloads, n, residual, out_payload, key)``: SRA's middle phase: sum the ``n`` received payloads
+        of ``lay.numel`` elements (checked against ``expect``) and ``residual`` if given, encode the sum into
+        ``out_payload`` with header ``words`` and noise ``key``, and overwrite ``residual`` with its loss."""
+        return self._bind_fused("reduce_requantize", arrays, lay.numel, like, status, words, expect)
 
     def bind_decode_chunks(self, arrays, numel, chunk, name_hashes, expect, like, status=None):
-        """``f(gathered, out)``: SRA's last phase in one launch: chunk j of ``out`` (elements
-        [j*chunk, (j+1)*chunk)) decoded from the j-th payload of ``gathered``, each checked against
-        ``expect`` and its own name hash. ``name_hashes``: the chunks' hashes, on ``like``'s device,
-        built once by the caller. None where unfused."""
-        launch = (self._op("decode_chunks", arrays.device, numel, chunk=chunk)
-                  if numel and arrays.views and getattr(self, "bucket_size", None) else None)
-        return None if launch is None else launch.bind(
-            _handles(arrays, self._status(arrays, like, status)), name_hashes, expect)
+        """``f(gathered, out)``: SRA's last phase: chunk j of ``out`` (elements [j*chunk, (j+1)*chunk))
+        from the j-th payload of ``gathered``, checked against ``expect`` and ``name_hashes[j]`` (on the device)."""
+        if not getattr(self, "bucket_size", None):
+            return None
+        return self._bind_fused("decode_chunks", arrays, numel, like, status, name_hashes, expect, chunk=chunk)
+
+    def _bind_fused(self, kind, arrays, numel, like, status, *args, chunk=None):
+        launch = self._op(kind, arrays.device, numel, chunk=chunk) if numel and arrays.views else None
+        return None if launch is None else launch.bind(_handles(arrays, self._status(arrays, like, status)), *args)
 
     def _status(self, arrays, like, status):
         """A device bind's status word: the caller's, else this codec's on ``like``'s device."""

@@ -1,8 +1,7 @@
 """Codecs as stock Horovod's ``compression=`` argument: an adapter over the bucket scheduler that reads
 Horovod's context from the calling frame, hands Horovod placeholders, finds step boundaries (a gradient
 seen again) and gives the state an owner (:func:`state_of`); ``hvd_quant.dispatch.STOCK_HOOKS``
-(TensorFlow's graphs) may take over. docs/EXCHANGE.md, "Stock Horovod" and "The placeholder trick".
-"""
+(TensorFlow's graphs) may take over. docs/EXCHANGE.md, "Stock Horovod" and "The placeholder trick"."""
 import collections
 import functools
 import sys
@@ -25,12 +24,11 @@ def _backend_for(tensor):
     if backend is None or not hasattr(backend, "stock_backend"):
         raise TypeError(f"hvd_quant: no frontend for tensors of type {type(tensor)!r} "
                         "(hvd_quant.dispatch.register_frontend adds one)")
-    if all(backend is not b for b in _USED):
-        _USED.append(backend)
+    _USED[backend] = True
     return backend
 
 
-_USED = []              # the frontends the stock path has served, each once
+_USED = {}              # the frontends the stock path has served, in order
 
 
 # A ctx Horovod hands back to ``decompress``: ``stock_decompress(summed)`` finishes the tensor.
@@ -124,8 +122,7 @@ class _Group:
         self.index = {p: i for i, p in enumerate(params)}
         # taken over, the float32 gradients left uncompressed go into plain groups
         infos = [session.adapter.describe(q) for q in params]
-        fused = _plan.plain_groups(plan, [x.is_float and x.itemsize == 4 for x in infos],
-                                   sc.config.bucket_bytes)
+        fused = _plan.plain_groups(plan, [x.is_float and x.itemsize == 4 for x in infos], sc.config.bucket_bytes)
         nb = len(plan.buckets)         # (plain group j is the scheduler's group nb + j)
         self.plain_where = {params[i]: (nb + j, m) for j, g in enumerate(fused) for m, i in enumerate(g)}
         self.device = getattr(params[0], "device", None) if params else None
@@ -148,7 +145,6 @@ class _Group:
             label="hvd_quant (compression=)", presence=presence,
             wait_device=None if wait is None else functools.partial(wait, self.device))
         self.sched.bind(session.coll)
-        self.key = plan.key                 # names this plan in state_dict()["auto"]
         self.taken_over = False     # StockCompression._take_over replaced its _allreduce_grad_async
         self.direct = False         # taken over: this step's gradients go straight into their buckets
         self.stepped_direct = False  # the step under way went straight into its buckets
@@ -160,8 +156,7 @@ class _Group:
         """``adapter.describe(tensor)`` of ``param``'s gradient, made once per dtype and layout."""
         known = self.infos.get(param)
         if known is None or known[0] is not tensor.dtype or known[1] is not tensor.layout:
-            info = self.session.adapter.describe(tensor)
-            known = self.infos[param] = (tensor.dtype, tensor.layout, info)
+            known = self.infos[param] = (tensor.dtype, tensor.layout, self.session.adapter.describe(tensor))
         return known[2]
 
     def placeholder(self, param, tensor):
@@ -210,10 +205,8 @@ class StockCompression:
                                       min_compress_numel=min_compress_numel, compress_1d=compress_1d,
                                       warmup_steps=None, error_feedback=error_feedback, op=None,
                                       predivide=None)
-        c = self.config         # the arguments, read back as attributes
-        self.codec, self.reduction, self.error_feedback = c.codec, c.reduction, c.error_feedback
-        self.min_compress_numel, self.compress_1d = c.min_compress_numel, c.compress_1d
-        self.bucket_bytes = c.bucket_bytes
+        for arg in ("codec", "reduction", "error_feedback", "min_compress_numel", "compress_1d", "bucket_bytes"):
+            setattr(self, arg, getattr(self.config, arg))       # the arguments, read back as attributes
         self._sessions = {}
         self._groups = {}       # id(optimizer) -> its _Group (dropped with the optimizer)
         self._pending = {}      # exchange name -> (session, Pending) of unfused tensors in flight
@@ -274,9 +267,8 @@ class StockCompression:
     def step_metrics(self, optimizer):
         """:func:`hvd_quant.scheduler.step_metrics` of ``optimizer``'s last step, or None before it."""
         group = self._group_of(optimizer)
-        if group is None:
-            return None
-        return step_metrics(group.plan, take_traffic(self), list(group.sched.routes), self.codec.spec())
+        return None if group is None else step_metrics(group.plan, take_traffic(self), list(group.sched.routes),
+                                                       self.codec.spec())
 
     def reduction_in_use(self, optimizer):
         """How ``optimizer``'s next step's buckets travel (``"sra"``, ...), or None before its first gradient."""
@@ -324,13 +316,11 @@ class StockCompression:
         info = group.describe(param, tensor)
         where = group.where.get(param)
         if where is None or not self.compressible(info):
-            spot = group.plain_where.get(param) if direct else None
-            if spot is None:
-                return self._uncompressed(session, tensor, info)
-            sched.arrive(*spot, tensor)
-            return None, functools.partial(_finish, group, *spot, info)
-        if not direct and (sched.route() == _plan.ALLREDUCE or sched.absent()):
-            return self._uncompressed(session, tensor, info)    # (the bucket's route: allreduce)
+            where = group.plain_where.get(param) if direct else None    # (a plain group's, only direct)
+        elif not direct and (sched.route() == _plan.ALLREDUCE or sched.absent()):
+            where = None        # (the bucket's route: allreduce)
+        if where is None:
+            return self._uncompressed(session, tensor, info)
         sched.arrive(*where, tensor)
         finish = functools.partial(_finish, group, *where, info)
         return (None, finish) if direct else (group.placeholder(param, tensor), _Ctx(finish))
@@ -338,7 +328,7 @@ class StockCompression:
     @staticmethod
     def _uncompressed(session, tensor, info):
         out = uncompressed(session.adapter, tensor, info)
-        itemsize = info.itemsize if out[0] is tensor else session.adapter.describe(out[0]).itemsize
+        itemsize = info.itemsize if out[0] is tensor else 4     # (else sent as a float32 copy)
         session.exchange.traffic.add_allreduce(info.numel * itemsize, info.numel, session.coll.size)
         return out
 
@@ -374,7 +364,7 @@ class StockCompression:
                              "quantized payloads do not provide. Use op=hvd.Average or op=hvd.Sum.")
         group = _Group(self, self.session(backend, caller.process_set), owner, backend, caller.process_set)
         if group.sched.auto is not None:
-            self._restore_auto(group.key, group.sched.auto)
+            self._restore_auto(group.plan.key, group.sched.auto)
         self._groups[id(owner)] = (weakref.ref(owner), group)
         weakref.finalize(owner, self._groups.pop, id(owner), None)
         if caller.param is not None and getattr(owner, "_groups", None) is None:
@@ -382,11 +372,9 @@ class StockCompression:
         return group
 
     def _take_over(self, owner, group):
-        """Give ``owner`` an ``_allreduce_grad_async`` of hvd_quant's own: while ``group.direct`` a
-        planned gradient goes straight into its bucket or plain group, its result a callable handle.
-        ``direct`` turns on once every rank has handed out a bucket (:func:`_go_direct`; a plan with
-        no bucket: at its second step), off for one step in a new world (elastic: those who joined
-        start with Horovod's path). Gradients outside the plan, or sparse, take Horovod's path."""
+        """Give ``owner`` an ``_allreduce_grad_async`` of hvd_quant's own: while ``group.direct``
+        (:func:`_go_direct`; off for one step in a new world) a planned dense gradient goes straight into
+        its bucket or plain group, its result a callable handle (docs/EXCHANGE.md, "Stock Horovod")."""
         horovod_async = owner._allreduce_grad_async
         always = not group.plan.buckets
 
@@ -452,7 +440,7 @@ class StockCompression:
 
     def _autos(self):
         """(plan key, AutoChoice) of each ``reduction="auto"`` schedule of this state."""
-        groups = [(g.key, g.sched.auto) for _, g in self._groups.values() if g.sched.auto is not None]
+        groups = [(g.plan.key, g.sched.auto) for _, g in self._groups.values() if g.sched.auto is not None]
         return groups + list(self._graph_autos.items())
 
     def _restore_auto(self, key, choice):
@@ -474,16 +462,15 @@ class StockCompression:
 
 
 def _go_direct(group):
-    """A taken-over optimizer's first bucket result in this world, a point every rank reaches (every
-    hook of the step has run, nothing waited for): start the complete buckets, make the payload
-    channel (a collective; used from the next step, so that no bucket of this step goes two ways),
-    and from the next step on hand the gradients straight to their buckets."""
+    """At a taken-over optimizer's first bucket result in this world (every rank reaches it, nothing
+    waited for): start the complete buckets, make the payload channel (a collective, used from the next
+    step: no bucket of this step goes two ways), and hand later steps' gradients straight to buckets."""
     sched = group.sched
     sched.start_complete(wait=True)
     make = getattr(group.backend, "payload_group", None)
     coll = group.session.coll
     if make is not None and group.device is not None and not sched.absent():
-        sched.next_channel = (coll, make(coll.process_set, group.device, f"hvdq.stock.{group.key}",
+        sched.next_channel = (coll, make(coll.process_set, group.device, f"hvdq.stock.{group.plan.key}",
                                          group.plan.record, "hvd.DistributedOptimizer(compression=...)"))
     group.direct = True
 
@@ -539,7 +526,7 @@ def take_traffic(obj):
     if states[0] is None:
         codec = getattr(obj, "_compression", obj)
         states = []
-        for backend in _USED if hasattr(codec, "spec") else ():
+        for backend in list(_USED) if hasattr(codec, "spec") else ():
             ps = backend.stock_backend(None)[0].process_set
             sc = getattr(ps, "__dict__", {}).get(_STATE_ATTR, {}).get(codec)
             if sc is not None and all(sc is not s for s in states):

@@ -1,8 +1,6 @@
-"""Gradient codecs: QSGD, 1-bit SGD, sort and k-means quantization, fp16 and none, on one wire format
-(docs/CODECS.md). Each turns a float tensor into a self-describing 1-D uint8 payload of the same kind
-and device and back; they are picked from :class:`Compression` or from a string spec through the
-registry (``from_spec("qsgd:bits=4,bucket_size=512")``, ``from_spec(c.spec()) == c``).
-"""
+"""Gradient codecs: QSGD, 1-bit SGD, sort and k-means quantization, fp16 and none, each a float tensor to a
+self-describing 1-D uint8 payload of the same kind and device and back (docs/CODECS.md); picked from
+:class:`Compression` or a spec through the registry (``from_spec("qsgd:bits=4,bucket_size=512")``)."""
 import numpy as np
 
 import numba_kernels
@@ -83,9 +81,8 @@ def from_spec(spec):
         if not eq or not key:
             raise ValueError(f"bad item {item!r} in codec spec {spec!r}: expected key=value")
         if key not in cls.PARAMS:
-            known = ", ".join(cls.PARAMS) or "none"
             raise ValueError(f"unknown parameter {key!r} for codec {name!r} in spec {spec!r}; "
-                             f"known parameters: {known}")
+                             f"known parameters: {', '.join(cls.PARAMS) or 'none'}")
         if key in kwargs:
             raise ValueError(f"parameter {key!r} given twice in codec spec {spec!r}")
         kwargs[key] = text
@@ -109,10 +106,8 @@ _NORM_NAMES = {v: k for k, v in wire.NORMS.items()}
 
 @register("qsgd")
 class QSGD(Codec):
-    """Bucketed QSGD (Alistarh et al., 2017): ``bits``-bit codes (:attr:`levels` per sign) with one
-    float32 scale per bucket, max|x| or ||x||_2 (``norm``). ``mode="stochastic"`` is **unbiased**,
-    ``"deterministic"`` **biased**; ``"fake"`` sends float32 (stochastic's numerics, **no savings**:
-    for accuracy studies). ``seed=None``: fresh noise per call (docs/CODECS.md, "QSGD")."""
+    """Bucketed QSGD: ``bits``-bit codes and a float32 scale (``norm``) per bucket; ``"stochastic"`` is
+    **unbiased**, ``"deterministic"`` **biased**, ``"fake"`` sends float32 (**no savings**) (docs/CODECS.md, "QSGD")."""
 
     PARAMS = {"bits": _p_int, "bucket_size": _p_int, "mode": _p_str, "norm": _p_str, "seed": _p_opt_int}
     _FIELD_TEXT = {"mode": ("mode", _MODE_NAMES), "param": ("norm", _NORM_NAMES)}
@@ -179,9 +174,8 @@ _SCALE_NAMES = {v: k for k, v in wire.ONEBIT_SCALES.items()}
 
 @register("onebit", "1bit")
 class OneBit(Codec):
-    """1-bit SGD (Seide et al., 2014): one sign bit per element and float32 scales per bucket,
-    ``"two_mean"`` (the **sum is preserved**) or ``"mean_abs"`` (EF-SignSGD's). Both **biased**: error
-    feedback. ``bucket_size=None``: one bucket per tensor (docs/CODECS.md, "1-bit")."""
+    """1-bit SGD: a sign bit per element and float32 scales per bucket (``bucket_size=None``: one), **biased**:
+    ``"two_mean"`` preserves the sum, ``"mean_abs"`` is EF-SignSGD's (docs/CODECS.md, "1-bit")."""
 
     PARAMS = {"bucket_size": _p_opt_int, "scale": _p_str, "error_feedback": _p_bool}
     _FIELD_TEXT = {"mode": ("scale", _SCALE_NAMES), "bucket_size": ("bucket_size", {0: None})}
@@ -205,10 +199,8 @@ class OneBit(Codec):
 
 @register("sortquant")
 class SortQuant(Codec):
-    """Sort quantization: per bucket, ``2**split_bits`` groups of equal count by rank of value, each
-    quantized uniformly in its (min, max); an element sends its group in ``split_bits`` bits and its
-    level in ``bits - split_bits``. ``"stochastic"`` is **unbiased**, ``"deterministic"`` **biased**;
-    bucket_size at most 4096 on CUDA (docs/CODECS.md, "Sort quantization")."""
+    """Sort quantization: per bucket ``2**split_bits`` groups by rank of value, each uniform in its (min, max);
+    ``"stochastic"`` is **unbiased**, ``"deterministic"`` **biased** (docs/CODECS.md, "Sort quantization")."""
 
     PARAMS = {"bits": _p_int, "split_bits": _p_int, "bucket_size": _p_int, "mode": _p_str,
               "seed": _p_opt_int}
@@ -234,9 +226,8 @@ class SortQuant(Codec):
 
 @register("kmeans")
 class KMeans(Codec):
-    """K-means quantization: per bucket a codebook of ``2**bits`` float32 centroids fitted by Lloyd
-    iterations from a ``seed``ed sample, each element sent as its nearest centroid's index (**biased**).
-    ``bucket_size=None``: one codebook per tensor (docs/CODECS.md, "K-means quantization")."""
+    """K-means quantization: per bucket (``bucket_size=None``: one) ``2**bits`` float32 centroids and each
+    element's index, **biased** (docs/CODECS.md, "K-means quantization")."""
 
     PARAMS = {"bits": _p_int, "iters": _p_int, "bucket_size": _p_opt_int, "seed": _p_opt_int}
     stochastic = True           # the sample is drawn with the noise key
@@ -244,8 +235,7 @@ class KMeans(Codec):
 
     def __init__(self, bits=4, iters=20, bucket_size=None, seed=0):
         self._freeze(bits=_check_int("bits", bits, 1, 8), iters=_check_int("iters", iters, 0, 1000),
-                     bucket_size=_bucket_size(bucket_size),
-                     seed=_seed(seed))
+                     bucket_size=_bucket_size(bucket_size), seed=_seed(seed))
 
     def _fields(self):
         return (self._method, self.bits, 0, 0, self.bucket_size or 0)

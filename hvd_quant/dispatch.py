@@ -1,7 +1,5 @@
-"""Which frontend serves an object (the codecs and the stock path ask): the top-level module of
-``type(obj)`` (``"torch"``) -> a :class:`hvd_quant.frontend.Frontend` or its import path,
-``"package.module[:attribute]"``, imported at that framework's first object. Resolved once per type.
-"""
+"""Which frontend serves an object: the top-level module of ``type(obj)`` (``"torch"``) -> a Frontend or its
+import path ``"package.module[:attribute]"``, imported at that framework's first object; once per type."""
 import importlib
 
 __all__ = ["FRONTENDS", "STOCK_HOOKS", "register_frontend", "frontend_for", "stock_hook_for"]
@@ -26,8 +24,7 @@ _HOOK_BY_TYPE = {}      # type(obj) -> its stock hook or None, resolved once
 
 
 def register_frontend(top_module, frontend):
-    """Route objects whose type lives under ``top_module`` to ``frontend`` (an object, or its import
-    path as in the module doc)."""
+    """Route objects whose type lives under ``top_module`` to ``frontend`` (an object or its import path)."""
     FRONTENDS[top_module] = frontend
     _BY_TYPE.clear()
     _HOOK_BY_TYPE.clear()

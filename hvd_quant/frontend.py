@@ -1,7 +1,5 @@
 """One object per framework (``FRONTEND`` of ``hvd_quant.torch._backend`` and ``hvd_quant.tensorflow._backend``):
-what the core asks of it, the glue both share written once. A subclass fills in ``make_collectives``,
-``adapter`` and the stock path's primitives (``is_floating``, ``describe`` -> :class:`TensorInfo`,
-``ones``, ``cast``, ``split``, ``as_float``, ``restore``)."""
+what the core asks of it, the glue both share written once (:class:`Frontend`)."""
 import importlib
 import math
 
@@ -15,9 +13,8 @@ __all__ = ["Frontend", "TensorInfo", "bytes_sent_per_step", "node_ranks"]
 
 
 class TensorInfo:
-    """What the stock path keeps of a tensor: ``shape`` (None where not static), ``numel`` (-1 where
-    not static), ``dtype`` (the framework's), ``is_float`` (a dense floating tensor of static shape:
-    one the codecs can take), ``itemsize`` (bytes) and ``device`` (the framework's)."""
+    """What the stock path keeps of a tensor: ``shape`` and ``numel`` (None and -1 where not static), ``dtype``
+    and ``device`` (the framework's), ``itemsize`` (bytes), ``is_float`` (dense, floating, static: codecs take it)."""
     __slots__ = ("numel", "shape", "dtype", "is_float", "itemsize", "device")
 
     def __init__(self, shape, dtype, is_float, itemsize, device):
@@ -27,9 +24,10 @@ class TensorInfo:
 
 
 class Frontend:
-    """One framework as the core sees it (module doc), made with its ArrayOps table and host adapter. A
-    subclass sets ``name`` (its tensors' top-level module), ``horovod`` (its Horovod module),
-    ``float32`` and ``horovod_floats`` (the floating dtypes Horovod's allreduce takes)."""
+    """One framework as the core sees it (its ArrayOps table and host adapter). A subclass sets ``name`` (its
+    tensors' top-level module), ``horovod`` (its Horovod module), ``float32``, ``horovod_floats`` (the dtypes
+    Horovod's allreduce takes), ``make_collectives``, ``adapter`` and the stock path's primitives
+    (``is_floating``, ``describe`` -> :class:`TensorInfo`, ``ones``, ``cast``, ``split``, ``as_float``, ``restore``)."""
     name = horovod = None
     float32 = None
     horovod_floats = ()

@@ -1,6 +1,5 @@
 """Error-feedback memory (docs/EXCHANGE.md, "Error feedback"): a rank's residuals, :attr:`Memory.WORKER`
-by exchange name, :attr:`Memory.SERVER` (SRA's requantized chunk) by ``(exchange name, rank, size)``.
-"""
+by exchange name, :attr:`Memory.SERVER` (SRA's requantized chunk) by ``(exchange name, rank, size)``."""
 
 __all__ = ["Memory"]
 
