@@ -285,12 +285,17 @@ def gradient_names(grads, variables):
     return tuple(out)
 
 
-def describe_gradient(name, g):
-    """A gradient as :func:`hvd_quant.plan.make_plan` sees it (None stays None: no gradient)."""
-    if g is None:
-        return None
-    info = _backend.FRONTEND.describe(g)        # tf.IndexedSlices are not dense: never compressed
-    return _plan.Tensor(name, info.shape, info.is_float and isinstance(g, tf.Tensor))
+def plan_gradients(config, grads, names, prefix, groups=None):
+    """``(plan, handshake name)`` of ``grads`` named ``names`` (:func:`hvd_quant.plan.make_plan`), their
+    exchanges named under ``prefix``. The handshake is named after every gradient: ranks configured
+    differently meet in it and raise."""
+    def describe(name, g):          # tf.IndexedSlices are not dense: never compressed
+        info = _backend.FRONTEND.describe(g)
+        return _plan.Tensor(name, info.shape, info.is_float and isinstance(g, tf.Tensor))
+
+    plan = _plan.make_plan(config, [None if g is None else describe(n, g) for n, g in zip(names, grads)],
+                           groups, prefix=prefix)
+    return plan, f"{HANDSHAKE_NAME}.{prefix.removeprefix('hvdq.')}.{_plan.digest(names)}"
 
 
 _ENGINES = weakref.WeakKeyDictionary()      # stock session -> {reduction: its GraphExchange}
@@ -399,9 +404,7 @@ def _fused(sc, ps, hctx):
     if entry is not None and entry[0] is grads:
         return entry[1:]
     names = gradient_names(grads, hctx.variables)
-    plan = _plan.make_plan(sc.config, [describe_gradient(n, g) for n, g in zip(names, grads)],
-                           prefix="hvdq.stock")
-    hs = f"{HANDSHAKE_NAME}.stock.{_plan.digest(names)}"
+    plan, hs = plan_gradients(sc.config, grads, names, "hvdq.stock")
     eng = _engine(sc, ps)
     with outer.as_default():
         ok = eng.handshake(hs, plan.record, "compression= of Horovod's TensorFlow gradients")

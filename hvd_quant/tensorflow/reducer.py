@@ -24,12 +24,12 @@ import numpy as np
 import tensorflow as tf
 
 from .. import plan as _plan
-from ..exchange import AVERAGE, HANDSHAKE_NAME, Exchange, Traffic
+from ..exchange import AVERAGE, Exchange, Traffic
 from ..memory import Memory
 from ..scheduler import step_metrics
 from . import _backend
 from ._backend import OPS
-from ._graph import GraphExchange, allreduce, describe_gradient, graph_collectives, gradient_names, numpy_step
+from ._graph import GraphExchange, allreduce, gradient_names, graph_collectives, numpy_step, plan_gradients
 
 
 __all__ = ["GradientReducer"]
@@ -98,8 +98,7 @@ class GradientReducer(_Trackable):
             index = {v.ref(): i for i, v in enumerate(variables or ())}
             groups = [[index[v.ref()] for v in grp if v.ref() in index] for grp in groups] \
                 if variables is not None else None
-        plan = _plan.make_plan(self.config, [describe_gradient(n, g) for n, g in zip(names, grads)], groups,
-                               prefix=_PREFIX)
+        plan, key = plan_gradients(self.config, grads, names, _PREFIX, groups)
         dense = [(i, int(np.prod(grads[i].shape.as_list(), dtype=np.int64))) for i in plan.plain
                  if isinstance(grads[i], tf.Tensor) and grads[i].shape.is_fully_defined()]
         comp = [(i, n) for b in plan.buckets for i, n in zip(b.members, b.numels)]
@@ -107,11 +106,8 @@ class GradientReducer(_Trackable):
         def traffic(pairs):             # (bytes, elements) of an fp32 allreduce of these gradients
             return (sum(n * _backend.sendable_dtype(grads[i].dtype).size for i, n in pairs),
                     sum(n for _, n in pairs))
-        # One handshake per plan, named after every variable it reduces: ranks configured differently
-        # meet in it and raise (ranks with differently named variables would not meet in Horovod anyway).
-        trace = self._traces[sig] = types.SimpleNamespace(
-            plan=plan, names=names, key=f"{HANDSHAKE_NAME}.tf.{_plan.digest(names)}",
-            plain=traffic(dense), warm=traffic(dense + comp))
+        trace = self._traces[sig] = types.SimpleNamespace(plan=plan, names=names, key=key, plain=traffic(dense),
+                                                          warm=traffic(dense + comp))
         self._apply_restored([trace])
         return trace
 
