@@ -1,10 +1,6 @@
 """The core exchange inside a TensorFlow graph, as ``tf.numpy_function`` steps around Horovod's graph
-collectives, on a *recording* Collectives table (docs/TENSORFLOW.md, "Graph mode and eager mode").
-
-Stock path: :func:`stock_compress` is ``hvd_quant._stock``'s hook for TensorFlow tensors, this module
-the backend of its graph sessions. Inside Horovod's ``allreduce_grads`` the first ``compress`` of a
-call plans the whole list (:func:`_fused`; ``reduction="auto"``: :class:`GraphAuto`); elsewhere
-each tensor is exchanged alone.
+collectives, on a *recording* Collectives table (docs/TENSORFLOW.md, "Graph mode and eager mode"); and
+the backend of ``hvd_quant._stock``'s graph sessions (:func:`stock_compress`).
 """
 import functools
 import os
@@ -112,10 +108,7 @@ class GraphExchange:
         g = tf.compat.v1.get_default_graph()
         while getattr(g, "outer_graph", None) is not None:
             g = g.outer_graph
-        used = self._keys.setdefault(g, {})
-        k = used.get(base, 0)
-        used[base] = k + 1
-        return base if k == 0 else f"{base}#{k}"
+        return _numbered(self._keys.setdefault(g, {}), base)
 
     def handshake(self, key, record, what):
         """A scalar bool op: the first execution of ``key`` (also the allgather's name) allgathers
@@ -277,12 +270,15 @@ def gradient_names(grads, variables):
     """One name per gradient: its variable's (``"dense/kernel:0"``), else ``grad_<i>``; repeats get ``#k``."""
     names = ([getattr(v, "name", None) or f"grad_{i}" for i, v in enumerate(variables)]
              if variables is not None else [f"grad_{i}" for i in range(len(grads))])
-    seen, out = {}, []
-    for n in names:
-        k = seen.get(n, 0)
-        seen[n] = k + 1
-        out.append(n if k == 0 else f"{n}#{k}")
-    return tuple(out)
+    seen = {}
+    return tuple(_numbered(seen, n) for n in names)
+
+
+def _numbered(seen, name):
+    """``name`` the first time, ``name#k`` at its k-th repeat (``seen``: name -> count, updated)."""
+    k = seen.get(name, 0)
+    seen[name] = k + 1
+    return name if k == 0 else f"{name}#{k}"
 
 
 def plan_gradients(config, grads, names, prefix, groups=None):
@@ -429,8 +425,9 @@ def _fused(sc, ps, hctx):
 
 
 def stock_compress(sc, tensor):
-    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path, a symbolic
-    one's exchange goes into the graph (its placeholder returned)."""
+    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path; a symbolic one's
+    exchange goes into the graph (its placeholder returned): inside Horovod's ``allreduce_grads`` the
+    whole list's at its first ``compress`` (:func:`_fused`), elsewhere the tensor's alone."""
     from .. import _stock
     if tf.executing_eagerly() and hasattr(tensor, "numpy"):
         return sc.compress_on(_backend.FRONTEND, tensor)

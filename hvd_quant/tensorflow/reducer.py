@@ -1,16 +1,9 @@
-"""``GradientReducer``: the compressed gradient reduction behind every TensorFlow entry point
-(Horovod's wrappers with their ``_allreduce_grads(grads, vars)`` replaced by one). Per traced signature:
-
-1. plans (:func:`hvd_quant.plan.make_plan`): compressible gradients fused into buckets, the others
-   (1-D, small, ``tf.IndexedSlices`` unless ``sparse_as_dense``) through ``hvd.allreduce``;
-2. runs a configuration handshake at the first execution (ranks that differ raise
-   :class:`~hvd_quant.exchange.ConfigMismatchError` before any gradient collective);
-3. builds each bucket's exchange into the graph (``_graph.py``): the float32 sum over ranks, divided
-   by N for ``op=hvd.Average``, split back into the gradients;
-4. while ``step < warmup_steps`` (a ``tf.cond``: one trace serves both phases) sends every gradient
-   through full-precision ``hvd.allreduce`` instead.
-
-A TensorFlow ``Trackable``: its state is saved per rank as one string (docs/TENSORFLOW.md, "Checkpoints").
+"""``GradientReducer``: the compressed gradient reduction behind every TensorFlow entry point (Horovod's
+wrappers with their ``_allreduce_grads(grads, vars)`` replaced by one). Per traced signature it plans
+(:func:`hvd_quant.plan.make_plan`: buckets, and ``hvd.allreduce`` for the rest), runs the configuration
+handshake at the first execution, and builds each bucket's exchange into the graph (``_graph.py``);
+while ``step < warmup_steps`` (a ``tf.cond``) every gradient takes ``hvd.allreduce`` instead. A
+``Trackable``: its state is saved per rank as one string (docs/TENSORFLOW.md, "Checkpoints").
 """
 import functools
 import io
