@@ -313,22 +313,16 @@ def _engine(sc, process_set, reduction=None):
 _AUTOS = weakref.WeakKeyDictionary()
 
 
-class _GraphCtx:
-    """ctx of a gradient whose exchange is in the graph, handed back to ``decompress`` with the summed
-    placeholder. ``plain``: under ``reduction="auto"``, :meth:`GraphAuto.plain`'s allreduce."""
-    __slots__ = ("result", "info", "size", "plain")
-
-    def __init__(self, result, info, size, plain=None):
-        # size: a Python int (this path refuses elastic Horovod); a stateful size op would order the branches
-        self.result, self.info, self.size, self.plain = result, info, size, plain
-
-    def stock_decompress(self, summed_placeholder):
-        # placeholder sum / N = the factor Horovod would apply to the sum (op, pre/postscale).
-        factor = tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32) / np.float32(self.size)
-        out = _backend.FRONTEND.cast_back(self.result * factor, self.info)
-        if self.plain is not None:      # one of the two is empty (the way not taken)
-            out = tf.concat([self.plain, tf.reshape(out, [-1])], 0)
-        return tf.reshape(out, self.info.shape)
+def _decompress(result, info, size, plain, summed_placeholder):
+    """``decompress`` of a gradient whose exchange is in the graph: ``result`` times the placeholder's
+    sum / ``size``, the factor Horovod would apply (op, pre/postscale). ``size``: a Python int (this path
+    refuses elastic Horovod; a stateful size op would order the branches). ``plain``: under
+    ``reduction="auto"``, :meth:`GraphAuto.plain`'s allreduce (one of the two is empty: the way not taken)."""
+    factor = tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32) / np.float32(size)
+    out = _backend.FRONTEND.cast_back(result * factor, info)
+    if plain is not None:
+        out = tf.concat([plain, tf.reshape(out, [-1])], 0)
+    return tf.reshape(out, info.shape)
 
 
 class GraphAuto:
@@ -443,16 +437,16 @@ def stock_compress(sc, tensor):
     ps = hctx.process_set if hasattr(hctx.process_set, "process_set_id") else hvd.global_process_set
     if not sc.compressible(info):
         return _stock.uncompressed(adapter, tensor, info)
+    result = plain = None
     if hctx.grads is not None:
         out, auto, route, names = _fused(sc, ps, hctx)
         result = out.get(hctx.index)
-        if result is not None:
-            plain = (None if auto is None
-                     else auto.plain(route, tensor, hctx, f"hvdq.stock.{names[hctx.index]}"))
-            return adapter.placeholder(tensor), _GraphCtx(result, info, ps.size(), plain)
-    eng = _engine(sc, ps)
-    key = eng.unique_key(hctx.name or hctx.variable or tensor.name)
-    ok = eng.handshake(f"{eng.exchange.prefix}.hs.{key}", sc.record(key, info.shape), f"tensor {key!r}")
-    flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-    result = eng.build(key, flat, header=_stock.header(key, info.shape), deps=[ok])
-    return adapter.placeholder(tensor), _GraphCtx(result, info, ps.size())
+        if result is not None and auto is not None:
+            plain = auto.plain(route, tensor, hctx, f"hvdq.stock.{names[hctx.index]}")
+    if result is None:          # not planned with the list: exchanged alone
+        eng = _engine(sc, ps)
+        key = eng.unique_key(hctx.name or hctx.variable or tensor.name)
+        ok = eng.handshake(f"{eng.exchange.prefix}.hs.{key}", sc.record(key, info.shape), f"tensor {key!r}")
+        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+        result = eng.build(key, flat, header=_stock.header(key, info.shape), deps=[ok])
+    return adapter.placeholder(tensor), _stock._Ctx(functools.partial(_decompress, result, info, ps.size(), plain))
