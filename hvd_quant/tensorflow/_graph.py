@@ -232,8 +232,7 @@ def horovod_context(tensor):
         if f is None:
             break
         if f.f_globals.get("__name__") == "horovod.tensorflow":
-            code = f.f_code.co_name
-            base = code[4:] if code.startswith("tf__") else code
+            base = f.f_code.co_name.removeprefix("tf__")      # autograph's converted copy
             loc = f.f_locals
             if not seen:
                 if base in ("allreduce", "grouped_allreduce"):
