@@ -1,10 +1,6 @@
 """The core exchange inside a TensorFlow graph, as ``tf.numpy_function`` steps around Horovod's graph
-collectives, on a *recording* Collectives table (docs/TENSORFLOW.md, "Graph mode and eager mode").
-
-Stock path: :func:`stock_compress` is ``hvd_quant._stock``'s hook for TensorFlow tensors, this module
-the backend of its graph sessions. Inside Horovod's ``allreduce_grads`` the first ``compress`` of a
-call plans the whole list (:func:`_fused`; ``reduction="auto"``: :class:`GraphAuto`); elsewhere
-each tensor is exchanged alone.
+collectives, on a *recording* Collectives table (docs/TENSORFLOW.md, "Graph mode and eager mode"); and
+the backend of ``hvd_quant._stock``'s graph sessions (:func:`stock_compress`).
 """
 import functools
 import os
@@ -112,10 +108,7 @@ class GraphExchange:
         g = tf.compat.v1.get_default_graph()
         while getattr(g, "outer_graph", None) is not None:
             g = g.outer_graph
-        used = self._keys.setdefault(g, {})
-        k = used.get(base, 0)
-        used[base] = k + 1
-        return base if k == 0 else f"{base}#{k}"
+        return _numbered(self._keys.setdefault(g, {}), base)
 
     def handshake(self, key, record, what):
         """A scalar bool op: the first execution of ``key`` (also the allgather's name) allgathers
@@ -239,8 +232,7 @@ def horovod_context(tensor):
         if f is None:
             break
         if f.f_globals.get("__name__") == "horovod.tensorflow":
-            code = f.f_code.co_name
-            base = code[4:] if code.startswith("tf__") else code
+            base = f.f_code.co_name.removeprefix("tf__")      # autograph's converted copy
             loc = f.f_locals
             if not seen:
                 if base in ("allreduce", "grouped_allreduce"):
@@ -277,20 +269,28 @@ def gradient_names(grads, variables):
     """One name per gradient: its variable's (``"dense/kernel:0"``), else ``grad_<i>``; repeats get ``#k``."""
     names = ([getattr(v, "name", None) or f"grad_{i}" for i, v in enumerate(variables)]
              if variables is not None else [f"grad_{i}" for i in range(len(grads))])
-    seen, out = {}, []
-    for n in names:
-        k = seen.get(n, 0)
-        seen[n] = k + 1
-        out.append(n if k == 0 else f"{n}#{k}")
-    return tuple(out)
+    seen = {}
+    return tuple(_numbered(seen, n) for n in names)
 
 
-def describe_gradient(name, g):
-    """A gradient as :func:`hvd_quant.plan.make_plan` sees it (None stays None: no gradient)."""
-    if g is None:
-        return None
-    info = _backend.FRONTEND.describe(g)        # tf.IndexedSlices are not dense: never compressed
-    return _plan.Tensor(name, info.shape, info.is_float and isinstance(g, tf.Tensor))
+def _numbered(seen, name):
+    """``name`` the first time, ``name#k`` at its k-th repeat (``seen``: name -> count, updated)."""
+    k = seen.get(name, 0)
+    seen[name] = k + 1
+    return name if k == 0 else f"{name}#{k}"
+
+
+def plan_gradients(config, grads, names, prefix, groups=None):
+    """``(plan, handshake name)`` of ``grads`` named ``names`` (:func:`hvd_quant.plan.make_plan`), their
+    exchanges named under ``prefix``. The handshake is named after every gradient: ranks configured
+    differently meet in it and raise."""
+    def describe(name, g):          # tf.IndexedSlices are not dense: never compressed
+        info = _backend.FRONTEND.describe(g)
+        return _plan.Tensor(name, info.shape, info.is_float and isinstance(g, tf.Tensor))
+
+    plan = _plan.make_plan(config, [None if g is None else describe(n, g) for n, g in zip(names, grads)],
+                           groups, prefix=prefix)
+    return plan, f"{HANDSHAKE_NAME}.{prefix.removeprefix('hvdq.')}.{_plan.digest(names)}"
 
 
 _ENGINES = weakref.WeakKeyDictionary()      # stock session -> {reduction: its GraphExchange}
@@ -312,22 +312,16 @@ def _engine(sc, process_set, reduction=None):
 _AUTOS = weakref.WeakKeyDictionary()
 
 
-class _GraphCtx:
-    """ctx of a gradient whose exchange is in the graph, handed back to ``decompress`` with the summed
-    placeholder. ``plain``: under ``reduction="auto"``, :meth:`GraphAuto.plain`'s allreduce."""
-    __slots__ = ("result", "info", "size", "plain")
-
-    def __init__(self, result, info, size, plain=None):
-        # size: a Python int (this path refuses elastic Horovod); a stateful size op would order the branches
-        self.result, self.info, self.size, self.plain = result, info, size, plain
-
-    def stock_decompress(self, summed_placeholder):
-        # placeholder sum / N = the factor Horovod would apply to the sum (op, pre/postscale).
-        factor = tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32) / np.float32(self.size)
-        out = _backend.FRONTEND.cast_back(self.result * factor, self.info)
-        if self.plain is not None:      # one of the two is empty (the way not taken)
-            out = tf.concat([self.plain, tf.reshape(out, [-1])], 0)
-        return tf.reshape(out, self.info.shape)
+def _decompress(result, info, size, plain, summed_placeholder):
+    """``decompress`` of a gradient whose exchange is in the graph: ``result`` times the placeholder's
+    sum / ``size``, the factor Horovod would apply (op, pre/postscale). ``size``: a Python int (this path
+    refuses elastic Horovod; a stateful size op would order the branches). ``plain``: under
+    ``reduction="auto"``, :meth:`GraphAuto.plain`'s allreduce (one of the two is empty: the way not taken)."""
+    factor = tf.cast(tf.reshape(summed_placeholder, [-1])[:1], tf.float32) / np.float32(size)
+    out = _backend.FRONTEND.cast_back(result * factor, info)
+    if plain is not None:
+        out = tf.concat([plain, tf.reshape(out, [-1])], 0)
+    return tf.reshape(out, info.shape)
 
 
 class GraphAuto:
@@ -399,9 +393,7 @@ def _fused(sc, ps, hctx):
     if entry is not None and entry[0] is grads:
         return entry[1:]
     names = gradient_names(grads, hctx.variables)
-    plan = _plan.make_plan(sc.config, [describe_gradient(n, g) for n, g in zip(names, grads)],
-                           prefix="hvdq.stock")
-    hs = f"{HANDSHAKE_NAME}.stock.{_plan.digest(names)}"
+    plan, hs = plan_gradients(sc.config, grads, names, "hvdq.stock")
     eng = _engine(sc, ps)
     with outer.as_default():
         ok = eng.handshake(hs, plan.record, "compression= of Horovod's TensorFlow gradients")
@@ -426,8 +418,9 @@ def _fused(sc, ps, hctx):
 
 
 def stock_compress(sc, tensor):
-    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path, a symbolic
-    one's exchange goes into the graph (its placeholder returned)."""
+    """hvd_quant._stock's hook for TensorFlow tensors: eager ones take the generic path; a symbolic one's
+    exchange goes into the graph (its placeholder returned): inside Horovod's ``allreduce_grads`` the
+    whole list's at its first ``compress`` (:func:`_fused`), elsewhere the tensor's alone."""
     from .. import _stock
     if tf.executing_eagerly() and hasattr(tensor, "numpy"):
         return sc.compress_on(_backend.FRONTEND, tensor)
@@ -443,16 +436,16 @@ def stock_compress(sc, tensor):
     ps = hctx.process_set if hasattr(hctx.process_set, "process_set_id") else hvd.global_process_set
     if not sc.compressible(info):
         return _stock.uncompressed(adapter, tensor, info)
+    result = plain = None
     if hctx.grads is not None:
         out, auto, route, names = _fused(sc, ps, hctx)
         result = out.get(hctx.index)
-        if result is not None:
-            plain = (None if auto is None
-                     else auto.plain(route, tensor, hctx, f"hvdq.stock.{names[hctx.index]}"))
-            return adapter.placeholder(tensor), _GraphCtx(result, info, ps.size(), plain)
-    eng = _engine(sc, ps)
-    key = eng.unique_key(hctx.name or hctx.variable or tensor.name)
-    ok = eng.handshake(f"{eng.exchange.prefix}.hs.{key}", sc.record(key, info.shape), f"tensor {key!r}")
-    flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-    result = eng.build(key, flat, header=_stock.header(key, info.shape), deps=[ok])
-    return adapter.placeholder(tensor), _GraphCtx(result, info, ps.size())
+        if result is not None and auto is not None:
+            plain = auto.plain(route, tensor, hctx, f"hvdq.stock.{names[hctx.index]}")
+    if result is None:          # not planned with the list: exchanged alone
+        eng = _engine(sc, ps)
+        key = eng.unique_key(hctx.name or hctx.variable or tensor.name)
+        ok = eng.handshake(f"{eng.exchange.prefix}.hs.{key}", sc.record(key, info.shape), f"tensor {key!r}")
+        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+        result = eng.build(key, flat, header=_stock.header(key, info.shape), deps=[ok])
+    return adapter.placeholder(tensor), _stock._Ctx(functools.partial(_decompress, result, info, ps.size(), plain))

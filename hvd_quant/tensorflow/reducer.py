@@ -1,16 +1,9 @@
-"""``GradientReducer``: the compressed gradient reduction behind every TensorFlow entry point
-(Horovod's wrappers with their ``_allreduce_grads(grads, vars)`` replaced by one). Per traced signature:
-
-1. plans (:func:`hvd_quant.plan.make_plan`): compressible gradients fused into buckets, the others
-   (1-D, small, ``tf.IndexedSlices`` unless ``sparse_as_dense``) through ``hvd.allreduce``;
-2. runs a configuration handshake at the first execution (ranks that differ raise
-   :class:`~hvd_quant.exchange.ConfigMismatchError` before any gradient collective);
-3. builds each bucket's exchange into the graph (``_graph.py``): the float32 sum over ranks, divided
-   by N for ``op=hvd.Average``, split back into the gradients;
-4. while ``step < warmup_steps`` (a ``tf.cond``: one trace serves both phases) sends every gradient
-   through full-precision ``hvd.allreduce`` instead.
-
-A TensorFlow ``Trackable``: its state is saved per rank as one string (docs/TENSORFLOW.md, "Checkpoints").
+"""``GradientReducer``: the compressed gradient reduction behind every TensorFlow entry point (Horovod's
+wrappers with their ``_allreduce_grads(grads, vars)`` replaced by one). Per traced signature it plans
+(:func:`hvd_quant.plan.make_plan`: buckets, and ``hvd.allreduce`` for the rest), runs the configuration
+handshake at the first execution, and builds each bucket's exchange into the graph (``_graph.py``);
+while ``step < warmup_steps`` (a ``tf.cond``) every gradient takes ``hvd.allreduce`` instead. A
+``Trackable``: its state is saved per rank as one string (docs/TENSORFLOW.md, "Checkpoints").
 """
 import functools
 import io
@@ -24,12 +17,12 @@ import numpy as np
 import tensorflow as tf
 
 from .. import plan as _plan
-from ..exchange import AVERAGE, HANDSHAKE_NAME, Exchange, Traffic
+from ..exchange import AVERAGE, Exchange, Traffic
 from ..memory import Memory
 from ..scheduler import step_metrics
 from . import _backend
 from ._backend import OPS
-from ._graph import GraphExchange, allreduce, describe_gradient, graph_collectives, gradient_names, numpy_step
+from ._graph import GraphExchange, allreduce, gradient_names, graph_collectives, numpy_step, plan_gradients
 
 
 __all__ = ["GradientReducer"]
@@ -98,8 +91,7 @@ class GradientReducer(_Trackable):
             index = {v.ref(): i for i, v in enumerate(variables or ())}
             groups = [[index[v.ref()] for v in grp if v.ref() in index] for grp in groups] \
                 if variables is not None else None
-        plan = _plan.make_plan(self.config, [describe_gradient(n, g) for n, g in zip(names, grads)], groups,
-                               prefix=_PREFIX)
+        plan, key = plan_gradients(self.config, grads, names, _PREFIX, groups)
         dense = [(i, int(np.prod(grads[i].shape.as_list(), dtype=np.int64))) for i in plan.plain
                  if isinstance(grads[i], tf.Tensor) and grads[i].shape.is_fully_defined()]
         comp = [(i, n) for b in plan.buckets for i, n in zip(b.members, b.numels)]
@@ -107,11 +99,8 @@ class GradientReducer(_Trackable):
         def traffic(pairs):             # (bytes, elements) of an fp32 allreduce of these gradients
             return (sum(n * _backend.sendable_dtype(grads[i].dtype).size for i, n in pairs),
                     sum(n for _, n in pairs))
-        # One handshake per plan, named after every variable it reduces: ranks configured differently
-        # meet in it and raise (ranks with differently named variables would not meet in Horovod anyway).
-        trace = self._traces[sig] = types.SimpleNamespace(
-            plan=plan, names=names, key=f"{HANDSHAKE_NAME}.tf.{_plan.digest(names)}",
-            plain=traffic(dense), warm=traffic(dense + comp))
+        trace = self._traces[sig] = types.SimpleNamespace(plan=plan, names=names, key=key, plain=traffic(dense),
+                                                          warm=traffic(dense + comp))
         self._apply_restored([trace])
         return trace
 
