@@ -13,7 +13,7 @@ from numba import njit, prange
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
-from ._scalar import F0, FNAN, SEGMENT, U8, UFF, build
+from ._scalar import F0, FNAN, GAMMA, SEGMENT, U8, U24M, U40, UFF, build
 
 
 def _source_stamp():
@@ -226,6 +226,28 @@ def _abs_max_bits(xi, st, en):
     for j in range(xb.size):
         m = max(m, xb[j] & I31)
     return m
+
+
+@_inline
+def _draws24(key, st, en, r):
+    """r[j] = the 24 random bits of element st + j (``_scalar.uniform24``) for the elements [st, en).
+    An aligned group of 64 elements takes its 32 draws in one vectorised loop (draw l serves elements
+    l and l + 32); the rest draw one at a time."""
+    i = st
+    while i < en:
+        if (i & 63) == 0 and i + 64 <= en:
+            kb = key + np.uint64(i >> 1) * GAMMA            # draw p = (i >> 6) * 32 + l
+            rg = r[i - st:i - st + 64]
+            for l in range(32):
+                z = _mix64(kb + np.uint64(l) * GAMMA)
+                rg[l] = np.uint32((z >> U8) & U24M)
+                rg[l + 32] = np.uint32(z >> U40)
+            i += 64
+        else:
+            stop = min(en, (i | 63) + 1)
+            for j in range(i, stop):
+                r[j - st] = np.uint32(_uniform24(key, j))
+            i = stop
 
 
 @_inline
