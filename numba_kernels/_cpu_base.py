@@ -58,9 +58,9 @@ def _as_float(typingctx, v):
 
 
 _ops = build(_inline, _fmul)
-(_mix64, _uniform24, _qsgd_round, _sqrt32, _onebit_scales, _hdr_err, _sq_level, _sq_value, _km_draw, _km_scale,
+(_mix64, _uniform24, _qsgd_level, _sqrt32, _onebit_scales, _hdr_err, _sq_level, _sq_value, _km_draw, _km_scale,
  _km_fixed, _km_mean, _km_mids, _km_index, _km_starts) = (getattr(_ops, name) for name in (
-    "mix64 uniform24 qsgd_round sqrt32 onebit_scales header_errors sortquant_level sortquant_value kmeans_draw "
+    "mix64 uniform24 qsgd_level sqrt32 onebit_scales header_errors sortquant_level sortquant_value kmeans_draw "
     "kmeans_scale kmeans_fixed kmeans_mean kmeans_mids kmeans_index kmeans_starts").split())
 
 _KERNEL = dict(cache=True, error_model="numpy", nogil=True)

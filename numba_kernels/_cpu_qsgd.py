@@ -5,14 +5,9 @@ import numpy as np
 from numba import prange
 
 from ._cpu_base import (_BITS, _DEC_BLOCK, _Widths, _abs_max_bits, _chunk_codes, _draws24,
-                        _encode_preamble, _inline, _lane_sums, _lanes, _lookup, _pack, _put, _qsgd_round, _sqrt32,
+                        _encode_preamble, _inline, _lane_sums, _lanes, _lookup, _pack, _put, _qsgd_level, _sqrt32,
                         _tree, _unpack, _wide, decoders)
 from ._scalar import F0, FINF
-
-
-@_inline
-def _level(xv, unit, sf, s, stochastic, r):
-    return np.int32(_qsgd_round(abs(xv) / unit, xv < F0, sf, s, stochastic, r))
 
 
 @_Widths
@@ -48,10 +43,10 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
             elif stochastic:
                 _draws24(key, st, en, r24)
                 for j in range(xb.size):
-                    cb[j] = _level(xb[j], unit, sf, s, True, r24[j])
+                    cb[j] = _qsgd_level(xb[j], unit, sf, s, True, r24[j])
             else:
                 for j in range(xb.size):
-                    cb[j] = _level(xb[j], unit, sf, s, False, np.uint32(0))
+                    cb[j] = _qsgd_level(xb[j], unit, sf, s, False, np.uint32(0))
             if has_res:     # x - the decode's float32(code - s) * unit (residual may be x)
                 rb = residual[st:en]
                 for j in range(xb.size):
