@@ -59,15 +59,8 @@ __all__ = ["prepare", "wire", "PayloadError", *reference.__all__]
 def prepare(method, kind, device, numel, **params):
     """The prepared op ``kind`` (see above) of codec ``method`` ("qsgd", "onebit", "sortquant",
     "kmeans") for ``numel`` elements, on a CUDA device (``device`` true) or the CPU. ``params``: the
-    codec's configuration as the kernels take it (ints and bools; a ``bucket_size`` of 0 or None is
-    one bucket per tensor where the codec allows it)::
-
-        qsgd       bits, bucket_size, [stochastic, norm_l2 (encode, reduce_requantize)],
-                   [accumulate (decode)], [chunk (decode_chunks)]
-        onebit     bucket_size, two_mean, [accumulate (decode)], [chunk (decode_chunks)]
-        sortquant  bits, split_bits, bucket_size, [stochastic (encode)], [accumulate (decode)]
-        kmeans     bits, bucket_size, [iters (encode)], [accumulate (decode)]
-    """
+    codec's configuration as the kernels take it, ints and bools named as in docs/CODECS.md's table
+    ("Kernels"; a ``bucket_size`` of 0 or None is one bucket per tensor where the codec allows it)."""
     table = importlib.import_module(f"{__name__}.{'cuda' if device else 'cpu'}").PREPARE
     make = table.get((method, kind))
     if make is None:

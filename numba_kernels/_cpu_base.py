@@ -13,7 +13,7 @@ from numba import njit, prange
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
-from ._scalar import F0, FNAN, SEGMENT, U8, UFF, build
+from ._scalar import F0, FNAN, GAMMA, SEGMENT, U8, U24M, U40, UFF, build
 
 
 def _source_stamp():
@@ -58,9 +58,9 @@ def _as_float(typingctx, v):
 
 
 _ops = build(_inline, _fmul)
-(_mix64, _uniform24, _qsgd_round, _sqrt32, _onebit_scales, _hdr_err, _sq_level, _sq_value, _km_draw, _km_scale,
+(_mix64, _uniform24, _qsgd_level, _sqrt32, _onebit_scales, _hdr_err, _sq_level, _sq_value, _km_draw, _km_scale,
  _km_fixed, _km_mean, _km_mids, _km_index, _km_starts) = (getattr(_ops, name) for name in (
-    "mix64 uniform24 qsgd_round sqrt32 onebit_scales header_errors sortquant_level sortquant_value kmeans_draw "
+    "mix64 uniform24 qsgd_level sqrt32 onebit_scales header_errors sortquant_level sortquant_value kmeans_draw "
     "kmeans_scale kmeans_fixed kmeans_mean kmeans_mids kmeans_index kmeans_starts").split())
 
 _KERNEL = dict(cache=True, error_model="numpy", nogil=True)
@@ -226,6 +226,28 @@ def _abs_max_bits(xi, st, en):
     for j in range(xb.size):
         m = max(m, xb[j] & I31)
     return m
+
+
+@_inline
+def _draws24(key, st, en, r):
+    """r[j] = the 24 random bits of element st + j (``_scalar.uniform24``) for the elements [st, en).
+    An aligned group of 64 elements takes its 32 draws in one vectorised loop (draw l serves elements
+    l and l + 32); the rest draw one at a time."""
+    i = st
+    while i < en:
+        if (i & 63) == 0 and i + 64 <= en:
+            kb = key + np.uint64(i >> 1) * GAMMA            # draw p = (i >> 6) * 32 + l
+            rg = r[i - st:i - st + 64]
+            for l in range(32):
+                z = _mix64(kb + np.uint64(l) * GAMMA)
+                rg[l] = np.uint32((z >> U8) & U24M)
+                rg[l + 32] = np.uint32(z >> U40)
+            i += 64
+        else:
+            stop = min(en, (i | 63) + 1)
+            for j in range(i, stop):
+                r[j - st] = np.uint32(_uniform24(key, j))
+            i = stop
 
 
 @_inline

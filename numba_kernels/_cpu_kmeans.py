@@ -144,7 +144,8 @@ def _kmeans_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
             if a >= INF_BITS:
                 _nan_bucket(cent, cb, x, st, residual, has_res)
                 continue
-            _kmeans_fit(x, st, n, b, iters, key, np.uint32(a), lo, hi, cent, mids, sample, comp, keys, keys2, pre, cnt, K)
+            _kmeans_fit(x, st, n, b, iters, key, np.uint32(a), lo, hi, cent, mids, sample, comp, keys, keys2, pre,
+                        cnt, K)
             _km_mids(cent, mids)
             xb = x[st:st + n]
             _kmeans_assign(mids, xb, cb, K)

@@ -20,18 +20,6 @@ def _onebit_store(scales, b, two_mean, sp, sq, npos, n):
 
 
 @_inline
-def _onebit_scale(x, scales, b, bs, two_mean, p, q, c):
-    """Bucket b's scales from its canonical sums (:func:`_lane_sums`)."""
-    st = b * bs
-    en = min(x.size, st + bs)
-    if two_mean:        # (the kind a literal: each loop compiled for its own)
-        npos = _lane_sums(x, st, en, 2, p, q, c)
-    else:
-        npos = _lane_sums(x, st, en, 3, p, q, c)
-    _onebit_store(scales, b, two_mean, _tree(p), _tree(q), npos, en - st)
-
-
-@_inline
 def _onebit_pair(scales, b, two_mean):
     """(hi, lo): what bucket b's bits 1 and 0 decode to."""
     if two_mean:
@@ -84,7 +72,13 @@ def _onebit_encode(x, payload, header, codes_off, codes_end, scales_off, nscales
         _wide()
         p, q, cl = _lanes()
         for b in range(c * per, min(nb, c * per + per)):
-            _onebit_scale(x, scales, b, bs, two_mean, p, q, cl)
+            st = b * bs
+            en = min(numel, st + bs)
+            if two_mean:        # (the kind a literal: each loop compiled for its own)
+                npos = _lane_sums(x, st, en, 2, p, q, cl)
+            else:
+                npos = _lane_sums(x, st, en, 3, p, q, cl)
+            _onebit_store(scales, b, two_mean, _tree(p), _tree(q), npos, en - st)
         _onebit_bits(x, payload, codes_off, scales, bs, two_mean, c * span, min(numel, c * span + span),
                      residual, has_res)
 
@@ -115,8 +109,7 @@ def _onebit_encode_long(x, payload, header, codes_off, codes_end, scales_off, ns
             sp[t] = _tree(tp)
             sq[t] = _tree(tq)
     # a short last bucket's missing segments add +0.0 (count 0): no lane changes (docs/CODECS.md)
-    p = np.empty(32, np.float32)
-    q = np.empty(32, np.float32)
+    p, q, _ = _lanes()
     for b in range(nb):
         t = b * nseg
         npos = _segment_lanes(sp[t:t + nseg], sq[t:t + nseg], sn[t:t + nseg], p, q)

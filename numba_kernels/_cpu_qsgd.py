@@ -4,44 +4,10 @@ decode_chunks (``reference.qsgd_*_ref``).
 import numpy as np
 from numba import prange
 
-from ._cpu_base import (_BITS, _DEC_BLOCK, _Widths, _abs_max_bits, _chunk_codes, _encode_preamble,
-                        _inline, _lane_sums, _lanes, _lookup, _mix64, _pack, _put, _qsgd_round, _sqrt32, _tree,
-                        _uniform24, _unpack, _wide, decoders)
-from ._scalar import F0, FINF, GAMMA, U8, U24M, U40
-
-
-@_inline
-def _level(xv, unit, sf, s, stochastic, r):
-    return np.int32(_qsgd_round(abs(xv) / unit, xv < F0, sf, s, stochastic, r))
-
-
-@_inline
-def _qsgd_levels(x, st, en, codes, c0, unit, sf, s, stochastic, key):
-    """codes[i - c0] = the code of x[i] for the elements [st, en) of a bucket of positive finite scale.
-    Stochastic: an aligned group of 64 elements takes its 32 draws in one vectorised loop (draw l
-    serves elements l and l + 32); the rest draw one at a time."""
-    if not stochastic:
-        xb = x[st:en]
-        cb = codes[st - c0:en - c0]
-        for j in range(xb.size):
-            cb[j] = _level(xb[j], unit, sf, s, False, np.uint32(0))
-        return
-    i = st
-    while i < en:
-        if (i & 63) == 0 and i + 64 <= en:
-            kb = key + np.uint64(i >> 1) * GAMMA            # draw p = (i >> 6) * 32 + l
-            xg = x[i:i + 64]
-            cg = codes[i - c0:i - c0 + 64]
-            for l in range(32):
-                z = _mix64(kb + np.uint64(l) * GAMMA)
-                cg[l] = _level(xg[l], unit, sf, s, True, np.uint32((z >> U8) & U24M))
-                cg[l + 32] = _level(xg[l + 32], unit, sf, s, True, np.uint32(z >> U40))
-            i += 64
-        else:
-            stop = min(en, (i | 63) + 1)
-            for j in range(i, stop):
-                codes[j - c0] = _level(x[j], unit, sf, s, True, np.uint32(_uniform24(key, j)))
-            i = stop
+from ._cpu_base import (_BITS, _DEC_BLOCK, _Widths, _abs_max_bits, _chunk_codes, _draws24,
+                        _encode_preamble, _inline, _lane_sums, _lanes, _lookup, _pack, _put, _qsgd_level, _sqrt32,
+                        _tree, _unpack, _wide, decoders)
+from ._scalar import F0, FINF
 
 
 @_Widths
@@ -59,6 +25,7 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
         _wide()
         p, q, cl = _lanes()
         b0, b1, e0, ng, codes = _chunk_codes(c, kchunk, nb, bs, numel)
+        r24 = np.empty(min(bs, numel), np.uint32)
         for b in range(b0, b1):
             st = b * bs
             en = min(numel, st + bs)
@@ -69,15 +36,20 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
                 scale_bits[b] = _abs_max_bits(xi, st, en)
             scale = scales[b]
             unit = scale / sf
-            if scale > F0 and scale < FINF:
-                _qsgd_levels(x, st, en, codes, e0, unit, sf, s, stochastic, key)
-            else:                       # zero or non-finite scale: level 0 (decodes to 0 or NaN)
-                for j in range(st - e0, en - e0):
-                    codes[j] = s
+            xb = x[st:en]
+            cb = codes[st - e0:en - e0]
+            if not (scale > F0 and scale < FINF):       # zero or non-finite: level 0 (decodes to 0 or NaN)
+                for j in range(xb.size):
+                    cb[j] = s
+            elif stochastic:
+                _draws24(key, st, en, r24)
+                for j in range(xb.size):
+                    cb[j] = _qsgd_level(xb[j], unit, sf, s, True, r24[j])
+            else:
+                for j in range(xb.size):
+                    cb[j] = _qsgd_level(xb[j], unit, sf, s, False, np.uint32(0))
             if has_res:     # x - the decode's float32(code - s) * unit (residual may be x)
-                xb = x[st:en]
                 rb = residual[st:en]
-                cb = codes[st - e0:en - e0]
                 for j in range(xb.size):
                     rb[j] = xb[j] - np.float32(cb[j] - s) * unit
         _pack(codes, ng, payload, codes_off + (e0 >> 3) * _BITS, codes_end, _BITS)

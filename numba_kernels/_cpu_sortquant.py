@@ -4,10 +4,10 @@ rank, and quantized within their group (``reference.sortquant_*_ref``).
 import numpy as np
 from numba import prange
 
-from ._cpu_base import (INF_BITS, _BITS, _DEC_BLOCK, _Widths, _chunk_codes, _extremes, _inline, _lookup,
-                        _mix64, _pack, _put, _sq_level, _sq_value, _uniform24, _unpack, _wide, _encode_preamble,
+from ._cpu_base import (INF_BITS, _BITS, _DEC_BLOCK, _Widths, _chunk_codes, _draws24, _extremes,
+                        _inline, _lookup, _pack, _put, _sq_level, _sq_value, _unpack, _wide, _encode_preamble,
                         _nan_bucket, decoders)
-from ._scalar import F0, FINF, GAMMA, U8, U24M, U32, U40
+from ._scalar import F0, FINF, U32
 
 
 @_inline
@@ -52,27 +52,6 @@ def _sort_values(xb, n, keys, keys2, order, order2, cnt, lo, w, with_order):
         keys, keys2 = keys2, keys
         order, order2 = order2, order
     return keys, order
-
-
-@_inline
-def _draws24(key, st, en, r):
-    """r[j] = the 24 random bits of element st + j (``_scalar.uniform24``) for the elements [st, en),
-    drawn as in ``_cpu_qsgd._qsgd_levels``."""
-    i = st
-    while i < en:
-        if (i & 63) == 0 and i + 64 <= en:
-            kb = key + np.uint64(i >> 1) * GAMMA
-            rg = r[i - st:i - st + 64]
-            for l in range(32):
-                z = _mix64(kb + np.uint64(l) * GAMMA)
-                rg[l] = np.uint32((z >> U8) & U24M)
-                rg[l + 32] = np.uint32(z >> U40)
-            i += 64
-        else:
-            stop = min(en, (i | 63) + 1)
-            for j in range(i, stop):
-                r[j - st] = np.uint32(_uniform24(key, j))
-            i = stop
 
 
 @_inline

@@ -3,11 +3,8 @@
 Same signatures as the kernel launchers in ``numba_kernels.cpu`` / ``numba_kernels.cuda``
 (``stream`` and ``status`` are accepted and ignored). Written for clarity and vectorised; not fast.
 
-Encoders take ``residual`` (error feedback): when given (float32, ``x.size`` elements, possibly ``x``
-itself), ``residual[i] = x[i] - d[i]`` where ``d`` is exactly what the matching decoder writes for the
-payload just encoded (float32 subtraction). Decoders take ``expect`` (a ``wire.Expect``): when given,
-a header that fails the check raises ``PayloadError`` (``wire.describe_error_bits``) before anything
-is written.
+Encoders' ``residual`` (``x - decode(payload)``, float32, may be ``x``) and decoders' ``expect`` (a
+``wire.Expect``: ``PayloadError`` before anything is written) are as docs/CODECS.md ("Kernels") says.
 
 Every float32 sum (l2, two_mean, mean_abs) is taken in the canonical order of docs/CODECS.md
 ("Canonical summation order"): :func:`lane_sum_ref`.
@@ -77,7 +74,7 @@ def bucket_scales_ref(x, bucket_size, kind):
     X, valid = _buckets(x, bucket_size)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         if kind == "max":
-            return np.max(np.abs(X), axis=1, initial=F0) if X.shape[0] else np.zeros(0, np.float32)
+            return np.max(np.abs(X), axis=1, initial=F0)
         if kind == "l2":
             return np.sqrt(lane_sum_ref(X * X)).astype(np.float32)
         lengths = valid.sum(axis=1)
@@ -298,11 +295,8 @@ def _kmeans_index(mids, x):
 
 
 def _kmeans_starts(srt, K):
-    """The sample ranks the centroids start from: equal steps of the companded rank, the running sum
-    of sqrt(gap) between neighbours of the sorted sample (float64, in order), so that the starts
-    spread over the tails (a density of p**(1/2); the quantiles, p**1, crowd the bulk and take many
-    steps to reach the outliers that dominate the squared error). Centroid j starts at the first rank
-    whose companded rank reaches (2j + 1) / 2K of the total."""
+    """The sample ranks the centroids start from: centroid j at the first rank whose companded rank
+    (the float64 running sum of sqrt(gap) over the sorted sample) reaches (2j + 1) / 2K of the total."""
     gaps = np.sqrt(srt[1:].astype(np.float64) - srt[:-1].astype(np.float64))
     comp = np.concatenate([[0.0], np.cumsum(gaps)])
     t = (np.float64(2) * np.arange(K) + 1) * comp[-1] / np.float64(2 * K)
@@ -310,16 +304,9 @@ def _kmeans_starts(srt, K):
 
 
 def _kmeans_bucket(xb, b, bits, iters, key):
-    """(codebook, codes) of bucket ``b`` holding the float32 values ``xb``.
-
-    Start: the sample is the whole bucket if it has at most KMEANS_SAMPLE values, else the bucket's
-    min and max and KMEANS_SAMPLE - 2 values drawn with replacement, draw k at position
-    ``mix64(key + (b * KMEANS_SAMPLE + k) * GAMMA) % n``; sorted (-0.0 counted as +0.0), the
-    centroids start at the ranks :func:`_kmeans_starts` picks. Then ``iters`` Lloyd steps: each value goes to
-    the centroid :func:`_kmeans_index` picks from the boundaries (:func:`_kmeans_mids`), and each
-    centroid with members moves to their mean, summed exactly in the bucket's fixed point
-    (``_scalar.kmeans_scale``, ``kmeans_fixed``, ``kmeans_mean``); one without members stays. The codes
-    are the assignment to the final centroids. A bucket holding NaN or Inf: NaN codebook, codes 0."""
+    """(codebook, codes) of bucket ``b`` holding the float32 values ``xb``, as docs/CODECS.md ("K-means
+    quantization") specifies: the sampled start, ``iters`` Lloyd steps with exact fixed-point means
+    (``_scalar.kmeans_scale``), the assignment. A bucket holding NaN or Inf: NaN codebook, codes 0."""
     K = 1 << bits
     n = xb.size
     amax = int((xb.view(np.uint32) & np.uint32(0x7FFFFFFF)).max())
@@ -384,12 +371,8 @@ def onebit_decode_ref(payload, out, bucket_size, two_mean, accumulate, stream=No
                       expect=None):
     """out (+)= 1-bit decoded values (header checked against ``expect`` if given)."""
     bits, sc, b = _read(payload, out.size, expect, "onebit", 1, bucket_size, wire.onebit_mode(two_mean))
-    bits = bits.astype(bool)
-    if two_mean:
-        sc = sc.reshape(-1, 2)
-        _store(out, np.where(bits, sc[b, 0], sc[b, 1]).astype(np.float32), accumulate)
-    else:
-        _store(out, np.where(bits, sc[b], -sc[b]).astype(np.float32), accumulate)
+    hi, lo = (sc[0::2], sc[1::2]) if two_mean else (sc, -sc)      # what bits 1 and 0 decode to
+    _store(out, np.where(bits.astype(bool), hi[b], lo[b]).astype(np.float32), accumulate)
 
 
 def header_errors_ref(payload, method, bits, mode, param, bucket_size, numel, name_hash, check_name):
@@ -451,7 +434,8 @@ def chunk_expects(numel, bucket_size, chunk, method, bits, mode, expect=None, na
 
 
 class _Fused:
-    """The fused references over QSGD (``two_mean`` None) or 1-bit payloads."""
+    """The fused references over QSGD (``two_mean`` None) or 1-bit payloads; each method is the
+    ``*_ref`` function of its name (below)."""
 
     def __init__(self, bits, bucket_size, two_mean=None):
         self.bits, self.bucket_size = bits, bucket_size
@@ -467,8 +451,6 @@ class _Fused:
         return wire.layout(self.method, m, self.bits, self.bucket_size, self.mode)
 
     def decode_sum(self, payloads, n, out, expect):
-        """out = decode(p_0) + decode(p_1) + ... (a float32 left fold in payload order) of the ``n``
-        payloads held back to back in ``payloads``; every header checked before anything is written."""
         out = out.reshape(-1)
         total = self.layout(out.size).total
         check_payloads(payloads, n, total, expect)
@@ -476,7 +458,6 @@ class _Fused:
             self.decode(payloads[k * total:(k + 1) * total], out, k > 0)
 
     def reduce_requantize(self, payloads, n, residual, encode, numel, expect):
-        """``c = decode_sum(payloads) (+ residual)``, then ``encode(c, residual)``."""
         c = np.empty(numel, np.float32)
         self.decode_sum(payloads, n, c, expect)
         if residual is not None:

@@ -137,16 +137,10 @@ def fold16(h):
     return ((h >> 16) ^ h) & 0xFFFF
 
 
-def name_hash(name):
-    """uint32 hash of a tensor name put in the header; 0 means "no name"."""
-    if name is None:
-        return 0
-    return _name_hash(str(name))
-
-
 @functools.lru_cache(maxsize=16384)
-def _name_hash(name):
-    return fnv1a32(name.encode("utf-8")) or 1
+def name_hash(name):
+    """uint32 hash of a tensor name (``str(name)``) put in the header; 0 means "no name"."""
+    return 0 if name is None else fnv1a32(str(name).encode("utf-8")) or 1
 
 
 def config_crc(version, method, bits, mode, param, bucket_size):
