@@ -215,8 +215,7 @@ def _stream(stream):
 
 
 def _nb_stream(stream):
-    """A stream for a dispatcher launch (the one-block kernels, SortQuant's and KMeans'): Numba
-    streams as they are, raw handles wrapped."""
+    """A stream for a dispatcher launch: Numba streams as they are, raw handles wrapped (once each)."""
     if not stream:
         return 0
     if type(stream) is int:
@@ -326,10 +325,9 @@ class _Encode(_Op):
         src = [self.total, self.nwords, self.nscales, 2, None, 0, 0, 0, self.total // 4,
                self.scales_off // 4, self.numel, 0]
         sizes = [self.numel, self.total, self.nwords, self.nscales, None, *self.args, 0, self.numel, *src]
-        if self.warp:
-            raw = _Raw(_kernel("warp_" + what, _W.make_encode, spec), SIG_WARP_ENCODE, sizes)
-        else:
-            raw = _Raw(_kernel("block_" + what, _B.make_encode, spec), SIG_BLOCK_ENCODE, sizes)
+        path, make, sig = ("warp_", _W.make_encode, SIG_WARP_ENCODE) if self.warp else (
+            "block_", _B.make_encode, SIG_BLOCK_ENCODE)
+        raw = _Raw(_kernel(path + what, make, spec), sig, sizes)
         if not self.warp and not self.args[5] and self.numel and self._reduce is None:
             nb, parts = self.args[1], 3 * self._rgrid * (BLOCK // 32)
             red = (self.red, self.bits, self.pack, True) if self.src else (self.red,)
