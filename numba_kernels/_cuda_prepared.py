@@ -316,6 +316,7 @@ class _Encode(_Op):
                 self._rgrid = _grid(nb * -(-bs // _B.SEGMENT), BLOCK // 32)     # a warp per segment
                 self._cgrid = _grid(nb, BLOCK // 32)                            # a warp per bucket
             self.args = (numel, nb, bs, 1.0 / bs, g, fused)                     # n, nb, bs, inv_bs, G, fused
+        self._key = 5 + len(self.args)      # the argument key, then residual, then the payloads' (_SRC)
 
     src = False         # reduce_requantize: the values are sums of payloads
 
@@ -360,9 +361,8 @@ class _Encode(_Op):
         ps = s[3].value = pp + self.scales_off
         if raw._tuples.get(4) is not header:
             raw.set_tuple(4, header)
-        nargs = len(self.args)
-        s[5 + nargs].value = int(key)
-        s[6 + nargs].value = px if residual is None else _ptr(residual)
+        s[self._key].value = int(key)
+        s[self._key + 1].value = px if residual is None else _ptr(residual)
         if self._reduce is None:
             raw.launch(self.grid, BLOCK, _stream(stream))
         else:
@@ -394,10 +394,9 @@ class _ReduceRequantize(_Encode):
         raw.set_tuple(4, header)
         pin = _ptr(payloads)
         pr = _ptr(residual) if resid else 0
-        nargs = len(self.args)
-        s[5 + nargs].value = int(key)
-        s[6 + nargs].value = pr
-        for r, i in ((self._reduce, 5), (raw, 7 + nargs)):     # the payloads' arguments (_SRC)
+        s[self._key].value = int(key)
+        s[self._key + 1].value = pr
+        for r, i in ((self._reduce, 5), (raw, self._key + 2)):     # the payloads' arguments (_SRC)
             if r is not None:
                 r.set_payloads(i, pin, n, self.total)
                 r.set_check(i + 3, status, expect)

@@ -128,8 +128,7 @@ class _KmeansEncode(_CodesEncode):
             cuda.device_array((3, cells), np.int64), cuda.device_array((3, cells), np.int64)))
         tpb = -(-bs // _KM.TILE)
         grid = nb * tpb
-        clear = _run("kmeans_clear", _KM.k_clear)
-        clear[min(_grid(nb * K, BLOCK), 1024), BLOCK, s](amax, lo, hi, total, count)
+        _run("kmeans_clear", _KM.k_clear)[min(_grid(nb * K, BLOCK), 1024), BLOCK, s](amax, lo, hi, total, count)
         _run("kmeans_stats", _KM.k_stats)[grid, BLOCK, s](x, x.view(np.uint32), amax, lo, hi, bs, tpb)
         _run("kmeans_start", _KM.k_start)[nb, BLOCK, s](x, cent, amax, lo, hi, bs, K, key)
         step = _run("kmeans_step", _KM.k_step)
