@@ -576,8 +576,7 @@ def k_header(payload, header):
 
 @cuda.jit
 def k_check(payload, status, expect, check_name):
-    """One thread checks the header against ``expect``: its error bits (``wire.ERROR_BITS``) go to
-    ``status[0]`` and are ORed into ``status[1]`` (sticky)."""
+    """One thread writes the header's error bits (``wire.ERROR_BITS``) to ``status[0]``, ORs them into ``status[1]``."""
     if cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x != 0:
         return
     err = hdr_err(payload, expect, check_name)

@@ -1,8 +1,4 @@
-"""Device functions and constants shared by the CUDA kernels (``_cuda_warp``, ``_cuda_block``).
-
-Import lazily (through ``numba_kernels.cuda``): importing this imports ``numba.cuda``, and
-``NUMBA_ENABLE_CUDASIM`` must be set before that happens.
-"""
+"""Device functions and constants shared by the CUDA kernels (imported lazily, through ``numba_kernels.cuda``)."""
 import numba
 import numpy as np
 from numba import cuda

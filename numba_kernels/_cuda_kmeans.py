@@ -35,7 +35,6 @@ ABS = np.uint32(0x7FFFFFFF)
 
 @cuda.jit
 def k_clear(amax, lo, hi, total, count):
-    """Before an encode: no maxima yet, and step 1's sums at zero."""
     i = cuda.grid(1)
     while i < total.shape[1]:
         total[1, i] = 0

@@ -1,12 +1,8 @@
-"""The CUDA launch layer and the prepared ops of QSGD and 1-bit.
+"""The CUDA launch layer (docs/ARCHITECTURE.md) and the prepared ops of QSGD and 1-bit (:data:`PREPARE`).
 
-The launch layer: kernels built once per specialisation (:data:`kernels`), the driver's
-``cuLaunchKernel`` with a parameter buffer per prepared launch (:class:`_Raw`), streams, status words,
-grids, and the one-block header write and check. The prepared ops and their table :data:`PREPARE`:
-kernel path, grid, layout and parameter buffer are chosen once; a call writes the pointers and scalars
-that change and launches. In the simulator (no ``cuLaunchKernel``, no device pointers: the one ``if
-SIMULATOR`` below) a pointer is an array and a byte offset, and a launch hands the buffer's values to
-Numba's dispatcher, so the ops run the same code on both.
+A prepared op chooses its kernel path, grid, layout and parameter buffer once; a call writes the
+pointers and scalars that change and launches. In the simulator (the one ``if SIMULATOR`` below) a
+pointer is an array and a byte offset, and a launch hands the buffer's values to Numba's dispatcher.
 """
 import ctypes
 import math
@@ -21,13 +17,10 @@ from . import _cuda_block as _B
 from . import _cuda_warp as _W
 from . import wire
 from .reference import chunk_ranges
-from ._cuda_block import MULTI_CHUNKS, MULTI_SUM, PLAIN
+from ._cuda_block import FUSE_MAX, MAXCH, MULTI_CHUNKS, MULTI_SUM, PLAIN
 from ._cuda_device import (BLOCK, DEC_MEAN_ABS, DEC_QSGD, DEC_TWO_MEAN, L2, MAX, MEAN_ABS, PACK_DET,
                            PACK_ONEBIT, PACK_STOCH, SIG_BLOCK_DECODE, SIG_BLOCK_ENCODE, SIG_DECODE_MULTI,
                            SIG_REDUCE, SIG_WARP_DECODE, SIG_WARP_ENCODE, SIMULATOR, TWO_MEAN)
-
-
-MAXCH, FUSE_MAX = _B.MAXCH, _B.FUSE_MAX
 
 # the header check and write are one-block kernels by design: silence Numba's occupancy hint alone
 warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU under-utilization")
@@ -61,8 +54,7 @@ _SUCCESS, _INVALID_CONTEXT = 0, 201     # CUDA_SUCCESS, CUDA_ERROR_INVALID_CONTE
 
 
 def _driver_launch():
-    """The driver's ``cuLaunchKernel`` through ctypes, its argument types declared once (cheaper per
-    call than a binding that converts its arguments)."""
+    """The driver's ``cuLaunchKernel`` through ctypes, its argument types declared once (cheap per call)."""
     for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
         try:
             lib = ctypes.CDLL(name)
@@ -153,12 +145,11 @@ class _Raw:
 
     def launch(self, grid, block, stream):
         err = _cu_launch(self.handle, grid, 1, 1, block, 1, 1, 0, stream or None, self.addr, None)
+        if err == _INVALID_CONTEXT:             # a thread that never used CUDA: make Numba's current
+            cuda.current_context()
+            err = _cu_launch(self.handle, grid, 1, 1, block, 1, 1, 0, stream or None, self.addr, None)
         if err != _SUCCESS:
-            if err == _INVALID_CONTEXT:         # a thread that never used CUDA: make Numba's current
-                cuda.current_context()
-                err = _cu_launch(self.handle, grid, 1, 1, block, 1, 1, 0, stream or None, self.addr, None)
-            if err != _SUCCESS:
-                raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
 
 
 def _ptr(a):
@@ -224,8 +215,7 @@ def _stream(stream):
 
 
 def _nb_stream(stream):
-    """A stream for a dispatcher launch (the one-block kernels, SortQuant's and KMeans'): Numba
-    streams as they are, raw handles wrapped."""
+    """A stream for a dispatcher launch: Numba streams as they are, raw handles wrapped (once each)."""
     if not stream:
         return 0
     if type(stream) is int:
@@ -256,23 +246,6 @@ def _grid(n, per):
     return (n + per - 1) // per
 
 
-def _persistent(raw, grid):
-    """A warp decode's grid: at most the blocks resident on the GPU at once (the kernel strides)."""
-    try:
-        return min(grid, max(1, int(raw.kern.max_cooperative_grid_blocks(BLOCK))))
-    except Exception:       # occupancy query unavailable (the simulator)
-        return min(grid, 4 * _sm_count())
-
-
-def _encode_groups(bs, bits):
-    """Buckets per block G for the fused general encode: G*bs*bits a multiple of 32 (blocks own whole
-    code words), G*bs about ENC_ELEMS, G <= MAXG."""
-    g0 = 32 // math.gcd(bs * bits, 32)
-    g = max(1, _B.ENC_ELEMS // bs)
-    g = -(-g // g0) * g0
-    return min(g, _B.MAXG // g0 * g0)
-
-
 def write_header_cuda(payload, header, stream=0):
     """Write the 64 header bytes (8 uint64 words, passed as a kernel argument: no host->device copy)."""
     kernels.setdefault(("header",), _B.k_header)
@@ -280,10 +253,8 @@ def write_header_cuda(payload, header, stream=0):
 
 
 def check_header_cuda(payload, status, expect, stream=0):
-    """Validate a device payload's header against ``expect`` (a ``wire.Expect``), on the device: one
-    thread writes the error bits into ``status[0]`` and ORs them into ``status[1]`` (int32 device
-    array). For raw payloads (fp16, none, fake), read by framework ops; kernel-decoded payloads pass
-    ``expect`` to their decode instead."""
+    """Check a device payload's header against ``expect`` (a ``wire.Expect``) into ``status`` (as ``k_check``),
+    for raw payloads (fp16, none, fake); kernel-decoded payloads pass ``expect`` to their decode instead."""
     kernels.setdefault(("check",), _B.k_check)
     _B.k_check[1, 32, _nb_stream(stream)](payload, status, tuple(int(v) for v in expect[:7]), bool(expect[7]))
 
@@ -302,12 +273,16 @@ class _Op:
         self._raw = None
 
     def _prepared(self):
-        """The decode's parameter buffer, built on the first call (a warp decode's grid persistent)."""
+        """The decode's parameter buffer, built on the first call; a warp decode's grid made persistent:
+        at most the blocks resident on the GPU at once (the kernel strides)."""
         raw = self._raw
         if raw is None:
             raw = self._raw = _Raw(_kernel(*self.kernel), self.sig, self.sizes)
             if self.warp:
-                self.grid = _persistent(raw, self.grid)
+                try:
+                    self.grid = min(self.grid, max(1, int(raw.kern.max_cooperative_grid_blocks(BLOCK))))
+                except Exception:       # occupancy query unavailable (the simulator)
+                    self.grid = min(self.grid, 4 * _sm_count())
         return raw
 
 
@@ -331,8 +306,9 @@ class _Encode(_Op):
         else:
             self.spec = (bits, red, pack)
             fused = bs <= FUSE_MAX
-            if fused:
-                g = _encode_groups(bs, bits)
+            if fused:       # G buckets per block: G*bs*bits a multiple of 32, G*bs about ENC_ELEMS, G <= MAXG
+                g0 = 32 // math.gcd(bs * bits, 32)
+                g = min(-(-max(1, _B.ENC_ELEMS // bs) // g0) * g0, _B.MAXG // g0 * g0)
                 self.grid = max(1, _grid(nb, g))
             else:
                 g = _B.PACK_WORDS // bits * bits       # blocks start on element boundaries
@@ -340,6 +316,7 @@ class _Encode(_Op):
                 self._rgrid = _grid(nb * -(-bs // _B.SEGMENT), BLOCK // 32)     # a warp per segment
                 self._cgrid = _grid(nb, BLOCK // 32)                            # a warp per bucket
             self.args = (numel, nb, bs, 1.0 / bs, g, fused)                     # n, nb, bs, inv_bs, G, fused
+        self._key = 5 + len(self.args)      # the argument key, then residual, then the payloads' (_SRC)
 
     src = False         # reduce_requantize: the values are sums of payloads
 
@@ -349,10 +326,9 @@ class _Encode(_Op):
         src = [self.total, self.nwords, self.nscales, 2, None, 0, 0, 0, self.total // 4,
                self.scales_off // 4, self.numel, 0]
         sizes = [self.numel, self.total, self.nwords, self.nscales, None, *self.args, 0, self.numel, *src]
-        if self.warp:
-            raw = _Raw(_kernel("warp_" + what, _W.make_encode, spec), SIG_WARP_ENCODE, sizes)
-        else:
-            raw = _Raw(_kernel("block_" + what, _B.make_encode, spec), SIG_BLOCK_ENCODE, sizes)
+        path, make, sig = ("warp_", _W.make_encode, SIG_WARP_ENCODE) if self.warp else (
+            "block_", _B.make_encode, SIG_BLOCK_ENCODE)
+        raw = _Raw(_kernel(path + what, make, spec), sig, sizes)
         if not self.warp and not self.args[5] and self.numel and self._reduce is None:
             nb, parts = self.args[1], 3 * self._rgrid * (BLOCK // 32)
             red = (self.red, self.bits, self.pack, True) if self.src else (self.red,)
@@ -385,9 +361,8 @@ class _Encode(_Op):
         ps = s[3].value = pp + self.scales_off
         if raw._tuples.get(4) is not header:
             raw.set_tuple(4, header)
-        nargs = len(self.args)
-        s[5 + nargs].value = int(key)
-        s[6 + nargs].value = px if residual is None else _ptr(residual)
+        s[self._key].value = int(key)
+        s[self._key + 1].value = px if residual is None else _ptr(residual)
         if self._reduce is None:
             raw.launch(self.grid, BLOCK, _stream(stream))
         else:
@@ -419,10 +394,9 @@ class _ReduceRequantize(_Encode):
         raw.set_tuple(4, header)
         pin = _ptr(payloads)
         pr = _ptr(residual) if resid else 0
-        nargs = len(self.args)
-        s[5 + nargs].value = int(key)
-        s[6 + nargs].value = pr
-        for r, i in ((self._reduce, 5), (raw, 7 + nargs)):     # the payloads' arguments (_SRC)
+        s[self._key].value = int(key)
+        s[self._key + 1].value = pr
+        for r, i in ((self._reduce, 5), (raw, self._key + 2)):     # the payloads' arguments (_SRC)
             if r is not None:
                 r.set_payloads(i, pin, n, self.total)
                 r.set_check(i + 3, status, expect)
@@ -500,10 +474,8 @@ class _Decode(_Op):
             self._nh, self._np = 8, 13
 
     def __call__(self, payload, out, stream=None, status=None, expect=None):
-        if self.numel == 0:
-            if expect is not None and status is not None:
-                check_header_cuda(payload, status, expect, stream)
-            return
+        if self.numel == 0 and (expect is None or status is None):
+            return                          # (else the kernel checks the header alone)
         raw = self._raw or self._prepared()
         s = raw.slots                       # (set_check inlined: the tiny call's cost)
         pp = s[0].value = _ptr(payload)

@@ -8,7 +8,6 @@
   max) sit at its first and last rank. Codes go to a uint16 scratch array, the scales into the
   payload, the residual into ``residual`` (which may be ``x``: all of it is read before a barrier).
 * ``k_pack``: one thread per 32-bit word of codes (any width); the padding before the scales is zero.
-* ``k_decode``: grid-stride, one element per thread; NaN where ``check`` and ``status[0] != 0``.
 
 Written for clarity, not tuned: the encode's cost is its sort (log2(P)^2 / 2 barriers per bucket).
 """

@@ -1,7 +1,6 @@
-"""The warp CUDA kernels: one warp per bucket (``supported``: bit widths dividing 32, buckets of
-32..FUSE_MAX elements holding whole 32-bit code words, tensors below 2**31 elements; every other
-case takes ``_cuda_block``). Lane ``l`` of bucket ``b``'s warp handles its elements ``l, l+32, ...``:
-the canonical order of every sum (``numba_kernels.reference``) and coalesced 128-byte accesses.
+"""The warp CUDA kernels: one warp per bucket where ``supported`` (else ``_cuda_block``). Lane ``l``
+of bucket ``b``'s warp handles its elements ``l, l+32, ...``: the canonical order of every sum
+(``numba_kernels.reference``) and coalesced 128-byte accesses.
 
 * encode (``make_encode``): buckets of up to 512 elements are held in registers (``regk`` steps of 32
   per lane; larger buckets are read twice). Pass 1 reduces the bucket with shuffles (max: a xor
@@ -19,8 +18,9 @@ the canonical order of every sum (``numba_kernels.reference``) and coalesced 128
   grid is persistent. Multi-payload modes: MULTI_SUM (n payloads summed in payload order, a bucket's
   sums in registers) and MULTI_CHUNKS (each bucket from its chunk's payload).
 
-The CUDA simulator has no warp shuffles: they go through shared memory and block barriers there, so
-every loop's trip count is uniform over the block (warps past the last bucket run with no element).
+The CUDA simulator has no warp shuffles, fma or directed rounding: its shuffles go through shared
+memory and block barriers (``bf``/``bi``: float32/int64 slots), so every loop's trip count is uniform
+over the block (warps past the last bucket run with no element); fma and fmul_rd are computed exactly.
 """
 from fractions import Fraction
 
@@ -46,16 +46,12 @@ M32 = np.int64(0xFFFFFFFF)
 def regk(bucket_size):
     """Steps per lane fixed at compile time for this bucket size (the smallest power of two covering
     ``ceil(bucket_size / 32)``), or 0 (a run-time loop) above 16 steps."""
-    steps = -(-bucket_size // 32)
-    r = 1
-    while r < steps:
-        r *= 2
+    r = 1 << (-(-bucket_size // 32) - 1).bit_length()
     return r if r <= 16 else 0
 
 
 def dec_steps(bucket_size):
-    """The decode's steps per bucket fixed at compile time: ``ceil(bucket_size / 32)`` up to 16, else 0
-    (a run-time loop)."""
+    """The decode's steps per bucket fixed at compile time: ``ceil(bucket_size / 32)`` up to 16, else 0."""
     steps = -(-bucket_size // 32)
     return steps if steps <= 16 else 0
 
@@ -67,8 +63,6 @@ def supported(bits, bucket_size, numel, fuse_max):
     return 32 <= bucket_size <= fuse_max and bucket_size % (32 // bits) == 0
 
 
-# The simulator has no warp shuffles, fma or directed rounding: its shuffles go through shared memory
-# and block barriers (``bf``/``bi``: float32/int64 slots), fma and fmul_rd are computed exactly.
 if SIMULATOR:
     def _round_exact(exact, down=False):
         """The float32 nearest the Fraction ``exact`` (ties to even), or the largest float32 <= it."""

@@ -1,10 +1,7 @@
 """Numba CUDA kernels behind one prepared op per codec and kind (:data:`PREPARE`, reached through
 :func:`numba_kernels.prepare`), bit-identical to ``*_ref``; they also run in the CUDA simulator.
-
-QSGD and 1-bit take the warp path (``_cuda_warp``) or the general path (``_cuda_block``), with the same
-results (:func:`kernel_path`); their prepared ops (``_cuda_prepared``) launch through ``cuLaunchKernel``.
-SortQuant's and KMeans' (below) launch through Numba's dispatcher. Import this module lazily: it imports
-``numba.cuda``, and ``NUMBA_ENABLE_CUDASIM`` must be set before that.
+QSGD's and 1-bit's ops are in ``_cuda_prepared``, SortQuant's and KMeans' below (docs/ARCHITECTURE.md).
+Import this module lazily: ``NUMBA_ENABLE_CUDASIM`` must be set before ``numba.cuda`` is imported.
 
 Arrays: Numba device arrays, ``__cuda_array_interface__`` objects or (QSGD and 1-bit) device pointers as
 ints, contiguous, of the prepared size and dtype (not checked). Streams: 0/None, a Numba stream or a raw
@@ -131,8 +128,7 @@ class _KmeansEncode(_CodesEncode):
             cuda.device_array((3, cells), np.int64), cuda.device_array((3, cells), np.int64)))
         tpb = -(-bs // _KM.TILE)
         grid = nb * tpb
-        clear = _run("kmeans_clear", _KM.k_clear)
-        clear[min(_grid(nb * K, BLOCK), 1024), BLOCK, s](amax, lo, hi, total, count)
+        _run("kmeans_clear", _KM.k_clear)[min(_grid(nb * K, BLOCK), 1024), BLOCK, s](amax, lo, hi, total, count)
         _run("kmeans_stats", _KM.k_stats)[grid, BLOCK, s](x, x.view(np.uint32), amax, lo, hi, bs, tpb)
         _run("kmeans_start", _KM.k_start)[nb, BLOCK, s](x, cent, amax, lo, hi, bs, K, key)
         step = _run("kmeans_step", _KM.k_step)
@@ -145,11 +141,12 @@ class _LookupDecode:
     """``(payload, out, stream=None, status=None, expect=None)`` of SortQuant and KMeans (a scale or
     codebook lookup per element): the header checked first when ``expect`` is given (by the check
     kernel, into ``status``), then ``kernel(payload, scales, out, codes_offset, *params, status,
-    check)`` over ``out``."""
+    check)`` over ``out``; ``method``'s layout from ``lay_args``."""
     __slots__ = ("numel", "total", "name", "kernel", "lay", "params")
 
-    def __init__(self, name, kernel, lay, *params):
-        self.name, self.kernel, self.lay, self.params = name, kernel, lay, params
+    def __init__(self, method, kernel, lay_args, *params):
+        self.name, self.kernel, self.params = method + "_decode", kernel, params
+        self.lay = lay = wire.layout(wire.METHODS[method], *lay_args)
         self.numel, self.total = lay.numel, lay.total
 
     def __call__(self, payload, out, stream=None, status=None, expect=None):
@@ -166,19 +163,12 @@ class _LookupDecode:
             *self.params, _as_dev(status) if check else _zero_status(), check)
 
 
-def _sortquant_decode(numel, bits, split_bits, bucket_size, accumulate):
-    lay = wire.layout(wire.METHODS["sortquant"], numel, bits, bucket_size, 0, split_bits)
-    return _LookupDecode("sortquant_decode", _S.k_decode, lay, bucket_size, split_bits, bits, bool(accumulate))
-
-
-def _kmeans_decode(numel, bits, bucket_size, accumulate):
-    lay = wire.layout(wire.METHODS["kmeans"], numel, bits, bucket_size)
-    return _LookupDecode("kmeans_decode", _KM.k_decode, lay, bucket_size or numel, bits, bool(accumulate))
-
-
 PREPARE.update({
     ("sortquant", "encode"): _SortquantEncode,
-    ("sortquant", "decode"): _sortquant_decode,
+    ("sortquant", "decode"): lambda numel, bits, split_bits, bucket_size, accumulate: _LookupDecode(
+        "sortquant", _S.k_decode, (numel, bits, bucket_size, 0, split_bits), bucket_size, split_bits, bits,
+        bool(accumulate)),
     ("kmeans", "encode"): _KmeansEncode,
-    ("kmeans", "decode"): _kmeans_decode,
+    ("kmeans", "decode"): lambda numel, bits, bucket_size, accumulate: _LookupDecode(
+        "kmeans", _KM.k_decode, (numel, bits, bucket_size), bucket_size or numel, bits, bool(accumulate)),
 })
