@@ -5,8 +5,8 @@ import numpy as np
 from numba import prange
 
 from ._cpu_base import (_BITS, _DEC_BLOCK, _Widths, _abs_max_bits, _chunk_codes, _draws24,
-                        _encode_preamble, _inline, _lane_sums, _lanes, _lookup, _pack, _put, _qsgd_level, _sqrt32,
-                        _tree, _unpack, _wide, decoders)
+                        _encode_preamble, _inline, _lane_sums, _lanes, _lookup, _mix64, _pack, _put, _qsgd_level,
+                        _sqrt32, _tree, _unpack, _wide, decoders)
 from ._scalar import F0, FINF
 
 

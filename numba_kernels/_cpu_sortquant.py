@@ -5,7 +5,7 @@ import numpy as np
 from numba import prange
 
 from ._cpu_base import (INF_BITS, _BITS, _DEC_BLOCK, _Widths, _chunk_codes, _draws24, _extremes,
-                        _inline, _lookup, _pack, _put, _sq_level, _sq_value, _unpack, _wide, _encode_preamble,
+                        _inline, _lookup, _mix64, _pack, _put, _sq_level, _sq_value, _unpack, _wide, _encode_preamble,
                         _nan_bucket, decoders)
 from ._scalar import F0, FINF, U32
 
