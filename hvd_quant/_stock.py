@@ -12,8 +12,7 @@ from . import _codec
 from . import plan as _plan
 from .codecs import resolve_codec
 from .dispatch import frontend_for, stock_hook_for
-from .exchange import AVERAGE, SUM, Exchange, Traffic, handshake_record
-from .memory import Memory
+from .exchange import AVERAGE, SUM, Exchange, Memory, Traffic, handshake_record
 from .scheduler import Presence, StepScheduler, step_metrics
 
 __all__ = ["StockCompression", "state_of", "header", "uncompressed", "take_traffic"]
@@ -425,7 +424,7 @@ class StockCompression:
     def state_dict(self):
         """``{"residuals": {session key: {name: tensor}}, "server_residuals": {session key:
         {(name, rank, size): tensor}}, "steps": {name: count}, "auto": {plan key: state}}``
-        (residuals as in :class:`hvd_quant.memory.Memory`, by exchange name)."""
+        (residuals as in :class:`hvd_quant.exchange.Memory`, by exchange name)."""
         states = {**self._restored, **{_key_str(k): s.memory.state_dict()
                                        for k, s in self._sessions.items() if s.memory is not None}}
         auto = {**self._restored_auto, **{k: a.state_dict() for k, a in self._autos()}}

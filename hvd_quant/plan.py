@@ -8,8 +8,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .exchange import AVERAGE, REDUCTIONS, SUM, handshake_record, is_passthrough_codec
-from .memory import Memory
+from .exchange import AVERAGE, REDUCTIONS, SUM, Memory, handshake_record, is_passthrough_codec
 
 __all__ = ["Config", "Tensor", "Bucket", "Plan", "AUTO", "ALLREDUCE", "configure", "core_op",
            "check_reduction", "check_groups", "check_backward_passes", "fuse", "fuse_buckets",

@@ -8,8 +8,7 @@ import time
 import torch
 
 import hvd_quant
-from hvd_quant.exchange import Collectives, Exchange
-from hvd_quant.memory import Memory
+from hvd_quant.exchange import Collectives, Exchange, Memory
 from hvd_quant.torch import _backend as tb      # the torch ArrayOps; no Horovod needed
 
 OPS = tb.OPS

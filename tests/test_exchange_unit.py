@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import hvd_quant  # noqa: E402
 from hvd_quant.exchange import (ConfigMismatchError, Collectives, Exchange, PayloadMismatchError,  # noqa: E402
                                 chunk_bounds, check_handshake, handshake_record)
-from hvd_quant.memory import Memory  # noqa: E402
+from hvd_quant.exchange import Memory  # noqa: E402
 from hvd_quant.torch import _backend  # noqa: E402  (imports horovod.torch; no init needed)
 
 pytestmark = pytest.mark.torch

@@ -8,8 +8,7 @@ import pytest
 
 import hvd_quant
 from hvd_quant import plan, scheduler
-from hvd_quant.exchange import AVERAGE, SUM, ArrayOps, handshake_record
-from hvd_quant.memory import Memory
+from hvd_quant.exchange import AVERAGE, SUM, ArrayOps, Memory, handshake_record
 
 T = plan.Tensor
 

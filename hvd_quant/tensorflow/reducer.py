@@ -17,8 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import plan as _plan
-from ..exchange import AVERAGE, Exchange, Traffic
-from ..memory import Memory
+from ..exchange import AVERAGE, Exchange, Memory, Traffic
 from ..scheduler import step_metrics
 from . import _backend
 from ._backend import OPS

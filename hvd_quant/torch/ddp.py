@@ -27,8 +27,7 @@ import torch.distributed as dist
 
 from .. import plan as _plan
 from ..codecs import resolve_codec
-from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Traffic, handshake
-from ..memory import Memory
+from ..exchange import AVERAGE, HANDSHAKE_NAME, Collectives, Memory, Traffic, handshake
 from ..scheduler import StepOwner, StepScheduler
 from ._backend import FRONTEND, OPS, GroupWork, wait_for
 

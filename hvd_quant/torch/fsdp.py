@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from .. import plan as _plan
 from ..codecs import resolve_codec
-from ..exchange import _FIRST_PHASE, AVERAGE, Exchange, handshake_record, is_passthrough_codec
-from ..memory import Memory
+from ..exchange import _FIRST_PHASE, AVERAGE, Exchange, Memory, handshake_record, is_passthrough_codec
 from ._backend import OPS
 from .ddp import collectives
 

@@ -11,7 +11,7 @@ learns the variance uncompressed first, then freezes it and compresses the momen
    bucket are averaged through :class:`hvd_quant.exchange.Exchange` with ``reduction="sra"`` and a
    1-bit codec (:class:`hvd_quant.OneBit`), error feedback on both sides: the worker's residual of
    encoding its momentum, the server's of requantizing the reduced chunk it owns
-   (:class:`hvd_quant.memory.Memory`). Every rank decodes the same bytes, so ``m`` and the
+   (:class:`hvd_quant.exchange.Memory`). Every rank decodes the same bytes, so ``m`` and the
    parameters stay bit-identical across ranks.
 3. ``p -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^T)) + eps)`` with ``T = freeze_step``: Adam's
    bias correction, the variance's frozen with it. ``bias_correction=False`` gives DeepSpeed's
@@ -41,8 +41,7 @@ import horovod.torch as hvd
 
 # The internals this module builds on, all here so that they can be re-pointed in one place.
 from ..codecs import OneBit, resolve_codec          # the 1-bit codec; compression= to a codec
-from ..exchange import AVERAGE, Exchange, Traffic, handshake   # the reductions, bytes per step
-from ..memory import Memory                          # worker and server error-feedback residuals
+from ..exchange import AVERAGE, Exchange, Memory, Traffic, handshake   # the reductions, residuals, bytes per step
 from ..plan import (BUCKET_BYTES, Tensor, configure, make_plan,  # static bucket fusion
                     restore_residuals, save_residuals)          # residuals <-> checkpoint form
 from ._backend import OPS, collectives               # torch's ArrayOps and Collectives tables

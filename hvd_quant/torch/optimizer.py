@@ -11,8 +11,7 @@ import torch
 import horovod.torch as hvd
 
 from .. import plan as _plan
-from ..exchange import HANDSHAKE_NAME, Traffic, handshake
-from ..memory import Memory
+from ..exchange import HANDSHAKE_NAME, Memory, Traffic, handshake
 from ..scheduler import Presence, StepOwner, StepScheduler
 from . import _backend
 

@@ -34,7 +34,7 @@ from elastic_schedule import SIZES, TOTAL, next_phase  # noqa: E402
 import hvd_quant  # noqa: E402
 import hvd_quant.torch  # noqa: E402
 from hvd_quant import _stock  # noqa: E402
-from hvd_quant.memory import Memory  # noqa: E402
+from hvd_quant.exchange import Memory  # noqa: E402
 from hvd_quant.scheduler import AutoChoice  # noqa: E402
 
 MODES = sys.argv[1].split(",")
