@@ -490,14 +490,6 @@ class Exchange:
         self._verified = set()      # exchange names whose first payloads were checked on the device
         self._two = LEVELLED[TWO_LEVEL](self) if reduction == TWO_LEVEL else None
 
-    def payload_nbytes(self, numel):
-        return self.codec.wire_nbytes(numel) if numel else 0
-
-    def bounds(self, numel):
-        if self.reduction == "allgather":
-            return [(0, numel)]
-        return chunk_bounds(numel, self.coll.size, self.align)
-
     def _payloads(self, setup, chunks, nbytes, flat, step, name, residual=None):
         """Encode ``flat``'s chunks into one uint8 buffer, each payload at its offset; with
         ``residual`` (a memory's (namespace, key)) the encode also writes the new residual."""

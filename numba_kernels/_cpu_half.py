@@ -3,7 +3,7 @@
 import numpy as np
 from numba import prange
 
-from ._cpu_base import _Kernel, _inline, _wide
+from ._cpu_base import _Kernel, _inline, _put, _wide
 
 
 _H = np.uint32
@@ -70,9 +70,5 @@ def _half_decode(vals, out, accumulate, kchunk):
         e0 = c * kchunk
         vb = vals[e0:min(n, e0 + kchunk)]
         ob = out[e0:min(n, e0 + kchunk)]
-        if accumulate:
-            for j in range(vb.size):
-                ob[j] = ob[j] + _half_value(vb[j])
-        else:
-            for j in range(vb.size):
-                ob[j] = _half_value(vb[j])
+        for j in range(vb.size):
+            _put(ob, j, _half_value(vb[j]), accumulate)

@@ -15,7 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from .. import plan as _plan
-from ..exchange import HANDSHAKE_NAME, TWO_LEVEL, Collectives, Exchange, check_handshake, collectives_for
+from ..exchange import (HANDSHAKE_NAME, TWO_LEVEL, Collectives, Exchange, check_handshake, chunk_bounds,
+                        collectives_for)
 from ..scheduler import AutoChoice
 from . import _backend
 from ._backend import OPS, op_name, to_numpy
@@ -156,7 +157,7 @@ class GraphExchange:
         # SRA's payload sizes follow the world, which elastic Horovod changes under a trace: they
         # are computed when the steps run, and the shapes left open
         sra = ex.reduction == "sra"
-        shape = [None] if sra else [ex.payload_nbytes(numel)]
+        shape = [None] if sra else [ex.codec.wire_nbytes(numel) if numel else 0]
         flight = types.SimpleNamespace(pending=None)     # from the start step to the finish step
         nm = op_name(key)
         with tf.control_dependencies(list(deps)):
@@ -191,7 +192,8 @@ class GraphExchange:
     def _splits(self, numel):
         with self.lock:
             ex = self.exchange
-            return np.array([ex.payload_nbytes(b - a) for a, b in ex.bounds(numel)], np.int32)
+            return np.array([ex.codec.wire_nbytes(b - a) if b > a else 0
+                             for a, b in chunk_bounds(numel, ex.coll.size, ex.align)], np.int32)
 
     def _advance(self, flight, recv):
         with self.lock:
