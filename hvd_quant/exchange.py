@@ -50,8 +50,7 @@ class PayloadMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class Collectives:
-    """How the core reaches a framework's collectives, one per framework and process set
-    (docs/ARCHITECTURE.md, "Exchange contract")."""
+    """A framework's collectives on one process set (docs/ARCHITECTURE.md, "Exchange contract")."""
     rank: int
     size: int
     allgather_async: Callable[..., Any]
@@ -143,8 +142,7 @@ class Memory:
         return flat if res is None else self.ops.add_(flat, res)
 
     def current(self, ns, key, numel, like):
-        """The residual itself (zeros if there is none yet), on ``like``'s device, for a kernel that
-        adds it and then overwrites it in one pass; :meth:`set` it afterwards."""
+        """The residual (zeros if none yet) on ``like``'s device, for a kernel that adds and overwrites it."""
         res = self._fetch(ns, key, numel, like)
         return self.ops.zeros(numel, like) if res is None else res
 
@@ -164,8 +162,7 @@ class Memory:
         self.load_state_dict({})
 
     def state_dict(self):
-        """``{Memory.WORKER: {key: copy}, Memory.SERVER: {key: copy}}``; tensors, so ``torch.save``
-        and ``copy.deepcopy`` keep them exactly."""
+        """``{Memory.WORKER: {key: copy}, Memory.SERVER: {key: copy}}`` (tensors: ``torch.save`` keeps them)."""
         return {ns: {k: self.ops.clone(v) for k, v in d.items()} for ns, d in self._residuals.items()}
 
     def load_state_dict(self, state):
@@ -458,8 +455,7 @@ def _wait(exchange, handle):
 
 
 class Pending:
-    """One exchange in flight. ``stage``: "first" (alltoall or allgather submitted), "second" (SRA
-    allgather submitted), "done"."""
+    """One exchange in flight; ``stage``: "first" (alltoall or allgather sent), "second" (SRA's allgather), "done"."""
     __slots__ = ("name", "setup", "step", "like", "handle", "stage", "hs", "record", "result", "key",
                  "owner", "t0", "channel", "__weakref__")
 
