@@ -6,7 +6,7 @@ the two phases: every rank's alltoall is done, the victim dies before submitting
 
 The survivors must not hang in hvd_quant code: Horovod reports the lost peer as an error
 (``HorovodInternalError``), which each survivor prints as ``SURVIVOR <rank> <exception type> <seconds
-since the victim's death>`` before exiting 3; the launcher ends the job too. tests/test_torch_patterns.py
+since the victim's death>`` before exiting 3 at once (its closed sockets tell the other survivors); the launcher ends the job too. tests/test_torch_patterns.py
 bounds the time the whole job takes.
 """
 import faulthandler
@@ -77,5 +77,8 @@ try:
 except Exception as e:  # noqa: BLE001 -- report whatever Horovod raised, then fail
     died = float(open(DEATH_FILE).read()) if DEATH_FILE and os.path.exists(DEATH_FILE) else t0
     print(f"SURVIVOR {R} {type(e).__name__} {time.time() - died:.2f}: {str(e)[:200]}", flush=True)
-    sys.exit(3)
+    # Leave at once, as a process killed by its error would: Horovod's exit-time shutdown can wait on a
+    # collective with a survivor that has not seen the error yet, keeping this rank's sockets open
+    # (Gloo's timeout is 300 s here), so that survivor would hear of the death only from the launcher.
+    os._exit(3)
 print(f"NO-ERROR {R}", flush=True)
