@@ -25,7 +25,7 @@ def _qsgd_encode(x, payload, header, codes_off, codes_end, scales_off, nscales, 
         _wide()
         p, q, cl = _lanes()
         b0, b1, e0, ng, codes = _chunk_codes(c, kchunk, nb, bs, numel)
-        r24 = np.empty(min(bs, numel), np.uint32)
+        r24 = np.empty(min(bs, numel) if stochastic else 0, np.uint32)
         for b in range(b0, b1):
             st = b * bs
             en = min(numel, st + bs)
