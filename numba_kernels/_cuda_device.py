@@ -1,4 +1,4 @@
-"""Device functions and constants shared by the CUDA kernels (imported lazily, through ``numba_kernels.cuda``)."""
+"""Device functions and constants of the CUDA kernels, imported through ``numba_kernels.cuda`` (lazily: why there)."""
 import numba
 import numpy as np
 from numba import cuda

@@ -24,7 +24,8 @@ count) with the ratio to fp32's ring allreduce, the effective bandwidth of the e
 (``a2a GB/s``), its allgathers (``ag GB/s``) and any of them (``GB/s``) were in flight, the lowest
 over the ranks; docs/EXCHANGE.md says what the marks measure; fp32's row: the ring allreduce's bytes
 over its median time), and the relative L2 error of the result against fp32's. The default codecs
-are QSGD at 16, 12, 10, 8, 4 and 2 bits (the study's rows) and 1-bit. ``--json PATH`` writes the same rows as JSON (rank 0).
+are QSGD at 16, 12, 10, 8, 4 and 2 bits (the study's rows) and 1-bit. ``--json PATH`` writes the same rows
+as JSON (rank 0).
 """
 import argparse
 import json
