@@ -1,4 +1,4 @@
-"""Device functions and constants of the CUDA kernels, imported through ``numba_kernels.cuda`` (lazily: why there)."""
+"""Device functions and constants of the CUDA kernels, imported via ``numba_kernels.cuda`` (its doc says why lazily)."""
 import numba
 import numpy as np
 from numba import cuda
